@@ -1,0 +1,111 @@
+"""Entry-point guard: bad input -> one clear line on stderr and exit code 2, no traceback.
+
+Hydra prints composition errors over several lines (a missing option lists every
+available one; a schema error adds ``full_key``/``object_type`` lines). ``guarded`` runs
+the Hydra app with ``HYDRA_FULL_ERROR=1`` so those exceptions reach it, and condenses
+them. Real bugs keep their traceback. A user who sets ``HYDRA_FULL_ERROR`` gets Hydra's
+own full output instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+import re
+import sys
+from typing import Any, Callable, NoReturn
+
+from hydra.errors import (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from atp_pipeline.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+
+
+def describe_missing(exc: MissingConfigException) -> str:
+    missing = (exc.missing_cfg_file or "").strip("/")
+    group, _, option = missing.rpartition("/")
+    options = sorted(exc.options or [])
+    if group and options:
+        hint = difflib.get_close_matches(option, options, n=1)
+        suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+        shown = ", ".join(options[:24]) + (", ..." if len(options) > 24 else "")
+        return f"unknown {group} '{option}' (available: {shown}){suggestion}"
+    return _first_line(str(exc))
+
+
+def describe_omegaconf(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    obj = getattr(exc, "object_type", None)
+    if (isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and key and obj is not None
+            and dataclasses.is_dataclass(obj)):
+        fields = [f.name for f in dataclasses.fields(obj)]
+        bad = key.rsplit(".", 1)[-1]
+        hint = difflib.get_close_matches(bad, fields, n=1)
+        at = f" at {key}" if key != bad else ""
+        text = f"unknown key '{bad}'{at} ({obj.__name__} keys: {', '.join(fields)})"
+        return text + (f"; did you mean '{hint[0]}'?" if hint else "")
+    msg = _first_line(getattr(exc, "msg", None) or str(exc))
+    return f"{key}: {msg}" if key else msg
+
+
+def describe_composition(exc: Exception) -> str:
+    # Override errors chain the OmegaConf error as __cause__; errors inside a config file
+    # (a typo in a user's topology YAML) only as __context__, with "In '<file>':" in front.
+    cause = exc.__cause__ or exc.__context__
+    head = _first_line(str(exc))
+    where = re.match(r"^In '([^']+)'", head)
+    prefix = f"in {where.group(1)}: " if where else ""
+    if isinstance(cause, OmegaConfBaseException):
+        return prefix + describe_omegaconf(cause)
+    if isinstance(cause, MissingConfigException):
+        return describe_missing(cause)
+    return head if not cause else f"{head.rstrip('.:')}: {_first_line(str(cause))}"
+
+
+def exits_on_bad_input(task: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a Hydra task function: a :class:`ConfigError` inside it exits like one at compose
+    time (Hydra would otherwise add an "Error executing job" line and, in a multirun, go on)."""
+
+    @functools.wraps(task)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return task(*args, **kwargs)
+        except ConfigError as exc:
+            _fail(str(exc))
+
+    return wrapper
+
+
+def guarded(app: Callable[[], Any]) -> Any:
+    """Run a Hydra app, turning input errors into one line and exit code 2."""
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        return app()
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        return app()
+    except ConfigError as exc:
+        _fail(str(exc))
+    except MissingConfigException as exc:
+        _fail(describe_missing(exc))
+    except (ConfigCompositionException, OverrideParseException) as exc:
+        _fail(describe_composition(exc))
+    except OmegaConfBaseException as exc:
+        _fail(describe_omegaconf(exc))

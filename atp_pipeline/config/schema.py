@@ -1,0 +1,192 @@
+"""Dataclass schemas of every config group, registered in Hydra's ConfigStore.
+
+The root schema (:class:`Config`) is the first entry of ``conf/config.yaml``'s defaults
+list, so *every* option of every group — including a user's own topology file added with
+``hydra.searchpath`` — merges into a typed node: a misspelled key, a wrong type or an
+invalid enum value fails at compose time, naming the key.
+
+The schemas are the single description of the options; semantic checks that types cannot
+express (a matrix of the right size, a mesh that fits the world) live next to the objects
+built from them (:mod:`atp_pipeline.topology.model`, :mod:`atp_pipeline.planning`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Routing(str, Enum):
+    """How traffic between two units of one topology level travels.
+
+    ``direct``: only over the units' own point-to-point link (NVLink bridges, PCIe P2P,
+    a switch port). A collective group can then use at most the sum of the P2P bandwidths
+    to the other group members it reaches at that level (the §3.5 P2P correction).
+    ``routed``: units forward traffic for each other (a torus' ICI links), so a group can
+    use a unit's full group bandwidth whatever its membership; the P2P matrix then
+    describes the wiring and zero entries (no direct link) are allowed.
+    """
+
+    direct = "direct"
+    routed = "routed"
+
+
+class DType(str, Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp32 = "fp32"
+    fp64 = "fp64"
+
+
+DTYPE_BYTES = {DType.fp16: 2, DType.bf16: 2, DType.fp32: 4, DType.fp64: 8}
+
+
+class MeshStrategy(str, Enum):
+    auto = "auto"  # ATP search over every 2D mesh of the world size (§3.5)
+    fixed = "fixed"  # DeviceMesh(d1, d2) given by the user (``mesh=2x4``)
+    megatron = "megatron"  # DeviceMesh(N, 1): Megatron-LM's 1D tensor parallelism
+
+
+class AggregationMode(str, Enum):
+    ring = "ring"  # torch.distributed all-reduce
+    ps = "ps"  # plain N-to-1 parameter server
+    switchml = "switchml"  # static per-job switch memory (SwitchML)
+    atp = "atp"  # ATP best-effort in-network aggregation
+
+
+class Stage(str, Enum):
+    plan = "plan"  # compose -> plan -> report (no process is started)
+
+
+class CostModel(str, Enum):
+    eq2 = "eq2"  # the paper's Eq. 2 (four conjugate all-reduces, forward size counted twice)
+
+
+@dataclass
+class LevelConfig:
+    """One level of the hierarchical communication matrix (ATP §3.4).
+
+    ``count`` units of this level sit inside each unit of the level above. ``p2p_GBps`` is
+    the aggregate bandwidth between two sibling units: a scalar (every pair alike) or a
+    ``count``x``count`` matrix with a zero diagonal. ``group_GBps`` is one unit's aggregate
+    bandwidth to its siblings. GB/s means 10^9 bytes/s.
+    """
+
+    name: str = MISSING
+    count: int = MISSING
+    p2p_GBps: Any = MISSING
+    group_GBps: float = MISSING
+    routing: Routing = Routing.direct
+
+
+@dataclass
+class CalibratedMeshConfig:
+    """Measured all-reduce algorithm bandwidths of one mesh (ATP §5.3, IC1).
+
+    They replace the B1/B2 that Eq. 3-4 would estimate for that mesh. A mesh dimension of
+    size 1 has no collective and takes no value.
+    """
+
+    mesh: List[int] = MISSING
+    B1_GBps: Optional[float] = None
+    B2_GBps: Optional[float] = None
+
+
+@dataclass
+class DeviceConfig:
+    name: str = "unknown"
+    memory_GB: Optional[float] = None
+    peak_TFLOPs: Optional[float] = None
+
+
+@dataclass
+class TopologyConfig:
+    """An interconnect as a hierarchical communication matrix, levels outermost first."""
+
+    name: str = MISSING
+    description: str = ""
+    levels: List[LevelConfig] = MISSING
+    world_size: Optional[int] = None  # if given, must equal the product of the counts
+    calibrated: List[CalibratedMeshConfig] = field(default_factory=list)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+@dataclass
+class ModelConfig:
+    """A GPT model; ``batch_size`` and ``seq_len`` are the per-step b and s of Eq. 2."""
+
+    name: str = MISSING
+    hidden: int = MISSING
+    heads: int = MISSING
+    layers: int = MISSING
+    seq_len: int = 2048
+    batch_size: int = 4
+    vocab_size: int = 50304
+    ffn_mult: int = 4
+    dtype: DType = DType.fp16
+
+
+@dataclass
+class MeshConfig:
+    """Which tensor-parallel DeviceMesh(d1, d2) to use; d1, d2 only for ``fixed``."""
+
+    strategy: MeshStrategy = MeshStrategy.auto
+    d1: Optional[int] = None
+    d2: Optional[int] = None
+
+
+@dataclass
+class OverlapConfig:
+    """Chunk-based overlap (ATP §4.1): the batch is split into ``chunks`` pieces per block."""
+
+    chunks: int = 1
+
+
+@dataclass
+class AggregationConfig:
+    """Data-parallel gradient synchronization backend."""
+
+    mode: AggregationMode = AggregationMode.ring
+
+
+@dataclass
+class PlannerConfig:
+    cost_model: CostModel = CostModel.eq2
+    # Only meshes the runtime can execute (heads divisible by d1*d2) may be selected.
+    # Off for pure interconnect studies (the paper's Figure 12 goes past the head count).
+    require_divisible: bool = True
+    # When a topology carries calibrated bandwidths, the paper's statement is that the
+    # matrix estimate is not trusted there (§5.3): uncalibrated meshes are listed but not
+    # selected unless this is set.
+    select_uncalibrated: bool = False
+    plot: bool = True
+
+
+@dataclass
+class PathsConfig:
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+@dataclass
+class Config:
+    stage: Stage = Stage.plan
+    seed: int = 0
+    topology: TopologyConfig = MISSING
+    model: ModelConfig = MISSING
+    mesh: MeshConfig = MISSING
+    overlap: OverlapConfig = MISSING
+    aggregation: AggregationConfig = MISSING
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+SCHEMA_NAME = "atp_schema"
+
+
+def register_schemas() -> None:
+    """Store the root schema; ``conf/config.yaml`` lists it first in its defaults."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)

@@ -1,0 +1,194 @@
+"""ATP's mesh search (§3.5): cost every 2D mesh of the world size, select the cheapest.
+
+The search space is every ``DeviceMesh(d1, d2)`` with ``d1*d2 = N`` (``n+1`` meshes for
+``N = 2^n``), which contains Megatron-LM's ``(N, 1)`` (§3.2.1). Each candidate gets its
+bandwidths from Eq. 3-4 (:mod:`.bandwidth`) or the topology's calibration, and its
+communication time from Eq. 2 (:mod:`.cost`).
+
+A candidate is *feasible* when the runtime can execute it: the attention heads split
+evenly over all ``d1*d2`` devices (QKV is column-first over d1, then scattered over d2 for
+the attention core). With ``planner.require_divisible`` (default) only feasible candidates
+may be selected; ties go to the larger ``d1`` (closer to Megatron-LM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from atp_pipeline.config.schema import CostModel, DType, MeshConfig, MeshStrategy, PlannerConfig
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
+from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
+from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.topology.model import Topology
+
+Mesh = Tuple[int, int]
+
+
+def divisors(n: int) -> List[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def candidate_meshes(n: int) -> List[Mesh]:
+    """Every 2D mesh of ``n`` devices, Megatron-LM's ``(n, 1)`` first."""
+    return [(n // d2, d2) for d2 in divisors(n)]
+
+
+def mesh_infeasibility(model: ModelSummary, mesh: Mesh) -> Optional[str]:
+    """Why the runtime cannot run ``model`` on ``mesh`` (None if it can)."""
+    d1, d2 = mesh
+    if model.heads % (d1 * d2):
+        return (f"{model.heads} heads of model '{model.name}' do not split over d1*d2 = "
+                f"{d1}x{d2} = {d1 * d2} devices")
+    return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    dim1: DimBandwidth
+    dim2: DimBandwidth
+    t_comm_s: float
+    terms: Tuple[TermCost, ...]
+    infeasible: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        sources = {d.source for d in (self.dim1, self.dim2)} - {"none"}
+        return sources.pop() if len(sources) == 1 else ("model" if not sources else "mixed")
+
+    def to_dict(self, megatron_t: float) -> dict:
+        return {
+            "mesh": list(self.mesh),
+            "B1_prime_GBps": self.dim1.B_prime_GBps,
+            "B2_prime_GBps": self.dim2.B_prime_GBps,
+            "B1_GBps": self.dim1.B_GBps,
+            "B2_GBps": self.dim2.B_GBps,
+            "t_comm_s": self.t_comm_s,
+            "ratio_to_megatron": self.t_comm_s / megatron_t if megatron_t > 0 else None,
+            "source": self.source,
+            "feasible": self.infeasible is None,
+            "infeasible_reason": self.infeasible,
+            "dims": [self.dim1.to_dict(), self.dim2.to_dict()],
+            "terms": [t.to_dict() for t in self.terms],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    model: ModelSummary
+    strategy: MeshStrategy
+    cost_model: CostModel
+    candidates: Tuple[Candidate, ...]
+    selected: Mesh
+    notes: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def candidate(self, mesh: Mesh) -> Candidate:
+        for c in self.candidates:
+            if c.mesh == tuple(mesh):
+                return c
+        raise KeyError(mesh)
+
+    @property
+    def megatron(self) -> Candidate:
+        return self.candidate((self.world_size, 1))
+
+    def to_dict(self) -> dict:
+        mt = self.megatron.t_comm_s
+        sel = self.candidate(self.selected)
+        return {
+            "topology": self.topology.to_dict(),
+            "world_size": self.world_size,
+            "model": self.model.to_dict(),
+            "strategy": self.strategy.value,
+            "cost_model": self.cost_model.value,
+            "candidates": [c.to_dict(mt) for c in self.candidates],
+            "selected": list(self.selected),
+            "selected_t_comm_s": sel.t_comm_s,
+            "megatron_t_comm_s": mt,
+            "notes": list(self.notes),
+        }
+
+
+def evaluate(topo: Topology, model: ModelSummary, mesh: Mesh,
+             cost_model: CostModel = CostModel.eq2) -> Candidate:
+    """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh."""
+    dim1 = dimension_bandwidth(topo, mesh, 1)
+    dim2 = dimension_bandwidth(topo, mesh, 2)
+    terms = comm_terms(cost_model, model.hidden, mesh)
+    t, costs = step_comm_time(terms, model.layers, model.batch_size, model.seq_len,
+                              DType(model.dtype), dim1.B_GBps, dim2.B_GBps)
+    return Candidate(mesh=mesh, dim1=dim1, dim2=dim2, t_comm_s=t, terms=tuple(costs),
+                     infeasible=mesh_infeasibility(model, mesh))
+
+
+def _mesh_cfg(mesh: MeshConfig | DictConfig) -> Tuple[MeshStrategy, Optional[int], Optional[int]]:
+    return MeshStrategy(mesh.strategy), mesh.d1, mesh.d2
+
+
+def make_plan(topo: Topology, model: ModelSummary, mesh: MeshConfig | DictConfig,
+              planner: PlannerConfig | DictConfig) -> Plan:
+    """Evaluate every candidate mesh and select one according to ``mesh.strategy``."""
+    strategy, fd1, fd2 = _mesh_cfg(mesh)
+    n = topo.world_size
+    cost_model = CostModel(planner.cost_model)
+    notes: List[str] = []
+    if topo.note:
+        notes.append(topo.note)
+    if strategy == MeshStrategy.fixed:
+        if fd1 is None or fd2 is None or fd1 < 1 or fd2 < 1:
+            raise ConfigError(f"mesh.strategy=fixed needs positive mesh.d1 and mesh.d2, got "
+                              f"{fd1} and {fd2}")
+        if fd1 * fd2 != n:
+            raise ConfigError(f"mesh {fd1}x{fd2} needs {fd1 * fd2} devices but topology "
+                              f"'{topo.name}' has {n}")
+    elif fd1 is not None or fd2 is not None:
+        raise ConfigError(f"mesh.d1/mesh.d2 apply to strategy 'fixed' only, not '{strategy.value}'")
+
+    candidates = tuple(evaluate(topo, model, m, cost_model) for m in candidate_meshes(n))
+    by_mesh = {c.mesh: c for c in candidates}
+
+    if strategy == MeshStrategy.fixed:
+        selected: Mesh = (fd1, fd2)  # type: ignore[assignment]
+    elif strategy == MeshStrategy.megatron:
+        selected = (n, 1)
+    else:
+        eligible = list(candidates)
+        if planner.require_divisible:
+            eligible = [c for c in eligible if c.infeasible is None]
+            if not eligible:
+                raise ConfigError(f"no 2D mesh of {n} devices splits the {model.heads} heads of "
+                                  f"model '{model.name}' evenly (need heads % (d1*d2) == 0)")
+        if topo.calibrated and not planner.select_uncalibrated:
+            calibrated = [c for c in eligible if c.source == "calibrated"]
+            skipped = [f"{c.mesh[0]}x{c.mesh[1]}" for c in eligible if c.source != "calibrated"]
+            if calibrated:
+                if skipped:
+                    notes.append(
+                        f"topology '{topo.name}' is calibrated (§5.3); meshes {', '.join(skipped)} "
+                        f"have only matrix estimates and are listed but not selected "
+                        f"(planner.select_uncalibrated=true to allow)")
+                eligible = calibrated
+        best = min(eligible, key=lambda c: (c.t_comm_s, -c.mesh[0]))
+        selected = best.mesh
+    chosen = by_mesh[selected]
+    if chosen.infeasible and planner.require_divisible:
+        raise ConfigError(f"mesh {selected[0]}x{selected[1]}: {chosen.infeasible}")
+    return Plan(topology=topo, model=model, strategy=strategy, cost_model=cost_model,
+                candidates=candidates, selected=selected, notes=tuple(notes))
