@@ -9,7 +9,6 @@ own full output instead.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import os
@@ -22,9 +21,9 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
-from atp_pipeline.errors import ConfigError
+from atp_pipeline.errors import ConfigError, first_line, describe_omegaconf
 
 EXIT_BAD_INPUT = 2
 
@@ -33,10 +32,6 @@ def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     raise SystemExit(EXIT_BAD_INPUT)
-
-
-def _first_line(text: str) -> str:
-    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
 
 
 def describe_missing(exc: MissingConfigException) -> str:
@@ -48,36 +43,21 @@ def describe_missing(exc: MissingConfigException) -> str:
         suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
         shown = ", ".join(options[:24]) + (", ..." if len(options) > 24 else "")
         return f"unknown {group} '{option}' (available: {shown}){suggestion}"
-    return _first_line(str(exc))
-
-
-def describe_omegaconf(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None)
-    obj = getattr(exc, "object_type", None)
-    if (isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and key and obj is not None
-            and dataclasses.is_dataclass(obj)):
-        fields = [f.name for f in dataclasses.fields(obj)]
-        bad = key.rsplit(".", 1)[-1]
-        hint = difflib.get_close_matches(bad, fields, n=1)
-        at = f" at {key}" if key != bad else ""
-        text = f"unknown key '{bad}'{at} ({obj.__name__} keys: {', '.join(fields)})"
-        return text + (f"; did you mean '{hint[0]}'?" if hint else "")
-    msg = _first_line(getattr(exc, "msg", None) or str(exc))
-    return f"{key}: {msg}" if key else msg
+    return first_line(str(exc))
 
 
 def describe_composition(exc: Exception) -> str:
     # Override errors chain the OmegaConf error as __cause__; errors inside a config file
     # (a typo in a user's topology YAML) only as __context__, with "In '<file>':" in front.
     cause = exc.__cause__ or exc.__context__
-    head = _first_line(str(exc))
+    head = first_line(str(exc))
     where = re.match(r"^In '([^']+)'", head)
     prefix = f"in {where.group(1)}: " if where else ""
     if isinstance(cause, OmegaConfBaseException):
         return prefix + describe_omegaconf(cause)
     if isinstance(cause, MissingConfigException):
         return describe_missing(cause)
-    return head if not cause else f"{head.rstrip('.:')}: {_first_line(str(cause))}"
+    return head if not cause else f"{head.rstrip('.:')}: {first_line(str(cause))}"
 
 
 def exits_on_bad_input(task: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,6 +7,11 @@ as one line and exits non-zero, before any worker process is started.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
 
 class ConfigError(ValueError):
     """Bad user input: a one-line message naming the key and the problem."""
@@ -15,3 +20,23 @@ class ConfigError(ValueError):
         if "\n" in message:
             message = " ".join(part.strip() for part in message.splitlines() if part.strip())
         super().__init__(message)
+
+
+def first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+
+
+def describe_omegaconf(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error; unknown keys list the schema's keys and a guess."""
+    key = getattr(exc, "full_key", None)
+    obj = getattr(exc, "object_type", None)
+    if (isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and key and obj is not None
+            and dataclasses.is_dataclass(obj)):
+        fields = [f.name for f in dataclasses.fields(obj)]
+        bad = key.rsplit(".", 1)[-1]
+        hint = difflib.get_close_matches(bad, fields, n=1)
+        at = f" at {key}" if key != bad else ""
+        text = f"unknown key '{bad}'{at} ({obj.__name__} keys: {', '.join(fields)})"
+        return text + (f"; did you mean '{hint[0]}'?" if hint else "")
+    msg = first_line(getattr(exc, "msg", None) or str(exc))
+    return f"{key}: {msg}" if key else msg

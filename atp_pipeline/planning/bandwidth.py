@@ -92,8 +92,22 @@ def rabenseifner(d: int, b_prime: float) -> float:
     return d / (2.0 * (d - 1)) * b_prime
 
 
-def _groups(ranks: np.ndarray, d2: int, dim: int) -> np.ndarray:
-    return ranks // d2 if dim == 2 else ranks % d2
+def _group_major_ranks(window: int, d2: int, dim: int) -> np.ndarray:
+    """The window's ranks ordered group by group (ascending inside a group), so that every
+    key built from (group, unit, parent) below is already sorted: run-length encoding
+    replaces sorting, keeping the search linear in the world size."""
+    if dim == 2:
+        return np.arange(window, dtype=np.int64)
+    return (np.arange(d2, dtype=np.int64)[:, None]
+            + d2 * np.arange(window // d2, dtype=np.int64)[None, :]).ravel()
+
+
+def _runs(sorted_keys: np.ndarray) -> np.ndarray:
+    """Start flags of the runs of equal values in a sorted array."""
+    starts = np.empty(len(sorted_keys), dtype=bool)
+    starts[0] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    return starts
 
 
 def _crossing(topo: Topology, level_index: int, d2: int, dim: int) -> Optional[LevelCrossing]:
@@ -103,24 +117,23 @@ def _crossing(topo: Topology, level_index: int, d2: int, dim: int) -> Optional[L
     sizes = topo.unit_sizes
     unit_size, parent_size = sizes[level_index + 1], sizes[level_index]
     window = min(topo.world_size, parent_size * d2 // math.gcd(parent_size, d2))
-    ranks = np.arange(window, dtype=np.int64)
-    group = _groups(ranks, d2, dim)
+    ranks = _group_major_ranks(window, d2, dim)
+    group = ranks // d2 if dim == 2 else ranks % d2
     unit = ranks // unit_size
-    n_units = window // unit_size
-    # distinct (group, unit) pairs
-    gu = np.unique(group * n_units + unit)
-    g, u = gu // n_units, gu % n_units
+    # distinct (group, unit) pairs, in (group, unit) order
+    first = _runs(group * (window // unit_size) + unit)
+    g, u = group[first], unit[first]
     parent = u // level.count
-    n_parents = n_units // level.count
     # distinct units per (group, parent)
-    gp_key = g * n_parents + parent
-    gp_keys, gp_index, gp_units = np.unique(gp_key, return_inverse=True, return_counts=True)
+    gp_start = _runs(g * (window // parent_size) + parent)
+    gp_index = np.cumsum(gp_start) - 1
+    gp_units = np.diff(np.append(np.flatnonzero(gp_start), len(g)))
     crossing = gp_units[gp_index] >= 2
     if not crossing.any():
         return None
     g, u, gp_index = g[crossing], u[crossing], gp_index[crossing]
     members = gp_units[gp_index]
-    sharing = np.bincount(u, minlength=n_units)[u]
+    sharing = np.bincount(u, minlength=window // unit_size)[u]
     local = u % level.count
     if level.routing == Routing.routed:
         cap = np.full(len(u), np.inf)

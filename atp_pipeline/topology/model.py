@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from atp_pipeline.config.schema import Routing, TopologyConfig
-from atp_pipeline.errors import ConfigError
+from atp_pipeline.errors import ConfigError, describe_omegaconf
 
 Mesh = Tuple[int, int]
 
@@ -157,9 +157,8 @@ def _typed_container(cfg: Any) -> Dict[str, Any]:
         return OmegaConf.to_container(typed, resolve=True, throw_on_missing=True,
                                       enum_to_str=False)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
-        key = f" at {exc.full_key}" if getattr(exc, "full_key", None) else ""
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"topology config{key}: {msg}") from None
+        name = cfg.get("name", "<unnamed>") if isinstance(cfg, Mapping) else "<unnamed>"
+        raise ConfigError(f"topology '{name}': {describe_omegaconf(exc)}") from None
 
 
 def _level(where: str, index: int, data: Mapping[str, Any]) -> Level:

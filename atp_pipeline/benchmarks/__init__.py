@@ -1,0 +1,1 @@
+"""Benchmarks: long or timing-dependent measurements that write JSON/CSV (not tests)."""

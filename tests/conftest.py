@@ -1,0 +1,42 @@
+"""Shared fixtures: compose the repository's config tree with Hydra's compose API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+import atp_pipeline  # noqa: F401  (registers the schemas and the mesh source)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    """``compose_cfg("topology=ic1", ...)`` -> the composed, typed config."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+                return compose(config_name="config", overrides=list(overrides))
+        finally:
+            GlobalHydra.instance().clear()
+
+    return _compose
+
+
+def run_train(args: List[str], cwd: Optional[Path] = None, timeout: float = 120
+              ) -> subprocess.CompletedProcess:
+    """Run ``python train.py args`` as a user would; output lands under ``cwd``."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)

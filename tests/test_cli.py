@@ -1,0 +1,79 @@
+"""``python train.py`` as a user runs it: plan outputs, the multirun summary, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import run_train
+
+
+def _user_conf(tmp_path: Path) -> Path:
+    conf = tmp_path / "userconf"
+    (conf / "topology").mkdir(parents=True)
+    (conf / "topology" / "typo.yaml").write_text(yaml.safe_dump({"name": "typo", "levels": [
+        {"name": "node", "count": 2, "p2p_gbps": 50, "group_GBps": 50}]}))
+    (conf / "topology" / "skewed.yaml").write_text(yaml.safe_dump({"name": "skewed", "levels": [
+        {"name": "gpu", "count": 4, "p2p_GBps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]], "group_GBps": 2}]}))
+    return conf
+
+
+@pytest.mark.parametrize("args, message", [
+    (["topology=ic9"], "error: unknown topology 'ic9' (available: fig7a, fig7b, ic1, ic2, ic3, ic4, "
+                       "ic5, ic6, local); did you mean 'ic6'?"),
+    (["topology=ic1", "model.hiden=64"], "error: unknown key 'hiden' at model.hiden (ModelConfig keys: "),
+    (["+USERCONF", "topology=typo"], "error: in topology/typo: unknown key 'p2p_gbps' (LevelConfig keys: "),
+    (["+USERCONF", "topology=skewed"], "error: topology 'skewed': level 'gpu' (levels[0]): p2p_GBps is a "
+                                       "3x3 matrix but count is 4 (need 4x4)"),
+    (["topology=ic1", "mesh=3x3"], "error: mesh 3x3 needs 9 devices but topology 'ic1' has 8"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    conf = _user_conf(tmp_path)
+    args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
+    out = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(message), lines[0]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_stage_plan_writes_report(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_train(["stage=plan", "topology=fig7a", "model=m1", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "8 x 2" in out.stdout and "selected DeviceMesh(4, 4)" in out.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["topology"]["name"] == "fig7a" and plan["world_size"] == 16
+    c82 = next(c for c in plan["candidates"] if c["mesh"] == [8, 2])
+    assert (c82["B1_prime_GBps"], c82["B2_prime_GBps"]) == (12.5, 200.0)
+    assert plan["selected"] == [4, 4]
+    png = (run_dir / "plan.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert json.loads((run_dir / "summary.json").read_text())["selected"] == "4x4"
+
+
+def test_default_run_plans_the_embedded_default(tmp_path):
+    out = run_train([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["topology"]["name"], plan["model"]["name"], plan["world_size"]) == ("local", "tiny", 4)
+
+
+def test_multirun_leaves_one_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = run_train(["-m", "stage=plan", "topology=ic1,ic2,ic3,ic4", "model=m1,m2,m3,m4",
+                     f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert len(rows) == 16
+    assert {(r["topology"], r["model"]) for r in rows} == {
+        (t, m) for t in ("ic1", "ic2", "ic3", "ic4") for m in ("m1", "m2", "m3", "m4")}
+    assert {r["selected"] for r in rows if r["topology"] == "ic1"} == {"2x4"}
+    assert len([p for p in sweep.iterdir() if p.is_dir()]) == 16
+    assert "sweep summary: 16 runs" in out.stdout

@@ -1,0 +1,119 @@
+"""The config tree: every option composes into the typed schema; typos fail at compose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from atp_pipeline.cli import describe_composition, describe_missing
+from atp_pipeline.config.schema import MeshStrategy
+from atp_pipeline.topology.builders import switched, torus2d
+from atp_pipeline.topology.model import Topology
+
+from .conftest import CONF
+
+TOPOLOGIES = sorted(p.stem for p in (CONF / "topology").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+
+
+def test_required_options_exist():
+    assert set(TOPOLOGIES) >= {"ic1", "ic2", "ic3", "ic4", "ic5", "ic6", "fig7a", "fig7b", "local"}
+    assert set(MODELS) >= {"m1", "m2", "m3", "m4", "tiny", "small"}
+    assert {p.stem for p in (CONF / "overlap").glob("*.yaml")} == {"chunk1", "chunk2", "chunk4"}
+    assert {p.stem for p in (CONF / "aggregation").glob("*.yaml")} == {"ring", "ps", "switchml", "atp"}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_topology_composes_and_validates(compose_cfg, topology):
+    cfg = compose_cfg(f"topology={topology}")
+    topo = Topology.from_config(cfg.topology)
+    assert topo.name == topology
+    assert topo.world_size == cfg.topology.world_size or cfg.topology.world_size is None
+
+
+def test_models_and_groups_compose(compose_cfg):
+    for model in MODELS:
+        cfg = compose_cfg(f"model={model}", "overlap=chunk4", "aggregation=atp")
+        assert cfg.model.name == model and cfg.model.hidden % cfg.model.heads == 0
+        assert cfg.overlap.chunks == 4 and cfg.aggregation.mode.value == "atp"
+    m1 = compose_cfg("model=m1").model
+    assert (m1.hidden, m1.heads, m1.batch_size, m1.seq_len, m1.dtype.value) == (2048, 16, 4, 2048, "fp16")
+
+
+def test_mesh_options(compose_cfg):
+    assert compose_cfg().mesh.strategy == MeshStrategy.auto
+    assert compose_cfg("mesh=megatron").mesh.strategy == MeshStrategy.megatron
+    fixed = compose_cfg("mesh=2x4").mesh
+    assert (fixed.strategy, fixed.d1, fixed.d2) == (MeshStrategy.fixed, 2, 4)
+    odd = compose_cfg("mesh=3x5").mesh  # any sizes compose; the planner checks the fit
+    assert (odd.d1, odd.d2) == (3, 5)
+    with pytest.raises(MissingConfigException) as exc:
+        compose_cfg("mesh=2x2x2")
+    assert describe_missing(exc.value).startswith("unknown mesh '2x2x2'")
+
+
+def test_unknown_option_names_group_and_choices(compose_cfg):
+    with pytest.raises(MissingConfigException) as exc:
+        compose_cfg("topology=ic9")
+    msg = describe_missing(exc.value)
+    assert msg.startswith("unknown topology 'ic9' (available: fig7a, fig7b, ic1")
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("topology.levels.0.p2p_gbps=3", "p2p_gbps", "p2p_GBps"),
+    ("model.hiden=64", "hiden", "hidden"),
+    ("topolgy=ic1", "topolgy", "topology"),
+])
+def test_misspelled_key_fails_at_compose_naming_it(compose_cfg, override, key, hint):
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose_cfg(override)
+    msg = describe_composition(exc.value)
+    assert f"unknown key '{key}'" in msg and f"did you mean '{hint}'" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.heads=abc", "model.heads"),
+    ("topology.levels.0.routing=tunnel", "topology.levels[0].routing"),
+    ("model.dtype=fp8", "model.dtype"),
+    ("overlap.chunks=two", "overlap.chunks"),
+])
+def test_wrong_type_or_enum_fails_at_compose(compose_cfg, override, key):
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose_cfg(override)
+    assert describe_composition(exc.value).startswith(key)
+
+
+def _user_dir(tmp_path: Path, name: str, body: dict) -> Path:
+    (tmp_path / "topology").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "topology" / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    return tmp_path
+
+
+def test_user_topology_outside_repo_is_validated(compose_cfg, tmp_path):
+    good = _user_dir(tmp_path, "theirs", {
+        "name": "theirs",
+        "levels": [{"name": "node", "count": 2, "p2p_GBps": 50, "group_GBps": 50},
+                   {"name": "gpu", "count": 2, "p2p_GBps": 100, "group_GBps": 100}]})
+    cfg = compose_cfg(f"hydra.searchpath=[file://{good}]", "topology=theirs")
+    assert Topology.from_config(cfg.topology).world_size == 4
+    _user_dir(tmp_path, "typo", {"name": "typo", "levels": [
+        {"name": "node", "count": 2, "p2p_gbps": 50, "group_GBps": 50}]})
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose_cfg(f"hydra.searchpath=[file://{tmp_path}]", "topology=typo")
+    assert describe_composition(exc.value) == (
+        "in topology/typo: unknown key 'p2p_gbps' (LevelConfig keys: name, count, p2p_GBps, "
+        "group_GBps, routing); did you mean 'p2p_GBps'?")
+
+
+def test_generated_presets_match_their_builders(compose_cfg):
+    """ic5/ic6 are the builders' output, so sized variants plan the same way."""
+    ic5 = Topology.from_config(compose_cfg("topology=ic5").topology)
+    ref5 = Topology.from_config(switched(256, 900, name="ic5"))
+    ic6 = Topology.from_config(compose_cfg("topology=ic6").topology)
+    ref6 = Topology.from_config(torus2d(16, 16, 25, name="ic6"))
+    for got, ref in ((ic5, ref5), (ic6, ref6)):
+        assert [lv.to_dict() for lv in got.levels] == [lv.to_dict() for lv in ref.levels]

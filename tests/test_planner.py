@@ -1,0 +1,277 @@
+"""ATP's planner: Eq. 2-4 on the paper's worked examples, §5.3, §5.4 and Table 2."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atp_pipeline.config.schema import (
+    CostModel,
+    DType,
+    MeshConfig,
+    MeshStrategy,
+    ModelConfig,
+    PlannerConfig,
+    Routing,
+)
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.pipeline import model_summary, plan_from_config
+from atp_pipeline.planning.bandwidth import dimension_bandwidth, rabenseifner
+from atp_pipeline.planning.cost import eq2_terms
+from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.search import candidate_meshes, evaluate, make_plan
+from atp_pipeline.topology.builders import ring_matrix, switched, torus2d
+from atp_pipeline.topology.model import Topology
+
+
+def summary(hidden=2048, heads=16, layers=1, b=4, s=2048, dtype=DType.fp16) -> ModelSummary:
+    return ModelSummary.of(ModelConfig(name="x", hidden=hidden, heads=heads, layers=layers,
+                                       seq_len=s, batch_size=b, dtype=dtype))
+
+
+# ---------------------------------------------------------------- §3.5 worked example
+def test_fig7a_mesh_8x2_worked_example(compose_cfg):
+    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1"))
+    c = plan.candidate((8, 2))
+    assert c.dim1.B_prime_GBps == 12.5
+    assert c.dim2.B_prime_GBps == 200.0
+    # dim 1 crosses the node level (2 groups share a node's 25 GB/s) and the GPU level
+    # (two GPUs of a node, P2P-limited); dim 2 only the GPU level, P2P-limited to 200.
+    node, gpu = c.dim1.crossings
+    assert (node.level, node.groups_sharing, node.GBps, node.limited_by) == ("node", 2, 12.5, "group")
+    assert (gpu.level, gpu.units_per_group, gpu.GBps, gpu.limited_by) == ("gpu", 2, 200.0, "p2p")
+    (only,) = c.dim2.crossings
+    assert (only.level, only.GBps, only.limited_by) == ("gpu", 200.0, "p2p")
+    # Eq. 4
+    assert c.dim1.B_GBps == pytest.approx(8 / 14 * 12.5)
+    assert c.dim2.B_GBps == pytest.approx(200.0)
+
+
+def test_eq4_rabenseifner():
+    assert rabenseifner(2, 10.0) == 10.0
+    assert rabenseifner(4, 6.0) == 4.0
+    assert rabenseifner(8, 14.0) == 8.0
+    with pytest.raises(ValueError):
+        rabenseifner(1, 1.0)
+
+
+def test_eq2_by_hand():
+    """A 4x2 mesh on IC3-like uniform bandwidth: every term checked against Eq. 2."""
+    topo = Topology.from_config(switched(8, 600))
+    m = summary(layers=2)
+    c = evaluate(topo, m, (4, 2))
+    B1, B2 = 4 / 6 * 600e9, 600e9
+    h, L, b, s, q = 2048, 2, 4, 2048, 2
+    expected = 2 * L * b * s * (7 * h / (4 * B2) + 2 * h / (2 * B1)) * q
+    assert c.t_comm_s == pytest.approx(expected, rel=1e-12)
+    ops = {t.term.op: t for t in c.terms}
+    assert ops["f1"].term.elements_per_token == Fraction(3 * h, 4) and ops["f1"].term.dim == 2
+    assert ops["f2"].term.elements_per_token == Fraction(h, 2) and ops["f2"].term.dim == 1
+    assert ops["f3"].term.elements_per_token == Fraction(4 * h, 4)
+    assert sum(t.seconds for t in c.terms) == pytest.approx(c.t_comm_s)
+
+
+def test_megatron_is_four_allreduces_of_bsh():
+    """On (N,1) the dimension-2 terms vanish: 4*L*b*s*h*q / B1 (§2.3)."""
+    topo = Topology.from_config(switched(8, 300))
+    m = summary(layers=3)
+    c = evaluate(topo, m, (8, 1))
+    assert [t.term.op for t in c.terms] == ["f2", "f4"]
+    assert c.dim2.B_GBps is None and c.dim2.B_prime_GBps is None
+    assert c.t_comm_s == pytest.approx(4 * 3 * 4 * 2048 * 2048 * 2 / (8 / 14 * 300e9), rel=1e-12)
+    assert [t.op for t in eq2_terms(64, (1, 8))] == ["f1", "f3"]
+
+
+# ---------------------------------------------------------------- §5.3 calibrated IC1
+def test_ic1_calibrated_2x4_is_46_percent_below_8x1(compose_cfg):
+    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3"))
+    t24 = plan.candidate((2, 4)).t_comm_s
+    t81 = plan.candidate((8, 1)).t_comm_s
+    assert 1 - t24 / t81 == pytest.approx(0.46, abs=0.01)
+    assert plan.candidate((2, 4)).dim1.B_GBps == 1.20 and plan.candidate((2, 4)).dim2.B_GBps == 4.95
+    assert plan.candidate((8, 1)).dim1.B_GBps == 0.97
+    assert plan.selected == (2, 4)
+    assert plan.candidate((4, 2)).source == "model"
+    assert any("listed but not selected" in n for n in plan.notes)
+
+
+def test_select_uncalibrated_lets_the_matrix_estimate_compete(compose_cfg):
+    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3", "planner.select_uncalibrated=true"))
+    best = min(plan.candidates, key=lambda c: c.t_comm_s)
+    assert plan.selected == best.mesh
+
+
+# ---------------------------------------------------------------- §5.4 IC5, IC6, Figure 12
+def _sizes():
+    return [2**k for k in range(2, 11)]  # N = 4 ... 1024
+
+
+def _ic5(n):
+    return Topology.from_config(switched(n, 900, name="ic5"))
+
+
+def _ic6(n):
+    k = int(math.log2(n))
+    return Topology.from_config(torus2d(2 ** (k // 2), n // 2 ** (k // 2), 25, name="ic6"))
+
+
+@pytest.mark.parametrize("build", [_ic5, _ic6], ids=["ic5", "ic6"])
+def test_ic5_ic6_tcomm_over_delta_is_the_closed_form(build):
+    m = summary(hidden=12288, heads=96)
+    opt_curve, atp1_curve = [], []
+    for n in _sizes():
+        topo = build(n)
+        gbw = topo.levels[-1].group_GBps
+        delta = 2 * m.layers * m.batch_size * m.seq_len * m.hidden * m.bytes_per_element / (gbw * 1e9)
+        plan = make_plan(topo, m, MeshConfig(), PlannerConfig(require_divisible=False))
+        for c in plan.candidates:
+            d1, d2 = c.mesh
+            assert c.dim1.B_prime_GBps in (None, gbw) and c.dim2.B_prime_GBps in (None, gbw)
+            assert c.t_comm_s / delta == pytest.approx((14 * d2 + 4 * d1 - 18) / (d1 * d2), rel=1e-12)
+        opt_curve.append(plan.candidate(plan.selected).t_comm_s / delta)
+        atp1_curve.append(plan.megatron.t_comm_s / delta)
+        if n >= 8:
+            assert plan.selected != (n, 1), f"N={n}: ATP should leave (N,1)"
+    # Figure 12: ATP-1 rises with N; ATP-OPT falls once it leaves (N,1) (3.0 at N=4 on
+    # (4,1), 3.25 at N=8 on (4,2), then down to (14*16+4*64-18)/1024 = 0.451 at N=1024).
+    assert atp1_curve == sorted(atp1_curve) and atp1_curve[-1] > atp1_curve[0]
+    assert opt_curve[1:] == sorted(opt_curve[1:], reverse=True)
+    assert opt_curve[-1] == pytest.approx(462 / 1024)
+
+
+@pytest.mark.parametrize("name", ["ic5", "ic6"])
+def test_ic5_ic6_presets_satisfy_the_closed_form(compose_cfg, name):
+    plan = plan_from_config(compose_cfg(f"topology={name}", "model=m4", "planner.require_divisible=false"))
+    gbw = plan.topology.levels[-1].group_GBps
+    m = plan.model
+    delta = 2 * m.layers * m.batch_size * m.seq_len * m.hidden * 2 / (gbw * 1e9)
+    for c in plan.candidates:
+        d1, d2 = c.mesh
+        assert c.t_comm_s / delta == pytest.approx((14 * d2 + 4 * d1 - 18) / (d1 * d2), rel=1e-12)
+
+
+# ---------------------------------------------------------------- Table 2
+@pytest.mark.parametrize("model, tflops, params", [
+    ("m1", 2.625, 0.048), ("m2", 9.75, 0.192), ("m3", 37.5, 0.768), ("m4", 83.25, 1.728)])
+def test_flops_per_layer_match_table2(compose_cfg, model, tflops, params):
+    s = model_summary(compose_cfg(f"model={model}"))
+    assert s.flops_per_layer == tflops * 2**40  # exact: Table 2 counts 2^40 FLOPs per TFLOP
+    assert round(s.weights_per_layer / (1000 * 2**20), 3) == params
+    assert s.params_per_layer == 12 * s.hidden**2 + 13 * s.hidden
+
+
+def test_plan_json_has_the_documented_fields(compose_cfg):
+    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1"))
+    d = plan.to_dict()
+    assert d["topology"]["name"] == "fig7a" and d["world_size"] == 16
+    assert d["model"]["flops_per_layer"] == 2.625 * 2**40
+    assert d["selected"] == list(plan.selected)
+    for c in d["candidates"]:
+        assert set(c) >= {"mesh", "B1_prime_GBps", "B2_prime_GBps", "B1_GBps", "B2_GBps", "t_comm_s"}
+    megatron = next(c for c in d["candidates"] if c["mesh"] == [16, 1])
+    assert megatron["B2_prime_GBps"] is None and megatron["B2_GBps"] is None
+
+
+# ---------------------------------------------------------------- selection rules
+def test_strategies_fixed_megatron_and_bad_meshes(compose_cfg):
+    assert plan_from_config(compose_cfg("topology=ic3", "model=m1", "mesh=megatron")).selected == (8, 1)
+    assert plan_from_config(compose_cfg("topology=ic3", "model=m1", "mesh=2x4")).selected == (2, 4)
+    with pytest.raises(ConfigError, match=r"^mesh 3x3 needs 9 devices but topology 'ic1' has 8$"):
+        plan_from_config(compose_cfg("topology=ic1", "model=m1", "mesh=3x3"))
+    # tiny has 8 heads: a fixed mesh of 16 devices cannot split them
+    with pytest.raises(ConfigError, match="8 heads of model 'tiny' do not split over d1\\*d2 = 4x4"):
+        plan_from_config(compose_cfg("topology=fig7a", "model=tiny", "mesh=4x4"))
+    with pytest.raises(ConfigError, match="no 2D mesh of 16 devices splits the 8 heads"):
+        plan_from_config(compose_cfg("topology=fig7a", "model=tiny"))
+
+
+def test_auto_selects_the_cheapest_feasible_candidate(compose_cfg):
+    for topology in ("ic2", "ic3", "ic4", "fig7a", "fig7b", "local"):
+        plan = plan_from_config(compose_cfg(f"topology={topology}", "model=m3"))
+        best = min((c for c in plan.candidates if c.infeasible is None), key=lambda c: c.t_comm_s)
+        assert plan.selected == best.mesh
+
+
+def test_candidates_are_every_factorization():
+    assert candidate_meshes(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    assert candidate_meshes(12) == [(12, 1), (6, 2), (4, 3), (3, 4), (2, 6), (1, 12)]
+    assert len(candidate_meshes(65536)) == 17
+
+
+# ---------------------------------------------------------------- Eq. 3 against a brute force
+def reference_b_prime(topo: Topology, mesh, dim):
+    """Eq. 3 as documented in planning/bandwidth.py, by plain loops over every group."""
+    d1, d2 = mesh
+    n = topo.world_size
+    size = d1 if dim == 1 else d2
+    if size == 1:
+        return None
+    groups = defaultdict(list)
+    for r in range(n):
+        groups[r // d2 if dim == 2 else r % d2].append(r)
+    sizes = topo.unit_sizes
+    best = math.inf
+    for li, level in enumerate(topo.levels):
+        unit_size, parent_size = sizes[li + 1], sizes[li]
+        touched = defaultdict(set)
+        for g, ranks in groups.items():
+            for r in ranks:
+                touched[(g, r // parent_size)].add(r // unit_size)
+        crossing = {k: v for k, v in touched.items() if len(v) >= 2}
+        share = Counter(u for units in crossing.values() for u in units)
+        m = level.p2p_matrix()
+        for units in crossing.values():
+            for u in units:
+                cap = math.inf if level.routing == Routing.routed else sum(
+                    m[u % level.count][v % level.count] for v in units if v != u)
+                best = min(best, min(level.group_GBps, cap) / share[u])
+    return best
+
+
+@st.composite
+def hierarchies(draw):
+    n_levels = draw(st.integers(1, 3))
+    levels = []
+    for i in range(n_levels):
+        count = draw(st.integers(1, 4))
+        routed = draw(st.booleans())
+        if routed and count > 2:
+            p2p = ring_matrix(count, draw(st.sampled_from([5.0, 25.0])))
+        elif draw(st.booleans()) and count > 1:
+            p2p = [[0.0 if a == b else float(draw(st.integers(1, 9))) for b in range(count)]
+                   for a in range(count)]
+        else:
+            p2p = float(draw(st.integers(1, 9)))
+        row_sums = ([sum(r) for r in p2p] if isinstance(p2p, list) else [p2p * (count - 1)])
+        cap = min(row_sums) if count > 1 else 10.0
+        group = float(draw(st.integers(1, max(1, int(cap))))) if cap >= 1 else cap
+        levels.append({"name": f"l{i}", "count": count, "p2p_GBps": p2p, "group_GBps": group,
+                       "routing": "routed" if routed and count > 1 else "direct"})
+    return Topology.from_config({"name": "h", "levels": levels})
+
+
+@settings(max_examples=150, deadline=None)
+@given(hierarchies())
+def test_eq3_matches_brute_force_on_any_hierarchy(topo):
+    for mesh in candidate_meshes(topo.world_size):
+        for dim in (1, 2):
+            got = dimension_bandwidth(topo, mesh, dim).B_prime_GBps
+            want = reference_b_prime(topo, mesh, dim)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_unaligned_mesh_takes_the_slowest_group():
+    """2 nodes x 3 GPUs with d2 = 2: the block {2, 3} straddles the nodes."""
+    topo = Topology.from_config({"name": "u", "levels": [
+        {"name": "node", "count": 2, "p2p_GBps": 10.0, "group_GBps": 10.0},
+        {"name": "gpu", "count": 3, "p2p_GBps": 100.0, "group_GBps": 200.0}]})
+    d = dimension_bandwidth(topo, (3, 2), 2)
+    assert [c.level for c in d.crossings] == ["node", "gpu"]
+    assert d.B_prime_GBps == 10.0
