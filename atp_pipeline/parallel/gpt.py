@@ -1,0 +1,199 @@
+"""The parallel GPT: the dense :class:`~atp_pipeline.models.gpt.GPT` sharded on DeviceMesh(d1, d2).
+
+Activation layout between blocks: hidden features split over d2, replicated over d1 — the
+input and output layout of ATP's parallel transformer layer (Figure 6).
+
+* **Attention** (Figure 6a): QKV column-first (heads split over d1, since the dense
+  model orders QKV outputs head by head); the local heads are *scattered* over d2 so the
+  attention core is fully sharded (``heads / (d1*d2)`` per rank) and *gathered* back over
+  d2 before the row-first output projection.
+* **MLP** (Figure 6b): column-first, GeLU, row-first.
+* **LayerNorm** over a hidden dimension split across d2: the sums of x and x² are
+  all-reduced over d2 (and their gradient, whose consumers are sharded, likewise).
+* **Embeddings** are split by hidden feature over d2 (no communication); the **LM head**
+  is column-first (vocabulary over d1) and the loss is vocabulary-parallel cross-entropy.
+* **Chunk-based overlap** (§4.1): with ``chunks = k`` each block splits its batch into k
+  pieces and runs them stage by stage; every stage ends by launching its collective and
+  the next chunk's stage computes while it is in flight. ``k = 1`` is the plain path.
+
+Residual adds and biases are local. Every collective goes through the model's
+:class:`~atp_pipeline.parallel.comm.Comm`; :func:`atp_pipeline.planning.cost.runtime_terms`
+lists exactly what this module sends.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.models.gpt import GPT, Block, attention_core
+from atp_pipeline.parallel.comm import Comm, Handle, comm_for
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, sharded_parameter
+from atp_pipeline.parallel.mappings import (
+    all_reduce_sum,
+    gather_dim0,
+    scatter_dim0,
+    vocab_parallel_cross_entropy,
+)
+
+
+def check_mesh_fits(heads: int, hidden: int, vocab: int, ffn_mult: int, d1: int, d2: int, what: str = "model") -> None:
+    """Clear errors when the mesh does not divide the model (heads over d1*d2, etc.)."""
+    if heads % (d1 * d2):
+        raise ConfigError(f"{what}: {heads} heads do not split over d1*d2 = {d1}x{d2} = {d1 * d2} devices")
+    if hidden % d2 or (ffn_mult * hidden) % d1 or hidden % d1:
+        raise ConfigError(f"{what}: hidden {hidden} does not split over d1={d1} and d2={d2}")
+    if vocab % d1:
+        raise ConfigError(f"{what}: vocabulary {vocab} is not divisible by d1={d1} (vocab-parallel head)")
+
+
+class ParallelLayerNorm(nn.Module):
+    """LayerNorm over a hidden dimension split across d2 (statistics all-reduced over d2)."""
+
+    def __init__(self, ln: nn.LayerNorm, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.comm = comm_for(mesh)
+        self.hidden, self.eps = ln.normalized_shape[0], ln.eps
+        place = [Replicate(), Shard(0)]
+        self.weight = sharded_parameter(ln.weight, mesh, place)
+        self.bias = sharded_parameter(ln.bias, mesh, place)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight.to_local(), self.bias.to_local()
+        if self.comm.size("d2") == 1:
+            return F.layer_norm(x, (self.hidden,), w, b, self.eps)
+        stats = all_reduce_sum(torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1), self.comm, "d2")
+        mean = stats[..., 0] / self.hidden
+        var = stats[..., 1] / self.hidden - mean * mean
+        return (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1) * w + b
+
+
+class ParallelEmbedding(nn.Module):
+    """An embedding table split by hidden feature over d2, replicated over d1."""
+
+    def __init__(self, emb: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.weight = sharded_parameter(emb.weight, mesh, [Replicate(), Shard(1)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight.to_local())
+
+
+Stage = Callable[[Dict[str, torch.Tensor], List[Handle]], None]
+
+
+class _Part(nn.Module):
+    """A named holder, so parameter names match the dense model's (``blocks.0.attn.qkv``)."""
+
+    def __init__(self, **modules: nn.Module) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, block: Block, mesh: DeviceMesh, chunks: int = 1) -> None:
+        super().__init__()
+        self.comm: Comm = comm_for(mesh)
+        self.chunks = chunks
+        attn = block.attn
+        self.head_dim = attn.head_dim
+        self.ln1 = ParallelLayerNorm(block.ln1, mesh)
+        self.attn = _Part(qkv=ATPLinear.from_linear(attn.qkv, mesh, COLUMN),
+                          proj=ATPLinear.from_linear(attn.proj, mesh, ROW))
+        self.ln2 = ParallelLayerNorm(block.ln2, mesh)
+        self.mlp = _Part(fc1=ATPLinear.from_linear(block.mlp.fc1, mesh, COLUMN),
+                         fc2=ATPLinear.from_linear(block.mlp.fc2, mesh, ROW))
+        self.stages: List[Stage] = [self._qkv, self._attention, self._proj, self._attn_out,
+                                    self._fc1, self._fc2, self._mlp_out]
+
+    qkv = property(lambda self: self.attn.qkv)
+    proj = property(lambda self: self.attn.proj)
+    fc1 = property(lambda self: self.mlp.fc1)
+    fc2 = property(lambda self: self.mlp.fc2)
+
+    # Each stage reads chunk state ``st``, may wait for the previous stage's collective,
+    # and leaves its own collective in flight in ``pending``.
+    def _qkv(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        st["y"] = self.qkv.start(self.ln1(st["x"]), pending)
+
+    def _attention(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        qkv = self.qkv.finish(st.pop("y"))  # [b, s, heads/d1 * 3 * hd], replicated over d2
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, -1, 3, self.head_dim).permute(2, 0, 1, 3, 4)  # [heads/d1, b, s, 3, hd]
+        qkv = scatter_dim0(qkv.contiguous(), self.comm, "d2")  # [heads/(d1 d2), ...]
+        q, k, v = (qkv[..., i, :].transpose(0, 1) for i in range(3))  # [b, h_local, s, hd]
+        out = attention_core(q, k, v).transpose(0, 1).contiguous()  # [h_local, b, s, hd]
+        st["a"] = gather_dim0(out, self.comm, "d2", pending)  # [heads/d1, b, s, hd]
+
+    def _proj(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        a = st.pop("a")
+        _, b, s, _ = a.shape
+        st["y"] = self.proj.start(a.permute(1, 2, 0, 3).reshape(b, s, -1), pending)
+
+    def _attn_out(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        st["x"] = st["x"] + self.proj.finish(st.pop("y"))
+
+    def _fc1(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        st["y"] = self.fc1.start(self.ln2(st["x"]), pending)
+
+    def _fc2(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        st["y"] = self.fc2.start(F.gelu(self.fc1.finish(st.pop("y"))), pending)
+
+    def _mlp_out(self, st: Dict[str, torch.Tensor], pending: List[Handle]) -> None:
+        st["x"] = st["x"] + self.fc2.finish(st.pop("y"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % self.chunks:
+            raise ConfigError(f"chunks={self.chunks} does not divide the local batch {x.shape[0]}")
+        states = [{"x": c} for c in x.chunk(self.chunks, dim=0)]
+        in_flight: List[List[Handle]] = [[] for _ in states]
+        for stage in self.stages:
+            for st, pending in zip(states, in_flight):
+                for h in pending:  # this chunk's previous collective
+                    h.wait()
+                pending.clear()
+                stage(st, pending)
+        for pending in in_flight:
+            for h in pending:
+                h.wait()
+        return states[0]["x"] if len(states) == 1 else torch.cat([st["x"] for st in states], dim=0)
+
+
+class ParallelGPT(nn.Module):
+    """The dense GPT's parameters sharded on ``mesh``; same loss and gradients."""
+
+    def __init__(self, model: GPT, mesh: DeviceMesh, chunks: int = 1) -> None:
+        super().__init__()
+        cfg = model.cfg
+        self.cfg, self.mesh, self.chunks = cfg, mesh, chunks
+        self.comm: Comm = comm_for(mesh)
+        d1, d2 = self.comm.size("d1"), self.comm.size("d2")
+        check_mesh_fits(cfg.heads, cfg.hidden, cfg.vocab_size, cfg.ffn_mult, d1, d2)
+        if chunks < 1:
+            raise ConfigError(f"chunks must be >= 1, got {chunks}")
+        self.wte = ParallelEmbedding(model.wte, mesh)
+        self.wpe = ParallelEmbedding(model.wpe, mesh)
+        self.blocks = nn.ModuleList(ParallelBlock(b, mesh, chunks) for b in model.blocks)
+        self.ln_f = ParallelLayerNorm(model.ln_f, mesh)
+        self.head = ATPLinear.from_linear(model.head, mesh, COLUMN)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``idx`` -> ``targets`` (the batch replicated over d1, d2)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # [b, s, vocab/d1]
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, "d1")
+
+
+def parallelize_gpt(model: GPT, mesh: DeviceMesh, chunks: int = 1) -> ParallelGPT:
+    """Shard a dense GPT (identical on every rank, e.g. same seed) onto ``mesh``."""
+    return ParallelGPT(model, mesh, chunks)

@@ -1,0 +1,121 @@
+"""``ATPLinear``: row-first / column-first tensor parallelism on DeviceMesh(d1, d2) (§3.2).
+
+For ``Y = X W`` with ``W`` of shape in x out, ATP places ``W`` over (d1, d2) as
+``[Shard(1), Shard(0)]`` (column-first: output features split over d1, input features
+over d2) or ``[Shard(0), Shard(1)]`` (row-first: input over d1, output over d2). The
+weight here is stored ``nn.Linear``-style, out x in, so it carries the placements
+transposed: column-first ``[Shard(0), Shard(1)]``, row-first ``[Shard(1), Shard(0)]``.
+
+Activations: a column-first layer takes ``X`` with its features split over d2 (replicated
+over d1) and returns ``Y`` split over d1 (replicated over d2) after an all-reduce over d2;
+row-first the reverse. So column-first then row-first (MLP, attention) returns to the
+input's layout (Figure 6). On ``DeviceMesh(N, 1)`` these are Megatron-LM's column- and
+row-parallel linears. Weights and biases are DTensors on the (d1, d2) submesh, so
+optimizers, checkpointing and ``full_tensor()`` see the global parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.comm import Comm, Handle, comm_for
+from atp_pipeline.parallel.mappings import linear_all_reduce
+from atp_pipeline.parallel.mesh import device_of, tp_coordinate, tp_mesh
+
+COLUMN, ROW = "column", "row"
+
+
+def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's block of ``full`` under ``placements`` on the (d1, d2) ``mesh``."""
+    sub = tp_mesh(mesh)
+    coord = tp_coordinate(mesh)
+    out = full
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = sub.size(i)
+            if out.shape[p.dim] % n:
+                raise ConfigError(f"dimension {p.dim} of size {out.shape[p.dim]} does not split "
+                                  f"over mesh dimension d{i + 1} of size {n}")
+            out = out.chunk(n, dim=p.dim)[coord[i]]
+    return out.contiguous()
+
+
+def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> nn.Parameter:
+    """A DTensor parameter holding this rank's block of ``full`` (identical on all ranks)."""
+    local = local_shard(full.detach(), mesh, placements).to(device_of(tp_mesh(mesh)))
+    return nn.Parameter(DTensor.from_local(local, tp_mesh(mesh), list(placements), run_check=False))
+
+
+class ATPLinear(nn.Module):
+    """A drop-in for ``nn.Linear(in_features, out_features)`` on a (dp, d1, d2) mesh.
+
+    ``first="column"`` or ``"row"`` picks the sharding (§3.2). ``weight``/``bias`` may be
+    given as full tensors (e.g. copied from a dense layer); otherwise they are initialized
+    like ``nn.Linear`` from the same seed on every rank.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh, first: str = COLUMN,
+                 bias: bool = True, weight: Optional[torch.Tensor] = None,
+                 bias_tensor: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if first not in (COLUMN, ROW):
+            raise ConfigError(f"ATPLinear first must be 'column' or 'row', got {first!r}")
+        self.in_features, self.out_features, self.first = in_features, out_features, first
+        self.mesh = mesh
+        self.comm: Comm = comm_for(mesh)
+        d1, d2 = self.comm.size("d1"), self.comm.size("d2")
+        # column-first: out over d1, in over d2; row-first: in over d1, out over d2
+        out_axis, in_axis = ("d1", "d2") if first == COLUMN else ("d2", "d1")
+        self.out_axis, self.in_axis = out_axis, in_axis
+        for name, size, axis in (("out_features", out_features, out_axis), ("in_features", in_features, in_axis)):
+            n = d1 if axis == "d1" else d2
+            if size % n:
+                raise ConfigError(f"ATPLinear({in_features}, {out_features}, first={first!r}): "
+                                  f"{name}={size} is not divisible by {axis}={n}")
+        w_place: List[Placement] = [Shard(0), Shard(1)] if first == COLUMN else [Shard(1), Shard(0)]
+        if weight is None:
+            dense = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+            weight = dense.weight
+            bias_tensor = dense.bias if bias else None
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ConfigError(f"ATPLinear weight must be {out_features}x{in_features} (out x in), "
+                              f"got {tuple(weight.shape)}")
+        self.weight = sharded_parameter(weight, mesh, w_place)
+        if bias:
+            if bias_tensor is None:
+                bound = 1 / math.sqrt(in_features)
+                bias_tensor = torch.empty(out_features, dtype=weight.dtype).uniform_(-bound, bound)
+            b_place: List[Placement] = [Shard(0), Replicate()] if first == COLUMN else [Replicate(), Shard(0)]
+            self.bias = sharded_parameter(bias_tensor, mesh, b_place)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: DeviceMesh, first: str) -> "ATPLinear":
+        """Shard a dense ``nn.Linear`` (same values on every rank) into an ATPLinear."""
+        return cls(linear.in_features, linear.out_features, mesh, first, bias=linear.bias is not None,
+                   weight=linear.weight, bias_tensor=linear.bias)
+
+    def start(self, x: torch.Tensor, pending: List[Handle]) -> torch.Tensor:
+        """Launch the GEMM and its all-reduce; the caller waits ``pending`` before :meth:`finish`."""
+        return linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis,
+                                 async_out=pending)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to_local()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: features split over the input axis; returns features split over the output axis."""
+        y = linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis)
+        return self.finish(y)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, first={self.first}, "
+                f"mesh=(d1={self.comm.size('d1')}, d2={self.comm.size('d2')}), bias={self.bias is not None}")

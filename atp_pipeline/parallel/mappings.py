@@ -1,0 +1,167 @@
+"""Conjugate communication operators as autograd functions (ATP Figure 6, §4.1–4.2).
+
+Each operator pairs a forward collective with its backward conjugate on a named mesh
+dimension; all of them go through :class:`~atp_pipeline.parallel.comm.Comm`, which counts
+them. A dimension of size 1 makes an operator a no-op.
+
+* :class:`LinearAllReduce` — ``f1..f4`` fused with the GEMM they wrap: ``y = x W^T`` is
+  all-reduced over ``fwd_axis`` in the forward (partial sums of a sharded inner dimension);
+  in the backward ``dL/dx = g W`` is all-reduced over ``bwd_axis`` *asynchronously while*
+  ``dL/dW = g^T x`` computes (§4.2). Column-first: ``fwd_axis = d2``, ``bwd_axis = d1``;
+  row-first the reverse — this is Eq. 2's assignment (the prose of §3.2.1 names the other
+  dimension). With ``async_out`` the forward all-reduce is left in flight for the caller,
+  which is how chunk-based overlap (§4.1) lets the next chunk compute meanwhile.
+* :class:`AllReduceSum` — all-reduce in both directions, for a sum whose consumers are
+  sharded (LayerNorm statistics over a hidden dimension split across d2).
+* :class:`ScatterDim0` / :class:`GatherDim0` — the scatter before and the gather after the
+  attention core (§3.2.1): split / all-gather along dim 0, conjugate in backward.
+* :class:`VocabParallelCrossEntropy` — cross-entropy over logits whose vocabulary is split
+  across d1: max and sum-exp reduced over d1, no communication in backward.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from atp_pipeline.parallel.comm import Comm, Handle
+
+
+class LinearAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: str, bwd_axis: str,
+                async_out: Optional[List[Handle]]) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.comm, ctx.bwd_axis = comm, bwd_axis
+        y = F.linear(x, w)
+        handle = comm.all_reduce(y, fwd_axis, async_op=async_out is not None)
+        if async_out is not None:
+            async_out.append(handle)  # the caller waits before reading y
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        comm: Comm = ctx.comm
+        gx = handle = None
+        if ctx.needs_input_grad[0]:
+            gx = g.matmul(w)  # partial over bwd_axis
+            handle = comm.all_reduce(gx, ctx.bwd_axis, async_op=True)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        if handle is not None:
+            handle.wait()
+        return gx, gw, None, None, None, None
+
+
+class AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        y = x.clone()
+        comm.all_reduce(y, axis)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        g = g.clone()
+        ctx.comm.all_reduce(g, ctx.axis)
+        return g, None, None
+
+
+class ScatterDim0(torch.autograd.Function):
+    """Forward: keep this rank's block of dim 0. Backward: all-gather the blocks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        return x.chunk(comm.size(axis), dim=0)[comm.rank(axis)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        full, _ = ctx.comm.all_gather(g, ctx.axis)
+        return full, None, None
+
+
+class GatherDim0(torch.autograd.Function):
+    """Forward: all-gather along dim 0 (left in flight if ``async_out``). Backward: keep
+    this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str,
+                async_out: Optional[List[Handle]]) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        out, handle = comm.all_gather(x, axis, async_op=async_out is not None)
+        if async_out is not None:
+            async_out.append(handle)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        comm: Comm = ctx.comm
+        return g.chunk(comm.size(ctx.axis), dim=0)[comm.rank(ctx.axis)].contiguous(), None, None, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of ``logits [N, V/d]`` (this rank's vocab block ``[lo, hi)``)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
+                axis: str) -> torch.Tensor:  # type: ignore[override]
+        n_local = logits.shape[-1]
+        lo = comm.rank(axis) * n_local
+        peak = logits.max(dim=-1).values
+        comm.all_reduce(peak, axis, op="max")
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        local_t = targets - lo
+        mine = (local_t >= 0) & (local_t < n_local)
+        safe_t = torch.where(mine, local_t, torch.zeros_like(local_t))
+        picked = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1) * mine
+        sums = torch.stack([exp.sum(dim=-1), picked], dim=-1)
+        comm.all_reduce(sums, axis)
+        sum_exp, target_logit = sums.unbind(-1)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), safe_t, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        softmax, safe_t, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, safe_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def linear_all_reduce(x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: str, bwd_axis: str,
+                      async_out: Optional[List[Handle]] = None) -> torch.Tensor:
+    return LinearAllReduce.apply(x, w, comm, fwd_axis, bwd_axis, async_out)
+
+
+def all_reduce_sum(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else AllReduceSum.apply(x, comm, axis)
+
+
+def scatter_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else ScatterDim0.apply(x, comm, axis)
+
+
+def gather_dim0(x: torch.Tensor, comm: Comm, axis: str,
+                async_out: Optional[List[Handle]] = None) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else GatherDim0.apply(x, comm, axis, async_out)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
+                                 axis: str) -> torch.Tensor:
+    """Mean cross-entropy; equals ``F.cross_entropy`` on the gathered logits."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if comm.size(axis) == 1:
+        return F.cross_entropy(flat, targets.reshape(-1))
+    return VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, axis).mean()
+
+
+def shard_bounds(total: int, parts: int, index: int) -> Tuple[int, int]:
+    size = total // parts
+    return index * size, (index + 1) * size

@@ -1,0 +1,74 @@
+"""``init_mesh``: the data-parallel x d1 x d2 DeviceMesh of ATP (§3.2, Figure 9).
+
+Ranks are laid out row-major over ``(dp, d1, d2)``, as ``init_device_mesh`` does, so the
+ranks of one ``d2`` group are consecutive — the layout the planner's Eq. 3 assumes
+(:mod:`atp_pipeline.planning.bandwidth`). Any dimension may be 1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from atp_pipeline.errors import ConfigError
+
+DIM_NAMES = ("dp", "d1", "d2")
+
+
+def init_mesh(shape: Union[int, Sequence[int]], d2: Optional[int] = None, *, dp: int = 1,
+              device_type: Optional[str] = None) -> DeviceMesh:
+    """``init_mesh((d1, d2))`` or ``init_mesh(d1, d2, dp=...)``: a named (dp, d1, d2) mesh.
+
+    The default process group must be initialized (gloo on CPU, NCCL on CUDA); the device
+    type follows the backend unless given.
+    """
+    if isinstance(shape, int):
+        if d2 is None:
+            raise TypeError("init_mesh(d1, d2) needs both sizes (or init_mesh((d1, d2)))")
+        d1 = shape
+    else:
+        if d2 is not None:
+            raise TypeError("give the mesh as init_mesh((d1, d2)) or init_mesh(d1, d2), not both")
+        dims = tuple(int(x) for x in shape)
+        if len(dims) == 3:
+            dp, d1, d2 = dims
+        elif len(dims) == 2:
+            d1, d2 = dims
+        else:
+            raise ConfigError(f"init_mesh takes (d1, d2) or (dp, d1, d2), got {tuple(shape)}")
+    if not dist.is_initialized():
+        raise RuntimeError("init_mesh: call torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    for name, size in (("dp", dp), ("d1", d1), ("d2", d2)):
+        if size < 1:
+            raise ConfigError(f"mesh dimension {name} must be >= 1, got {size}")
+    if dp * d1 * d2 != world:
+        raise ConfigError(f"mesh dp x d1 x d2 = {dp} x {d1} x {d2} = {dp * d1 * d2} does not match "
+                          f"the world size {world}")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dp, d1, d2), mesh_dim_names=DIM_NAMES)
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (d1, d2) submesh that tensor-parallel weights live on."""
+    names = mesh.mesh_dim_names or ()
+    if "d1" not in names or "d2" not in names:
+        raise ConfigError(f"expected a mesh with dimensions named d1 and d2 (init_mesh), got {names}")
+    return mesh if tuple(names) == ("d1", "d2") else mesh["d1", "d2"]
+
+
+def tp_coordinate(mesh: DeviceMesh) -> Tuple[int, int]:
+    sub = tp_mesh(mesh)
+    coord = sub.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
+    return int(coord[0]), int(coord[1])
+
+
+def device_of(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
