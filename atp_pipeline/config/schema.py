@@ -64,6 +64,7 @@ class Stage(str, Enum):
 
 class CostModel(str, Enum):
     eq2 = "eq2"  # the paper's Eq. 2 (four conjugate all-reduces, forward size counted twice)
+    runtime = "runtime"  # every collective atp_pipeline.parallel sends, each with its own size
 
 
 @dataclass

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, Handle, comm_for
-from atp_pipeline.parallel.mappings import linear_all_reduce
+from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatter_dim0
 from atp_pipeline.parallel.mesh import device_of, tp_coordinate, tp_mesh
 
 COLUMN, ROW = "column", "row"
@@ -59,12 +59,19 @@ class ATPLinear(nn.Module):
     ``first="column"`` or ``"row"`` picks the sharding (§3.2). ``weight``/``bias`` may be
     given as full tensors (e.g. copied from a dense layer); otherwise they are initialized
     like ``nn.Linear`` from the same seed on every rank.
+
+    Inside a parallel model the input arrives already split (``input_is_parallel``) and the
+    output stays split for the next layer. Used alone as a drop-in for ``nn.Linear``, set
+    ``input_is_parallel=False`` (the layer takes the full input, replicated on all ranks,
+    and keeps its own block) and ``gather_output=True`` (it returns the full output).
     """
 
     def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh, first: str = COLUMN,
                  bias: bool = True, weight: Optional[torch.Tensor] = None,
-                 bias_tensor: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> None:
+                 bias_tensor: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                 input_is_parallel: bool = True, gather_output: bool = False) -> None:
         super().__init__()
+        self.input_is_parallel, self.gather_output = input_is_parallel, gather_output
         if first not in (COLUMN, ROW):
             raise ConfigError(f"ATPLinear first must be 'column' or 'row', got {first!r}")
         self.in_features, self.out_features, self.first = in_features, out_features, first
@@ -112,9 +119,15 @@ class ATPLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to_local()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: features split over the input axis; returns features split over the output axis."""
-        y = linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis)
-        return self.finish(y)
+        """``x``: features split over the input axis (or full, unless ``input_is_parallel``);
+        returns features split over the output axis (or full, with ``gather_output``)."""
+        if not self.input_is_parallel:
+            x = scatter_dim0(x.movedim(-1, 0), self.comm, self.in_axis).movedim(0, -1)
+        y = self.finish(linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis,
+                                          self.out_axis))
+        if self.gather_output:
+            y = gather_dim0(y.movedim(-1, 0).contiguous(), self.comm, self.out_axis).movedim(0, -1)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, first={self.first}, "

@@ -1,46 +1,62 @@
-"""Tensor-parallel communication time of a transformer step (ATP Eq. 2), term by term.
+"""Tensor-parallel communication of a transformer step, term by term (ATP Eq. 2 and ours).
 
-On ``DeviceMesh(d1, d2)`` a layer has four conjugate operators (Figure 6): ``f1`` around the
-column-first QKV linear, ``f2`` around the row-first output projection, ``f3``/``f4`` around
-the column- and row-first MLP linears. Eq. 2 charges them::
+**Eq. 2 (``cost_model=eq2``, the paper's).** On ``DeviceMesh(d1, d2)`` a layer has four
+conjugate operators (Figure 6): ``f1`` around the column-first QKV linear, ``f2`` around
+the row-first output projection, ``f3``/``f4`` around the column- and row-first MLP
+linears. Eq. 2 charges them::
 
     T_comm = 2*L*b*s * (3h/(d1*B2) + h/(d2*B1) + 4h/(d1*B2) + h/(d2*B1))
            = 2*L*b*s * (7h/(d1*B2) + 2h/(d2*B1))
 
-(times the bytes per element, with B in bytes/s). The ``2`` counts a forward and a backward
-all-reduce per operator, each charged the operator's forward size. So a column-first
-operator (f1, f3) all-reduces its output, partial over dimension 2, with bandwidth ``B2``;
-a row-first one (f2, f4) all-reduces its output, partial over dimension 1, with ``B1``.
-The paper's prose (§3.2.1) says f1/f3 reduce over the *first* dimension in the forward
-pass; its equations, which we follow, put them on the second.
+(times the bytes per element, with B in bytes/s): a forward and a backward all-reduce per
+operator, each charged the operator's forward size. So a column-first operator (f1, f3)
+all-reduces its output, partial over dimension 2, with ``B2``; a row-first one (f2, f4)
+its output, partial over dimension 1, with ``B1``. The paper's prose (§3.2.1) says f1/f3
+reduce over the *first* dimension in the forward pass; its equations, which we follow, put
+them on the second. A dimension of size 1 has no collective, so its terms vanish: on
+``(N, 1)`` this is Megatron-LM's ``4*L*b*s*h / B1`` (§2.3).
 
-A dimension of size 1 has no collective, so its terms vanish: on ``(N, 1)`` this is
-Megatron-LM's ``4*L*b*s*h / B1`` (§2.3).
+**The runtime (``cost_model=runtime``).** Exactly the collectives that
+:mod:`atp_pipeline.parallel.gpt` sends, each with its own size: the backward all-reduce of
+an operator carries its *input*'s gradient (``h/d2`` for f1 and f3 on dimension 1,
+``h/d1`` for f2 and ``4h/d1`` for f4 on dimension 2), so Eq. 2 over-counts dimension 2 by
+``2h/d1`` per token and layer; and Eq. 2 omits the attention scatter/gather over d2
+(all-gathers of ``3h/d1`` in backward and ``h/d1`` in forward), the LayerNorm statistics
+over d2 (2 values per token each way), the LM head (column-first) and the
+vocabulary-parallel loss (max and sums over d1). The collective counter of the runtime
+(:class:`~atp_pipeline.parallel.comm.Comm`) is compared with these terms element for
+element.
 
-Each term is a :class:`CommTerm`; the runtime's counted collectives are compared with them
-term by term, and a runtime that sends more (around the attention core or LayerNorm) adds
-terms here rather than a second cost model.
+Times use the bandwidths of Eq. 3-4: an all-reduce of ``n`` bytes takes ``n / B``; an
+all-gather producing ``n`` bytes takes ``n (d-1)/d / B'`` (a ring moves (d-1)/d of the
+output over each link).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from atp_pipeline.config.schema import DTYPE_BYTES, CostModel, DType
+from atp_pipeline.config.schema import CostModel
+
+ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
 
 
 @dataclass(frozen=True)
 class CommTerm:
-    """One collective per layer: ``elements_per_token`` elements, ``passes`` times a step."""
+    """One collective: ``elements_per_token`` elements per token of the local batch,
+    ``passes`` times per step, in every layer (``per_layer``) or once per model."""
 
-    op: str  # "f1".."f4"
-    where: str  # the layer part it sits in
-    collective: str  # "all_reduce"
-    dim: int  # mesh dimension (1 or 2) the collective runs on
-    elements_per_token: Fraction  # per token of the local batch, exact
-    passes: int  # times per training step (forward and backward)
+    op: str  # "f1".."f4", "scatter", "gather", "ln1", "head", "loss", ...
+    where: str  # the model part it sits in
+    collective: str  # "all_reduce" | "all_gather"
+    dim: int  # mesh dimension (1 or 2) it runs on
+    elements_per_token: Fraction  # exact
+    passes: int  # times per training step
+    phase: str = "fwd+bwd"  # "fwd", "bwd" or "fwd+bwd" (Eq. 2 charges both alike)
+    per_layer: bool = True
 
 
 def eq2_terms(hidden: int, mesh: Tuple[int, int]) -> List[CommTerm]:
@@ -48,18 +64,86 @@ def eq2_terms(hidden: int, mesh: Tuple[int, int]) -> List[CommTerm]:
     d1, d2 = mesh
     h = hidden
     terms = [
-        CommTerm("f1", "attention QKV linear (column-first)", "all_reduce", 2, Fraction(3 * h, d1), 2),
-        CommTerm("f2", "attention output linear (row-first)", "all_reduce", 1, Fraction(h, d2), 2),
-        CommTerm("f3", "MLP first linear (column-first)", "all_reduce", 2, Fraction(4 * h, d1), 2),
-        CommTerm("f4", "MLP second linear (row-first)", "all_reduce", 1, Fraction(h, d2), 2),
+        CommTerm("f1", "attention QKV linear (column-first)", ALL_REDUCE, 2, Fraction(3 * h, d1), 2),
+        CommTerm("f2", "attention output linear (row-first)", ALL_REDUCE, 1, Fraction(h, d2), 2),
+        CommTerm("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, Fraction(4 * h, d1), 2),
+        CommTerm("f4", "MLP second linear (row-first)", ALL_REDUCE, 1, Fraction(h, d2), 2),
     ]
     return [t for t in terms if (d1 if t.dim == 1 else d2) > 1]
 
 
-def comm_terms(cost_model: CostModel, hidden: int, mesh: Tuple[int, int]) -> List[CommTerm]:
+def runtime_terms(hidden: int, ffn_mult: int, vocab: int, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """Every collective :mod:`atp_pipeline.parallel.gpt` sends in one training step."""
+    d1, d2 = mesh
+    h, f = hidden, ffn_mult
+    F_ = Fraction
+    t = CommTerm
+    terms = [
+        t("ln1", "LayerNorm statistics (sum, sum of squares)", ALL_REDUCE, 2, F_(2), 1, "fwd"),
+        t("ln1", "LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd"),
+        t("f1", "attention QKV linear (column-first)", ALL_REDUCE, 2, F_(3 * h, d1), 1, "fwd"),
+        t("f1", "attention QKV linear: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd"),
+        t("scatter", "scatter before the attention core: gradient", ALL_GATHER, 2, F_(3 * h, d1), 1, "bwd"),
+        t("gather", "gather after the attention core", ALL_GATHER, 2, F_(h, d1), 1, "fwd"),
+        t("f2", "attention output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
+        t("f2", "attention output linear: input gradient", ALL_REDUCE, 2, F_(h, d1), 1, "bwd"),
+        t("ln2", "LayerNorm statistics (sum, sum of squares)", ALL_REDUCE, 2, F_(2), 1, "fwd"),
+        t("ln2", "LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd"),
+        t("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, F_(f * h, d1), 1, "fwd"),
+        t("f3", "MLP first linear: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd"),
+        t("f4", "MLP second linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
+        t("f4", "MLP second linear: input gradient", ALL_REDUCE, 2, F_(f * h, d1), 1, "bwd"),
+        t("ln_f", "final LayerNorm statistics", ALL_REDUCE, 2, F_(2), 1, "fwd", False),
+        t("ln_f", "final LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd", False),
+        t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(vocab, d1), 1, "fwd", False),
+        t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False),
+        t("loss", "vocab-parallel cross-entropy: max", ALL_REDUCE, 1, F_(1), 1, "fwd", False),
+        t("loss", "vocab-parallel cross-entropy: sum-exp, target logit", ALL_REDUCE, 1, F_(2), 1, "fwd", False),
+    ]
+    return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
+
+
+def comm_terms(cost_model: CostModel, hidden: int, mesh: Tuple[int, int], ffn_mult: int = 4,
+               vocab: int = 0) -> List[CommTerm]:
     if cost_model == CostModel.eq2:
         return eq2_terms(hidden, mesh)
+    if cost_model == CostModel.runtime:
+        return runtime_terms(hidden, ffn_mult, vocab, mesh)
     raise ValueError(f"unknown cost model {cost_model}")
+
+
+def term_elements(term: CommTerm, tokens: int, layers: int) -> Fraction:
+    """Elements the term moves per step and rank (input of an all-reduce, output of an all-gather)."""
+    return term.elements_per_token * tokens * term.passes * (layers if term.per_layer else 1)
+
+
+def predicted_elements(terms: List[CommTerm], tokens: int, layers: int) -> Dict[Tuple[str, str], int]:
+    """Elements per step by ``(collective, "d1"|"d2")`` — what the runtime's counter reports."""
+    out: Dict[Tuple[str, str], Fraction] = defaultdict(Fraction)
+    for term in terms:
+        out[(term.collective, f"d{term.dim}")] += term_elements(term, tokens, layers)
+    for key, value in out.items():
+        if value.denominator != 1:
+            raise ValueError(f"{key}: {value} elements is not whole; the mesh does not divide the model")
+    return {k: int(v) for k, v in out.items()}
+
+
+def collective_seconds(collective: str, size: int, nbytes: float, B_GBps: Optional[float],
+                       B_prime_GBps: Optional[float]) -> float:
+    """Modeled time of one collective over a mesh dimension of ``size`` ranks.
+
+    All-reduce: ``nbytes / B`` (Eq. 4's algorithm bandwidth); all-gather producing
+    ``nbytes``: ``nbytes * (size-1)/size / B'``. Shared by the planner and the emulator.
+    """
+    if size == 1:
+        return 0.0
+    if collective == ALL_REDUCE:
+        assert B_GBps is not None
+        return nbytes / (B_GBps * 1e9)
+    if collective == ALL_GATHER:
+        assert B_prime_GBps is not None
+        return nbytes * (size - 1) / size / (B_prime_GBps * 1e9)
+    raise ValueError(f"unknown collective {collective}")
 
 
 @dataclass(frozen=True)
@@ -71,19 +155,20 @@ class TermCost:
     def to_dict(self) -> dict:
         t = self.term
         return {"op": t.op, "where": t.where, "collective": t.collective, "dim": t.dim,
-                "elements_per_token": float(t.elements_per_token), "passes": t.passes,
+                "phase": t.phase, "elements_per_token": float(t.elements_per_token),
+                "passes": t.passes, "per_layer": t.per_layer,
                 "bytes_per_step": self.bytes_per_step, "seconds": self.seconds}
 
 
-def step_comm_time(terms: List[CommTerm], layers: int, batch: int, seq: int, dtype: DType,
-                   B1_GBps: Optional[float], B2_GBps: Optional[float]) -> Tuple[float, List[TermCost]]:
-    """Eq. 2: seconds of tensor-parallel all-reduce per step, and each term's share."""
-    nbytes = DTYPE_BYTES[dtype]
+def step_comm_time(terms: List[CommTerm], layers: int, batch: int, seq: int, bytes_per_element: int,
+                   sizes: Mapping[int, int], B: Mapping[int, Optional[float]],
+                   B_prime: Mapping[int, Optional[float]]) -> Tuple[float, List[TermCost]]:
+    """Seconds of tensor-parallel communication per step, and each term's share."""
     costs = []
     for t in terms:
-        bw = B1_GBps if t.dim == 1 else B2_GBps
-        if bw is None:
+        if B[t.dim] is None:
             raise ValueError(f"term {t.op} on mesh dimension {t.dim} has no bandwidth")
-        volume = float(layers * batch * seq * t.passes * t.elements_per_token * nbytes)
-        costs.append(TermCost(t, volume, volume / (bw * 1e9)))
+        volume = float(term_elements(t, batch * seq, layers)) * bytes_per_element
+        costs.append(TermCost(t, volume, collective_seconds(t.collective, sizes[t.dim], volume,
+                                                            B[t.dim], B_prime[t.dim])))
     return sum(c.seconds for c in costs), costs

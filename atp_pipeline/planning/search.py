@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from atp_pipeline.config.schema import CostModel, DType, MeshConfig, MeshStrategy, PlannerConfig
+from atp_pipeline.config.schema import CostModel, MeshConfig, MeshStrategy, PlannerConfig
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
@@ -131,9 +131,11 @@ def evaluate(topo: Topology, model: ModelSummary, mesh: Mesh,
     """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh."""
     dim1 = dimension_bandwidth(topo, mesh, 1)
     dim2 = dimension_bandwidth(topo, mesh, 2)
-    terms = comm_terms(cost_model, model.hidden, mesh)
+    terms = comm_terms(cost_model, model.hidden, mesh, model.ffn_mult, model.vocab_size)
     t, costs = step_comm_time(terms, model.layers, model.batch_size, model.seq_len,
-                              DType(model.dtype), dim1.B_GBps, dim2.B_GBps)
+                              model.bytes_per_element, sizes={1: mesh[0], 2: mesh[1]},
+                              B={1: dim1.B_GBps, 2: dim2.B_GBps},
+                              B_prime={1: dim1.B_prime_GBps, 2: dim2.B_prime_GBps})
     return Candidate(mesh=mesh, dim1=dim1, dim2=dim2, t_comm_s=t, terms=tuple(costs),
                      infeasible=mesh_infeasibility(model, mesh))
 
