@@ -76,3 +76,10 @@ def test_restrict_to_occupied_sub_topology():
         ic4.restrict(6)
     with pytest.raises(ConfigError, match="32 devices requested but topology 'ic4' has 16"):
         ic4.restrict(32)
+
+
+def test_to_dict_round_trips():
+    ic4 = Topology.from_config(nodes(4, 4, 25, 200, 600, name="ic4"))
+    for t in (ic4, ic4.restrict(8), Topology.from_config(torus2d(4, 4, 25))):
+        again = Topology.from_config(t.to_dict())
+        assert again.to_dict() == t.to_dict()

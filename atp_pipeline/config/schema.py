@@ -114,6 +114,7 @@ class TopologyConfig:
     world_size: Optional[int] = None  # if given, must equal the product of the counts
     calibrated: List[CalibratedMeshConfig] = field(default_factory=list)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    note: str = ""  # how it was derived (e.g. a sub-topology); set by the tools
 
 
 @dataclass

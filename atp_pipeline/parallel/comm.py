@@ -7,10 +7,14 @@ these counts (:func:`atp_pipeline.planning.cost.runtime_terms`). Elements are th
 size of an all-reduce and the output (gathered) size of an all-gather. A dimension of size
 1 has no collective: nothing is sent and nothing is counted.
 
-Optionally an :class:`~atp_pipeline.parallel.emulation.Emulator` stretches each collective
-to the time the topology model predicts for its size and dimension, on top of the real
-transfer: the caller's wait ends no earlier than ``launch + modeled time``. The wait
-sleeps, so an emulated link occupies no CPU core and overlaps with compute like a real one.
+Optionally an emulator (:class:`~atp_pipeline.parallel.emulation.TopologyEmulator`)
+stretches each collective to the time the topology model predicts for its size and
+dimension, on top of the real transfer: the caller's wait ends no earlier than the
+modeled completion. Collectives on one mesh dimension share its links, so their modeled
+transfers run one after another (a collective launched while another is in flight on the
+same dimension starts when that one ends); different dimensions are independent, as in
+the planner. The wait sleeps, so an emulated link occupies no CPU core and overlaps with
+compute like a real one.
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ class Handle:
     """An in-flight collective; :meth:`wait` blocks until it (and its emulated time) is done."""
 
     def __init__(self, comm: Optional["Comm"], work: Optional[dist.Work], counter: Optional[Counter],
-                 start: float, modeled: float) -> None:
+                 start: float, modeled: float, deadline: float) -> None:
         self._comm, self._work, self._counter = comm, work, counter
-        self._start, self._modeled = start, modeled
+        self._start, self._modeled, self._deadline = start, modeled, deadline
         self.done = counter is None
 
     def wait(self) -> None:
@@ -82,7 +86,7 @@ class Handle:
         t0 = time.perf_counter()
         if self._work is not None:
             self._work.wait()
-        remaining = self._start + self._modeled - time.perf_counter()
+        remaining = self._deadline - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         end = time.perf_counter()
@@ -93,7 +97,7 @@ class Handle:
         self.done = True
 
 
-DONE = Handle(None, None, None, 0.0, 0.0)
+DONE = Handle(None, None, None, 0.0, 0.0, 0.0)
 
 
 class Comm:
@@ -108,6 +112,7 @@ class Comm:
         self._sizes = {n: mesh.size(i) for i, n in enumerate(names)}
         coord = mesh.get_coordinate() or ()
         self._ranks = {n: int(coord[i]) for i, n in enumerate(names)} if coord else {}
+        self._link_free: Dict[str, float] = {}  # emulation: when each dimension's link is idle
 
     def size(self, axis: str) -> int:
         return self._sizes.get(axis, 1)
@@ -118,23 +123,27 @@ class Comm:
     def group(self, axis: str) -> dist.ProcessGroup:
         return self._groups[axis]
 
-    def _begin(self, kind: str, axis: str, elements: int, nbytes: int) -> Tuple[Counter, float, float]:
+    def _launch(self, kind: str, axis: str, elements: int, nbytes: int,
+                work_fn) -> Handle:
         c = self.stats.totals[(kind, axis)]
         c.calls += 1
         c.elements += elements
         c.bytes += nbytes
-        modeled = self.emulator.seconds(kind, axis, nbytes) if self.emulator is not None else 0.0
-        return c, time.perf_counter(), modeled
+        start = time.perf_counter()
+        modeled = deadline = 0.0
+        if self.emulator is not None:
+            modeled = self.emulator.seconds(kind, axis, nbytes)
+            deadline = max(start, self._link_free.get(axis, 0.0)) + modeled
+            self._link_free[axis] = deadline
+        return Handle(self, work_fn(), c, start, modeled, deadline)
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False) -> Handle:
         """In-place all-reduce of ``t`` over ``axis`` (``op`` "sum" or "max")."""
         if self.size(axis) == 1:
             return DONE
-        kind = "all_reduce"
-        counter, start, modeled = self._begin(kind, axis, t.numel(), t.numel() * t.element_size())
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        work = dist.all_reduce(t, op=reduce_op, group=self._groups[axis], async_op=True)
-        h = Handle(self, work, counter, start, modeled)
+        h = self._launch("all_reduce", axis, t.numel(), t.numel() * t.element_size(),
+                         lambda: dist.all_reduce(t, op=reduce_op, group=self._groups[axis], async_op=True))
         if not async_op:
             h.wait()
         return h
@@ -147,10 +156,8 @@ class Comm:
             return t, DONE
         t = t.contiguous()
         out = torch.empty((t.shape[0] * n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        counter, start, modeled = self._begin("all_gather", axis, out.numel(),
-                                              out.numel() * out.element_size())
-        work = _all_gather(out, t, group=self._groups[axis], async_op=True)
-        h = Handle(self, work, counter, start, modeled)
+        h = self._launch("all_gather", axis, out.numel(), out.numel() * out.element_size(),
+                         lambda: _all_gather(out, t, group=self._groups[axis], async_op=True))
         if not async_op:
             h.wait()
         return out, h

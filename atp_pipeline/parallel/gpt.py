@@ -13,8 +13,10 @@ input and output layout of ATP's parallel transformer layer (Figure 6).
 * **Embeddings** are split by hidden feature over d2 (no communication); the **LM head**
   is column-first (vocabulary over d1) and the loss is vocabulary-parallel cross-entropy.
 * **Chunk-based overlap** (§4.1): with ``chunks = k`` each block splits its batch into k
-  pieces and runs them stage by stage; every stage ends by launching its collective and
-  the next chunk's stage computes while it is in flight. ``k = 1`` is the plain path.
+  pieces and runs them as a wavefront over its stages; every stage ends by launching its
+  collective, which stays in flight while the other chunks compute. ``k = 1`` is the
+  plain path. In the backward pass the overlap is §4.2's: each input-gradient all-reduce
+  runs while the weight gradient computes.
 
 Residual adds and biases are local. Every collective goes through the model's
 :class:`~atp_pipeline.parallel.comm.Comm`; :func:`atp_pipeline.planning.cost.runtime_terms`
@@ -150,16 +152,22 @@ class ParallelBlock(nn.Module):
         st["x"] = st["x"] + self.fc2.finish(st.pop("y"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Wavefront over (chunk, stage): at step t chunk c runs stage t - c, so chunk c's
+        collective from stage s is in flight while chunk c+1 computes stage s and chunk
+        c-1 computes stage s+1 (Figure 8); a chunk waits for its own collective only when
+        it starts its next stage. With one chunk this is the plain sequential path."""
         if x.shape[0] % self.chunks:
             raise ConfigError(f"chunks={self.chunks} does not divide the local batch {x.shape[0]}")
         states = [{"x": c} for c in x.chunk(self.chunks, dim=0)]
         in_flight: List[List[Handle]] = [[] for _ in states]
-        for stage in self.stages:
-            for st, pending in zip(states, in_flight):
-                for h in pending:  # this chunk's previous collective
-                    h.wait()
-                pending.clear()
-                stage(st, pending)
+        n = len(self.stages)
+        for t in range(n + len(states) - 1):
+            for c, (st, pending) in enumerate(zip(states, in_flight)):
+                if 0 <= t - c < n:
+                    for h in pending:
+                        h.wait()
+                    pending.clear()
+                    self.stages[t - c](st, pending)
         for pending in in_flight:
             for h in pending:
                 h.wait()

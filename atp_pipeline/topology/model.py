@@ -102,7 +102,7 @@ class Topology:
                               f"{counts} = {topo.world_size}")
         calibrated = _calibrated(where, data.get("calibrated") or [], topo.world_size)
         return cls(name=name, levels=levels, description=topo.description,
-                   calibrated=calibrated, device=topo.device)
+                   calibrated=calibrated, device=topo.device, note=data.get("note") or "")
 
     def restrict(self, devices: int) -> "Topology":
         """The sub-topology occupied by the first ``devices`` devices (e.g. one node).
