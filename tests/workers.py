@@ -15,7 +15,7 @@ from torch import nn
 from atp_pipeline.config.schema import CostModel, DType, ModelConfig
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel import ATPLinear, init_mesh, parallelize_gpt
+from atp_pipeline.parallel import ATPLinear, comm_for, init_mesh, parallelize_gpt
 from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.parallel.native import native_tensor_parallel
 from atp_pipeline.planning.flops import ModelSummary
@@ -50,11 +50,12 @@ def equivalence(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list
         for chunks in chunk_list:
             mesh = init_mesh((d1, d2))
             model = parallelize_gpt(dense, mesh, chunks)
-            model.comm.stats.reset()
+            comm = comm_for(mesh)
+            comm.stats.reset()
             loss = model(idx, tgt)
             loss.backward()
-            counted = {f"{k}/{a}": n for (k, a), n in model.comm.stats.elements().items()}
-            calls = {f"{k}/{a}": c.calls for (k, a), c in model.comm.stats.totals.items()}
+            counted = {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()}
+            calls = {f"{k}/{a}": c.calls for (k, a), c in comm.stats.totals.items()}
             grad_err = {n: _rel(p.grad.full_tensor(), ref_grads[n]) for n, p in model.named_parameters()}
             out.append({"mesh": (d1, d2), "chunks": chunks,
                         "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
@@ -127,10 +128,10 @@ def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
     for d1, d2 in ((4, 1), (2, 2), (1, 4)):
         m = init_mesh((d1, d2))
         model = parallelize_gpt(gpt, m, chunks=2)
-        model.comm.emulator = TopologyEmulator(topo, (d1, d2), slowdown=50.0)
-        model.comm.stats.reset()
+        comm = comm_for(m, TopologyEmulator(topo, (d1, d2), slowdown=50.0))
+        comm.stats.reset()
         model(idx, tgt).backward()
-        counters = list(model.comm.stats.totals.values())
+        counters = list(comm.stats.totals.values())
         predicted = evaluate(topo, summary, (d1, d2), CostModel.runtime).t_comm_s * 50.0
         res["emulated"].append({
             "mesh": (d1, d2), "emulated_s": sum(c.emulated_s for c in counters), "predicted_s": predicted,
@@ -149,3 +150,24 @@ def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
             errors.append(str(e))
     res["errors"] = errors
     return res
+
+
+def equivalence_cuda(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list: List[int]) -> List[Dict[str, Any]]:
+    """:func:`equivalence` on CUDA tensors over NCCL (float64)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    dense = GPT(TINY).double().to(device)
+    idx, tgt = (t.to(device) for t in _data())
+    ref = dense(idx, tgt)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in dense.named_parameters()}
+    out = []
+    for d1, d2 in meshes:
+        for chunks in chunk_list:
+            model = parallelize_gpt(dense, init_mesh((d1, d2)), chunks)
+            loss = model(idx, tgt)
+            loss.backward()
+            grad_rel = max(_rel(p.grad.full_tensor(), ref_grads[n]) for n, p in model.named_parameters())
+            out.append({"mesh": (d1, d2), "chunks": chunks, "grad_rel": grad_rel,
+                        "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item())})
+    return out

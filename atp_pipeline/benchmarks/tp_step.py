@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from atp_pipeline.config.schema import CostModel, ModelConfig, TopologyConfig
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel import init_mesh, parallelize_gpt
+from atp_pipeline.parallel import comm_for, init_mesh, parallelize_gpt
 from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.parallel.launch import spawn
 from atp_pipeline.parallel.native import data_parallel, native_tensor_parallel
@@ -82,21 +82,21 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
     runners: Dict[str, Any] = {}
     for d1, d2 in spec["meshes"]:
         for chunks in spec["chunks"]:
-            model = parallelize_gpt(dense, init_mesh((d1, d2)), chunks)
-            if topo is not None:
-                model.comm.emulator = TopologyEmulator(topo, (d1, d2), spec["slowdown"])
-            runners[f"atp {d1}x{d2} chunks={chunks}"] = (model, model, (d1, d2), chunks)
+            mesh = init_mesh((d1, d2))
+            model = parallelize_gpt(dense, mesh, chunks)
+            comm = comm_for(mesh, TopologyEmulator(topo, (d1, d2), spec["slowdown"]) if topo else None)
+            runners[f"atp {d1}x{d2} chunks={chunks}"] = (model, comm, (d1, d2), chunks)
     if spec["comparators"]:
         native = native_tensor_parallel(dense, world)
-        runners["native-tp"] = (native, native, (world, 1), 1)
+        runners["native-tp"] = (native, None, (world, 1), 1)
         ddp = data_parallel(dense)
-        runners["ddp"] = (ddp, ddp, None, 1)
+        runners["ddp"] = (ddp, None, None, 1)
 
     samples: Dict[str, List[float]] = {k: [] for k in runners}
     comm: Dict[str, List[Dict[str, Any]]] = {k: [] for k in runners}
     for _ in range(spec["repeats"]):
-        for name, (model, module, mesh, chunks) in runners.items():
-            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+        for name, (model, comm_of, mesh, chunks) in runners.items():
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             if name == "ddp":
                 lo = rank * batch // world
                 x, y = idx[lo:lo + batch // world], tgt[lo:lo + batch // world]
@@ -110,12 +110,11 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
                 opt.zero_grad(set_to_none=True)
 
             _time_steps(step, spec["warmup"])
-            stats = getattr(model, "comm", None)
-            if stats is not None:
-                stats.stats.reset()
+            if comm_of is not None:
+                comm_of.stats.reset()
             samples[name] += _time_steps(step, spec["steps"])
-            if stats is not None:
-                by_axis = stats.stats.by_axis()
+            if comm_of is not None:
+                by_axis = comm_of.stats.by_axis()
                 comm[name].append({a: {"bytes": c.bytes / spec["steps"], "wait_s": c.wait_s / spec["steps"],
                                        "emulated_s": c.emulated_s / spec["steps"]}
                                    for a, c in by_axis.items()})

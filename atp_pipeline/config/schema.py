@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -117,6 +117,31 @@ class TopologyConfig:
     note: str = ""  # how it was derived (e.g. a sub-topology); set by the tools
 
 
+class PlanStyle(str, Enum):
+    """Parallel styles of a plan entry (atp_pipeline.parallel.plan)."""
+
+    column = "column"
+    row = "row"
+    block = "block"
+    layernorm = "layernorm"
+    embedding = "embedding"
+    vocab_loss = "vocab_loss"
+    replicated = "replicated"
+
+
+# The built-in GPT's parallel plan (module-name patterns of atp_pipeline.models.gpt.GPT):
+# ATP's transformer layer per block, hidden-sharded embeddings and final LayerNorm, a
+# column-first LM head and the vocabulary-parallel loss.
+GPT_PARALLEL_PLAN = {
+    "wte": PlanStyle.embedding,
+    "wpe": PlanStyle.embedding,
+    "blocks.*": PlanStyle.block,
+    "ln_f": PlanStyle.layernorm,
+    "head": PlanStyle.column,
+    "loss_fn": PlanStyle.vocab_loss,
+}
+
+
 @dataclass
 class ModelConfig:
     """A GPT model; ``batch_size`` and ``seq_len`` are the per-step b and s of Eq. 2."""
@@ -130,6 +155,7 @@ class ModelConfig:
     vocab_size: int = 50304
     ffn_mult: int = 4
     dtype: DType = DType.fp16
+    parallel_plan: Dict[str, PlanStyle] = field(default_factory=lambda: dict(GPT_PARALLEL_PLAN))
 
 
 @dataclass

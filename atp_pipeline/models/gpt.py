@@ -85,6 +85,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.loss_fn = nn.CrossEntropyLoss()
         self.apply(self._init)
 
     @staticmethod
@@ -103,7 +104,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,4 +1,4 @@
-"""The parallel GPT: the dense :class:`~atp_pipeline.models.gpt.GPT` sharded on DeviceMesh(d1, d2).
+"""ATP's parallel transformer layers, and the dense GPT sharded on DeviceMesh(d1, d2).
 
 Activation layout between blocks: hidden features split over d2, replicated over d1 — the
 input and output layout of ATP's parallel transformer layer (Figure 6).
@@ -25,6 +25,7 @@ lists exactly what this module sends.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, List
 
 import torch
@@ -37,12 +38,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, Block, attention_core
 from atp_pipeline.parallel.comm import Comm, Handle, comm_for
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, sharded_parameter
-from atp_pipeline.parallel.mappings import (
-    all_reduce_sum,
-    gather_dim0,
-    scatter_dim0,
-    vocab_parallel_cross_entropy,
-)
+from atp_pipeline.parallel.mappings import all_reduce_sum, gather_dim0, scatter_dim0
 
 
 def check_mesh_fits(heads: int, hidden: int, vocab: int, ffn_mult: int, d1: int, d2: int, what: str = "model") -> None:
@@ -174,34 +170,17 @@ class ParallelBlock(nn.Module):
         return states[0]["x"] if len(states) == 1 else torch.cat([st["x"] for st in states], dim=0)
 
 
-class ParallelGPT(nn.Module):
-    """The dense GPT's parameters sharded on ``mesh``; same loss and gradients."""
+def parallelize_gpt(model: GPT, mesh: DeviceMesh, chunks: int = 1) -> GPT:
+    """A copy of a dense GPT (identical on every rank, e.g. same seed) sharded on ``mesh``
+    by the built-in GPT's parallel plan; same loss and gradients, same parameter names."""
+    from atp_pipeline.config.schema import GPT_PARALLEL_PLAN
+    from atp_pipeline.parallel.plan import apply_parallel_plan
 
-    def __init__(self, model: GPT, mesh: DeviceMesh, chunks: int = 1) -> None:
-        super().__init__()
-        cfg = model.cfg
-        self.cfg, self.mesh, self.chunks = cfg, mesh, chunks
-        self.comm: Comm = comm_for(mesh)
-        d1, d2 = self.comm.size("d1"), self.comm.size("d2")
-        check_mesh_fits(cfg.heads, cfg.hidden, cfg.vocab_size, cfg.ffn_mult, d1, d2)
-        if chunks < 1:
-            raise ConfigError(f"chunks must be >= 1, got {chunks}")
-        self.wte = ParallelEmbedding(model.wte, mesh)
-        self.wpe = ParallelEmbedding(model.wpe, mesh)
-        self.blocks = nn.ModuleList(ParallelBlock(b, mesh, chunks) for b in model.blocks)
-        self.ln_f = ParallelLayerNorm(model.ln_f, mesh)
-        self.head = ATPLinear.from_linear(model.head, mesh, COLUMN)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of ``idx`` -> ``targets`` (the batch replicated over d1, d2)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))  # [b, s, vocab/d1]
-        return vocab_parallel_cross_entropy(logits, targets, self.comm, "d1")
-
-
-def parallelize_gpt(model: GPT, mesh: DeviceMesh, chunks: int = 1) -> ParallelGPT:
-    """Shard a dense GPT (identical on every rank, e.g. same seed) onto ``mesh``."""
-    return ParallelGPT(model, mesh, chunks)
+    cfg = model.cfg
+    comm = comm_for(mesh)
+    check_mesh_fits(cfg.heads, cfg.hidden, cfg.vocab_size, cfg.ffn_mult, comm.size("d1"), comm.size("d2"))
+    if chunks < 1:
+        raise ConfigError(f"chunks must be >= 1, got {chunks}")
+    parallel = copy.deepcopy(model)
+    apply_parallel_plan(parallel, {k: v.value for k, v in GPT_PARALLEL_PLAN.items()}, mesh, chunks)
+    return parallel
