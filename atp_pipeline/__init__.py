@@ -1,7 +1,7 @@
 """atp-pipeline: declarative, topology-aware distributed training.
 
-Importing the package registers its Hydra config schemas and the ``mesh=<d1>x<d2>``
-config source.
+Importing the package registers its Hydra config schemas, the ``mesh=<d1>x<d2>`` config
+source and the Lightning strategy ``"atp"``.
 """
 
 from atp_pipeline.config import register_mesh_source, register_schemas
@@ -12,5 +12,9 @@ from atp_pipeline.topology import Topology
 register_schemas()
 register_mesh_source()
 
+from atp_pipeline.lightning import ATPStrategy  # noqa: E402  (registers strategy "atp")
+from atp_pipeline.parallel import ATPLinear, init_mesh  # noqa: E402
+
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Plan", "Topology", "make_plan", "__version__"]
+__all__ = ["ATPLinear", "ATPStrategy", "ConfigError", "Plan", "Topology", "init_mesh", "make_plan",
+           "__version__"]

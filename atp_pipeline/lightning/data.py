@@ -1,0 +1,93 @@
+"""Data modules: the shipped byte-level corpus, and synthetic tokens for paper-size models.
+
+Both datasets are indexed by sample number and deterministic in it (a seeded permutation of
+corpus windows, or seeded random tokens), and the loaders do not shuffle: the order of
+batches is the same whatever the process count, so a tensor-parallel run sees exactly the
+single-process run's batches, data-parallel replicas split each global batch (Lightning's
+DistributedSampler over the dp dimension), and a resumed run continues at the sample where
+the checkpoint stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from atp_pipeline.data import CORPUS
+from atp_pipeline.errors import ConfigError
+
+
+class CorpusWindows(Dataset):
+    """``(x, y)`` windows of ``seq_len`` bytes, y shifted by one, in a seeded order."""
+
+    def __init__(self, path: Path, seq_len: int, seed: int, start: int = 0, length: int = 10**9) -> None:
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
+        if len(data) < seq_len + 2:
+            raise ConfigError(f"corpus {path} has {len(data)} bytes, fewer than seq_len+2 = {seq_len + 2}")
+        self.data, self.seq_len, self.start, self.length = data, seq_len, start, length
+        g = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(len(data) - seq_len - 1, generator=g)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        k = int(self.order[(self.start + i) % len(self.order)])
+        w = self.data[k:k + self.seq_len + 1]
+        return w[:-1], w[1:]
+
+
+class SyntheticTokens(Dataset):
+    """Seeded random tokens (for paper-size models, whose throughput is what is measured)."""
+
+    def __init__(self, vocab: int, seq_len: int, seed: int, start: int = 0, length: int = 10**9) -> None:
+        self.vocab, self.seq_len, self.seed, self.start, self.length = vocab, seq_len, seed, start, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.start + i)
+        w = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=g)
+        return w[:-1], w[1:]
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """``source="corpus"`` (bytes of the shipped text, vocab 256) or ``"synthetic"``.
+
+    ``batch_size`` is the global batch; each data-parallel replica loads its share. On
+    resume, :meth:`train_dataloader` starts at ``global_step * batch_size``.
+    """
+
+    def __init__(self, source: str, seq_len: int, batch_size: int, vocab_size: int = 256, seed: int = 0,
+                 path: Optional[Path] = None) -> None:
+        super().__init__()
+        if source not in ("corpus", "synthetic"):
+            raise ConfigError(f"data.source must be 'corpus' or 'synthetic', got {source!r}")
+        if source == "corpus" and vocab_size < 256:
+            raise ConfigError(f"the byte-level corpus needs vocab_size >= 256, got {vocab_size}")
+        self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
+        self.vocab_size, self.seed, self.path = vocab_size, seed, path or CORPUS
+
+    def _replicas(self) -> int:
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
+        return int(kwargs["num_replicas"]) if kwargs else 1
+
+    def train_dataloader(self) -> DataLoader:
+        replicas = self._replicas()
+        if self.batch_size % replicas:
+            raise ConfigError(f"global batch {self.batch_size} does not split over {replicas} data-parallel replicas")
+        trainer = self.trainer
+        step = trainer.global_step if trainer else 0
+        steps_left = max(1, (trainer.max_steps if trainer and trainer.max_steps > 0 else 10_000) - step)
+        start, length = step * self.batch_size, steps_left * self.batch_size  # one "epoch" = the run
+        if self.source == "corpus":
+            ds: Dataset = CorpusWindows(self.path, self.seq_len, self.seed, start, length)
+        else:
+            ds = SyntheticTokens(self.vocab_size, self.seq_len, self.seed, start, length)
+        return DataLoader(ds, batch_size=self.batch_size // replicas, shuffle=False, num_workers=0)
