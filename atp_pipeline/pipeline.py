@@ -1,8 +1,9 @@
-"""compose -> plan -> report: what ``train.py`` runs for a composed config.
+"""compose -> plan -> build -> fit -> report: what ``train.py`` runs for a composed config.
 
 ``stage=plan`` validates the topology and model, costs every mesh (ATP §3.5), prints the
-table and writes ``plan.json``, ``plan.png`` and ``summary.json`` into the run directory.
-Nothing is launched, so every input error surfaces here first, as one line.
+table and writes ``plan.json``, ``plan.png`` and ``summary.json`` into the run directory;
+nothing is launched. ``stage=fit`` (the default) does the same checks and more before any
+worker starts, then trains (:mod:`atp_pipeline.training`). Input errors are one line.
 """
 
 from __future__ import annotations
@@ -63,4 +64,10 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
         from atp_pipeline.planning.report import summary_row
 
         return {**summary_row(plan), **info}
+    if stage == Stage.fit:
+        from atp_pipeline.training import fit
+
+        row = fit(cfg, model_summary(cfg), out, _job_info())
+        row.pop("_results", None)
+        return row
     raise ConfigError(f"unknown stage {stage}")

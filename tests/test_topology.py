@@ -68,6 +68,8 @@ def test_restrict_to_occupied_sub_topology():
     assert "first 4 of 16 devices (one 'node')" in one_node.note
     two_nodes = ic4.restrict(8)
     assert [(l.name, l.count) for l in two_nodes.levels] == [("node", 2), ("gpu", 4)]
+    single = ic4.restrict(1)
+    assert single.world_size == 1 and [(l.name, l.count) for l in single.levels] == [("gpu", 1)]
     pair = ic4.restrict(2)
     assert [(l.name, l.count) for l in pair.levels] == [("gpu", 2)]
     torus = Topology.from_config(torus2d(4, 4, 25)).restrict(8)

@@ -60,6 +60,12 @@ class AggregationMode(str, Enum):
 
 class Stage(str, Enum):
     plan = "plan"  # compose -> plan -> report (no process is started)
+    fit = "fit"  # compose -> plan -> build -> fit -> report
+
+
+class DataSource(str, Enum):
+    corpus = "corpus"  # the shipped public-domain text, byte-level (vocab 256)
+    synthetic = "synthetic"  # seeded random tokens (paper-size models)
 
 
 class CostModel(str, Enum):
@@ -160,11 +166,13 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    """Which tensor-parallel DeviceMesh(d1, d2) to use; d1, d2 only for ``fixed``."""
+    """Which tensor-parallel DeviceMesh(d1, d2) to use (d1, d2 only for ``fixed``), and the
+    data-parallel size: the world is dp x d1 x d2."""
 
     strategy: MeshStrategy = MeshStrategy.auto
     d1: Optional[int] = None
     d2: Optional[int] = None
+    dp: int = 1
 
 
 @dataclass
@@ -195,20 +203,42 @@ class PlannerConfig:
 
 
 @dataclass
+class TrainerConfig:
+    """The training run (``stage=fit``): processes, steps, optimizer, logging, checkpoints."""
+
+    devices: Optional[int] = None  # processes; default: every device of the topology
+    accelerator: str = "cpu"
+    max_steps: int = 150
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    log_every_n_steps: int = 10
+    checkpoint_every_n_steps: int = 0  # 0: only the last step
+    progress_bar: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.corpus
+
+
+@dataclass
 class PathsConfig:
     output_dir: str = "${hydra:runtime.output_dir}"
 
 
 @dataclass
 class Config:
-    stage: Stage = Stage.plan
+    stage: Stage = Stage.fit
     seed: int = 0
+    resume: Optional[str] = None  # a checkpoint directory of an earlier run to continue
     topology: TopologyConfig = MISSING
     model: ModelConfig = MISSING
     mesh: MeshConfig = MISSING
     overlap: OverlapConfig = MISSING
     aggregation: AggregationConfig = MISSING
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 

@@ -4,7 +4,10 @@
 (or NCCL with ``backend="nccl"``) over TCP on a free loopback port, calls
 ``fn(rank, world, *args)`` in each and returns the per-rank results in rank order. A
 failure in any rank raises in the caller with that rank's traceback; no process is left
-behind.
+behind. With ``init=False`` the process group is left to the function (e.g. a Lightning
+Trainer): each process gets torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``, ``TORCHELASTIC_RUN_ID``...), so Lightning treats
+the processes as externally launched and never re-executes ``sys.argv``.
 """
 
 from __future__ import annotations
@@ -25,18 +28,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def torchrun_env(rank: int, world: int, port: int) -> dict:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "NODE_RANK": "0", "TORCHELASTIC_RUN_ID": f"atp-{port}"}
+
+
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
-           args: tuple, results: "mp.Queue") -> None:
+           args: tuple, results: "mp.Queue", init: bool = True) -> None:
     import torch
 
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        if init:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world)
+        else:
+            os.environ.update(torchrun_env(rank, world, port))
         out = fn(rank, world, *args)
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -46,13 +59,13 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", threads: int = 1,
-          timeout: float = 600.0) -> List[Any]:
+          timeout: float = 600.0, init: bool = True) -> List[Any]:
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed in ``world`` processes."""
     ctx = mp.get_context("spawn")
     results: "mp.Queue" = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init),
+                         daemon=False) for r in range(world)]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     for p in procs:
         p.start()

@@ -129,6 +129,8 @@ class Topology:
                     p2p = lv.p2p if lv.uniform else lv.p2p[:k, :k].copy()  # type: ignore[index]
                     head = [Level(lv.name, k, p2p, lv.group_GBps, lv.routing)]
                 levels = tuple(head) + self.levels[li + 1:]
+                if not levels:  # a single device: keep its level, with one unit
+                    levels = (Level(lv.name, 1, lv.group_GBps, lv.group_GBps, lv.routing),)
                 used = f"{k} of {lv.count} '{lv.name}' units" if k > 1 else f"one '{lv.name}'"
                 return Topology(name=self.name, levels=levels, description=self.description,
                                 device=self.device,
