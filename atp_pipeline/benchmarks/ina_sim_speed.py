@@ -1,0 +1,112 @@
+"""Simulator speed: simulated packets per second of wall time, SimPy vs the heap engine.
+
+    python -m atp_pipeline.benchmarks.ina_sim_speed [--out outputs/ina/sim_speed.json] [--repeat 3]
+
+Runs the same ATP simulations on both engines of :mod:`atp_pipeline.ina.sim.engine`,
+pinned to one CPU core, and reports per workload and engine:
+
+* ``hops_per_s`` — simulated packet transmissions (one per packet per link traversed,
+  each a discrete event: the packet's arrival at the next node) per wall-clock second;
+  this is the figure held against the issue's bar of 200,000 simulated packets/s;
+* ``host_packets_per_s`` — packets sent by end hosts (workers and the PS) per second;
+* ``events_per_s`` — all engine events (hops plus timers).
+
+Every run is also checked for exactness (each worker's result equals the integer sum), so
+a fast but wrong simulator cannot pass. The best of ``--repeat`` runs is reported (the
+machine is shared), with all runs listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List
+
+BAR = 200_000
+
+
+def _workloads() -> Dict[str, Any]:
+    from atp_pipeline.ina.sim.atp_job import AtpJobSpec
+    from atp_pipeline.ina.sim.fabric import FabricConfig
+
+    return {
+        # one rack: 8 workers and their PS under one ToR (the paper's testbed shape, §7.1)
+        "rack_8w": (FabricConfig(n_racks=1, hosts_per_rack=16),
+                    [AtpJobSpec(job=1, worker_hosts=list(range(8)), ps_hosts=[8], tensor_elems=62 * 6000)]),
+        # multi-rack: 2 jobs, 24 workers in 3 racks, two-level aggregation, PS racks apart
+        "multirack_2jobs": (FabricConfig(n_racks=4, hosts_per_rack=16),
+                            [AtpJobSpec(job=1, worker_hosts=list(range(0, 8)) + list(range(16, 24)), ps_hosts=[48],
+                                        tensor_elems=62 * 2000, two_level=True),
+                             AtpJobSpec(job=2, worker_hosts=list(range(32, 40)), ps_hosts=[49],
+                                        tensor_elems=62 * 3000)]),
+    }
+
+
+def measure(engine: str, name: str) -> Dict[str, Any]:
+    from atp_pipeline.ina.sim.scenario import run
+
+    cfg, jobs = _workloads()[name]
+    t0 = time.process_time()
+    res = run(cfg, jobs, engine=engine)
+    cpu = time.process_time() - t0
+    exact = all(j.finished and j.mismatches == 0 for j in res.jobs)
+    host_pkts = sum(h.uplink.tx_pkts for h in res.fabric.hosts)
+    return dict(engine=engine, workload=name, exact=exact, hops=res.hops, host_packets=host_pkts,
+                events=res.events, wall_s=res.wall_time, cpu_s=cpu, sim_time_s=res.sim_time,
+                hops_per_s=res.hops / res.wall_time, host_packets_per_s=host_pkts / res.wall_time,
+                events_per_s=res.events / res.wall_time)
+
+
+def main(argv: List[str] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.benchmarks.ina_sim_speed")
+    ap.add_argument("--out", default=os.path.join("outputs", "ina", "sim_speed.json"))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--engines", default="simpy,heap")
+    a = ap.parse_args(argv)
+    try:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core
+        pinned = True
+    except (AttributeError, OSError):
+        pinned = False
+    runs, best = [], {}
+    for name in _workloads():
+        for eng in a.engines.split(","):
+            for _ in range(a.repeat):
+                r = measure(eng, name)
+                runs.append(r)
+                k = f"{name}/{eng}"
+                if k not in best or r["hops_per_s"] > best[k]["hops_per_s"]:
+                    best[k] = r
+    summary = {k: dict(hops_per_s=round(v["hops_per_s"]), host_packets_per_s=round(v["host_packets_per_s"]),
+                       events_per_s=round(v["events_per_s"]), exact=v["exact"],
+                       meets_bar=v["hops_per_s"] >= BAR) for k, v in best.items()}
+    speedup = {}
+    for name in _workloads():
+        s, h = best.get(f"{name}/simpy"), best.get(f"{name}/heap")
+        if s and h:
+            speedup[name] = round(h["hops_per_s"] / s["hops_per_s"], 2)
+    out = dict(bar_packets_per_s=BAR, pinned_one_core=pinned, python=sys.version.split()[0],
+               machine=platform.machine(), summary=summary, heap_over_simpy=speedup, runs=runs)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"simulator speed (best of {a.repeat}, one core) → {a.out}")
+    for c in ("workload/engine", "hops/s", "host pkts/s", "events/s", "exact", f"≥ {BAR:,}"):
+        t.add_column(c)
+    for k, v in summary.items():
+        t.add_row(k, f"{v['hops_per_s']:,}", f"{v['host_packets_per_s']:,}", f"{v['events_per_s']:,}",
+                  str(v["exact"]), "yes" if v["meets_bar"] else "NO")
+    Console().print(t)
+    Console().print(f"heap engine / SimPy: {speedup}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

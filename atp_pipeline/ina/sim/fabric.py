@@ -1,0 +1,319 @@
+"""Packet-level model of a multi-rack fabric: hosts, ToR switches, one core switch, links.
+
+Topology: ``n_racks`` racks of ``hosts_per_rack`` hosts; host ``h`` sits in rack
+``h // hosts_per_rack`` under that rack's ToR; every ToR has one link pair to a single
+(non-programmable) core switch. ToRs are programmable ATP switches
+(:func:`atp_pipeline.ina.switch.process` on every ATP packet of a registered job) unless
+configured otherwise — a non-programmable ToR just routes (incremental deployment, §1).
+
+Links are directed, with bandwidth, propagation latency and a FIFO output queue of
+``buffer_bytes`` with tail drop and ECN marking above ``ecn_threshold_bytes`` (switch
+egress only; §5.4). A host's NIC queue is unbounded (the sending stack is backpressured
+by its NIC, it does not drop its own packets). A FIFO single-server queue is exact with one number per link, the
+time its transmitter becomes idle: the backlog seen by an arrival at ``t`` is
+``(busy_until − t)·bandwidth``, so each hop costs one event (the arrival at the next
+node). Fault injection per link (independent per packet): loss (the frame is sent and
+then discarded, like corruption), duplication (a second copy is delivered) and
+reordering (extra delay drawn uniformly from ``[0, reorder_delay]``, so later packets
+overtake it).
+
+Packet objects are shared between multicast replicas and treated as immutable after
+they leave a switch; the only in-flight mutation, ECN marking, copies on write.
+
+Multicast (§5.1): each job's group address reaches its worker hosts along the tree
+PS → PS's ToR → core → workers' ToRs → workers; a switch replicates to the members behind
+each of its ports except the ingress port.
+"""
+
+from __future__ import annotations
+
+import random
+from heapq import heappush
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from atp_pipeline.ina.packet import Packet
+from atp_pipeline.ina.switch import SwitchState, ecn_mark, process
+
+MCAST_BASE = 1 << 24
+
+
+def mcast_addr(job: int) -> int:
+    return MCAST_BASE + job
+
+
+@dataclass
+class LinkFaults:
+    loss: float = 0.0
+    dup: float = 0.0
+    reorder: float = 0.0
+    reorder_delay: float = 20e-6
+
+
+@dataclass
+class FabricConfig:
+    """Fabric parameters; rates in Gbit/s, times in seconds, sizes in bytes."""
+
+    n_racks: int = 2
+    hosts_per_rack: int = 8
+    host_gbps: float = 100.0
+    core_gbps: float = 400.0
+    latency: float = 1e-6  # per link
+    buffer_bytes: int = 512_000
+    ecn_threshold_bytes: int = 64_000
+    n_aggregators: int = 4096  # per programmable ToR
+    programmable_racks: Optional[List[int]] = None  # None: every ToR
+    payload_k: int = 62
+    bitmap_bits: int = 32
+    seed: int = 0
+
+
+class Link:
+    """Directed link with an exact FIFO output queue (see module docstring)."""
+
+    __slots__ = ("name", "src", "dst", "rate", "lat", "buf", "ecn_thr", "mark", "busy", "eng", "rng",
+                 "loss", "dup", "reorder", "reorder_delay", "tx_bytes", "tx_pkts", "drops",
+                 "lost", "dups", "ecn_marks", "max_backlog", "faulty", "recv", "q", "cnt")
+
+    def __init__(self, name: str, src: Any, dst: Any, gbps: float, lat: float, buf: int, ecn_thr: float,
+                 mark: bool, eng: Any, rng: random.Random) -> None:
+        self.name = name
+        self.src = src
+        self.dst = dst
+        self.rate = gbps * 1e9 / 8  # bytes/s
+        self.lat = lat
+        self.buf = buf
+        self.ecn_thr = ecn_thr
+        self.mark = mark
+        self.busy = 0.0
+        self.eng = eng
+        self.rng = rng
+        self.loss = self.dup = self.reorder = 0.0
+        self.reorder_delay = 0.0
+        self.tx_bytes = self.tx_pkts = self.drops = self.lost = self.dups = self.ecn_marks = 0
+        self.max_backlog = 0.0
+        self.faulty = False
+        self.recv = dst.receive
+        # fast path on the heap engine: push arrivals straight onto its event list
+        self.q = getattr(eng, "_q", None)
+        self.cnt = getattr(eng, "_cnt", None)
+
+    def set_faults(self, f: LinkFaults) -> None:
+        self.loss, self.dup, self.reorder, self.reorder_delay = f.loss, f.dup, f.reorder, f.reorder_delay
+        self.faulty = bool(f.loss or f.dup or f.reorder)
+
+    def send(self, p: Any) -> None:
+        eng = self.eng
+        now = eng.now
+        size = p.size
+        busy = self.busy
+        if busy > now:
+            backlog = (busy - now) * self.rate
+            if backlog + size > self.buf:
+                self.drops += 1
+                return
+            if backlog > self.max_backlog:
+                self.max_backlog = backlog
+            if self.mark:  # switch egress: the data plane's ECN rule
+                q = ecn_mark(p, backlog, self.ecn_thr)
+                if q is not p:
+                    self.ecn_marks += 1
+                    p = q
+            self.busy = t = busy + size / self.rate
+        else:
+            self.busy = t = now + size / self.rate
+        self.tx_bytes += size
+        self.tx_pkts += 1
+        t += self.lat
+        if self.faulty:
+            rng = self.rng
+            if self.loss and rng.random() < self.loss:
+                self.lost += 1
+                return
+            if self.dup and rng.random() < self.dup:
+                self.dups += 1
+                eng.at(t + rng.random() * self.reorder_delay, self.dst.receive, p.copy(), self)
+            if self.reorder and rng.random() < self.reorder:
+                t += rng.random() * self.reorder_delay
+        q = self.q
+        if q is not None:
+            heappush(q, (t, next(self.cnt), self.recv, p, self))
+        else:
+            eng.at(t, self.recv, p, self)
+
+
+class Host:
+    """An end host: one NIC link to its ToR; dispatches received packets to its roles."""
+
+    def __init__(self, hid: int, rack: int) -> None:
+        self.id = hid
+        self.rack = rack
+        self.uplink: Optional[Link] = None
+        self.atp_param: Dict[int, Callable[[Packet], None]] = {}  # job -> worker handler
+        self.atp_grad: Dict[int, Callable[[Packet], None]] = {}  # job -> PS handler
+        self.other: Dict[type, Callable[[Any], None]] = {}
+        self.unknown = 0
+
+    def send(self, p: Any) -> None:
+        self.uplink.send(p)
+
+    def receive(self, p: Any, link: Link) -> None:
+        if type(p) is Packet:
+            h = (self.atp_param if p.is_param else self.atp_grad).get(p.job)
+        else:
+            h = self.other.get(type(p))
+        if h is None:
+            self.unknown += 1
+            return
+        h(p)
+
+
+class SwitchNode:
+    """A ToR (optionally ATP-programmable) or the core switch."""
+
+    def __init__(self, name: str, state: Optional[SwitchState], extra: Optional[Dict[type, Callable]] = None) -> None:
+        self.name = name
+        self.state = state
+        self.host_port: Dict[int, Link] = {}  # ToR: local hosts
+        self.up: Optional[Link] = None  # ToR -> core
+        self.rack_port: Dict[int, Link] = {}  # core: rack -> link to that ToR
+        self.rack_of: Dict[int, int] = {}
+        self.is_core = False
+        self.rack = -1
+        self.mcast_local: Dict[int, List[int]] = {}  # group -> local member hosts
+        self.mcast_racks: Dict[int, List[int]] = {}  # group -> racks with members
+        self.dataplane: Dict[type, Callable[[Any, Link], List[Any]]] = dict(extra or {})
+        self.bypass: Set[int] = set()  # ATP-stack jobs without in-network aggregation (plain PS)
+        self.unroutable = 0
+
+    def receive(self, p: Any, link: Link) -> None:
+        if type(p) is Packet:
+            st = self.state
+            if st is not None and p.job not in self.bypass:
+                outs = process(st, p)[1]
+                if outs:
+                    hp = self.host_port
+                    for q in outs:
+                        lk = hp.get(q.dst)  # fast path: a local host
+                        if lk is not None:
+                            lk.send(q)
+                        else:
+                            self.route(q, link)
+                return
+        else:
+            dp = self.dataplane.get(type(p))
+            if dp is not None:
+                for q in dp(p, link):
+                    self.route(q, link)
+                return
+        self.route(p, link)
+
+    def route(self, p: Any, ingress: Optional[Link]) -> None:
+        d = p.dst
+        if d >= MCAST_BASE:
+            self._mcast(p, ingress)
+            return
+        if self.is_core:
+            r = self.rack_of.get(d)
+            if r is None:
+                self.unroutable += 1
+                return
+            self.rack_port[r].send(p)
+            return
+        lk = self.host_port.get(d)
+        if lk is not None:
+            lk.send(p)
+        elif d in self.rack_of:
+            self.up.send(p)
+        else:
+            self.unroutable += 1
+
+    def _mcast(self, p: Any, ingress: Optional[Link]) -> None:
+        outs: List[Link] = []
+        g = p.dst
+        if self.is_core:
+            for r in self.mcast_racks.get(g, ()):
+                lk = self.rack_port[r]
+                if ingress is None or lk.dst is not ingress.src:
+                    outs.append(lk)
+        else:
+            for h in self.mcast_local.get(g, ()):
+                outs.append(self.host_port[h])
+            racks = self.mcast_racks.get(g, ())
+            from_core = ingress is not None and ingress.src is not None and getattr(ingress.src, "is_core", False)
+            if not from_core and any(r != self.rack for r in racks):
+                outs.append(self.up)
+        # replicas share the packet object: nothing downstream mutates a parameter packet
+        # except ECN marking, which copies on write (Link.send)
+        for lk in outs:
+            lk.send(p)
+
+
+class Fabric:
+    """Builds racks, ToRs, the core and all links on an engine."""
+
+    def __init__(self, cfg: FabricConfig, engine: Any) -> None:
+        self.cfg = cfg
+        self.eng = engine
+        self.rng = random.Random(cfg.seed)
+        n_hosts = cfg.n_racks * cfg.hosts_per_rack
+        self.hosts = [Host(h, h // cfg.hosts_per_rack) for h in range(n_hosts)]
+        prog = set(range(cfg.n_racks)) if cfg.programmable_racks is None else set(cfg.programmable_racks)
+        self.core = SwitchNode("core", None)
+        self.core.is_core = True
+        self.tors: List[SwitchNode] = []
+        self.links: List[Link] = []
+        rack_of = {h.id: h.rack for h in self.hosts}
+        self.core.rack_of = rack_of
+        for r in range(cfg.n_racks):
+            st = SwitchState(cfg.n_aggregators, cfg.payload_k, cfg.bitmap_bits) if r in prog else None
+            tor = SwitchNode(f"tor{r}", st)
+            tor.rack = r
+            tor.rack_of = rack_of
+            self.tors.append(tor)
+            up = self._link(f"tor{r}->core", tor, self.core, cfg.core_gbps, mark=True)
+            down = self._link(f"core->tor{r}", self.core, tor, cfg.core_gbps, mark=True)
+            tor.up = up
+            self.core.rack_port[r] = down
+        for h in self.hosts:
+            tor = self.tors[h.rack]
+            h.uplink = self._link(f"h{h.id}->tor{h.rack}", h, tor, cfg.host_gbps, mark=False)
+            h.uplink.buf = float("inf")  # the host's own send queue backpressures, never drops
+            tor.host_port[h.id] = self._link(f"tor{h.rack}->h{h.id}", tor, h, cfg.host_gbps, mark=True)
+
+    def _link(self, name: str, src: Any, dst: Any, gbps: float, mark: bool) -> Link:
+        c = self.cfg
+        lk = Link(name, src, dst, gbps, c.latency, c.buffer_bytes, c.ecn_threshold_bytes, mark, self.eng, self.rng)
+        self.links.append(lk)
+        return lk
+
+    def all_links(self) -> List[Link]:
+        return self.links
+
+    def set_faults(self, f: LinkFaults) -> None:
+        for lk in self.links:
+            lk.set_faults(f)
+
+    def switches(self) -> List[SwitchState]:
+        return [t.state for t in self.tors if t.state is not None]
+
+    def join_group(self, group: int, hosts: List[int]) -> None:
+        """Install a multicast group (IGMP at job launch, §5.1)."""
+        racks = sorted({self.hosts[h].rack for h in hosts})
+        self.core.mcast_racks[group] = racks
+        for t in self.tors:
+            t.mcast_racks[group] = racks
+            t.mcast_local[group] = [h for h in hosts if self.hosts[h].rack == t.rack]
+
+    def register_job(self, job: int, in_network: bool = True) -> None:
+        """Per-job switch setup (§5.1); ``in_network=False`` makes the job a plain N-to-1
+        PS job (its packets are routed around the ATP data plane)."""
+        for t in self.tors:
+            if in_network:
+                if t.state is not None:
+                    t.state.add_job(job)
+            else:
+                t.bypass.add(job)
+
+    def packet_hops(self) -> int:
+        return sum(lk.tx_pkts for lk in self.links)

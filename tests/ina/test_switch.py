@@ -1,0 +1,171 @@
+"""Switch data plane (§5.3, Figure 4): each step ①–⑩ on hand-built packets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atp_pipeline.ina.packet import Packet, PacketFormat
+from atp_pipeline.ina.switch import SwitchState, agg_hash, allocated, ecn_mark, live_aggregators, process
+
+K = 4
+FMT = PacketFormat(payload_k=K)
+JOB = 7
+
+
+def grad(w, seq=0, fan0=3, fan1=0, edge=0, group=0, resend=0, val=None, ecn=0, job=JOB, bm0=None):
+    return FMT.packet(job=job, seq=seq, worker_id=w, fan_in0=fan0, fan_in1=fan1,
+                      bitmap0=bm0 if bm0 is not None else 1 << w, bitmap1=1 << group, edge=edge,
+                      resend=resend, ecn=ecn,
+                      payload=np.full(K, (w + 1) if val is None else val, dtype=np.int32))
+
+
+def param(seq=0, wm=0, job=JOB):
+    return FMT.packet(job=job, seq=seq, is_param=1, watermark=wm)
+
+
+def sw(n=8):
+    return SwitchState(n, K, jobs=[JOB])
+
+
+def test_allocate_merge_complete_then_parameter_deallocates():
+    s = sw()
+    assert process(s, grad(0))[1] == () and process(s, grad(1))[1] == ()
+    st, out = process(s, grad(2))  # ⑥ third of three: complete
+    assert st is s and len(out) == 1
+    p = out[0]
+    assert p.payload.tolist() == [6] * K and p.bitmap0 == 0b111 and p.edge == 1 and not p.resend
+    assert p.agg_index == agg_hash(JOB, 0)
+    assert allocated(s) == 1  # kept until the parameter packet (④ needs the bitmap)
+    _, out = process(s, param(0))  # ②
+    assert out[0].is_param and allocated(s) == 0 and s.stats.dealloc_param == 1
+
+
+def test_duplicate_contribution_is_dropped():
+    s = sw()
+    process(s, grad(0))
+    assert process(s, grad(0))[1] == ()  # ④ already aggregated, not a retransmission
+    process(s, grad(1))
+    out = process(s, grad(2))[1]
+    assert out[0].payload.tolist() == [6] * K  # counted once
+    assert s.stats.dup_dropped == 1
+
+
+def test_collision_goes_upstream_untouched_with_resend_and_level_flipped():
+    s = sw(n=1)
+    process(s, grad(0, seq=0))
+    g = grad(1, seq=1, val=5)
+    out = process(s, g)[1]  # ① another ⟨job, seq⟩ holds the only aggregator
+    assert out == (g,) and g.resend and g.collision and g.edge == 1
+    assert g.payload.tolist() == [5] * K and g.bitmap0 == 0b10
+    assert s.seq[0] == 0 and s.bitmap[0] == 0b1
+
+
+def test_other_job_parameter_does_not_deallocate():
+    s = SwitchState(1, K, jobs=[JOB, 8])
+    process(s, grad(0))
+    process(s, param(0, job=8))
+    process(s, param(5))
+    assert allocated(s) == 1
+
+
+def test_retransmission_merges_flushes_and_deallocates():
+    s = sw()
+    process(s, grad(0))
+    out = process(s, grad(1, resend=1))[1]  # ④ new bit merged, ⑨ copied out, ⑩ freed
+    assert len(out) == 1 and out[0].bitmap0 == 0b11 and out[0].payload.tolist() == [3] * K
+    assert out[0].resend and out[0].edge == 1 and allocated(s) == 0
+    process(s, grad(2))  # a later original allocates afresh
+    out = process(s, grad(2, resend=1))[1]  # ⑧ already merged: content flushed, not doubled
+    assert out[0].bitmap0 == 0b100 and out[0].payload.tolist() == [3] * K and allocated(s) == 0
+
+
+def test_retransmission_never_allocates():
+    s = sw()
+    g = grad(0, resend=1)
+    assert process(s, g)[1] == (g,) and allocated(s) == 0 and g.edge == 1
+
+
+def test_two_level_aggregation_and_level1_retransmission_flush():
+    s1 = sw()  # the PS's ToR; each group has its own first-level ToR below
+    ups = []
+    for grp in (0, 1):
+        st = SwitchState(8, K, jobs=[JOB])
+        for w in range(2):
+            ups += process(st, grad(w, fan0=2, fan1=3, group=grp, val=10 * grp + w))[1]
+    assert [u.edge for u in ups] == [1, 1] and [u.bitmap1 for u in ups] == [1, 2]
+    for u in ups:
+        assert process(s1, u)[1] == ()  # level 1 waits for three children
+    # a retransmission from group 2 at level 1: forwarded directly (⑦) + clone flush (⑩)
+    r = grad(0, fan0=1, fan1=3, group=2, edge=1, resend=1, val=100)
+    out = process(s1, r)[1]
+    assert len(out) == 2 and allocated(s1) == 0
+    clone, fwd = out
+    assert clone.agg1 and clone.bitmap1 == 0b011 and clone.payload.tolist() == [0 + 1 + 10 + 11] * K
+    assert fwd is r and not fwd.agg1 and fwd.payload.tolist() == [100] * K
+
+
+def test_level1_completion_marks_agg1():
+    s1 = sw()
+    out = []
+    for grp in range(2):
+        out += process(s1, grad(0, fan0=1, fan1=2, group=grp, edge=1, val=grp + 1))[1]
+    assert len(out) == 1 and out[0].agg1 and out[0].bitmap1 == 0b11 and out[0].payload.tolist() == [3] * K
+
+
+def test_ecn_of_consumed_packets_survives_aggregation():
+    s = sw()
+    process(s, grad(0))
+    process(s, grad(1, ecn=1))
+    out = process(s, grad(2))[1]
+    assert out[0].ecn == 1
+
+
+def test_watermark_refuses_stale_allocation_and_reclaims_stale_aggregators():
+    s = sw(n=2)  # job 7: seqs 0-3 and 8-11 hash to aggregator 1, seqs 4-7 to aggregator 0
+    process(s, grad(0, seq=3))  # will be left behind (e.g. a late duplicate)
+    process(s, param(seq=5, wm=5))  # PS: every seq < 5 of shard 0 is complete
+    assert live_aggregators(s) == [] and allocated(s) == 1  # stale: logically free
+    g = grad(1, seq=4)
+    assert process(s, g)[1] == (g,) and g.resend and s.stats.stale_forward == 1
+    process(s, grad(0, seq=8))  # touches the stale aggregator: reclaimed, then allocated
+    assert s.stats.stale_reclaimed == 1 and s.seq[1] == 8 and live_aggregators(s) == [(1, JOB, 8)]
+
+
+def test_no_memory_and_no_service():
+    s = SwitchState(0, K, jobs=[JOB])
+    g = grad(0)
+    assert process(s, g)[1] == (g,) and g.collision and g.edge == 1
+    s = sw()
+    g = grad(0, edge=1, fan1=0)  # single-level job passing the PS's ToR after level 0
+    assert process(s, g)[1] == (g,) and s.stats.no_service == 1 and allocated(s) == 0
+
+
+def test_fan_in_one_completes_immediately():
+    s = sw()
+    out = process(s, grad(0, fan0=1, val=9))[1]
+    assert len(out) == 1 and out[0].payload.tolist() == [9] * K and allocated(s) == 1
+
+
+def test_outcomes_partition_the_packets():
+    s = sw(n=2)
+    pkts = [grad(0), grad(0), grad(1, seq=1), grad(1, resend=1), param(0), grad(2, seq=5), grad(0, job=99)]
+    for p in pkts:
+        process(s, p)
+    assert s.stats.packets() == len(pkts)
+
+
+@pytest.mark.parametrize("backlog,marked", [(10, 0), (100, 1)])
+def test_ecn_marking_threshold_copies_on_write(backlog, marked):
+    p = Packet()
+    q = ecn_mark(p, backlog, 50)
+    assert q.ecn == marked and p.ecn == 0 and (q is p) == (not marked)
+
+
+def test_parameter_packets_sweep_stale_aggregators_of_their_job_and_teardown_clears():
+    s = sw(n=1)
+    process(s, grad(0, seq=3))  # orphan: a late duplicate after seq 3 completed
+    process(s, param(seq=9, wm=5))  # same slot (n = 1), watermark passes 3: reclaimed
+    assert allocated(s) == 0 and s.stats.stale_reclaimed == 1
+    process(s, grad(0, seq=6))
+    assert s.remove_job(JOB) == 1 and allocated(s) == 0 and JOB not in s.jobs and s.watermark == {}
