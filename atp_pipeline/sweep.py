@@ -1,7 +1,8 @@
 """Multirun summary: one table of every run's headline, in the sweep directory.
 
-Each run writes ``summary.json`` (:mod:`atp_pipeline.planning.report`); at the end of a
-``-m`` sweep this Hydra callback gathers them into ``summary.csv`` and prints the table.
+Each run writes ``summary.json`` (plan or training headline); at the end of a ``-m`` sweep
+this Hydra callback gathers them into ``summary.csv`` and ``summary.png`` (one bar per run,
+like the paper's Figure 11) and prints the table.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = ["job_num", "topology", "model", "world_size", "strategy", "selected", "t_comm_s",
-           "megatron_t_comm_s", "ratio_to_megatron", "source", "overrides"]
+COLUMNS = ["job_num", "topology", "model", "world_size", "dp", "strategy", "selected", "chunks",
+           "t_comm_s", "megatron_t_comm_s", "ratio_to_megatron", "source", "final_loss",
+           "step_time_s", "tokens_per_s", "tflops_per_device", "overrides"]
 
 
 def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
@@ -53,6 +55,29 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def plot_summary(rows: List[Dict[str, Any]], path: Path) -> None:
+    """One bar per run, like the paper's Figure 11: achieved TFLOP/s per device for training
+    runs, the planner's T_comm for plan-only sweeps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, label = (("tflops_per_device", "achieved TFLOP/s per device (median step)")
+                  if any(r.get("tflops_per_device") is not None for r in rows)
+                  else ("t_comm_s", "T_comm per step (s, planner)"))
+    names = [str(r.get("overrides") or r.get("job_num")) for r in rows]
+    values = [float(r.get(key) or 0.0) for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(rows) + 2), 4.0))
+    ax.bar(range(len(rows)), values, color="tab:blue")
+    ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(label)
+    ax.set_title(f"sweep: {len(rows)} runs", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 class SweepSummaryCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -60,6 +85,7 @@ class SweepSummaryCallback(Callback):
         if not rows:
             return
         path = write_summary(sweep_dir, rows)
+        plot_summary(rows, sweep_dir / "summary.png")
         console = Console(width=200)
         console.print(summary_table(rows))
         console.print(f"wrote {path}")

@@ -5,7 +5,8 @@ sub-topology actually occupied, the mesh against the model, the parallel plan's 
 against the model's modules, the per-device memory against the devices — and writes
 ``plan.json``; only then does it start the worker processes (torchrun's environment, so
 Lightning treats them as externally launched), each running a Lightning ``Trainer`` with
-``ATPStrategy``. Rank 0's logs become the run's ``metrics.csv``, ``loss.png`` and
+``ATPStrategy``. Under ``torchrun`` itself (multi-node) every process runs its own worker
+in place instead, with the run directory given on the command line. Rank 0's logs become the run's ``metrics.csv``, ``loss.png`` and
 ``summary.json``; sharded checkpoints go to ``checkpoints/`` (``resume=<dir>`` continues).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shutil
 import statistics
 from dataclasses import asdict
@@ -171,13 +173,27 @@ def fit(cfg: DictConfig, summary: ModelSummary, out: Path, job: Dict[str, Any]) 
 
     prepared = prepare(cfg, summary)
     plan: Plan = prepared["plan"]
-    print_plan(plan)
-    write_plan(plan, out, plot=cfg.planner.plot)
+    lead = os.environ.get("RANK", "0") == "0" or not os.environ.get("TORCHELASTIC_RUN_ID")
+    if lead:
+        print_plan(plan)
+        write_plan(plan, out, plot=cfg.planner.plot)
     d1, d2 = prepared["mesh"]
-    print(f"fit: {prepared['devices']} processes, mesh dp x d1 x d2 = {prepared['dp']} x {d1} x {d2}, "
-          f"chunks={cfg.overlap.chunks}, {cfg.trainer.max_steps} steps -> {out}")
-    results = spawn(fit_worker, prepared["devices"], prepared["worker"], str(out), init=False,
-                    timeout=max(600.0, 10.0 * cfg.trainer.max_steps))
+    if lead:
+        print(f"fit: {prepared['devices']} processes, mesh dp x d1 x d2 = {prepared['dp']} x {d1} x {d2}, "
+              f"chunks={cfg.overlap.chunks}, {cfg.trainer.max_steps} steps -> {out}")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        # launched by torchrun (e.g. one process per GPU on every node): run in place
+        world = int(os.environ["WORLD_SIZE"])
+        if world != prepared["devices"]:
+            raise ConfigError(f"torchrun started {world} processes but the run needs trainer.devices="
+                              f"{prepared['devices']}")
+        mine = fit_worker(int(os.environ["RANK"]), world, prepared["worker"], str(out))
+        if mine["rank"] != 0:
+            return {"rank": mine["rank"]}
+        results = [mine]
+    else:
+        results = spawn(fit_worker, prepared["devices"], prepared["worker"], str(out), init=False,
+                        timeout=max(600.0, 10.0 * cfg.trainer.max_steps))
     first = results[0]
     metrics_path = out / "metrics.csv"
     shutil.copyfile(first["metrics_csv"], metrics_path)

@@ -58,8 +58,8 @@ def test_stage_plan_writes_report(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["selected"] == "4x4"
 
 
-def test_default_run_plans_the_embedded_default(tmp_path):
-    out = run_train([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+def test_plan_stage_of_the_embedded_default(tmp_path):
+    out = run_train(["stage=plan", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["topology"]["name"], plan["model"]["name"], plan["world_size"]) == ("local", "tiny", 4)

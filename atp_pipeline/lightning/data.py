@@ -3,9 +3,9 @@
 Both datasets are indexed by sample number and deterministic in it (a seeded permutation of
 corpus windows, or seeded random tokens), and the loaders do not shuffle: the order of
 batches is the same whatever the process count, so a tensor-parallel run sees exactly the
-single-process run's batches, data-parallel replicas split each global batch (Lightning's
-DistributedSampler over the dp dimension), and a resumed run continues at the sample where
-the checkpoint stopped.
+single-process run's batches, data-parallel replicas split each global batch (a
+non-shuffling DistributedSampler over the dp dimension), and a resumed run continues at
+the sample where the checkpoint stopped.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from atp_pipeline.data import CORPUS
 from atp_pipeline.errors import ConfigError
@@ -73,13 +73,15 @@ class TokenDataModule(pl.LightningDataModule):
         self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
         self.vocab_size, self.seed, self.path = vocab_size, seed, path or CORPUS
 
-    def _replicas(self) -> int:
+    def _replica(self) -> Tuple[int, int]:
         trainer = self.trainer
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
-        return int(kwargs["num_replicas"]) if kwargs else 1
+        return (int(kwargs["num_replicas"]), int(kwargs["rank"])) if kwargs else (1, 0)
 
     def train_dataloader(self) -> DataLoader:
-        replicas = self._replicas()
+        # The sampler is ours: Lightning would otherwise inject a *shuffling* DistributedSampler
+        # for training, whose order depends on the dataset length (and so on max_steps).
+        replicas, rank = self._replica()
         if self.batch_size % replicas:
             raise ConfigError(f"global batch {self.batch_size} does not split over {replicas} data-parallel replicas")
         trainer = self.trainer
@@ -90,4 +92,5 @@ class TokenDataModule(pl.LightningDataModule):
             ds: Dataset = CorpusWindows(self.path, self.seq_len, self.seed, start, length)
         else:
             ds = SyntheticTokens(self.vocab_size, self.seq_len, self.seed, start, length)
-        return DataLoader(ds, batch_size=self.batch_size // replicas, shuffle=False, num_workers=0)
+        sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=False)
+        return DataLoader(ds, batch_size=self.batch_size // replicas, sampler=sampler, num_workers=0)

@@ -1,0 +1,149 @@
+"""The training pipeline and the Lightning strategy "atp" on real processes.
+
+Runs are kept tiny (tiny GPT, short sequences, few steps); each test is one launch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from atp_pipeline.pipeline import model_summary
+from atp_pipeline.training import fit, read_metrics
+
+from .conftest import ROOT, run_train
+
+FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
+
+
+def _fit(compose_cfg, out: Path, *overrides: str) -> Dict[str, Any]:
+    cfg = compose_cfg(*FAST, *overrides, f"paths.output_dir={out}")
+    return fit(cfg, model_summary(cfg), out, {})
+
+
+def _losses(run_dir: Path) -> List[float]:
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.csv") if "loss" in r]
+
+
+def test_plain_lightning_script_uses_strategy_atp(tmp_path):
+    """No Hydra: Trainer(strategy="atp") after `import atp_pipeline` (popen launcher)."""
+    script = tmp_path / "train_plain.py"
+    script.write_text(textwrap.dedent("""
+        import pytorch_lightning as pl
+        import atp_pipeline  # registers strategy "atp"
+        from atp_pipeline.lightning import GPTModule, TokenDataModule
+        from atp_pipeline.models.gpt import GPTConfig
+        from atp_pipeline.parallel import ATPLinear
+
+        class MyModule(GPTModule):
+            pass
+
+        cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=32, heads=8, layers=2)
+        module = MyModule(cfg)
+        trainer = pl.Trainer(strategy="atp", accelerator="cpu", devices=4, max_steps=5, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(module, datamodule=TokenDataModule("corpus", cfg.seq_len, batch_size=8))
+        linears = sum(isinstance(m, ATPLinear) for m in module.modules())
+        print(f"RESULT rank={trainer.global_rank} mesh={trainer.strategy.mesh_shape} atp_linears={linears} "
+              f"nn_linears={sum(type(m).__name__ == 'Linear' for m in module.modules())} "
+              f"steps={trainer.global_step} loss={float(trainer.callback_metrics['loss']):.6f}")
+    """))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = re.findall(r"RESULT rank=(\d) (mesh=\(1, 4, 1\) atp_linears=9 nn_linears=0 steps=5) "
+                         r"loss=(\d+\.\d{6})", out.stdout)  # ranks print concurrently
+    assert sorted(r[0] for r in results) == ["0", "1", "2", "3"], out.stdout[-2000:]
+    assert len({r[2] for r in results}) == 1  # tensor-parallel ranks agree
+
+
+def test_2x2_matches_single_process_and_dp_replicas_stay_identical(compose_cfg, tmp_path):
+    single = _fit(compose_cfg, tmp_path / "single", "trainer.devices=1", "trainer.max_steps=20")
+    tp = _fit(compose_cfg, tmp_path / "tp", "mesh=2x2", "trainer.devices=4", "trainer.max_steps=20")
+    a, b = _losses(tmp_path / "single"), _losses(tmp_path / "tp")
+    assert len(a) == len(b) == 20
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, list(zip(a, b))
+    assert tp["selected"] == "2x2" and single["selected"] == "1x1"
+    assert b[-1] < b[0]
+
+    dp = _fit(compose_cfg, tmp_path / "dp", "topology.levels.0.count=8", "mesh=2x2", "mesh.dp=2",
+              "trainer.max_steps=20")
+    results = dp["_results"]
+    assert dp["dp"] == 2 and len(results) == 8
+    by_tp_coord: Dict[tuple, List[Dict[str, str]]] = {}
+    for r in results:
+        by_tp_coord.setdefault(tuple(r["coord"][1:]), []).append(r["digest"])
+    assert len(by_tp_coord) == 4
+    for coord, digests in by_tp_coord.items():
+        assert len(digests) == 2 and digests[0] == digests[1], f"dp replicas of {coord} diverged"
+    assert dp["comm_dp_bytes"] > 0  # the gradient sync ran through the counted Comm
+
+
+def test_resume_continues_exactly(compose_cfg, tmp_path):
+    _fit(compose_cfg, tmp_path / "full", "mesh=2x2", "trainer.max_steps=20")
+    _fit(compose_cfg, tmp_path / "first", "mesh=2x2", "trainer.max_steps=10")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a sharded (torch.distributed.checkpoint) checkpoint directory"
+    assert len(list(ckpt.glob("*.distcp"))) == 4  # one shard file per rank
+    _fit(compose_cfg, tmp_path / "second", "mesh=2x2", "trainer.max_steps=20", f"resume={ckpt}")
+    full = read_metrics(tmp_path / "full" / "metrics.csv")
+    second = read_metrics(tmp_path / "second" / "metrics.csv")
+    resumed = {r["step"]: r["loss"] for r in second if "loss" in r}
+    assert sorted(resumed) == list(range(10, 20))  # steps 11..20
+    for r in full:
+        if r["step"] >= 10:
+            assert resumed[r["step"]] == pytest.approx(r["loss"], abs=1e-6), r["step"]
+
+
+def test_six_run_sweep_leaves_one_sweep_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = run_train(["-m", "mesh=4x1,2x2,1x4", "overlap=chunk1,chunk2", *FAST, "trainer.max_steps=3",
+                     "trainer.checkpoint_every_n_steps=0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [p for p in sweep.iterdir() if p.is_dir()]
+    assert len(runs) == 6
+    for run in runs:
+        assert (run / "metrics.csv").exists() and (run / "plan.json").exists()
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert len(rows) == 6
+    assert {(r["selected"], r["chunks"]) for r in rows} == {
+        (m, c) for m in ("4x1", "2x2", "1x4") for c in ("1", "2")}
+    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob("outputs")), "no second sweep directory from re-executed argv"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["mesh=3x1"], "error: mesh 3x1 needs 3 devices but topology 'local' has 4"),
+    (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
+    (["model.parallel_plan.blocks.*.atn=column"], "error: parallel plan: pattern 'blocks.*.atn' matches no module"),
+    (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
+    (["topology=ic4", "model=m4"], "error: model 'm4' needs ~"),
+])
+def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):
+    run = tmp_path / "run"
+    out = run_train([*args, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+    assert not (run / "lightning_logs").exists() and not (run / "checkpoints").exists()
+
+
+def test_default_run_learns(tmp_path):
+    """`python train.py`: tiny GPT on the corpus, 4 processes on `local`; loss falls >= 30%."""
+    run = tmp_path / "run"
+    out = run_train([f"hydra.run.dir={run}", "trainer.progress_bar=false"], cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("plan.json", "metrics.csv", "loss.png", "summary.json", "summary.txt"):
+        assert (run / name).exists(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["model"] == "tiny" and summary["topology"] == "local"
+    assert summary["loss_drop"] >= 0.30, summary
+    assert summary["atp_linears"] == 9
+    assert summary["tflops_per_device"] > 0 and summary["comm_d1_bytes"] > 0
