@@ -13,6 +13,7 @@ in place instead, with the run directory given on the command line. Rank 0's log
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -126,8 +127,13 @@ def fit_worker(rank: int, world: int, spec: Dict[str, Any], out_dir: str) -> Dic
     ckpt = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", save_last=True,
                            every_n_train_steps=every, save_top_k=-1, auto_insert_metric_name=False)
     logger = CSVLogger(save_dir=str(out), name="", version="lightning_logs")
+    loggers: List[Any] = [logger]
+    if importlib.util.find_spec("tensorboard") is not None:  # optional
+        from pytorch_lightning.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(out), name="", version="tensorboard"))
     trainer = pl.Trainer(strategy=strategy, accelerator=spec["accelerator"], devices=world, num_nodes=1,
-                         max_steps=spec["max_steps"], logger=logger, log_every_n_steps=1,
+                         max_steps=spec["max_steps"], logger=loggers, log_every_n_steps=1,
                          callbacks=[StepMetrics(spec["flops_per_step"], spec["tokens_per_step"]), ckpt],
                          enable_progress_bar=spec["progress"], enable_model_summary=False,
                          precision="64-true" if dtype == torch.float64 else "32-true")

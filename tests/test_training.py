@@ -33,6 +33,17 @@ def _losses(run_dir: Path) -> List[float]:
     return [r["loss"] for r in read_metrics(run_dir / "metrics.csv") if "loss" in r]
 
 
+def test_fewer_devices_plan_on_the_occupied_sub_topology(compose_cfg):
+    from atp_pipeline.training import prepare
+
+    cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=fit")
+    prepared = prepare(cfg, model_summary(cfg))
+    plan = prepared["plan"]
+    assert plan.world_size == 4 and [(l.name, l.count) for l in plan.topology.levels] == [("gpu", 4)]
+    assert plan.notes[0] == "4 of 16 devices of 'ic4' are used: planned and run on that sub-topology"
+    assert "sub-topology of 'ic4': the first 4 of 16 devices (one 'node')" in plan.to_dict()["notes"]
+
+
 def test_plain_lightning_script_uses_strategy_atp(tmp_path):
     """No Hydra: Trainer(strategy="atp") after `import atp_pipeline` (popen launcher)."""
     script = tmp_path / "train_plain.py"
