@@ -11,10 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atp_pipeline.config.schema import (
-    CostModel,
     DType,
     MeshConfig,
-    MeshStrategy,
     ModelConfig,
     PlannerConfig,
     Routing,

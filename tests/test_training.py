@@ -19,7 +19,7 @@ import pytest
 from atp_pipeline.pipeline import model_summary
 from atp_pipeline.training import fit, read_metrics
 
-from .conftest import ROOT, run_train
+from .conftest import run_train
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
@@ -133,11 +133,17 @@ def test_six_run_sweep_leaves_one_sweep_dir(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["mesh=3x1"], "error: mesh 3x1 needs 3 devices but topology 'local' has 4"),
     (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
-    (["model.parallel_plan.blocks.*.atn=column"], "error: parallel plan: pattern 'blocks.*.atn' matches no module"),
+    (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
     (["topology=ic4", "model=m4"], "error: model 'm4' needs ~"),
 ])
 def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):
+    conf = tmp_path / "userconf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "badplan.yaml").write_text(  # a user's model whose plan has a typo
+        "name: badplan\nhidden: 64\nheads: 8\nlayers: 2\nseq_len: 32\nbatch_size: 8\n"
+        "vocab_size: 256\ndtype: fp32\nparallel_plan:\n  'blocks.*.atn': column\n")
+    args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
     run = tmp_path / "run"
     out = run_train([*args, f"hydra.run.dir={run}"], cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]

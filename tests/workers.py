@@ -36,12 +36,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def equivalence(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list: List[int]) -> List[Dict[str, Any]]:
+def equivalence(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list: List[int],
+                device: str = "cpu") -> List[Dict[str, Any]]:
     """Parallel GPT (float64) vs the single-process model: loss, every full gradient, and the
-    counted collectives of one training step."""
+    counted collectives of one training step (on CUDA tensors over NCCL with ``device="cuda"``)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
-    dense = GPT(TINY).double()
-    idx, tgt = _data()
+    dense = GPT(TINY).double().to(dev)
+    idx, tgt = (t.to(dev) for t in _data())
     ref = dense(idx, tgt)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in dense.named_parameters()}
@@ -151,23 +153,3 @@ def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
     res["errors"] = errors
     return res
 
-
-def equivalence_cuda(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list: List[int]) -> List[Dict[str, Any]]:
-    """:func:`equivalence` on CUDA tensors over NCCL (float64)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    dense = GPT(TINY).double().to(device)
-    idx, tgt = (t.to(device) for t in _data())
-    ref = dense(idx, tgt)
-    ref.backward()
-    ref_grads = {n: p.grad.clone() for n, p in dense.named_parameters()}
-    out = []
-    for d1, d2 in meshes:
-        for chunks in chunk_list:
-            model = parallelize_gpt(dense, init_mesh((d1, d2)), chunks)
-            loss = model(idx, tgt)
-            loss.backward()
-            grad_rel = max(_rel(p.grad.full_tensor(), ref_grads[n]) for n, p in model.named_parameters())
-            out.append({"mesh": (d1, d2), "chunks": chunks, "grad_rel": grad_rel,
-                        "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item())})
-    return out

@@ -142,6 +142,19 @@ class Link:
             eng.at(t, self.recv, p, self)
 
 
+class JobDemux:
+    """Hands a packet type's arrivals at a host to the handler of the packet's job (several
+    baseline jobs can share a host); registered in ``Host.other`` per packet type."""
+
+    def __init__(self) -> None:
+        self.by_job: Dict[int, Callable[[Any], None]] = {}
+
+    def __call__(self, p: Any) -> None:
+        handler = self.by_job.get(p.job)
+        if handler is not None:
+            handler(p)
+
+
 class Host:
     """An end host: one NIC link to its ToR; dispatches received packets to its roles."""
 

@@ -13,14 +13,14 @@ unfinished (the scenario reports it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES
 from atp_pipeline.ina.quant import lane_limit
-from atp_pipeline.ina.sim.fabric import Fabric
+from atp_pipeline.ina.sim.fabric import Fabric, JobDemux
 from atp_pipeline.ina.sim.rounds import RoundJob
 
 RING_HEADER_BYTES = 12  # job 2, step 2, chunk 4, index 4
@@ -141,17 +141,8 @@ class RingJob(RoundJob):
         hs = spec.worker_hosts
         self.workers = [RingWorker(spec.job, w, W, h, hs[(w + 1) % W], spec.payload_k) for w, h in enumerate(hs)]
         for w, h in enumerate(hs):
-            fab.hosts[h].other.setdefault(RingPacket, _Demux())
+            fab.hosts[h].other.setdefault(RingPacket, JobDemux())
         self._begin(0)
         for w, h in enumerate(hs):
             fab.hosts[h].other[RingPacket].by_job[spec.job] = self.handler(w)
 
-
-class _Demux:
-    def __init__(self) -> None:
-        self.by_job: Dict[int, Callable] = {}
-
-    def __call__(self, p: Any) -> None:
-        h = self.by_job.get(p.job)
-        if h is not None:
-            h(p)

@@ -28,7 +28,7 @@ import numpy as np
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import Field, L2L4_OVERHEAD_BYTES
 from atp_pipeline.ina.quant import lane_limit
-from atp_pipeline.ina.sim.fabric import Fabric, mcast_addr
+from atp_pipeline.ina.sim.fabric import Fabric, JobDemux, mcast_addr
 from atp_pipeline.ina.sim.rounds import RoundJob
 
 #: SwitchML's header (as modelled): job, slot, version, worker, offset, result flag.
@@ -253,17 +253,8 @@ class SwitchMLJob(RoundJob):
         self.workers = [SMLWorker(spec.job, w, h, tor_addr, spec.pool, spec.payload_k, spec.rto)
                         for w, h in enumerate(spec.worker_hosts)]
         for w, h in enumerate(spec.worker_hosts):
-            fab.hosts[h].other.setdefault(SMLPacket, _Demux())
+            fab.hosts[h].other.setdefault(SMLPacket, JobDemux())
         self._begin(-(-spec.tensor_elems // spec.payload_k))
         for w, h in enumerate(spec.worker_hosts):
             fab.hosts[h].other[SMLPacket].by_job[spec.job] = self.handler(w)
 
-
-class _Demux:
-    def __init__(self) -> None:
-        self.by_job: Dict[int, Callable] = {}
-
-    def __call__(self, p: Any) -> None:
-        h = self.by_job.get(p.job)
-        if h is not None:
-            h(p)

@@ -1,0 +1,241 @@
+"""Packet-trace corpus of the ATP switch function, for P4 replay (issue 7, §5.3 Figure 4).
+
+Crafted packet sequences drive :func:`atp_pipeline.ina.switch.process` through every
+branch of Figure 4 (allocation, ① hit / collision, ② deallocation on parameter packets,
+③ per-level fan-in, ④ duplicate, ⑥ completion, ⑦ second-level resend flush, ⑧/⑨/⑩
+first-level resend, ECN marking, stale watermarks, malformed and unknown-job drops) plus
+non-ATP frames, which a switch must forward untouched. Inputs and the Python switch's
+outputs are written as whole Ethernet/IPv4/UDP frames in hex to ``p4/traces/atp.jsonl``
+so that a BMv2 run can inject the inputs and compare its outputs packet by packet.
+
+Format (JSON lines): a scenario line ``{"scenario", "n_aggregators", "jobs",
+"payload_k", "bitmap_bits", "p4_replay", "doc"}`` followed by its step lines
+``{"scenario", "step", "in", "out", "egress"}``; ``in`` is one frame, ``out`` the list of
+frames the switch emits in order, ``egress`` (or null) the queue state
+``{"backlog_bytes", "threshold_bytes"}`` under which :func:`ecn_mark` ran on each output.
+Each scenario starts from an empty switch. ``p4_replay`` is false where the Python state
+has no P4 equivalent (a switch with zero aggregators).
+
+Usage: ``python -m atp_pipeline.ina.traces`` (rewrite) / ``--check`` (exit 1 if stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from atp_pipeline.ina.p4gen import ATP_UDP_PORT, N_AGGREGATORS
+from atp_pipeline.ina.packet import PacketFormat
+from atp_pipeline.ina.switch import SwitchState, agg_hash, ecn_mark, process
+
+TRACE_FILE = Path(__file__).resolve().parents[2] / "p4" / "traces" / "atp.jsonl"
+WORKER_MAC, PS_MAC = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
+WORKER_IP, PS_IP = bytes([10, 0, 0, 1]), bytes([10, 0, 1, 1])
+FMT = PacketFormat()
+
+
+def _ip_checksum(hdr: bytes) -> int:
+    s = sum(struct.unpack("!10H", hdr))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
+def frame(payload: bytes, dport: int = ATP_UDP_PORT, to_ps: bool = True, proto: int = 17) -> bytes:
+    """Ethernet/IPv4/UDP encapsulation (UDP checksum 0); gradients go worker → PS,
+    parameter packets PS → workers. ``proto`` != 17 carries ``payload`` directly."""
+    smac, dmac = (WORKER_MAC, PS_MAC) if to_ps else (PS_MAC, WORKER_MAC)
+    sip, dip = (WORKER_IP, PS_IP) if to_ps else (PS_IP, WORKER_IP)
+    l4 = struct.pack("!HHHH", ATP_UDP_PORT, dport, 8 + len(payload), 0) + payload if proto == 17 else payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 0, 0, 64, proto, 0, sip, dip)
+    ip = ip[:10] + struct.pack("!H", _ip_checksum(ip)) + ip[12:]
+    return dmac + smac + b"\x08\x00" + ip + l4
+
+
+def atp_payload(buf: bytes) -> Optional[bytes]:
+    """The ATP bytes of a frame, or ``None`` if it is not ATP (the switch's classifier)."""
+    if len(buf) < 42 or buf[12:14] != b"\x08\x00" or buf[23] != 17:
+        return None
+    if struct.unpack("!H", buf[36:38])[0] != ATP_UDP_PORT:
+        return None
+    return buf[42:]
+
+
+@dataclass
+class Scenario:
+    name: str
+    doc: str
+    frames: List[bytes]
+    n_aggregators: int = N_AGGREGATORS
+    jobs: Tuple[int, ...] = (1,)
+    egress: List[Optional[Dict[str, int]]] = field(default_factory=list)
+    p4_replay: bool = True
+
+
+def _colliding_seq(job: int, seq: int, n: int, other_job: Optional[int] = None) -> int:
+    """A sequence number of ``other_job`` (default ``job``) hashing to ``seq``'s aggregator."""
+    oj = job if other_job is None else other_job
+    target = agg_hash(job, seq) % n
+    s = seq + 1
+    while agg_hash(oj, s) % n != target:
+        s += 1
+    return s
+
+
+def scenarios() -> List[Scenario]:
+    """The crafted corpus (deterministic)."""
+    rng = np.random.default_rng(7)
+
+    def g(**kw) -> bytes:  # gradient frame
+        kw.setdefault("job", 1)
+        kw.setdefault("fan_in0", 2)
+        kw.setdefault("payload", rng.integers(-1000, 1000, FMT.payload_k, dtype=np.int32))
+        return frame(FMT.encode(FMT.packet(**kw)))
+
+    def par(**kw) -> bytes:  # parameter frame
+        kw.setdefault("job", 1)
+        kw.setdefault("fan_in0", 2)
+        kw.setdefault("bitmap0", 3)
+        return frame(FMT.encode(FMT.packet(is_param=1, **kw)), to_ps=False)
+
+    N = N_AGGREGATORS
+    s_col = _colliding_seq(1, 100, N)
+    s_col2 = _colliding_seq(1, 300, N, other_job=2)
+    udp_other = frame(b"not atp", dport=53)
+    tcp = frame(bytes(20) + b"tcp bytes", proto=6)
+    raw = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
+    return [
+        Scenario("aggregate_complete_dealloc", "allocation, ① hit + ④ merge, ⑤⑥ completion at fan-in 2 "
+                 "(level 0), ② deallocation and multicast by the parameter packet",
+                 [g(seq=1, worker_id=0, bitmap0=1), g(seq=1, worker_id=1, bitmap0=2), par(seq=1, watermark=1)]),
+        Scenario("fan_in_one", "allocation that completes at once (fan-in 1), at level 0 and at level 1",
+                 [g(seq=2, fan_in0=1, bitmap0=1),
+                  g(seq=3, fan_in0=2, bitmap0=3, fan_in1=1, bitmap1=1, edge=1)]),
+        Scenario("duplicate", "④ already aggregated and not a retransmission: dropped; a new bit merges "
+                 "without completing (⑥ consumed)",
+                 [g(seq=4, bitmap0=1, fan_in0=3), g(seq=4, bitmap0=1, fan_in0=3), g(seq=4, bitmap0=2, fan_in0=3)]),
+        Scenario("collision", "① occupied by another ⟨job, seq⟩ (same job; other job at level 1): "
+                 "forwarded with resend + collision, edge flipped",
+                 [g(seq=100, bitmap0=1), g(seq=s_col, bitmap0=1),
+                  g(seq=300, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=1, edge=1),
+                  g(job=2, seq=s_col2, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=2, edge=1)], jobs=(1, 2)),
+        Scenario("resend_level0", "first-level resend: ④ merge a new bit then ⑨ carry value+bitmap and ⑩ "
+                 "deallocate; ⑧ bit already set: carry without merging",
+                 [g(seq=5, fan_in0=3, bitmap0=1, ecn=1), g(seq=5, fan_in0=3, bitmap0=2, resend=1),
+                  g(seq=6, fan_in0=3, bitmap0=4, overflow=1), g(seq=6, fan_in0=3, bitmap0=4, resend=1)]),
+        Scenario("resend_level1", "second-level resend hitting its aggregator: ⑦ forward the "
+                 "retransmission and flush the partial level-1 aggregate in a clone, ⑩ deallocate",
+                 [g(seq=7, fan_in0=2, bitmap0=3, fan_in1=3, bitmap1=1, edge=1, agg1=0, ecn=1, overflow=1),
+                  g(seq=7, fan_in0=2, bitmap0=1, fan_in1=3, bitmap1=2, edge=1, resend=1)]),
+        Scenario("resend_miss", "resend without an aggregator of its own: upstream untouched, never "
+                 "allocates (collision flag when the slot is occupied)",
+                 [g(seq=8, bitmap0=1, resend=1), g(seq=100, bitmap0=1), g(seq=s_col, bitmap0=2, resend=1)]),
+        Scenario("level1_complete", "two-level aggregation: two level-0 aggregates merge at level 1 and "
+                 "complete with agg1",
+                 [g(seq=9, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=1, edge=1),
+                  g(seq=9, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=2, edge=1, ecn=1)]),
+        Scenario("stale_watermark", "parameter packets raise the shard watermark; a gradient below it is "
+                 "forwarded without allocating; stale aggregators are reclaimed by a gradient (then "
+                 "re-allocated) and by a parameter packet",
+                 [g(seq=20, bitmap0=1), g(seq=40, bitmap0=1), par(seq=21, watermark=50), par(seq=21, watermark=3),
+                  g(seq=10, bitmap0=1), g(seq=_reclaim_seq(1, 20, 50, N), bitmap0=1),
+                  par(seq=_reclaim_seq(1, 40, 50, N), watermark=50)]),
+        Scenario("ecn", "ECN: a congested egress queue marks a forwarded packet (§5.4); an ECN bit is OR-ed "
+                 "through aggregation",
+                 [g(seq=11, fan_in0=1, bitmap0=1), g(seq=12, bitmap0=1, ecn=1), g(seq=12, bitmap0=2)],
+                 egress=[{"backlog_bytes": 100_000, "threshold_bytes": 64_000}, None, None]),
+        Scenario("malformed_and_service", "no aggregation service at a level (fan-in 0): plain forward; "
+                 "malformed headers dropped; unknown job dropped",
+                 [g(seq=13, fan_in0=2, bitmap0=1, edge=1), g(seq=13, fan_in0=2, bitmap0=4, edge=1),
+                  g(seq=14, bitmap0=3), g(seq=14, fan_in0=0, bitmap0=1, fan_in1=2, bitmap1=1, edge=1),
+                  g(job=9, seq=15, bitmap0=1)]),
+        Scenario("non_atp", "non-ATP traffic (other UDP port, TCP, ARP) passes untouched",
+                 [udp_other, tcp, raw]),
+        Scenario("no_aggregators", "a switch with zero aggregators treats every gradient as a collision",
+                 [g(seq=16, bitmap0=1)], n_aggregators=0, p4_replay=False),
+    ]
+
+
+def _reclaim_seq(job: int, seq: int, floor: int, n: int) -> int:
+    """A sequence ≥ ``floor`` of ``job`` hashing to ``seq``'s aggregator."""
+    s = _colliding_seq(job, seq, n)
+    while s < floor:
+        s = _colliding_seq(job, s, n)
+    return s
+
+
+def run_step(st: SwitchState, buf: bytes, egress: Optional[Dict[str, int]]) -> List[bytes]:
+    """One frame through the switch: classifier, :func:`process`, egress ECN marking."""
+    atp = atp_payload(buf)
+    if atp is None:
+        return [buf]  # non-ATP traffic is forwarded untouched
+    p = FMT.decode(atp)
+    _, outs = process(st, p)
+    res = []
+    for o in outs:
+        if egress is not None:
+            o = ecn_mark(o, egress["backlog_bytes"], egress["threshold_bytes"])
+        res.append(buf[:42] + FMT.encode(o))
+    return res
+
+
+def generate() -> Iterator[dict]:
+    """The corpus records (scenario line, then its steps), outputs from :func:`process`."""
+    for sc in scenarios():
+        yield {"scenario": sc.name, "n_aggregators": sc.n_aggregators, "jobs": list(sc.jobs),
+               "payload_k": FMT.payload_k, "bitmap_bits": FMT.bitmap_bits, "p4_replay": sc.p4_replay,
+               "doc": sc.doc}
+        st = SwitchState(sc.n_aggregators, FMT.payload_k, FMT.bitmap_bits, jobs=sc.jobs)
+        eg = sc.egress or [None] * len(sc.frames)
+        for i, (buf, e) in enumerate(zip(sc.frames, eg)):
+            outs = run_step(st, buf, e)
+            yield {"scenario": sc.name, "step": i, "in": buf.hex(), "out": [o.hex() for o in outs], "egress": e}
+
+
+def render() -> str:
+    return "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in generate())
+
+
+def load(path: Path = TRACE_FILE) -> List[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def replay(records: Sequence[dict]) -> List[Tuple[dict, List[str]]]:
+    """Re-run every step's input through a fresh Python switch per scenario:
+    ``[(step_record, actual_output_hex), ...]``."""
+    out: List[Tuple[dict, List[str]]] = []
+    st: Optional[SwitchState] = None
+    for r in records:
+        if "step" not in r:
+            st = SwitchState(r["n_aggregators"], r["payload_k"], r["bitmap_bits"], jobs=r["jobs"])
+            continue
+        assert st is not None
+        out.append((r, [o.hex() for o in run_step(st, bytes.fromhex(r["in"]), r["egress"])]))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.traces", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if p4/traces/atp.jsonl is stale")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        ok = TRACE_FILE.is_file() and TRACE_FILE.read_text(encoding="utf-8") == text
+        if not ok:
+            print(f"stale: {TRACE_FILE} (run python -m atp_pipeline.ina.traces)", file=sys.stderr)
+        return 0 if ok else 1
+    TRACE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    TRACE_FILE.write_text(text, encoding="utf-8")
+    print(f"wrote {TRACE_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
