@@ -37,8 +37,14 @@ def model_summary(cfg: DictConfig) -> ModelSummary:
 
 
 def plan_from_config(cfg: DictConfig) -> Plan:
-    topo = Topology.from_config(cfg.topology)
-    return make_plan(topo, model_summary(cfg), cfg.mesh, cfg.planner)
+    """The plan of ``stage=plan``; with ``mesh.dp > 1`` the tensor-parallel mesh is planned
+    on the devices of one data-parallel replica, exactly as ``stage=fit`` does."""
+    from atp_pipeline.training import prepare
+
+    summary = model_summary(cfg)
+    if cfg.mesh.dp == 1 and not cfg.trainer.devices:
+        return make_plan(Topology.from_config(cfg.topology), summary, cfg.mesh, cfg.planner)
+    return prepare(cfg, summary)["plan"]
 
 
 def _job_info() -> Dict[str, Any]:
