@@ -52,6 +52,15 @@ DEFAULT_OUT = os.path.join("outputs", "ina")
 
 
 # --------------------------------------------------------------------------- helpers
+
+def _save(fig, out_dir: str, name: str) -> None:
+    """Write a figure as ``out_dir/name`` and release it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=120)
+    plt.close(fig)
+
 def _write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     keys: List[str] = []
@@ -125,9 +134,7 @@ def exp_two_level(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax[1].bar(names, [r["completion_us"] for r in rows], color=["tab:blue", "tab:orange"])
     ax[1].set_ylabel("completion time (µs)")
     fig.suptitle("1,024 workers / 32 racks: two-level vs single-level aggregation")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "two_level.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "two_level.png")
     return rows
 
 
@@ -203,9 +210,7 @@ def exp_fig8(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax.set_ylabel("normalized training throughput")
     ax.set_title("Fig. 8: throughput vs forwarding rate")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig8_forwarding.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig8_forwarding.png")
     return rows
 
 
@@ -277,9 +282,7 @@ def exp_fig7(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
         a_.set_title(f"timeout {rto:g} µs")
         a_.legend()
     fig.suptitle("Fig. 7: throughput vs loss rate, ATP vs SwitchML (mean of seeds)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig7_loss.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig7_loss.png")
     summary = sorted({(r["system"], r["loss"], r["rto_us"], round(r["mean_normalized"], 4)) for r in rows})
     return [dict(system=s_, loss=l_, rto_us=t_, mean_normalized=m_) for s_, l_, t_, m_ in summary]
 
@@ -346,9 +349,7 @@ def exp_fig9(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax.set_xticks(range(len(vals)), labels, fontsize=7)
     ax.set_ylabel("Gbit/s per worker")
     ax.set_title("Fig. 9: two ATP jobs sharing a switch")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig9_workers.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig9_workers.png")
     return rows
 
 
@@ -371,9 +372,7 @@ def exp_fig10(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax.set_ylabel("Gbit/s per worker")
     ax.set_title("Fig. 10a: dynamic (ATP) vs static (SwitchML) switch memory")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig10_sharing.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig10_sharing.png")
     return rows
 
 
@@ -433,9 +432,7 @@ def exp_fig11(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax[1].set_title(f"paper recovery, rto {rows[0]['rto_us']:g} µs", fontsize=9)
     ax[1].legend(fontsize=8)
     fig.suptitle("Fig. 11: congestion control at 50% forwarding")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig11_cc.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig11_cc.png")
     return [{k: v for k, v in r.items() if k != "timeline"} for r in rows + extra]
 
 
@@ -473,9 +470,7 @@ def exp_fig12(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
     ax.set_ylabel("Gbit/s on worker 0's link")
     ax.set_title("Fig. 12: ATP beside background traffic")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig12_background.png"), dpi=120)
-    plt.close(fig)
+    _save(fig, out_dir, "fig12_background.png")
     inside = [r for r in rows if rep["bg_start_us"] + 40 <= r["t_us"] < rep["bg_stop_us"]]
     summary = dict(exact=rep["exact"],
                    atp_gbps_during_bg=sum(r["atp_gbps"] for r in inside) / max(1, len(inside)),

@@ -37,6 +37,7 @@ import numpy as np
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.packet import ATP_APP_TYPE, DecodeError, Packet, PacketFormat, validate_gradient
 from atp_pipeline.ina.quant import INT32_MAX
+from atp_pipeline.ina.counters import Counters
 
 
 class Update(Protocol):
@@ -72,16 +73,9 @@ class SGDUpdate:
         return np.clip(np.rint(view * self.param_scale), -INT32_MAX, INT32_MAX).astype(np.int32)
 
 
-class PSStats:
+class PSStats(Counters):
     __slots__ = ("gradients", "pieces_added", "pieces_merged", "duplicates", "overlaps",
                  "completed", "resent_params", "unknown_job", "malformed", "int_overflow")
-
-    def __init__(self) -> None:
-        for s in self.__slots__:
-            setattr(self, s, 0)
-
-    def as_dict(self) -> Dict[str, int]:
-        return {s: getattr(self, s) for s in self.__slots__}
 
 
 class _Seq:

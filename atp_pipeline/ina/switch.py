@@ -56,6 +56,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import numpy as np
 
 from atp_pipeline.ina.packet import DEFAULT_BITMAP_BITS, DecodeError, Packet, PacketFormat, validate_gradient
+from atp_pipeline.ina.counters import Counters
 
 FLAG_ECN = 1
 FLAG_OVF = 2
@@ -75,7 +76,7 @@ def agg_hash(job: int, seq: int) -> int:
     return zlib.crc32((seq & 0xFFFFFFFF).to_bytes(4, "big"), c)
 
 
-class SwitchStats:
+class SwitchStats(Counters):
     """Counters of one switch. Every packet handed to :func:`process` (or
     :func:`process_bytes`) lands in exactly one of :data:`OUTCOMES`; ``complete``,
     ``dealloc_param``, ``resend_merged`` and ``stale_reclaimed`` count side effects."""
@@ -83,13 +84,6 @@ class SwitchStats:
     OUTCOMES = ("param", "alloc", "merged", "collision", "dup_dropped", "resend_flush",
                 "resend_forward", "l1_flush", "stale_forward", "no_service", "unknown_job", "malformed")
     __slots__ = OUTCOMES + ("complete", "dealloc_param", "resend_merged", "stale_reclaimed")
-
-    def __init__(self) -> None:
-        for s in self.__slots__:
-            setattr(self, s, 0)
-
-    def as_dict(self) -> Dict[str, int]:
-        return {s: getattr(self, s) for s in self.__slots__}
 
     def packets(self) -> int:
         """Packets seen (sum of the exclusive outcomes)."""

@@ -50,13 +50,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple
 
 import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.packet import ATP_APP_TYPE, DecodeError, Packet, PacketFormat
 from atp_pipeline.ina.quant import quantize_mask
+from atp_pipeline.ina.counters import Counters
 
 
 @dataclass
@@ -79,16 +80,9 @@ class WorkerConfig:
     recovery: str = "rack"
 
 
-class WorkerStats:
+class WorkerStats(Counters):
     __slots__ = ("sent", "retransmits", "fast_retransmits", "timeouts", "acks", "dup_acks",
                  "ecn_acks", "decreases", "unknown_job", "malformed")
-
-    def __init__(self) -> None:
-        for s in self.__slots__:
-            setattr(self, s, 0)
-
-    def as_dict(self) -> Dict[str, int]:
-        return {s: getattr(self, s) for s in self.__slots__}
 
 
 class Worker:

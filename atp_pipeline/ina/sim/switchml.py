@@ -30,6 +30,7 @@ from atp_pipeline.ina.packet import Field, L2L4_OVERHEAD_BYTES
 from atp_pipeline.ina.quant import lane_limit
 from atp_pipeline.ina.sim.fabric import Fabric, JobDemux, mcast_addr
 from atp_pipeline.ina.sim.rounds import RoundJob
+from atp_pipeline.ina.counters import Counters
 
 #: SwitchML's header (as modelled): job, slot, version, worker, offset, result flag.
 SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_result", 1),
@@ -100,15 +101,8 @@ class SMLSwitch:
         return []
 
 
-class SMLWorkerStats:
+class SMLWorkerStats(Counters):
     __slots__ = ("sent", "retransmits", "timeouts", "acks", "dup_acks")
-
-    def __init__(self) -> None:
-        for s in self.__slots__:
-            setattr(self, s, 0)
-
-    def as_dict(self) -> Dict[str, int]:
-        return {s: getattr(self, s) for s in self.__slots__}
 
 
 class SMLWorker:
