@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import DictConfig
 
-from atp_pipeline.config.schema import DataSource
+from atp_pipeline.config.schema import DataSource, Stage
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.parallel.gpt import check_mesh_fits
@@ -73,6 +73,17 @@ def prepare(cfg: DictConfig, summary: ModelSummary) -> Dict[str, Any]:
             f"(dp={dp}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, optimizer "
             f"{mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
             f"'{topo.name}' devices have {capacity:g} GB")
+    accel = str(cfg.trainer.accelerator)
+    device_name = str(topo.device.get("name") or "unknown")
+    fitting = cfg.stage == Stage.fit
+    if fitting and accel == "cpu" and device_name not in ("cpu", "unknown"):
+        raise ConfigError(f"topology '{topo.name}' describes {device_name} devices but trainer.accelerator=cpu; "
+                          f"set trainer.accelerator=gpu to train on them, or stage=plan to only plan")
+    if fitting and accel in ("gpu", "cuda") and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        local = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local < devices:
+            raise ConfigError(f"trainer.accelerator={accel} with {devices} processes needs {devices} GPUs on "
+                              f"this host, found {local} (several nodes: launch with torchrun)")
     if cfg.resume and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
     notes = list(plan.notes)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from atp_pipeline.errors import ConfigError
 from atp_pipeline.pipeline import model_summary
 from atp_pipeline.training import fit, read_metrics
 
@@ -36,7 +37,13 @@ def _losses(run_dir: Path) -> List[float]:
 def test_fewer_devices_plan_on_the_occupied_sub_topology(compose_cfg):
     from atp_pipeline.training import prepare
 
-    cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=fit")
+    cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=fit", "trainer.accelerator=gpu")
+    with pytest.raises(ConfigError, match="needs 4 GPUs on this host, found 0"):
+        prepare(cfg, model_summary(cfg))
+    cfg.trainer.accelerator = "cpu"
+    with pytest.raises(ConfigError, match="describes A100-80GB devices but trainer.accelerator=cpu"):
+        prepare(cfg, model_summary(cfg))
+    cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=plan")
     prepared = prepare(cfg, model_summary(cfg))
     plan = prepared["plan"]
     assert plan.world_size == 4 and [(l.name, l.count) for l in plan.topology.levels] == [("gpu", 4)]
@@ -135,7 +142,8 @@ def test_six_run_sweep_leaves_one_sweep_dir(tmp_path):
     (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
     (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
-    (["topology=ic4", "model=m4"], "error: model 'm4' needs ~"),
+    (["topology=ic4", "model=m4", "model.layers=96"], "error: model 'm4' needs ~"),
+    (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
 ])
 def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):
     conf = tmp_path / "userconf"
