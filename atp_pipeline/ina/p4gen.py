@@ -18,8 +18,8 @@ Usage::
     python -m atp_pipeline.ina.p4gen            # (re)write p4/generated/
     python -m atp_pipeline.ina.p4gen --check    # exit 1 if the checked-in files are stale
 
-``ATP_UDP_PORT`` is defined here: :mod:`.packet` describes the ATP header only, not its
-UDP encapsulation, so the port has no other home yet.
+``ATP_UDP_PORT`` lives in :mod:`.packet` with the rest of the wire format (the live UDP
+transport and the P4 parsers use the same constant).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from atp_pipeline.ina.packet import ATP_APP_TYPE, DEFAULT_BITMAP_BITS, DEFAULT_K, PacketFormat
+from atp_pipeline.ina.packet import ATP_APP_TYPE, ATP_UDP_PORT, DEFAULT_BITMAP_BITS, DEFAULT_K, PacketFormat
 from atp_pipeline.ina.switch import FLAG_ECN, FLAG_OVF
 
-ATP_UDP_PORT = 0xA7A7  # UDP destination port that carries ATP (classifier, §5.3)
 N_AGGREGATORS = 40_000  # aggregators per lane register (the authors' release, NOTES.md)
 GENERATED_DIR = Path(__file__).resolve().parents[2] / "p4" / "generated"
 

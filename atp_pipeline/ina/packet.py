@@ -50,6 +50,7 @@ import numpy as np
 
 ATP_APP_TYPE = 0xA7
 L2L4_OVERHEAD_BYTES = 42  # Ethernet 14 + IPv4 20 + UDP 8
+ATP_UDP_PORT = 0xA7A7  # UDP destination port that carries ATP: the switches' classifier (§5.3)
 DEFAULT_K = 62
 DEFAULT_BITMAP_BITS = 32
 

@@ -117,6 +117,8 @@ class SwitchState:
         self.watermark: Dict[int, int] = {}  # (job << 2 | shard) -> low watermark
         self.jobs: Set[int] = set(jobs)
         self.stats = SwitchStats()
+        #: aggregator allocations per job since start (a per-job counter register in P4)
+        self.job_allocs: Dict[int, int] = {}
 
     def add_job(self, job: int) -> None:
         """Per-job setup (§5.1): the job's multicast group exists at this switch."""
@@ -151,6 +153,7 @@ def _claim(st: SwitchState, i: int, job: int, seq: int, shard: int, bm: int) -> 
     st.job[i], st.seq[i], st.shard[i] = job, seq, shard
     st.bitmap[i] = bm
     st.count[i] = 1 if bm else 0
+    st.job_allocs[job] = st.job_allocs.get(job, 0) + 1
 
 
 def _free(st: SwitchState, i: int) -> None:

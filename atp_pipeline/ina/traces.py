@@ -31,7 +31,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from atp_pipeline.ina.p4gen import ATP_UDP_PORT, N_AGGREGATORS
+from atp_pipeline.ina.p4gen import N_AGGREGATORS
+from atp_pipeline.ina.packet import ATP_UDP_PORT
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.switch import SwitchState, agg_hash, ecn_mark, process
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina import control_plane as cp
-from atp_pipeline.ina.p4gen import ATP_UDP_PORT
+from atp_pipeline.ina.packet import ATP_UDP_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 V1 = (ROOT / "p4" / "v1model" / "atp.p4").read_text()
