@@ -1,19 +1,24 @@
 """atp-pipeline: declarative, topology-aware distributed training.
 
 Importing the package registers its Hydra config schemas, the ``mesh=<d1>x<d2>`` config
-source and the Lightning strategy ``"atp"``.
+source and the Lightning strategy ``"atp"`` — except in the live aggregation backend's
+role processes (switch emulator, parameter server), which set ``ATP_PIPELINE_ROLE`` and
+need numpy only.
 """
 
-from atp_pipeline.config import register_mesh_source, register_schemas
-from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning import Plan, make_plan
-from atp_pipeline.topology import Topology
+import os
 
-register_schemas()
-register_mesh_source()
+if not os.environ.get("ATP_PIPELINE_ROLE"):  # live aggregation role processes need numpy only
+    from atp_pipeline.config import register_mesh_source, register_schemas
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.planning import Plan, make_plan
+    from atp_pipeline.topology import Topology
 
-from atp_pipeline.lightning import ATPStrategy  # noqa: E402  (registers strategy "atp")
-from atp_pipeline.parallel import ATPLinear, init_mesh  # noqa: E402
+    register_schemas()
+    register_mesh_source()
+
+    from atp_pipeline.lightning import ATPStrategy  # (registers strategy "atp")
+    from atp_pipeline.parallel import ATPLinear, init_mesh
 
 __version__ = "0.1.0"
 __all__ = ["ATPLinear", "ATPStrategy", "ConfigError", "Plan", "Topology", "init_mesh", "make_plan",

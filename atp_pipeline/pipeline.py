@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig
 
-from atp_pipeline.config.schema import Stage
+from atp_pipeline.config.schema import MeshStrategy, Stage
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.flops import ModelSummary
 from atp_pipeline.planning.report import print_plan, write_plan
@@ -39,10 +39,12 @@ def model_summary(cfg: DictConfig) -> ModelSummary:
 def plan_from_config(cfg: DictConfig) -> Plan:
     """The plan of ``stage=plan``; with ``mesh.dp > 1`` the tensor-parallel mesh is planned
     on the devices of one data-parallel replica, exactly as ``stage=fit`` does."""
-    from atp_pipeline.training import prepare
+    from atp_pipeline.training import prepare, resolve_dp
 
     summary = model_summary(cfg)
-    if cfg.mesh.dp == 1 and not cfg.trainer.devices:
+    if cfg.mesh.strategy == MeshStrategy.sbp:  # an SBPReport (planning/sbp/report.py)
+        return prepare(cfg, summary)["plan"]
+    if not cfg.trainer.devices and resolve_dp(cfg, Topology.from_config(cfg.topology).world_size) == 1:
         return make_plan(Topology.from_config(cfg.topology), summary, cfg.mesh, cfg.planner)
     return prepare(cfg, summary)["plan"]
 
@@ -63,8 +65,13 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
     out = Path(output_dir if output_dir is not None else cfg.paths.output_dir)
     if stage == Stage.plan:
         plan = plan_from_config(cfg)
-        print_plan(plan)
         info = _job_info()
+        if cfg.mesh.strategy == MeshStrategy.sbp:
+            plan.print()
+            paths = plan.write(out, extra_summary=info)
+            print(f"wrote {', '.join(str(p) for p in paths.values())}")
+            return {**plan.summary_row(), **info}
+        print_plan(plan)
         paths = write_plan(plan, out, plot=cfg.planner.plot, extra_summary=info)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
         from atp_pipeline.planning.report import summary_row

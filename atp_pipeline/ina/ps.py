@@ -96,6 +96,9 @@ class _JobState:
         self.open: Dict[int, _Seq] = {}
         self.done: Dict[int, Tuple[np.ndarray, int, int]] = {}
         self.watermark = first_seq
+        self.packets = 0  # gradient packets of this job that reached the PS
+        self.completed = 0  # sequences completed
+        self.in_switch = 0  # ... of which one fully switch-aggregated packet carried everything
 
 
 class ParameterServer:
@@ -143,6 +146,7 @@ class ParameterServer:
             S.malformed += 1
             return []
         S.gradients += 1
+        js.packets += 1
         seq = p.seq
         done = js.done.get(seq)
         if done is not None or seq < js.watermark:
@@ -191,6 +195,9 @@ class ParameterServer:
         res = (payload, st.ecn, ovf)
         js.done[seq] = res
         S.completed += 1
+        js.completed += 1
+        if len(st.pieces) == 1 and L.n_workers > 1:
+            js.in_switch += 1
         n_ps = L.n_ps
         while js.watermark in js.done:
             js.watermark += n_ps
@@ -225,3 +232,23 @@ class ParameterServer:
 
     def open_sequences(self, job: int) -> int:
         return len(self.jobs[job].open)
+
+    def remove_job(self, job: int) -> bool:
+        """Job teardown (§5.1): forget the job's state; whether it was registered."""
+        return self.jobs.pop(job, None) is not None
+
+    def job_stats(self, job: int) -> Dict[str, int]:
+        """Per-job counters: gradient packets that reached this shard, sequences completed,
+        and how many of those were completed by one fully switch-aggregated packet."""
+        js = self.jobs[job]
+        return {"packets": js.packets, "completed": js.completed, "in_switch": js.in_switch,
+                "open": len(js.open), "watermark": js.watermark}
+
+    def missing(self, job: int, seq: int) -> Optional[int]:
+        """Workers (bit ``w``) whose contribution to ``seq`` has not reached this shard,
+        ``0`` when the sequence is complete, ``None`` when nothing of it has arrived."""
+        js = self.jobs[job]
+        if seq in js.done or seq < js.watermark:
+            return 0
+        st = js.open.get(seq)
+        return None if st is None else js.layout.full_mask & ~st.have

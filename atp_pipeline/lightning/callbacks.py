@@ -13,7 +13,9 @@ AXES = ("dp", "d1", "d2")
 class StepMetrics(pl.Callback):
     """Logs, every step: step time, tokens/s, achieved TFLOP/s per device (the model's FLOPs
     per step by the paper's §5 formula over step time and device count), and the bytes and
-    blocked time of the collectives on each mesh dimension (the strategy's Comm counters).
+    blocked time of the collectives on each mesh dimension (the strategy's Comm counters),
+    and with ``aggregation=atp``/``ps`` the backend's sync time, GB/s per worker, packets,
+    retransmissions, window and the fractions aggregated in the switch / sent to the PS.
     """
 
     def __init__(self, flops_per_step: float, tokens_per_step: int) -> None:
@@ -43,5 +45,8 @@ class StepMetrics(pl.Callback):
                 c = by_axis.get(axis)
                 m[f"comm_{axis}_bytes"] = float(c.bytes) if c else 0.0
                 m[f"comm_{axis}_wait_s"] = c.wait_s if c else 0.0
+        metrics = getattr(trainer.strategy, "aggregation_metrics", None)
+        if metrics is not None:
+            m.update(metrics())  # the ATP backend's per-step counters (sync time, switch share...)
         self.last = m
         pl_module.log_dict(m, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,8 +60,12 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", threads: int = 1,
-          timeout: float = 600.0, init: bool = True) -> List[Any]:
-    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed in ``world`` processes."""
+          timeout: float = 600.0, init: bool = True, failure_grace: float = 30.0) -> List[Any]:
+    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed in ``world`` processes.
+
+    A rank that raises or dies (e.g. killed) is reported with the others' errors: after the
+    first failure the remaining ranks get ``failure_grace`` seconds to finish or fail on
+    their own (so their own diagnosis is reported) before they are terminated."""
     ctx = mp.get_context("spawn")
     results: "mp.Queue" = ctx.Queue()
     port = free_port()
@@ -70,18 +75,42 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     for p in procs:
         p.start()
     out: List[Any] = [None] * world
+    done: dict = {}  # rank -> (ok, value)
+    failures: List[str] = []
+    deadline = time.monotonic() + timeout
+    first_failure: Optional[float] = None
     try:
-        for _ in range(world):
+        while len(done) < world:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.5)
+                done[rank] = (ok, value)
+                if not ok:
+                    failures.append(f"rank {rank} failed:\n{value}")
             except queue.Empty:
-                raise TimeoutError(f"spawn: no result from {world} workers within {timeout:.0f} s") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+                for r, p in enumerate(procs):  # a process that died without reporting (killed)
+                    if r not in done and p.exitcode is not None:
+                        time.sleep(0.2)  # its result may still be in the pipe
+                        if r in done or not results.empty():
+                            break
+                        done[r] = (False, None)
+                        failures.append(f"rank {r} died without reporting (exit code {p.exitcode}"
+                                        + (f", signal {-p.exitcode}" if p.exitcode < 0 else "") + ")")
+            now = time.monotonic()
+            if failures and first_failure is None:
+                first_failure = now
+            if now > deadline or (first_failure is not None and now - first_failure > failure_grace):
+                missing = [r for r in range(world) if r not in done]
+                failures.append(f"ranks {missing} gave no result within "
+                                + (f"{failure_grace:.0f} s of the first failure; terminated" if first_failure
+                                   else f"{timeout:.0f} s"))
+                break
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        for r, (_, value) in done.items():
+            out[r] = value
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=1 if failures else 10)
             if p.is_alive():
                 p.terminate()
                 p.join()

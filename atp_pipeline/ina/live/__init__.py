@@ -1,0 +1,15 @@
+"""The live ATP in-network aggregation backend: real processes exchanging ATP packets over UDP.
+
+=====================  ========================================================================
+module                 what it holds
+=====================  ========================================================================
+:mod:`.rpc`            the roles' control channel (job setup/teardown §5.1, stats, shutdown)
+:mod:`.nodes`          the switch emulator and parameter-server processes (UDP data plane)
+:mod:`.engine`         the worker end-host stack in a training rank (thread, Future API)
+:mod:`.services`       starting/connecting/stopping roles, installing and removing jobs
+:mod:`.sync`           one data-parallel group's ATP job; the DDP communication hook
+=====================  ========================================================================
+
+Nothing here imports torch at module import except :mod:`.engine` and :mod:`.sync`; the
+role processes run with numpy only.
+"""

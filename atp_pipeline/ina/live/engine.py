@@ -1,0 +1,229 @@
+"""The worker end-host stack in a training rank: ATP all-reduce off the autograd thread.
+
+:class:`Engine` owns one UDP socket and one protocol :class:`~atp_pipeline.ina.worker.Worker`
+(window, ACKs, retransmission, AIMD — §5.4, unchanged from the simulator) and runs them on
+a background thread. :meth:`Engine.all_reduce_async` queues a tensor and returns a
+``torch.futures.Future`` that completes with the tensor overwritten by the sum over the
+job's workers, so a DDP communication hook or the strategy's ``post_backward`` can wait
+on it. Requests are served in order; every worker of a job issues the same sequence of
+buffer sizes (DDP's buckets, or one flat bucket per step), so sequence numbers agree.
+
+Quantization (§5.4, :mod:`atp_pipeline.ina.quant`): all workers of a job must use the same
+scale. It is derived from data every worker already shares — the previous result for the
+same buffer size — never from local values: ``s = safe_scale(bound, W)`` with
+``bound = 16·max|Σ|`` of the last round (``initial_bound`` before the first). A lane that
+saturates sets the ``overflow`` flag, which the switch and the PS OR into the parameter
+packet, so every worker sees it on the same sequences; all of them then redo the round
+with ``bound × 1024`` (at most ``max_rescale`` times). Integer sums are exact, the scale
+is a function of earlier results only, so the result is bit-identical whatever the loss,
+duplication or reordering on the way; nothing wraps: a gradient that still saturates
+after every rescaling (NaN/inf, or beyond ``2^(10·max_rescale)·bound``) raises.
+
+Liveness: a round that makes no progress (no new parameter packet) for
+``stall_timeout_s`` raises :class:`~.rpc.AggregationError` naming the workers whose
+contributions are missing for the oldest unfinished sequence (asked of the switch, which
+holds the aggregator's bitmap, and of the PS), i.e. the rank that died or hangs.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from atp_pipeline.ina.job import JobLayout
+from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
+from atp_pipeline.ina.packet import PacketFormat
+from atp_pipeline.ina.quant import safe_scale
+from atp_pipeline.ina.worker import Worker, WorkerConfig
+
+SEQ_LIMIT = 1 << 32
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the live end-host stack (times in seconds)."""
+
+    stall_timeout_s: float = 10.0
+    initial_bound: float = 1.0
+    headroom: float = 16.0
+    max_rescale: int = 6
+    worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(rto=0.05, max_window_bytes=2e6))
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters of one engine (deltas per step are logged)."""
+
+    rounds: int = 0
+    bytes: int = 0  # gradient bytes synchronized (float32-equivalent: 4 per element)
+    sync_s: float = 0.0
+    rescales: int = 0
+    packets: int = 0
+    retransmits: int = 0
+    timeouts: int = 0
+    window_bytes: float = 0.0
+
+    def as_dict(self) -> Dict[str, float]:
+        return dict(self.__dict__)
+
+
+class Engine:
+    """Worker ``worker_id`` of ATP job ``job`` (``n_workers`` workers, ``n_ps`` PS shards)."""
+
+    def __init__(self, fmt: PacketFormat, job: int, worker_id: int, n_workers: int, sock: socket.socket,
+                 switch: Addr, switch_control: Addr, ps_controls: Sequence[Addr], n_ps: int = 1,
+                 ranks: Optional[Sequence[int]] = None, cfg: Optional[EngineConfig] = None) -> None:
+        self.fmt, self.job, self.wid, self.n_workers = fmt, job, worker_id, n_workers
+        self.cfg = cfg or EngineConfig()
+        self.sock, self.switch = sock, tuple(switch)
+        self.switch_control, self.ps_controls = tuple(switch_control), [tuple(a) for a in ps_controls]
+        self.ranks = list(ranks) if ranks is not None else list(range(n_workers))
+        layout = JobLayout(job=job, groups=[list(range(n_workers))], n_ps=n_ps, bitmap_bits=fmt.bitmap_bits)
+        self.worker = Worker(fmt, layout, worker_id, host=worker_id, cfg=self.cfg.worker)
+        self.stats = EngineStats()
+        self.seq = 0
+        self._bound: Dict[int, float] = {}
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=f"atp-worker-{job}.{worker_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API
+    def all_reduce_async(self, tensor: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
+        """Sum ``tensor`` (contiguous, CPU) over the job's workers, in place; a Future of it."""
+        fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            fut.set_exception(AggregationError("ATP all-reduce needs a contiguous CPU tensor"))
+            return fut
+        self._q.put((tensor, fut))
+        return fut
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_async(tensor).wait()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            tensor, fut = item
+            if self.error is not None:  # a failed job stays failed: never hang the caller
+                fut.set_exception(self.error)
+                continue
+            try:
+                self._sync(tensor)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                self.error = e
+                fut.set_exception(e)
+                continue
+            fut.set_result(tensor)
+
+    def _sync(self, tensor: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        x = tensor.detach().reshape(-1).numpy().astype(np.float64, copy=False)
+        n = x.size
+        bound = self._bound.get(n, self.cfg.initial_bound)
+        w = self.worker
+        for attempt in range(self.cfg.max_rescale + 1):
+            scale = safe_scale(bound, self.n_workers)
+            if self.seq + -(-n // self.fmt.payload_k) >= SEQ_LIMIT:
+                raise AggregationError(f"ATP job {self.job}: 32-bit sequence space exhausted")
+            pkts = w.start_float(x, scale, self.seq, time.monotonic())
+            self.seq += w.n
+            self._send(pkts)
+            self._run_round()
+            if not w.overflow_seqs:
+                break
+            if attempt == self.cfg.max_rescale:
+                local = "" if np.isfinite(x).all() else f"; rank {self.ranks[self.wid]} has NaN/inf gradients"
+                raise AggregationError(f"ATP job {self.job}: gradient lanes still saturate after "
+                                       f"{self.cfg.max_rescale} rescalings (bound {bound:.3g}){local}")
+            bound *= 1024.0
+            self.stats.rescales += 1
+        res = w.result_tensor.astype(np.float64) / scale
+        peak = float(np.abs(res).max(initial=0.0))
+        self._bound[n] = max(self.cfg.headroom * peak, 1e-12)
+        tensor.view(-1).copy_(torch.from_numpy(res))
+        s = self.stats
+        s.rounds += 1
+        s.bytes += 4 * n
+        s.sync_s += time.perf_counter() - t0
+        ws = w.stats
+        s.packets, s.retransmits, s.timeouts = ws.sent, ws.retransmits, ws.timeouts
+        s.window_bytes = w.wnd
+
+    def _send(self, pkts: List[Any]) -> None:
+        enc, sendto, dst = self.fmt.encode, self.sock.sendto, self.switch
+        for p in pkts:
+            sendto(enc(p), dst)
+
+    def _run_round(self) -> None:
+        w, sock = self.worker, self.sock
+        recv, settimeout = sock.recv, sock.settimeout
+        stall = self.cfg.stall_timeout_s
+        last_progress = time.monotonic()
+        acked = w.n_acked
+        while not w.done:
+            now = time.monotonic()
+            d = w.next_deadline()
+            wait = 0.05 if d is None else min(max(d - now, 0.0), 0.05)
+            settimeout(wait if wait > 0 else 1e-6)
+            try:
+                buf = recv(65536)
+            except socket.timeout:
+                buf = None
+            now = time.monotonic()
+            if buf is not None:
+                out = w.on_bytes(buf, now)
+                if out:
+                    self._send(out)
+            if d is not None and now >= d:
+                out = w.poll(now)
+                if out:
+                    self._send(out)
+            if w.n_acked != acked:
+                acked, last_progress = w.n_acked, now
+            elif now - last_progress > stall:
+                raise self._stalled(w.base + w.una, now - last_progress)
+
+    def _stalled(self, seq: int, waited: float) -> AggregationError:
+        """Name the workers whose contribution to ``seq`` is missing (switch ∪ PS view)."""
+        full = (1 << self.n_workers) - 1
+        seen, notes = 0, []
+        try:
+            bm = call(self.switch_control, "aggregator", timeout=3.0, what="switch", job=self.job, seq=seq)
+            seen |= bm or 0
+        except AggregationError as e:
+            notes.append(str(e))
+        shard = seq % len(self.ps_controls)
+        try:
+            miss = call(self.ps_controls[shard], "missing", timeout=3.0, what="parameter server",
+                        job=self.job, seq=seq)
+            if miss is not None:
+                seen |= full & ~miss
+        except AggregationError as e:
+            notes.append(str(e))
+        missing = [i for i in range(self.n_workers) if not seen >> i & 1]
+        who = ", ".join(f"worker {i} (rank {self.ranks[i]})" for i in missing) or "none identified"
+        msg = (f"ATP gradient sync of job {self.job} made no progress for {waited:.0f} s at sequence {seq}: "
+               f"no contribution from {who} — that process stopped or is unreachable")
+        if notes:
+            msg += "; " + "; ".join(notes)
+        return AggregationError(msg)
+

@@ -1,0 +1,334 @@
+"""The live ATP roles as processes: the switch emulator and the parameter server.
+
+Each role owns one UDP socket for ATP packets (the ATP header and payload are the UDP
+payload, exactly the bytes of :meth:`PacketFormat.encode`) and a control server
+(:mod:`.rpc`) for job setup/teardown (§5.1) and statistics. The data plane is one thread
+that hands every datagram to the protocol's transport-free role — the switch emulator
+runs :func:`atp_pipeline.ina.switch.process`, the very function the simulator runs and the
+P4 programs mirror; the parameter server runs :class:`~atp_pipeline.ina.ps.ParameterServer`
+— and sends what it returns.
+
+Forwarding replaces the fabric of the simulator. The switch keeps, per job, a route
+installed at job setup: ``up[shard]`` (where gradients of PS shard ``shard`` go: the PS,
+or the next switch for two-level aggregation) and ``down`` (where parameter packets are
+multicast: the job's workers, or the first-level switches). On real hardware the same
+packets travel as UDP to the PS's address on :data:`~atp_pipeline.ina.packet.ATP_UDP_PORT`
+and the switch sits on the path; on loopback the end hosts address the emulator instead.
+A parameter packet the PS sends to one worker (the answer to a retransmission of a
+completed sequence) goes straight to that worker: on hardware it would cross the switch,
+whose ② step finds nothing to deallocate for a completed sequence.
+
+Congestion (§5.4): the emulator's queue is its socket's receive buffer. Every few packets
+it reads the buffer's occupancy (``SO_MEMINFO``) and, above ``ecn_threshold`` bytes, marks
+the packets it sends with :func:`~atp_pipeline.ina.switch.ecn_mark` — the same egress
+marking the simulator's links apply — so the workers' AIMD backs off before the buffer
+overflows. Datagrams the kernel drops on a full buffer are counted (``socket_drops``).
+
+Fault injection (the Must-show's "loss at the switch"): every datagram arriving at the
+emulator is dropped with probability ``loss`` and delivered twice with probability
+``duplicate`` (seeded); both are counted.
+
+Run standalone (e.g. one switch shared by several training runs)::
+
+    python -m atp_pipeline.ina.live.nodes switch --aggregators 4096 --payload-k 1024 --control-port 47000
+
+It prints one JSON line with its addresses and serves until ``shutdown`` or a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from atp_pipeline.ina.job import JobLayout
+from atp_pipeline.ina.live.rpc import Addr, ControlServer
+from atp_pipeline.ina.packet import DecodeError, PacketFormat
+from atp_pipeline.ina.ps import ParameterServer
+from atp_pipeline.ina.switch import SwitchState, agg_hash, allocated, ecn_mark, live_aggregators, process
+
+SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
+SO_MEMINFO = 55  # Linux: u32[9] = rmem_alloc, rcvbuf, wmem_alloc, sndbuf, fwd_alloc, wmem_queued,
+#                  optmem, backlog, drops
+
+
+def meminfo(sock: socket.socket) -> Tuple[int, int]:
+    """(bytes queued in the receive buffer, datagrams dropped on a full buffer); (0, 0)
+    where the kernel does not report them."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 36)
+    except OSError:
+        return 0, 0
+    v = struct.unpack("9I", raw[:36]) if len(raw) >= 36 else (0,) * 9
+    return v[0], v[8]
+
+
+def udp_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound UDP socket with large buffers (a full window of every worker fits)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    s.bind((host, port))
+    return s
+
+
+class _Node:
+    """Common loop: UDP socket, control server, parent watch, ``stop``."""
+
+    role = "role"
+
+    def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
+                 parent_pid: Optional[int] = None) -> None:
+        self.fmt = fmt
+        self.sock = udp_socket(host, port)
+        self.data_addr: Addr = self.sock.getsockname()
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.parent_pid = parent_pid
+        self.malformed = 0
+        self.control = ControlServer(self._control, host, control_port)
+
+    def info(self) -> Dict[str, Any]:
+        return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
+                "pid": os.getpid(), "payload_k": self.fmt.payload_k}
+
+    def _control(self, op: str, kw: Dict[str, Any]) -> Any:
+        if op == "info":
+            return self.info()
+        if op == "shutdown":
+            self.stop_event.set()
+            return True
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise ValueError(f"unknown control operation {op!r}")
+        with self.lock:
+            return fn(**kw)
+
+    def serve(self) -> None:
+        sock = self.sock
+        sock.settimeout(0.25)
+        recv, handle, lock = sock.recv, self.handle, self.lock
+        while not self.stop_event.is_set():
+            try:
+                buf = recv(65536)
+            except socket.timeout:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    break  # the process that started us is gone: never outlive it
+                continue
+            except OSError:
+                break
+            with lock:
+                handle(buf)
+        self.control.close()
+        sock.close()
+
+    def handle(self, buf: bytes) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def send(self, data: bytes, addr: Addr) -> None:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:  # a peer that went away (ICMP unreachable): the protocol recovers
+            self.send_errors += 1
+
+    send_errors = 0
+
+
+class SwitchNode(_Node):
+    """The emulated programmable switch: :func:`process` plus per-job routes."""
+
+    role = "switch"
+
+    def __init__(self, fmt: PacketFormat, n_aggregators: int, loss: float = 0.0, duplicate: float = 0.0,
+                 seed: int = 0, ecn_threshold: int = 256 << 10, **kw: Any) -> None:
+        super().__init__(fmt, **kw)
+        if not (0.0 <= loss < 1.0 and 0.0 <= duplicate < 1.0):
+            raise ValueError(f"loss and duplicate must be in [0, 1), got {loss}, {duplicate}")
+        self.state = SwitchState(n_aggregators, fmt.payload_k, fmt.bitmap_bits)
+        self.routes: Dict[int, Tuple[List[Addr], List[Addr]]] = {}
+        self.loss, self.duplicate = loss, duplicate
+        self.rng = random.Random(seed)
+        self.injected_loss = self.injected_dup = self.unroutable = 0
+        self.job_packets: Dict[int, int] = {}
+        self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
+        self.ecn_threshold, self.backlog, self.ecn_marked, self._tick = ecn_threshold, 0, 0, 0
+
+    def handle(self, buf: bytes) -> None:
+        self._tick += 1
+        if not self._tick & 7:
+            self.backlog = meminfo(self.sock)[0]
+        if self.loss and self.rng.random() < self.loss:
+            self.injected_loss += 1
+            return
+        copies = 1
+        if self.duplicate and self.rng.random() < self.duplicate:
+            self.injected_dup += 1
+            copies = 2
+        try:
+            pkt = self.fmt.decode(buf)
+        except DecodeError:
+            self.state.stats.malformed += 1
+            return
+        jp = self.job_packets
+        jp[pkt.job] = jp.get(pkt.job, 0) + copies
+        for c in range(copies):
+            p = pkt.copy() if c + 1 < copies else pkt
+            _, out = process(self.state, p)
+            for q in out:
+                self.forward(q)
+
+    def forward(self, p: Any) -> None:
+        route = self.routes.get(p.job)
+        if route is None:
+            self.unroutable += 1
+            return
+        if self.backlog > self.ecn_threshold and not p.ecn:
+            p = ecn_mark(p, self.backlog, self.ecn_threshold)
+            self.ecn_marked += 1
+        data = self.fmt.encode(p)
+        up, down = route
+        if p.is_param:
+            for a in down:
+                self.send(data, a)
+        else:
+            self.send(data, up[p.ps_index])
+
+    # ------------------------------------------------------------------ control (§5.1)
+    def op_add_job(self, up: List[List[Any]], down: List[List[Any]], job: Optional[int] = None) -> int:
+        """Install a job: its routes and its table entry; ``job=None`` picks a free id."""
+        if job is None:
+            job = next(j for j in range(1, 1 << 16) if j not in self.state.jobs and j not in self.routes)
+        elif job in self.routes:
+            raise ValueError(f"job {job} is already installed on this switch")
+        self.routes[job] = ([tuple(a) for a in up], [tuple(a) for a in down])  # type: ignore[misc]
+        self.state.add_job(job)
+        return job
+
+    def op_remove_job(self, job: int) -> int:
+        """Job teardown: routes, table entry and every aggregator the job still holds."""
+        self.routes.pop(job, None)
+        freed = self.state.remove_job(job)
+        self.removed[job] = self.removed.get(job, 0) + freed
+        return freed
+
+    def op_aggregator(self, job: int, seq: int) -> Optional[int]:
+        """The level bitmap held for ⟨job, seq⟩ (diagnosis of a stalled job), or None."""
+        st = self.state
+        if not st.n:
+            return None
+        i = agg_hash(job, seq) % st.n
+        return st.bitmap[i] if st.key[i] == (job << 32 | seq) else None
+
+    def op_stats(self) -> Dict[str, Any]:
+        st = self.state
+        held: Dict[int, int] = {}
+        for k in st.key:
+            if k >= 0:
+                held[k >> 32] = held.get(k >> 32, 0) + 1
+        jobs = sorted(set(st.job_allocs) | set(self.routes) | set(self.job_packets))
+        return {"allocated": allocated(st), "live": len(live_aggregators(st)), "aggregators": st.n,
+                "switch": st.stats.as_dict(), "injected_loss": self.injected_loss,
+                "injected_dup": self.injected_dup, "unroutable": self.unroutable,
+                "send_errors": self.send_errors, "installed": sorted(self.routes),
+                "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1],
+                "jobs": {j: {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
+                             "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0)}
+                         for j in jobs}}
+
+
+class PSNode(_Node):
+    """One parameter-server shard (§5.4) serving any number of jobs."""
+
+    role = "ps"
+
+    def __init__(self, fmt: PacketFormat, shard: int = 0, retain: int = 1 << 16, **kw: Any) -> None:
+        super().__init__(fmt, **kw)
+        self.ps = ParameterServer(fmt, host=-2, shard=shard)
+        self.retain = retain
+        self.routes: Dict[int, Tuple[List[Addr], Addr]] = {}  # job -> (workers, switch)
+
+    def handle(self, buf: bytes) -> None:
+        for p in self.ps.on_bytes(buf):
+            route = self.routes.get(p.job)
+            if route is None:
+                continue
+            workers, down = route
+            self.send(self.fmt.encode(p), workers[p.dst] if p.dst >= 0 else down)
+
+    def op_add_job(self, job: int, workers: List[List[Any]], down: List[Any], n_ps: int = 1) -> int:
+        if job in self.ps.jobs:
+            raise ValueError(f"job {job} is already registered at this parameter server")
+        w = len(workers)
+        layout = JobLayout(job=job, groups=[list(range(w))], n_ps=n_ps, worker_hosts=list(range(w)),
+                           mcast_addr=-1, bitmap_bits=self.fmt.bitmap_bits)
+        self.ps.add_job(layout, retain=self.retain)
+        self.routes[job] = ([tuple(a) for a in workers], tuple(down))  # type: ignore[misc]
+        return job
+
+    def op_remove_job(self, job: int) -> bool:
+        self.routes.pop(job, None)
+        return self.ps.remove_job(job)
+
+    def op_missing(self, job: int, seq: int) -> Optional[int]:
+        return self.ps.missing(job, seq) if job in self.ps.jobs else None
+
+    def op_stats(self) -> Dict[str, Any]:
+        return {"ps": self.ps.stats.as_dict(), "send_errors": self.send_errors,
+                "socket_drops": meminfo(self.sock)[1],
+                "jobs": {j: self.ps.job_stats(j) for j in self.ps.jobs}}
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (no orphaned roles)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.live.nodes",
+                                 description="Run one live ATP role (switch emulator or parameter server).")
+    ap.add_argument("role", choices=("switch", "ps"))
+    ap.add_argument("--payload-k", type=int, default=62, help="int32 values per packet (62: hardware)")
+    ap.add_argument("--bitmap-bits", type=int, default=32)
+    ap.add_argument("--aggregators", type=int, default=4096, help="switch: aggregator slots")
+    ap.add_argument("--loss", type=float, default=0.0, help="switch: injected ingress loss probability")
+    ap.add_argument("--duplicate", type=float, default=0.0, help="switch: injected duplication probability")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard", type=int, default=0, help="ps: shard index (seq mod n_ps)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
+    ap.add_argument("--control-port", type=int, default=0)
+    ap.add_argument("--die-with-parent", action="store_true")
+    a = ap.parse_args(argv)
+    parent = os.getppid() if a.die_with_parent else None
+    if a.die_with_parent:
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        fmt = PacketFormat(a.payload_k, a.bitmap_bits)
+        common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
+        node: _Node = (SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common) if a.role == "switch"
+                       else PSNode(fmt, shard=a.shard, **common))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(node.info()), flush=True)
+    node.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""One data-parallel group's gradient synchronization through ATP; the DDP communication hook.
+
+:meth:`ATPSync.setup` is collective over the whole world (every rank calls it once):
+
+1. the role processes — given (a shared switch, addresses from the parent process) or
+   started by global rank 0 — are made known to every rank;
+2. each rank opens its UDP socket; the data-parallel group gathers the addresses in
+   data-parallel rank order (worker id = data-parallel rank);
+3. the group's first rank installs the group as one ATP job (§5.1) and broadcasts the
+   id the switch assigned. With tensor parallelism every (d1, d2) coordinate has its own
+   data-parallel group, hence its own job: one training run is already multi-tenant.
+
+:func:`atp_hook` is a DDP communication hook (``ddp.register_comm_hook(sync, atp_hook)``):
+each bucket is summed through the protocol and divided by the group size, like the
+default all-reduce hook — on CPU as on GPU (a CUDA bucket is staged through host memory).
+(No ``from __future__ import annotations`` here: DDP checks the hook's annotations.)
+"""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from atp_pipeline.ina.live.engine import Engine, EngineConfig
+from atp_pipeline.ina.live.rpc import AggregationError, call
+from atp_pipeline.config.schema import AggregationConfig
+from atp_pipeline.ina.live.services import Services, add_job, remove_job
+from atp_pipeline.ina.live.nodes import udp_socket
+from atp_pipeline.ina.packet import PacketFormat
+from atp_pipeline.ina.worker import WorkerConfig
+
+
+class ATPSync:
+    """This rank's member of its data-parallel group's ATP job."""
+
+    def __init__(self, engine: Engine, services: Services, group: Any, owns_services: bool,
+                 jobs: List[int]) -> None:
+        self.engine, self.services, self.group = engine, services, group
+        self.owns_services = owns_services
+        self.jobs = jobs  # every job of this run (all data-parallel groups)
+        self.size = engine.n_workers
+        self.freed_at_teardown = 0
+        self._last: Dict[str, float] = {}
+        self._last_ps: Dict[int, Dict[str, int]] = {}
+        self._closed = False
+
+    @property
+    def job(self) -> int:
+        return self.engine.job
+
+    @classmethod
+    def setup(cls, group: Any, cfg: AggregationConfig, services: Optional[Services] = None) -> "ATPSync":
+        world_rank = dist.get_rank()
+        owns = False
+        box: List[Any] = [services.to_dict() if services is not None else None]
+        if services is None:
+            if world_rank == 0:
+                try:
+                    services = Services.start(cfg)
+                    box = [services.to_dict()]
+                except Exception as e:  # noqa: BLE001 - every rank must learn it
+                    box = [{"error": str(e)}]
+                owns = True
+            dist.broadcast_object_list(box, src=0)
+            if "error" in box[0]:
+                raise AggregationError(box[0]["error"])
+            if world_rank != 0:
+                services = Services.from_dict(box[0])
+        assert services is not None
+        if services.payload_k != cfg.payload_k:
+            raise AggregationError(f"the ATP roles use {services.payload_k} values per packet, "
+                                   f"the run asks for {cfg.payload_k}")
+        sock = udp_socket()
+        members: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, (sock.getsockname(), world_rank), group=group)
+        addrs = [tuple(m[0]) for m in members]
+        ranks = [m[1] for m in members]
+        me = dist.get_rank(group)
+        jbox: List[Any] = [None]
+        if me == 0:
+            try:
+                jbox = [add_job(services, addrs)]
+            except AggregationError as e:
+                jbox = [f"error: {e}"]
+        dist.broadcast_object_list(jbox, src=ranks[0], group=group)
+        if isinstance(jbox[0], str):
+            raise AggregationError(jbox[0][len("error: "):])
+        jobs: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(jobs, jbox[0])
+        ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
+                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6))
+        engine = Engine(PacketFormat(cfg.payload_k), jbox[0], me, len(addrs), sock, services.switch.data,
+                        services.switch.control, [e.control for e in services.ps], n_ps=len(services.ps),
+                        ranks=ranks, cfg=ecfg)
+        return cls(engine, services, group, owns, sorted(set(jobs)))
+
+    # ------------------------------------------------------------------ use
+    def all_reduce_mean_(self, flat: torch.Tensor) -> torch.Tensor:
+        """Average ``flat`` over the group in place (CUDA tensors are staged via the host)."""
+        if flat.device.type == "cpu":
+            self.engine.all_reduce(flat)
+        else:
+            host = flat.detach().cpu()
+            self.engine.all_reduce(host)
+            flat.copy_(host)
+        return flat.div_(self.size)
+
+    def step_metrics(self, with_roles: bool = False) -> Dict[str, float]:
+        """Counters since the previous call: sync time and bytes, GB/s per worker, packets,
+        retransmissions, timeouts, window; with ``with_roles`` also, over every job of the
+        run, the fraction of sequences aggregated in the switch and of packets forwarded
+        to the parameter server (one control request per PS shard)."""
+        s = self.engine.stats.as_dict()
+        d = {k: s[k] - self._last.get(k, 0.0) for k in ("sync_s", "bytes", "packets", "retransmits",
+                                                        "timeouts", "rescales", "rounds")}
+        self._last = s
+        m = {"atp_sync_s": d["sync_s"], "atp_bytes": d["bytes"],
+             "atp_gbps": d["bytes"] / d["sync_s"] / 1e9 if d["sync_s"] > 0 else 0.0,
+             "atp_packets": d["packets"], "atp_retransmits": d["retransmits"], "atp_timeouts": d["timeouts"],
+             "atp_rescales": d["rescales"], "atp_window_pkts": s["window_bytes"] / self.engine.fmt.wire_bytes}
+        if with_roles:
+            tot = {"packets": 0, "completed": 0, "in_switch": 0}
+            for ep in self.services.ps:
+                for job, js in call(ep.control, "stats", what="parameter server")["jobs"].items():
+                    if int(job) not in self.jobs:
+                        continue
+                    prev = self._last_ps.get((ep.pid, int(job)), {})  # type: ignore[call-overload]
+                    for k in tot:
+                        tot[k] += js[k] - prev.get(k, 0)
+                    self._last_ps[(ep.pid, int(job))] = js  # type: ignore[index]
+            m["atp_in_switch_frac"] = tot["in_switch"] / tot["completed"] if tot["completed"] else 1.0
+            sent = d["packets"] * len(self.jobs) * self.size  # symmetric workers: this rank × all
+            # worker packets that reached the PS without being aggregated (ideal: 0)
+            m["atp_fallback_frac"] = max(tot["packets"] - tot["in_switch"], 0) / sent if sent else 0.0
+        return m
+
+    # ------------------------------------------------------------------ teardown
+    def close(self, ok: bool = True) -> None:
+        """Stop the engine; tear the job down (all ranks on failure, the group's first rank
+        otherwise) and stop the roles this run started. On success, callers synchronize
+        (barrier) first so that no rank is still collecting its last parameter packets."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        if not ok or self.engine.wid == 0:
+            self.freed_at_teardown = remove_job(self.services, self.job)
+        if self.owns_services:
+            self.services.stop()
+
+
+def atp_hook(state: "ATPSync", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over the group, through ATP."""
+    buf = bucket.buffer()
+    n = state.size
+    if buf.device.type == "cpu":
+        return state.engine.all_reduce_async(buf).then(lambda f: f.value().div_(n))
+    host = buf.detach().cpu()
+    return state.engine.all_reduce_async(host).then(lambda f: buf.copy_(f.value()).div_(n))
