@@ -49,6 +49,7 @@ class MeshStrategy(str, Enum):
     auto = "auto"  # ATP search over every 2D mesh of the world size (§3.5)
     fixed = "fixed"  # DeviceMesh(d1, d2) given by the user (``mesh=2x4``)
     megatron = "megatron"  # DeviceMesh(N, 1): Megatron-LM's 1D tensor parallelism
+    sbp = "sbp"  # AutoDDL: a Split/Broadcast/Partial strategy per layer (issue 8)
 
 
 class AggregationMode(str, Enum):
@@ -111,6 +112,28 @@ class DeviceConfig:
 
 
 @dataclass
+class CollectiveAlphaBetaConfig:
+    """Fitted latency (µs) and bandwidth (GB/s = 1/β) of one collective kind on a level."""
+
+    alpha_us: float = MISSING
+    GBps: float = MISSING
+
+
+@dataclass
+class AlphaBetaLevelConfig:
+    """Alpha-beta parameters of one level, fitted by least squares from measured
+    collectives (AutoDDL §3.2; ``python -m atp_pipeline.planning.calibrate``). Collectives
+    whose group spans this level (and no outer one) cost ``α·steps + volume/GBps`` (Table 2);
+    ``collectives`` optionally gives all_reduce / all_gather / reduce_scatter / all_to_all
+    their own pair."""
+
+    level: str = MISSING
+    alpha_us: float = MISSING
+    GBps: float = MISSING
+    collectives: Dict[str, CollectiveAlphaBetaConfig] = field(default_factory=dict)
+
+
+@dataclass
 class TopologyConfig:
     """An interconnect as a hierarchical communication matrix, levels outermost first."""
 
@@ -119,6 +142,7 @@ class TopologyConfig:
     levels: List[LevelConfig] = MISSING
     world_size: Optional[int] = None  # if given, must equal the product of the counts
     calibrated: List[CalibratedMeshConfig] = field(default_factory=list)
+    alpha_beta: List[AlphaBetaLevelConfig] = field(default_factory=list)  # fitted, per level
     device: DeviceConfig = field(default_factory=DeviceConfig)
     note: str = ""  # how it was derived (e.g. a sub-topology); set by the tools
 
@@ -164,15 +188,43 @@ class ModelConfig:
     parallel_plan: Dict[str, PlanStyle] = field(default_factory=lambda: dict(GPT_PARALLEL_PLAN))
 
 
+class SBPMethod(str, Enum):
+    """Search algorithms of the SBP planner (AutoDDL §4.6)."""
+
+    exhaustive = "exhaustive"
+    random = "random"
+    metropolis = "metropolis"
+    coordinate = "coordinate"
+
+
+@dataclass
+class SBPConfig:
+    """The SBP search of ``mesh=sbp`` (:mod:`atp_pipeline.planning.sbp`): the method and its
+    time budget, the mesh orders tried (``paper``: the §4.2.2 order; ``all``: every order,
+    which matters when topology levels differ), at most ``max_split_dims`` roles of size > 1
+    (2: Megatron-like 2-D plans only), and the latency α of links without a calibration."""
+
+    method: SBPMethod = SBPMethod.coordinate
+    budget_s: float = 10.0
+    seed: int = 0
+    orders: str = "paper"
+    max_split_dims: int = 3
+    alpha_us: float = 5.0
+
+
 @dataclass
 class MeshConfig:
     """Which tensor-parallel DeviceMesh(d1, d2) to use (d1, d2 only for ``fixed``), and the
-    data-parallel size: the world is dp x d1 x d2."""
+    data-parallel size: the world is dp x d1 x d2. ``dp: null`` (default) is resolved by
+    :func:`atp_pipeline.training.resolve_dp`: what a fixed mesh leaves of the devices;
+    otherwise 1 under ``aggregation=ring`` (tensor parallelism over every device) and every
+    device under ``atp``/``ps`` (those modes aggregate data-parallel gradients)."""
 
     strategy: MeshStrategy = MeshStrategy.auto
     d1: Optional[int] = None
     d2: Optional[int] = None
-    dp: int = 1
+    dp: Optional[int] = None
+    sbp: SBPConfig = field(default_factory=SBPConfig)  # strategy ``sbp`` only
 
 
 @dataclass
@@ -184,9 +236,25 @@ class OverlapConfig:
 
 @dataclass
 class AggregationConfig:
-    """Data-parallel gradient synchronization backend."""
+    """Data-parallel gradient synchronization backend.
+
+    ``ring`` keeps torch.distributed's all-reduce; ``atp`` runs the live in-network
+    aggregation backend (:mod:`atp_pipeline.ina.live`: a switch emulator — or the shared
+    switch at ``switch`` — and ``n_ps`` parameter-server shards, real UDP packets); ``ps``
+    is the same stack with a switch that has no aggregators (a plain N-to-1 PS). The other
+    fields only apply to those two modes.
+    """
 
     mode: AggregationMode = AggregationMode.ring
+    payload_k: int = 62  # int32 values per packet: 62 as on hardware, more for loopback speed
+    aggregators: int = 4096  # switch aggregator slots (switch memory)
+    n_ps: int = 1  # parameter-server shards
+    loss: float = 0.0  # injected ingress loss probability at the emulated switch
+    duplicate: float = 0.0  # injected duplication probability at the emulated switch
+    seed: int = 0  # fault injection seed
+    switch: Optional[str] = None  # control address host:port of a running (shared) switch
+    stall_timeout_s: float = 10.0  # no progress this long: fail naming the missing workers
+    rto_s: float = 0.2  # worker retransmission timeout (§5.4)
 
 
 @dataclass
