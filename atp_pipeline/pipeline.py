@@ -71,12 +71,13 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
             paths = plan.write(out, extra_summary=info)
             print(f"wrote {', '.join(str(p) for p in paths.values())}")
             return {**plan.summary_row(), **info}
-        print_plan(plan)
-        paths = write_plan(plan, out, plot=cfg.planner.plot, extra_summary=info)
-        print(f"wrote {', '.join(str(p) for p in paths.values())}")
-        from atp_pipeline.planning.report import summary_row
+        from atp_pipeline.planning.report import gradsync_for_config, gradsync_summary, summary_row
 
-        return {**summary_row(plan), **info}
+        gs = gradsync_for_config(cfg, plan)  # data-parallel gradient sync per aggregation mode
+        print_plan(plan, gradsync=gs)
+        paths = write_plan(plan, out, plot=cfg.planner.plot, extra_summary=info, gradsync=gs)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        return {**summary_row(plan), **(gradsync_summary(gs) if gs else {}), **info}
     if stage == Stage.fit:
         from atp_pipeline.training import fit
 

@@ -65,13 +65,11 @@ def quantize(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, i
 def quantize_mask(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, np.ndarray]:
     """As :func:`quantize`, returning the boolean mask of saturated lanes."""
     lim = lane_limit(n_workers)
-    y = np.asarray(x, dtype=np.float64) * float(scale)
-    bad = ~np.isfinite(y)
-    y = np.where(np.isnan(y), 0.0, y)
-    r = np.rint(y)
-    sat = bad | (np.abs(r) > lim)
-    q = np.clip(r, -lim, lim).astype(np.int32)
-    return q, sat
+    r = np.rint(np.asarray(x, dtype=np.float64) * float(scale))
+    sat = ~(np.abs(r) <= lim)  # also true for NaN and ±inf
+    if sat.any():  # slow path: clamp; NaN -> 0, ±inf -> ±Q(W)
+        r = np.clip(np.where(np.isnan(r), 0.0, r), -lim, lim)
+    return r.astype(np.int32), sat
 
 
 def dequantize(q: np.ndarray, scale: float) -> np.ndarray:

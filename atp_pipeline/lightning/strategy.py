@@ -39,7 +39,7 @@ from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.mesh import init_mesh
 from atp_pipeline.parallel.plan import apply_parallel_plan
 
-MeshSpec = Union[str, Tuple[int, int], "SBPPlan", None]  # SBPPlan: atp_pipeline.parallel.sbp_exec
+MeshSpec = Union[str, Tuple[int, int], Any, None]  # Any: an atp_pipeline.parallel.sbp_exec.SBPPlan
 
 
 def _base(strategy: Any) -> type:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 from rich.console import Console
 from rich.table import Table
 
+from atp_pipeline.planning.gradsync import GradSyncReport, print_gradsync
 from atp_pipeline.planning.search import Plan
 
 
@@ -51,7 +52,8 @@ def _seconds(t: float) -> str:
     return f"{t * 1e6:.3f} us"
 
 
-def print_plan(plan: Plan, console: Optional[Console] = None) -> None:
+def print_plan(plan: Plan, console: Optional[Console] = None,
+               gradsync: Optional[GradSyncReport] = None) -> None:
     console = console or Console(width=160)
     console.print(plan_table(plan))
     sel = plan.candidate(plan.selected)
@@ -70,6 +72,41 @@ def print_plan(plan: Plan, console: Optional[Console] = None) -> None:
     for c in plan.candidates:
         if c.infeasible:
             console.print(f"infeasible {c.mesh[0]}x{c.mesh[1]}: {c.infeasible}")
+    if gradsync is not None:
+        print_gradsync(gradsync, console)
+
+
+def gradsync_for_config(cfg: Any, plan: Any) -> Optional[GradSyncReport]:
+    """The data-parallel gradient sync of a planned step under every aggregation mode
+    (:mod:`atp_pipeline.planning.gradsync`), for the ATP plan of ``mesh=auto``/fixed/
+    megatron (one bucket: ``dp`` replicas of each of the ``d1·d2`` shards on the devices the
+    run occupies) and for an SBP plan (``mesh=sbp``: one bucket per layer whose weight is
+    replicated over its data-parallel role, §4.4.1). ``None`` if it cannot be estimated."""
+    from atp_pipeline.planning import gradsync
+    from atp_pipeline.planning.memory import per_device_memory
+    from atp_pipeline.topology.model import Topology
+    from atp_pipeline.training import resolve_dp
+
+    agg = cfg.aggregation
+    mode = getattr(agg.mode, "value", agg.mode)
+    k = int(agg.get("payload_k", 62)) if hasattr(agg, "get") else 62
+    if hasattr(plan, "problem") and hasattr(plan, "result"):  # SBPReport (mesh=sbp)
+        problem, assign = plan.problem, plan.result.assignment
+        breakdown = problem.breakdown(assign)
+        tp_s = sum(v["seconds"] for c, v in breakdown.items() if c != "all_reduce")
+        return gradsync.estimate(plan.topology, gradsync.sbp_buckets(problem, assign),
+                                 plan.model.bytes_per_element, configured=mode, payload_k=k,
+                                 tp_comm_s=tp_s)
+    topo = Topology.from_config(cfg.topology)
+    devices = cfg.trainer.devices or topo.world_size
+    dp = resolve_dp(cfg, devices)
+    d1, d2 = plan.selected
+    if dp < 1 or dp * d1 * d2 != devices:
+        return None
+    params = per_device_memory(plan.model, (d1, d2), dp).params
+    return gradsync.estimate(topo.restrict(devices), [gradsync.dp_bucket(params, dp, d1 * d2)],
+                             plan.model.bytes_per_element, configured=mode, payload_k=k,
+                             tp_comm_s=plan.candidate(plan.selected).t_comm_s)
 
 
 def summary_row(plan: Plan) -> Dict[str, Any]:
@@ -90,13 +127,26 @@ def summary_row(plan: Plan) -> Dict[str, Any]:
     }
 
 
+def gradsync_summary(gs: GradSyncReport) -> Dict[str, Any]:
+    """Flat summary columns of a gradient-sync estimate (seconds per mode, the fastest)."""
+    return {**{f"gradsync_{m.mode}_s": m.seconds for m in gs.modes},
+            "gradsync_best": gs.best if gs.synchronizes else None}
+
+
 def write_plan(plan: Plan, out_dir: Path, plot: bool = True,
-               extra_summary: Optional[Dict[str, Any]] = None) -> Dict[str, Path]:
-    """Write plan.json, summary.json and (if ``plot``) plan.png into ``out_dir``."""
+               extra_summary: Optional[Dict[str, Any]] = None,
+               gradsync: Optional[GradSyncReport] = None) -> Dict[str, Path]:
+    """Write plan.json, summary.json and (if ``plot``) plan.png into ``out_dir``; with
+    ``gradsync``, plan.json gets ``gradient_sync`` and the summary its per-mode seconds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"plan": out_dir / "plan.json", "summary": out_dir / "summary.json"}
-    paths["plan"].write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    data = plan.to_dict()
+    if gradsync is not None:
+        data["gradient_sync"] = gradsync.to_dict()
+    paths["plan"].write_text(json.dumps(data, indent=2) + "\n")
     summary = summary_row(plan)
+    if gradsync is not None:
+        summary.update(gradsync_summary(gradsync))
     summary.update(extra_summary or {})
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
     if plot:

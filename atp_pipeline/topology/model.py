@@ -61,6 +61,29 @@ class Level:
                 "group_GBps": self.group_GBps, "routing": self.routing.value}
 
 
+# The collectives of AutoDDL's Table 2 (the names of planning.sbp.alphabeta.Collective).
+COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LevelAlphaBeta:
+    """Fitted alpha-beta parameters of one level (AutoDDL §3.2), in seconds and s/byte;
+    ``collectives`` holds per-collective ``(name, alpha_s, beta_s_per_byte)`` pairs."""
+
+    level: str
+    alpha_s: float
+    beta_s_per_byte: float
+    collectives: Tuple[Tuple[str, float, float], ...] = ()
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"level": self.level, "alpha_us": self.alpha_s * 1e6,
+                               "GBps": 1e-9 / self.beta_s_per_byte}
+        if self.collectives:
+            out["collectives"] = {n: {"alpha_us": a * 1e6, "GBps": 1e-9 / b}
+                                  for n, a, b in self.collectives}
+        return out
+
+
 @dataclass(frozen=True)
 class Topology:
     name: str
@@ -69,6 +92,7 @@ class Topology:
     calibrated: Mapping[Mesh, Tuple[Optional[float], Optional[float]]] = field(default_factory=dict)
     device: Mapping[str, Any] = field(default_factory=dict)
     note: str = ""  # e.g. how a sub-topology was derived
+    alpha_beta: Tuple[LevelAlphaBeta, ...] = ()  # fitted per level (planning.calibrate)
 
     @property
     def world_size(self) -> int:
@@ -101,8 +125,21 @@ class Topology:
             raise ConfigError(f"{where}: world_size is {declared} but the level counts give "
                               f"{counts} = {topo.world_size}")
         calibrated = _calibrated(where, data.get("calibrated") or [], topo.world_size)
+        alpha_beta = _alpha_beta(where, data.get("alpha_beta") or [], levels)
         return cls(name=name, levels=levels, description=topo.description,
-                   calibrated=calibrated, device=topo.device, note=data.get("note") or "")
+                   calibrated=calibrated, device=topo.device, note=data.get("note") or "",
+                   alpha_beta=alpha_beta)
+
+    def alpha_beta_by_unit(self) -> Dict[int, LevelAlphaBeta]:
+        """Fitted parameters keyed by the span (devices) of groups that cross each level:
+        level ``l`` (with ``count > 1``) covers groups of up to ``unit_sizes[l]`` ranks."""
+        sizes = self.unit_sizes
+        fitted = {f.level: f for f in self.alpha_beta}
+        out: Dict[int, LevelAlphaBeta] = {}
+        for li, lv in enumerate(self.levels):
+            if lv.count > 1 and lv.name in fitted:
+                out[sizes[li]] = fitted[lv.name]
+        return out
 
     def restrict(self, devices: int) -> "Topology":
         """The sub-topology occupied by the first ``devices`` devices (e.g. one node).
@@ -132,8 +169,10 @@ class Topology:
                 if not levels:  # a single device: keep its level, with one unit
                     levels = (Level(lv.name, 1, lv.group_GBps, lv.group_GBps, lv.routing),)
                 used = f"{k} of {lv.count} '{lv.name}' units" if k > 1 else f"one '{lv.name}'"
+                kept = {x.name for x in levels}
                 return Topology(name=self.name, levels=levels, description=self.description,
                                 device=self.device,
+                                alpha_beta=tuple(f for f in self.alpha_beta if f.level in kept),
                                 note=f"sub-topology of '{self.name}': the first {devices} of {n} "
                                      f"devices ({used})")
         raise AssertionError("unreachable: the innermost unit is one device")
@@ -148,6 +187,7 @@ class Topology:
                            for m, (b1, b2) in sorted(self.calibrated.items())],
             "device": dict(self.device),
             **({"note": self.note} if self.note else {}),
+            **({"alpha_beta": [f.to_dict() for f in self.alpha_beta]} if self.alpha_beta else {}),
         }
 
 
@@ -248,3 +288,36 @@ def _calibrated(where: str, entries: Sequence[Mapping[str, Any]], world: int
             raise ConfigError(f"{at}: mesh {d1}x{d2} is calibrated twice")
         out[(d1, d2)] = (values[0], values[1])
     return out
+
+
+def _alpha_beta(where: str, entries: Sequence[Mapping[str, Any]], levels: Sequence[Level]
+                ) -> Tuple[LevelAlphaBeta, ...]:
+    """Check the fitted per-level parameters (``alpha_beta:``) against the levels."""
+    names = [lv.name for lv in levels]
+    out: List[LevelAlphaBeta] = []
+    for i, e in enumerate(entries):
+        at = f"{where}: alpha_beta[{i}]"
+        level = e["level"]
+        if level not in names:
+            raise ConfigError(f"{at}: level '{level}' is not a level of the topology "
+                              f"(levels: {', '.join(names)})")
+        if any(f.level == level for f in out):
+            raise ConfigError(f"{at}: level '{level}' is given twice")
+
+        def pair(ctx: str, d: Mapping[str, Any]) -> Tuple[float, float]:
+            a, g = d["alpha_us"], d["GBps"]
+            if not (_is_number(a) and math.isfinite(a) and a >= 0):
+                raise ConfigError(f"{ctx}: alpha_us must be a finite number >= 0, got {a!r}")
+            if not _positive(g):
+                raise ConfigError(f"{ctx}: GBps must be a positive finite number, got {g!r}")
+            return float(a) * 1e-6, 1e-9 / float(g)
+
+        alpha, beta = pair(at, e)
+        colls = []
+        for cname, ce in (e.get("collectives") or {}).items():
+            if cname not in COLLECTIVE_NAMES:
+                raise ConfigError(f"{at}: unknown collective '{cname}' (one of "
+                                  f"{', '.join(COLLECTIVE_NAMES)})")
+            colls.append((cname, *pair(f"{at}.collectives.{cname}", ce)))
+        out.append(LevelAlphaBeta(level, alpha, beta, tuple(colls)))
+    return tuple(out)

@@ -19,6 +19,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -49,7 +50,8 @@ class Services:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, cfg: AggregationConfig, timeout: float = 120.0) -> "Services":
-        """Launch the switch (unless ``cfg.switch`` names a running one) and the PS shards."""
+        """Launch the switch (unless ``cfg.switch`` names a running one) and ``cfg.n_ps`` PS
+        shards (``n_ps=0``: a switch only, e.g. one that several runs will share)."""
         procs: List[subprocess.Popen] = []
         shared = None
         if cfg.switch:
@@ -108,6 +110,8 @@ class Services:
 
 def _launch(args: List[str], payload_k: int) -> subprocess.Popen:
     env = dict(os.environ, ATP_PIPELINE_ROLE="1")  # numpy-only: skip Lightning/Hydra imports
+    root = str(Path(__file__).resolve().parents[3])  # the very package this process runs
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.Popen([sys.executable, "-m", "atp_pipeline.ina.live.nodes", *args,
                              "--payload-k", str(payload_k), "--die-with-parent"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -118,12 +122,12 @@ def _read_info(p: subprocess.Popen, timeout: float) -> Dict[str, Any]:
     ready, _, _ = select.select([p.stdout], [], [], timeout)
     line = p.stdout.readline() if ready else ""
     if not line:
-        err = ""
-        if p.poll() is not None and p.stderr is not None:
-            err = p.stderr.read().strip().splitlines()[-1:] or [""]
-            err = err[0]
-        raise AggregationError(f"ATP role process {p.args[3]} did not start within {timeout:.0f} s"
-                               + (f": {err}" if err else ""))
+        if p.poll() is None:
+            raise AggregationError(f"ATP role process {p.args[3]} did not start within {timeout:.0f} s")
+        p.wait()
+        tail = (p.stderr.read() if p.stderr is not None else "").strip().splitlines()
+        raise AggregationError(f"ATP role process {p.args[3]} exited with code {p.returncode} at start"
+                               + (f": {tail[-1]}" if tail else ""))
     return json.loads(line)
 
 

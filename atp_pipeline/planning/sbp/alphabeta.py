@@ -24,15 +24,22 @@ slowest link it crosses, as in §4.2.3 (intra-node NVLink vs inter-node network)
 gives one α/β for every mesh dimension (:meth:`AlphaBeta.uniform`);
 :meth:`AlphaBeta.from_topology` derives β per level from the topology model's Eq. 3 B′;
 :meth:`AlphaBeta.dimension` gives the parameters of one dimension of a concrete mesh.
-Fitting α and β from measured collectives (the paper's §3.2 least squares) is issue 8
-item 2 and not part of this module.
+
+**Calibrated parameters (§3.2).** :mod:`atp_pipeline.planning.calibrate` fits α and β per
+level by least squares from collectives measured on the user's machine and writes them
+into the topology config (``alpha_beta:``); :meth:`AlphaBeta.from_topology` then uses the
+fitted values instead of Eq. 3. A level may also carry per-collective ``(α, β)``
+(:attr:`LinkLevel.collectives`): the paper fits one pair per network, but a library's
+collectives need not all be rings (gloo's reduce-scatter on CPU costs about twice its
+all-gather), so the calibration fits each collective kind too and the cost of collective
+``c`` uses its own pair where the level has one — the same Table 2 formulas either way.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 
@@ -70,11 +77,21 @@ def volume(c: Collective, p: int, nbytes: float) -> float:
 @dataclass(frozen=True)
 class LinkLevel:
     """Groups spanning at most ``unit`` consecutive ranks use latency ``alpha`` (s) and
-    inverse bandwidth ``beta`` (s/byte)."""
+    inverse bandwidth ``beta`` (s/byte); ``collectives`` optionally overrides them per
+    collective kind: ``((name, alpha, beta), ...)`` with names of :class:`Collective`."""
 
     unit: int
     alpha: float
     beta: float
+    collectives: Tuple[Tuple[str, float, float], ...] = ()
+
+    def pair(self, c: Optional["Collective"] = None) -> Tuple[float, float]:
+        """(α, β) of collective ``c`` on this level (the level's own pair if ``c`` has none)."""
+        if c is not None:
+            for name, a, b in self.collectives:
+                if name == c.value:
+                    return a, b
+        return self.alpha, self.beta
 
 
 @dataclass(frozen=True)
@@ -86,10 +103,12 @@ class AlphaBeta:
     def __post_init__(self) -> None:
         if not self.levels:
             raise ConfigError("alpha-beta model: 'levels' is empty; give at least one level")
+        names = {c.value for c in Collective}
         for lv in self.levels:
-            if lv.unit < 1 or lv.alpha < 0 or lv.beta < 0:
+            if lv.unit < 1 or any(not x >= 0 for x in (lv.alpha, lv.beta)) or any(
+                    n not in names or not (a >= 0 and b >= 0) for n, a, b in lv.collectives):
                 raise ConfigError(f"alpha-beta model: bad level {lv} (unit >= 1, alpha >= 0, "
-                                  f"beta >= 0 required)")
+                                  f"beta >= 0, collectives among {sorted(names)} required)")
         units = [lv.unit for lv in self.levels]
         if units != sorted(units) or len(set(units)) != len(units):
             raise ConfigError(f"alpha-beta model: level units {units} must be strictly increasing")
@@ -107,7 +126,11 @@ class AlphaBeta:
         ``u`` consecutive ranks is dimension 2 of the 2D mesh ``(W/u, u)``; its B′ from
         :func:`~atp_pipeline.planning.bandwidth.dimension_bandwidth` gives ``β = 1/B′``
         (all such groups run at once, so B′ already counts link sharing). ``alpha`` is one
-        latency for all levels or one per level, innermost first (datasheet or calibrated).
+        latency for all levels or one per level, innermost first (datasheet values).
+
+        A calibrated topology (``topo.alpha_beta``, written by
+        :mod:`atp_pipeline.planning.calibrate`) gives each level its fitted α and β (and
+        per-collective pairs) instead; ``alpha`` is then ignored for those levels.
         """
         from atp_pipeline.planning.bandwidth import dimension_bandwidth
 
@@ -115,25 +138,36 @@ class AlphaBeta:
         units = sorted({u for u in topo.unit_sizes if u > 1})
         if not units:
             raise ConfigError(f"topology '{topo.name}': a single device has no collectives")
+        fitted = topo.alpha_beta_by_unit() if getattr(topo, "alpha_beta", None) else {}
         alphas = [float(alpha)] * len(units) if isinstance(alpha, (int, float)) else list(alpha)
         if len(alphas) != len(units):
             raise ConfigError(f"alpha-beta model: {len(alphas)} alphas for {len(units)} levels "
                               f"(units {units})")
         levels = []
         for u, a in zip(units, alphas):
+            unit = u if u < world else 1 << 62
+            if u in fitted:
+                f = fitted[u]
+                levels.append(LinkLevel(unit=unit, alpha=f.alpha_s, beta=f.beta_s_per_byte,
+                                        collectives=f.collectives))
+                continue
             bw = dimension_bandwidth(topo, (world // u, u), 2)
             assert bw.B_prime_GBps is not None
-            levels.append(LinkLevel(unit=u if u < world else 1 << 62, alpha=a,
-                                    beta=1.0 / (bw.B_prime_GBps * 1e9)))
+            levels.append(LinkLevel(unit=unit, alpha=a, beta=1.0 / (bw.B_prime_GBps * 1e9)))
         return cls(tuple(levels))
 
-    def params(self, size: int, stride: int) -> Tuple[float, float]:
-        """(α, β) of a group of ``size`` ranks ``stride`` apart."""
+    def level(self, size: int, stride: int) -> LinkLevel:
+        """The level a group of ``size`` ranks ``stride`` apart runs on (its span)."""
         span = stride * (size - 1) + 1
         for lv in self.levels:
             if span <= lv.unit:
-                return lv.alpha, lv.beta
-        return self.levels[-1].alpha, self.levels[-1].beta
+                return lv
+        return self.levels[-1]
+
+    def params(self, size: int, stride: int, c: Optional[Collective] = None
+               ) -> Tuple[float, float]:
+        """(α, β) of a group of ``size`` ranks ``stride`` apart (for collective ``c``)."""
+        return self.level(size, stride).pair(c)
 
     def dimension(self, mesh: Sequence[int], dim: int) -> Tuple[float, float]:
         """(α, β) of dimension ``dim`` of a row-major ``mesh``."""
@@ -146,5 +180,5 @@ class AlphaBeta:
         """Seconds of collective ``c`` over ``size`` ranks ``stride`` apart (Table 2)."""
         if size <= 1:
             return 0.0
-        a, b = self.params(size, stride)
+        a, b = self.params(size, stride, c)
         return a * steps(c, size) + b * volume(c, size, nbytes)

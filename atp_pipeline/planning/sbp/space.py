@@ -236,7 +236,7 @@ def _coll(ab: AlphaBeta, c: Collective, size: int, stride: int, nbytes: float,
           times: float, leading_order: bool = False) -> Tuple[float, float]:
     if size <= 1:
         return 0.0, 0.0
-    a, b = ab.params(size, stride)
+    a, b = ab.params(size, stride, c)
     f = (2.0 if c is Collective.all_reduce else 1.0) if leading_order else factor(c, size)
     return times * (a * steps(c, size) + b * f * nbytes), times * f * nbytes
 
@@ -342,9 +342,10 @@ def mlp(dims: Sequence[int], batch: int) -> List[MatmulLayer]:
     return [MatmulLayer(f"fc{i}", batch, dims[i], dims[i + 1]) for i in range(len(dims) - 1)]
 
 
-def gpt(layers: int, hidden: int, heads: int, seq: int, micro_batch: int) -> List[MatmulLayer]:
+def gpt(layers: int, hidden: int, heads: int, seq: int, micro_batch: int,
+        ffn_mult: int = 4) -> List[MatmulLayer]:
     """A GPT stack as matmuls: per block QKV (into attention, heads split evenly),
-    attention output projection, FC1 (4h) and FC2; blocks tied (§4.5.1). Tokens
+    attention output projection, FC1 (``ffn_mult``·h) and FC2; blocks tied (§4.5.1). Tokens
     ``b = micro_batch·seq`` split only on sequence boundaries."""
     if hidden % heads:
         raise ConfigError(f"sbp: hidden {hidden} is not divisible by heads {heads}")
@@ -355,6 +356,6 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, micro_batch: int) -> Lis
         out += [MatmulLayer(f"block{i}.qkv", b, hidden, 3 * hidden, tie="qkv", heads=heads,
                             batch_units=u, into_attention=True),
                 MatmulLayer(f"block{i}.proj", b, hidden, hidden, tie="proj", batch_units=u),
-                MatmulLayer(f"block{i}.fc1", b, hidden, 4 * hidden, tie="fc1", batch_units=u),
-                MatmulLayer(f"block{i}.fc2", b, 4 * hidden, hidden, tie="fc2", batch_units=u)]
+                MatmulLayer(f"block{i}.fc1", b, hidden, ffn_mult * hidden, tie="fc1", batch_units=u),
+                MatmulLayer(f"block{i}.fc2", b, ffn_mult * hidden, hidden, tie="fc2", batch_units=u)]
     return out

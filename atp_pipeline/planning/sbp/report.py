@@ -1,0 +1,227 @@
+"""``mesh=sbp``: plan a GPT with the SBP search and report it (issue 8, item 6).
+
+:func:`plan_sbp` turns a model summary and a topology into the matmul chain of
+:func:`~atp_pipeline.planning.sbp.space.gpt` (blocks tied, §4.5.1), costs it with the
+topology's alpha-beta model (calibrated α/β where the topology has them, else Eq. 3's B′
+and ``mesh.sbp.alpha_us``), limits memory to the topology's device memory (§4.5.2), runs
+the configured search (§4.6) and checks that the DTensor executor
+(:mod:`atp_pipeline.parallel.sbp_exec`) can run the result — all before any process
+starts; every failure is one :class:`~atp_pipeline.errors.ConfigError` line.
+
+:class:`SBPReport` is the plan report of ``stage=plan mesh=sbp`` (and of ``stage=fit``):
+a console table with each layer's distribution (strategy, SBP of X/W/Y per mesh role,
+the DTensor placements on the plan's device mesh) and its predicted communication per
+collective; ``plan.json``, ``plan.txt`` (the same table as text) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from rich.console import Console
+from rich.table import Table
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.sbp.alphabeta import AlphaBeta
+from atp_pipeline.planning.sbp.search import SearchResult, search
+from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem, gpt
+from atp_pipeline.topology.model import Topology
+
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+
+def memory_model(summary: ModelSummary, topo: Topology) -> MemoryModel:
+    """Bytes per parameter as :mod:`atp_pipeline.planning.memory` counts them (weights and
+    gradients in the model's dtype, Adam's two fp32 states, an fp32 master copy for 16-bit
+    types), activations in the dtype, the limit from the topology's device memory."""
+    q = summary.bytes_per_element
+    capacity = topo.device.get("memory_GB")
+    return MemoryModel(param_bytes=2 * q + 8 + (4 if q == 2 else 0), act_bytes=q,
+                       limit=float(capacity) * 1e9 if capacity else None)
+
+
+@dataclass(frozen=True)
+class SBPReport:
+    """A searched SBP plan with everything its report shows."""
+
+    topology: Topology
+    model: ModelSummary
+    problem: Problem
+    result: SearchResult
+    budget_s: float
+    mesh_shape: Tuple[int, ...]
+    notes: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.problem.p
+
+    @property
+    def cost_s(self) -> float:
+        return self.result.cost
+
+    @property
+    def exec_plan(self):  # -> SBPPlan (import kept lazy: torch.distributed)
+        from atp_pipeline.parallel.sbp_exec import SBPPlan
+
+        return SBPPlan.from_search(self.problem, self.result)
+
+    @property
+    def label(self) -> str:
+        return self.exec_plan.label()
+
+    def with_notes(self, notes: List[str]) -> "SBPReport":
+        return replace(self, notes=tuple(notes))
+
+    def layer_rows(self) -> List[Dict[str, Any]]:
+        """Per tie group: strategy, SBP placements (§4.2.2, per role and on the plan's mesh)
+        and the predicted seconds/bytes per collective of its instances."""
+        from atp_pipeline.parallel.sbp_exec import LayerLayout
+
+        rows = []
+        for v, s in zip(self.problem.vars, self.result.assignment):
+            strat = v.strategies[s]
+            lay = LayerLayout.of(strat, self.mesh_shape)
+            rows.append({
+                "tie": v.name, "instances": v.count,
+                "shape": {"b": v.layer.b, "n": v.layer.n, "m": v.layer.m},
+                "strategy": strat.to_dict(),
+                "device_mesh_placements": {t: [str(p) for p in lay[t]] for t in ("X", "W", "Y", "split")},
+                "communication": {c: {"seconds": float(v.cost[c][s]), "bytes_per_device": float(v.volume[c][s])}
+                                  for c in COLLECTIVES},
+                "memory_bytes_per_device": float(v.memory[s]),
+            })
+        return rows
+
+    def to_dict(self) -> dict:
+        body = self.result.plan(self.problem)
+        body["layers"] = self.layer_rows()
+        return {
+            "strategy": "sbp", "topology": self.topology.to_dict(), "world_size": self.world_size,
+            "model": self.model.to_dict(), "device_mesh": list(self.mesh_shape),
+            "search": {"method": self.result.method, "budget_s": self.budget_s,
+                       "evaluations": self.result.evaluations, "seconds": self.result.seconds,
+                       "complete": self.result.complete},
+            **{k: body[k] for k in ("cost_s", "communication", "memory_bytes_per_device", "memory_limit",
+                                     "layers")},
+            "execution_plan": self.exec_plan.to_dict(), "notes": list(self.notes),
+        }
+
+    def summary_row(self) -> Dict[str, Any]:
+        comm = self.problem.breakdown(self.result.assignment)
+        return {"topology": self.topology.name, "model": self.model.name, "world_size": self.world_size,
+                "strategy": "sbp", "selected": self.label, "t_comm_s": self.cost_s,
+                **{f"t_{c}_s": comm[c]["seconds"] for c in COLLECTIVES},
+                "method": self.result.method, "search_s": self.result.seconds}
+
+    def table(self) -> Table:
+        m = self.model
+        table = Table(title=f"SBP plan: topology '{self.topology.name}' ({self.world_size} devices), model "
+                            f"'{m.name}' (h={m.hidden}, L={m.layers}, b={m.batch_size}, s={m.seq_len}, "
+                            f"{m.dtype}), mesh=sbp, device mesh {self.mesh_shape}", title_justify="left")
+        for col in ("layer", "x", "b x n -> m", "strategy", "X", "W", "Y", *(SHORT[c] for c in COLLECTIVES)):
+            table.add_column(col, justify="left" if col in ("layer", "strategy", "X", "W", "Y") else "right")
+        pair_a2a: Dict[int, float] = {}
+        for pr in self.problem.pairs:  # all-to-all between layers, charged to the consumer
+            pair_a2a[pr.b] = pair_a2a.get(pr.b, 0.0) + float(pr.cost[self.result.assignment[pr.a],
+                                                                       self.result.assignment[pr.b]])
+        for i, row in enumerate(self.layer_rows()):
+            st, sh, pl = row["strategy"], row["shape"], row["strategy"]["placements"]
+            roles = st["mesh"]
+            comm = {c: row["communication"][c]["seconds"] for c in COLLECTIVES}
+            comm["all_to_all"] += pair_a2a.get(i, 0.0)
+            table.add_row(row["tie"], str(row["instances"]), f"{sh['b']} x {sh['n']} -> {sh['m']}",
+                          f"{st['label']}", _sbp(pl["X"], roles), _sbp(pl["W"], roles), _sbp(pl["Y"], roles),
+                          *(_seconds(comm[c]) for c in COLLECTIVES))
+        return table
+
+    def print(self, console: Optional[Console] = None) -> None:
+        console = console or Console(width=180)
+        console.print(self.table())
+        comm = self.problem.breakdown(self.result.assignment)
+        console.print("predicted communication per step: " + ", ".join(
+            f"{c} {_seconds(comm[c]['seconds'])} ({comm[c]['bytes_per_device'] / 1e6:.4g} MB/device)"
+            for c in COLLECTIVES) + f"; total {_seconds(self.cost_s)}")
+        limit = self.problem.memory_limit
+        mem = self.problem.memory(self.result.assignment)
+        console.print(f"memory {mem / 1e9:.4g} GB/device" + (f" (limit {limit / 1e9:.4g} GB)" if limit else "")
+                      + f"; {self.result.method} search: {self.result.evaluations} evaluations in "
+                        f"{self.result.seconds * 1e3:.1f} ms" + ("" if self.result.complete else " (budget hit)"))
+        console.print(f"execution: DTensor placements on DeviceMesh{self.mesh_shape} (plan.json: "
+                      f"device_mesh_placements); X/W/Y in the paper's notation, roles in mesh order")
+        for note in self.notes:
+            console.print(f"note: {note}")
+
+    def write(self, out_dir: Path, extra_summary: Optional[Dict[str, Any]] = None) -> Dict[str, Path]:
+        """plan.json, plan.txt (the printed report) and summary.json into ``out_dir``."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = {"plan": out_dir / "plan.json", "text": out_dir / "plan.txt", "summary": out_dir / "summary.json"}
+        paths["plan"].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        console = Console(record=True, width=180, file=open("/dev/null", "w"))
+        self.print(console)
+        paths["text"].write_text(console.export_text())
+        paths["summary"].write_text(json.dumps({**self.summary_row(), **(extra_summary or {})}, indent=2) + "\n")
+        return paths
+
+
+def _sbp(placements: List[str], sizes: List[int]) -> str:
+    """The paper's notation, e.g. ``(S0:2, B:2)``; roles of size 1 are left out."""
+    short = {"Shard(0)": "S0", "Shard(1)": "S1", "Replicate()": "B", "Partial()": "P"}
+    parts = [f"{short.get(p, p)}:{k}" for p, k in zip(placements, sizes) if k > 1]
+    return f"({', '.join(parts)})" if parts else "whole"
+
+
+def _seconds(t: float) -> str:
+    if t == 0:
+        return "0"
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t * 1e6:.3f} us"
+
+
+def plan_sbp(topo: Topology, model: ModelSummary, sbp_cfg: Any, devices: Optional[int] = None) -> SBPReport:
+    """Search the SBP plan of ``model`` on ``topo`` (``sbp_cfg``: a
+    :class:`~atp_pipeline.config.schema.SBPConfig` or its DictConfig) and check that the
+    executor can run it; one-line :class:`ConfigError` otherwise."""
+    from atp_pipeline.parallel.sbp_exec import check_gpt_plan, plan_mesh_shape
+
+    p = devices or topo.world_size
+    if p != topo.world_size:
+        topo = topo.restrict(p)
+    method = getattr(sbp_cfg.method, "value", sbp_cfg.method)
+    if sbp_cfg.orders not in ("paper", "all"):
+        raise ConfigError(f"mesh.sbp.orders must be 'paper' or 'all', got '{sbp_cfg.orders}'")
+    if not 1 <= sbp_cfg.max_split_dims <= 3:
+        raise ConfigError(f"mesh.sbp.max_split_dims must be 1, 2 or 3, got {sbp_cfg.max_split_dims}")
+    if sbp_cfg.alpha_us < 0:
+        raise ConfigError(f"mesh.sbp.alpha_us must be >= 0, got {sbp_cfg.alpha_us}")
+    alpha = float(sbp_cfg.alpha_us) * 1e-6
+    ab = AlphaBeta.from_topology(topo, alpha=alpha) if p > 1 else AlphaBeta.uniform(alpha, 0.0)
+    layers = gpt(model.layers, model.hidden, model.heads, model.seq_len, model.batch_size, model.ffn_mult)
+    try:
+        problem = compile_problem(layers, p, ab, memory_model(model, topo), sbp_cfg.orders,
+                                  int(sbp_cfg.max_split_dims))
+    except ConfigError as exc:
+        raise ConfigError(f"mesh=sbp: model '{model.name}' on {p} devices: {exc}") from None
+    result = search(problem, method, float(sbp_cfg.budget_s), int(sbp_cfg.seed))
+    if result.cost == float("inf"):
+        limit = problem.memory_limit or 0.0
+        best = sum(float(var.memory.min()) for var in problem.vars)
+        raise ConfigError(f"mesh=sbp: no SBP plan of model '{model.name}' on {p} devices fits the "
+                          f"{limit / 1e9:g} GB per device of '{topo.name}' (the leanest needs "
+                          f"~{best / 1e9:.1f} GB)")
+    report = SBPReport(topo, model, problem, result, float(sbp_cfg.budget_s), (1,))
+    plan = report.exec_plan
+    check_gpt_plan(plan, model.hidden, model.heads, model.ffn_mult, model.batch_size,
+                   what=f"model '{model.name}'")
+    notes = [topo.note] if topo.note else []
+    notes.append("embeddings, LayerNorms, the LM head and the loss run split by tokens over all devices "
+                 "with replicated weights (outside the SBP search space; their gradient all-reduces are "
+                 "not in the prediction)")
+    return replace(report, mesh_shape=plan_mesh_shape(plan.strategies.values(), p), notes=tuple(notes))
