@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 from atp_pipeline.config.schema import MeshStrategy, Stage
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.flops import ModelSummary
-from atp_pipeline.planning.report import print_plan, write_plan
 from atp_pipeline.planning.search import Plan, make_plan
 from atp_pipeline.topology.model import Topology
 
@@ -64,20 +63,9 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
     stage = Stage(cfg.stage)
     out = Path(output_dir if output_dir is not None else cfg.paths.output_dir)
     if stage == Stage.plan:
-        plan = plan_from_config(cfg)
-        info = _job_info()
-        if cfg.mesh.strategy == MeshStrategy.sbp:
-            plan.print()
-            paths = plan.write(out, extra_summary=info)
-            print(f"wrote {', '.join(str(p) for p in paths.values())}")
-            return {**plan.summary_row(), **info}
-        from atp_pipeline.planning.report import gradsync_for_config, gradsync_summary, summary_row
+        from atp_pipeline.planning.report import report_plan
 
-        gs = gradsync_for_config(cfg, plan)  # data-parallel gradient sync per aggregation mode
-        print_plan(plan, gradsync=gs)
-        paths = write_plan(plan, out, plot=cfg.planner.plot, extra_summary=info, gradsync=gs)
-        print(f"wrote {', '.join(str(p) for p in paths.values())}")
-        return {**summary_row(plan), **(gradsync_summary(gs) if gs else {}), **info}
+        return report_plan(cfg, plan_from_config(cfg), out, _job_info())
     if stage == Stage.fit:
         from atp_pipeline.training import fit
 

@@ -34,7 +34,7 @@ from atp_pipeline.parallel.gpt import check_mesh_fits
 from atp_pipeline.parallel.plan import match_plan
 from atp_pipeline.planning.flops import ModelSummary
 from atp_pipeline.planning.memory import per_device_memory
-from atp_pipeline.planning.report import print_plan, write_plan
+from atp_pipeline.planning.report import report_plan
 from atp_pipeline.planning.search import Plan, make_plan
 from atp_pipeline.topology.model import Topology
 
@@ -279,12 +279,7 @@ def fit(cfg: DictConfig, summary: ModelSummary, out: Path, job: Dict[str, Any]) 
     plan: Plan = prepared["plan"]
     lead = os.environ.get("RANK", "0") == "0" or not os.environ.get("TORCHELASTIC_RUN_ID")
     if lead:
-        if cfg.mesh.strategy == MeshStrategy.sbp:
-            plan.print()
-            plan.write(out)
-        else:
-            print_plan(plan)
-            write_plan(plan, out, plot=cfg.planner.plot)
+        report_plan(cfg, plan, out)
     d1, d2 = prepared["mesh"]
     if lead:
         print(f"fit: {prepared['devices']} processes, mesh dp x d1 x d2 = {prepared['dp']} x {d1} x {d2}, "

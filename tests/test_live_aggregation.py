@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -109,6 +109,31 @@ def gradsync_for_config(cfg: Any, plan: Any) -> Optional[GradSyncReport]:
                              tp_comm_s=plan.candidate(plan.selected).t_comm_s)
 
 
+def report_plan(cfg: Any, plan: Any, out_dir: Path, extra_summary: Optional[Dict[str, Any]] = None
+                ) -> Dict[str, Any]:
+    """Print and write a planned step — the tensor-parallel plan (ATP's mesh, or the SBP
+    plan of ``mesh=sbp``) and, beside it, the data-parallel gradient sync under every
+    aggregation mode; the summary row. Used by ``stage=plan`` and ``stage=fit`` alike."""
+    gs = gradsync_for_config(cfg, plan)
+    extra = {**(gradsync_summary(gs) if gs else {}), **(extra_summary or {})}
+    if hasattr(plan, "problem") and hasattr(plan, "result"):  # SBPReport (mesh=sbp)
+        plan.print()
+        if gs is not None:
+            print_gradsync(gs, Console(width=180))
+        paths = plan.write(out_dir, extra_summary=extra)
+        if gs is not None:
+            data = json.loads(paths["plan"].read_text())
+            data["gradient_sync"] = gs.to_dict()
+            paths["plan"].write_text(json.dumps(data, indent=2) + "\n")
+        row = {**plan.summary_row(), **extra}
+    else:
+        print_plan(plan, gradsync=gs)
+        paths = write_plan(plan, out_dir, plot=cfg.planner.plot, extra_summary=extra_summary, gradsync=gs)
+        row = {**summary_row(plan), **extra}
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return row
+
+
 def summary_row(plan: Plan) -> Dict[str, Any]:
     sel = plan.candidate(plan.selected)
     mt = plan.megatron.t_comm_s
