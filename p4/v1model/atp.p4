@@ -74,6 +74,10 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
 
     apply {
         meta.forward = 1;
+        // v1model: a parser `reject` does not drop; the packet arrives with parser_error set
+        // and hdr.atp already extracted. A UDP/ATP-port frame that is not ATP (bad app type or
+        // reserved bits) is dropped, as the Python decode() drops it (malformed).
+        if (sm.parser_error != error.NoError) { drop(); return; }
         if (hdr.atp.isValid()) {
             if (!atp_job.apply().hit) { drop(); return; }  // unknown job
             hash(meta.idx, HashAlgorithm.crc32, 32w0, { hdr.atp.job, hdr.atp.seq }, (bit<32>)ATP_N_AGG);
