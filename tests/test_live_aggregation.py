@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -150,12 +151,13 @@ def test_two_tenants_share_one_switch(tmp_path):
         ref = run_train([*FAST, "trainer.max_steps=4", "trainer.devices=2", "mesh.dp=2", "seed=1",
                          f"hydra.run.dir={tmp_path / 'ring'}"], cwd=tmp_path, timeout=300)
         assert ref.returncode == 0, ref.stderr[-3000:]
-        assert abs(_summary(tmp_path / "t1")["final_loss"] - _summary(tmp_path / "ring")["final_loss"]) < 1e-3
-        assert _summary(tmp_path / "t1")["final_loss"] != _summary(tmp_path / "t2")["final_loss"]  # other seed
+        t1, t2, ring = (_summary(tmp_path / n) for n in ("t1", "t2", "ring"))
+        assert abs(t1["final_loss"] - ring["final_loss"]) < 1e-3, (t1, ring)
+        assert t1["final_loss"] != t2["final_loss"]  # another seed: another run
         st = sw.stats()["switch"]
         used = {j: v for j, v in st["jobs"].items() if v["allocs"] > 0}
-        assert len(used) == 2, st["jobs"]  # two tenants, each used aggregators
-        assert st["allocated"] == 0 and st["installed"] == []
+        assert len(used) == 2, st  # two tenants, each used aggregators
+        assert st["allocated"] == 0 and st["installed"] == [], st
     finally:
         sw.stop()
 
@@ -224,3 +226,33 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         sw.stop()
     assert sw.switch.pid not in _live_role_pids()
+
+
+def test_strategy_in_plain_lightning_code_one_job_per_tensor_parallel_coordinate(tmp_path):
+    """``ATPStrategy(aggregation=...)`` in a user's own script (popen launcher): rank 0
+    starts the roles; mesh 2x1 on 4 processes = 2 data-parallel groups = 2 ATP jobs."""
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import pytorch_lightning as pl
+        from atp_pipeline.lightning import ATPStrategy, GPTModule, TokenDataModule
+        from atp_pipeline.models.gpt import GPTConfig
+
+        cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=32, heads=8, layers=2)
+        module = GPTModule(cfg)
+        strategy = ATPStrategy(mesh=(2, 1), aggregation={"mode": "atp", "payload_k": 512})
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=4, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(module, datamodule=TokenDataModule("corpus", cfg.seq_len, batch_size=8))
+        print(f"RESULT rank={trainer.global_rank} mesh={strategy.mesh_shape} jobs={strategy.atp_jobs} "
+              f"freed={strategy.atp_freed_at_teardown} loss={float(trainer.callback_metrics['loss']):.6f}")
+    """))
+    before = set(_live_role_pids())
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = re.findall(r"RESULT rank=(\d) mesh=\(2, 2, 1\) jobs=(\[\d+, \d+\]) freed=\d+ loss=(\S+)", out.stdout)
+    assert sorted(r[0] for r in res) == ["0", "1", "2", "3"], out.stdout[-2000:]
+    assert len({r[1] for r in res}) == 1 and len({r[2] for r in res}) == 1  # two jobs; replicas agree
+    deadline = time.monotonic() + 10
+    while not set(_live_role_pids()) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(_live_role_pids()) <= before  # the roles rank 0 started are gone

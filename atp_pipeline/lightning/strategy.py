@@ -284,7 +284,7 @@ class ATPStrategy(ModelParallelStrategy):
                 except Exception:  # noqa: BLE001 - a peer that failed meanwhile
                     ok = False
             atp.close(ok=ok)
-            self.atp_freed_at_teardown = atp.freed_at_teardown
+            self.atp_jobs, self.atp_freed_at_teardown = atp.jobs, atp.freed_at_teardown
         super().teardown()
 
 
