@@ -58,7 +58,9 @@ def check_aggregation(agg: DictConfig, dp: int) -> Optional[AggregationConfig]:
                           "atp_pipeline.ina.experiments); training supports ring, atp and ps")
     if mode == AggregationMode.ring or dp == 1:
         return None
-    limit = (65507 - PacketFormat(1).header_bytes) // 4
+    from atp_pipeline.ina.live.engine import MAX_DATAGRAM
+
+    limit = (MAX_DATAGRAM - PacketFormat(1).header_bytes) // 4
     if not 1 <= agg.payload_k <= limit:
         raise ConfigError(f"aggregation.payload_k={agg.payload_k} must be 1..{limit} (one UDP datagram)")
     for key in ("loss", "duplicate"):

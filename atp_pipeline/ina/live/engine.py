@@ -44,6 +44,7 @@ from atp_pipeline.ina.quant import safe_scale
 from atp_pipeline.ina.worker import Worker, WorkerConfig
 
 SEQ_LIMIT = 1 << 32
+MAX_DATAGRAM = 65507  # IPv4 UDP payload limit
 
 
 @dataclass
@@ -80,6 +81,9 @@ class Engine:
     def __init__(self, fmt: PacketFormat, job: int, worker_id: int, n_workers: int, sock: socket.socket,
                  switch: Addr, switch_control: Addr, ps_controls: Sequence[Addr], n_ps: int = 1,
                  ranks: Optional[Sequence[int]] = None, cfg: Optional[EngineConfig] = None) -> None:
+        if fmt.atp_bytes > MAX_DATAGRAM:
+            raise AggregationError(f"{fmt.payload_k} values per packet make {fmt.atp_bytes}-byte datagrams; "
+                                   f"UDP carries at most {MAX_DATAGRAM}")
         self.fmt, self.job, self.wid, self.n_workers = fmt, job, worker_id, n_workers
         self.cfg = cfg or EngineConfig()
         self.sock, self.switch = sock, tuple(switch)
