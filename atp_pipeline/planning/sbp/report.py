@@ -30,6 +30,7 @@ from atp_pipeline.planning.sbp.alphabeta import AlphaBeta
 from atp_pipeline.planning.sbp.search import SearchResult, search
 from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem, gpt
 from atp_pipeline.topology.model import Topology
+from atp_pipeline.planning.report import _seconds
 
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 
@@ -173,16 +174,6 @@ def _sbp(placements: List[str], sizes: List[int]) -> str:
     short = {"Shard(0)": "S0", "Shard(1)": "S1", "Replicate()": "B", "Partial()": "P"}
     parts = [f"{short.get(p, p)}:{k}" for p, k in zip(placements, sizes) if k > 1]
     return f"({', '.join(parts)})" if parts else "whole"
-
-
-def _seconds(t: float) -> str:
-    if t == 0:
-        return "0"
-    if t >= 1:
-        return f"{t:.3f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3f} ms"
-    return f"{t * 1e6:.3f} us"
 
 
 def plan_sbp(topo: Topology, model: ModelSummary, sbp_cfg: Any, devices: Optional[int] = None) -> SBPReport:
