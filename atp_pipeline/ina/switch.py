@@ -27,14 +27,35 @@ memory leak-free under loss, duplication and reordering:
   aggregator, the partial level-1 aggregate is flushed upstream in a cloned packet
   (``agg1`` set) before the deallocation (⑩), so nothing aggregated there is lost.
 * Retransmissions never allocate, so a retransmitted contribution always reaches the PS.
-* Stale sequences: a parameter packet carries its PS shard's low watermark. A gradient
-  below its job's watermark is already complete and is forwarded without allocating; an
-  aggregator of the packet's job whose sequence is below the watermark is stale (a late
-  duplicate or reordered packet allocated it after its parameter packet passed) and is
-  reclaimed when any gradient or parameter packet of its job touches it (a decision on
-  packet-local state only). :func:`live_aggregators` lists allocated, non-stale
-  aggregators — the ones that would be real leaks; :meth:`SwitchState.remove_job` clears
-  a finished job's stale ones at teardown.
+* Stale sequences: a parameter packet carries its PS shard's low watermark (every sequence
+  of the shard below it is complete), and the switch keeps the highest one it has seen per
+  ⟨job, shard⟩. A gradient below its job's watermark is already complete and is forwarded
+  without allocating.
+* No aggregator outlives its job (the must-show "afterwards no aggregator is left allocated
+  anywhere"). The one way an aggregator can be left behind is a late duplicate or reordered
+  first transmission of sequence ``s`` that arrives after ``s``'s parameter packet has
+  passed but while the watermark here is still ≤ ``s`` (``s`` completed out of order): it
+  allocates, and nobody else of its job will ever send ``s`` again. Such an aggregator
+  becomes provably useless exactly when the watermark passes ``s``, and the watermark
+  only moves on a parameter packet of the same ⟨job, shard⟩. So that parameter packet
+  sweeps: when it raises the watermark from ``old`` to ``w`` it frees every aggregator of
+  its ⟨job, shard⟩ holding a sequence in ``[old, w)`` — each can only sit at
+  ``agg_hash(job, s) mod n``, so the sweep reads those indices (or walks the array once
+  when the jump is longer than the array). Invariant after every packet: no aggregator of
+  ⟨job, shard⟩ holds a sequence below the watermark learnt here. The last parameter
+  packets of a job carry a watermark past its last sequence (every switch on the job's
+  path sees them, or the re-answers to the retransmissions of workers that missed them),
+  so once a job completes none of its aggregators is allocated — ``allocated(st) == 0``,
+  asserted by the property test under loss, duplication and reordering. This is the
+  paper's design (§4.2, §5: switch state changes only on arriving packets, driven by the
+  end hosts, no controller): the job's own parameter packets, not a control-plane
+  teardown, reclaim the memory. Cost: a parameter packet that completes in order crosses
+  only its own sequence (already deallocated by ②), so the sweep reads one index per PS
+  shard; over a job the sweep visits each sequence once per switch. (The reclaim-on-touch
+  rule this replaces left stale entries whenever no later packet of the job hashed to
+  them — about 4 % of randomized fault runs.) :meth:`SwitchState.remove_job` remains the
+  control plane's teardown of the job table entry; it finds nothing left to free after a
+  completed job.
 * A switch with no aggregators (``n == 0``) treats every gradient as a collision.
 * A packet reaching an aggregation level must name exactly one child in that level's
   bitmap, within its fan-in; anything else is malformed (dropped, counted). Flushed
@@ -42,10 +63,14 @@ memory leak-free under loss, duplication and reordering:
 
 Notes for the P4 mirror: the ⑦ flush is a clone (ingress-to-egress mirroring); the
 ⟨job, seq⟩ identifier is one 48-bit key compared in one register action; the stale test
-reads the watermark register at the packet's own ⟨job, shard⟩ before the aggregator's
-action, so it needs no second access to the same register. Egress ECN marking
+reads the watermark register at the packet's own ⟨job, shard⟩ only. The watermark sweep
+of a parameter packet that raises the watermark from ``old`` to ``w`` is a recirculation
+loop: the packet (or a clone carrying a cursor from ``old`` to ``w`` in metadata)
+recirculates once per further sequence, each pass hashing ⟨job, cursor⟩ and freeing that
+aggregator if its key is ⟨job, cursor⟩ and its shard the packet's; in the common in-order
+case the range is the packet's own sequence and no extra pass is needed. Egress ECN marking
 (:func:`ecn_mark`) compares the enqueue depth with a threshold, as a P4 egress control
-does with ``enq_qdepth``; the simulator's links call it.
+does with ``enq_qdepth``; the simulator's links apply the same rule (inlined in ``Link.send``).
 """
 
 from __future__ import annotations
@@ -63,6 +88,7 @@ FLAG_OVF = 2
 
 
 _JOB_CRC: Dict[int, int] = {}
+_HASH_CAP = 1 << 16  # entries of a switch's hash memo (SwitchState.hmemo) before it is emptied
 
 
 def agg_hash(job: int, seq: int) -> int:
@@ -76,10 +102,54 @@ def agg_hash(job: int, seq: int) -> int:
     return zlib.crc32((seq & 0xFFFFFFFF).to_bytes(4, "big"), c)
 
 
+def _hash_miss(st: "SwitchState", job: int, seq: int, pkey: int) -> int:
+    """:func:`agg_hash` for a key not in the switch's memo ``st.hmemo``; memoizes it.
+
+    The memo is a cache of a pure function (what a hardware CRC unit computes per packet),
+    kept because every packet of a sequence hashes alike; it is emptied when full."""
+    h = agg_hash(job, seq)
+    m = st.hmemo
+    if len(m) >= _HASH_CAP:
+        m.clear()
+    if 0 <= seq <= 0xFFFFFFFF and 0 <= job <= 0xFFFF:  # then pkey names ⟨job, seq⟩ uniquely
+        m[pkey] = h
+    return h
+
+
+def _swept(st: "SwitchState", job: int, shard: int, lo: int, hi: int) -> List[int]:
+    """Aggregators of ⟨job, shard⟩ holding a sequence in ``[lo, hi)``: the ones a watermark
+    advance from ``lo`` to ``hi`` makes stale (every sequence of the shard below ``hi`` is
+    complete). An aggregator of ⟨job, s⟩ can only sit at ``agg_hash(job, s) mod n``, so the
+    sweep reads those indices; when the jump is longer than the array it walks the array
+    once instead. (In P4: the parameter packet recirculates with a cursor, one index per
+    pass — see the module docstring.)"""
+    n = st.n
+    key, sh, sq = st.key, st.shard, st.seq
+    out: List[int] = []
+    if hi - lo > n:
+        for i in range(n):
+            k = key[i]
+            if k >= 0 and k >> 32 == job and sh[i] == shard and sq[i] < hi:
+                out.append(i)
+        return out
+    memo = st.hmemo
+    base = job << 32
+    for s in range(lo, hi):
+        pk = base | s
+        h = memo.get(pk)
+        if h is None:
+            h = _hash_miss(st, job, s, pk)
+        i = h % n
+        if key[i] == pk and sh[i] == shard:
+            out.append(i)
+    return out
+
+
 class SwitchStats(Counters):
     """Counters of one switch. Every packet handed to :func:`process` (or
     :func:`process_bytes`) lands in exactly one of :data:`OUTCOMES`; ``complete``,
-    ``dealloc_param``, ``resend_merged`` and ``stale_reclaimed`` count side effects."""
+    ``dealloc_param``, ``resend_merged`` and ``stale_reclaimed`` (aggregators freed by a
+    parameter packet's watermark sweep) count side effects."""
 
     OUTCOMES = ("param", "alloc", "merged", "collision", "dup_dropped", "resend_flush",
                 "resend_forward", "l1_flush", "stale_forward", "no_service", "unknown_job", "malformed")
@@ -117,6 +187,8 @@ class SwitchState:
         self.watermark: Dict[int, int] = {}  # (job << 2 | shard) -> low watermark
         self.jobs: Set[int] = set(jobs)
         self.stats = SwitchStats()
+        #: ⟨job, seq⟩ key -> agg_hash (a cache of the pure hash function, see _hash_miss)
+        self.hmemo: Dict[int, int] = {}
         #: aggregator allocations per job since start (a per-job counter register in P4)
         self.job_allocs: Dict[int, int] = {}
 
@@ -172,26 +244,30 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         return st, ()
     n = st.n
     seq = p.seq
-    c = _JOB_CRC.get(job)
-    if c is None:
-        c = _JOB_CRC[job] = zlib.crc32((job & 0xFFFF).to_bytes(2, "big"))
-    h = zlib.crc32((seq & 0xFFFFFFFF).to_bytes(4, "big"), c)  # = agg_hash(job, seq)
     pkey = job << 32 | seq
+    h = st.hmemo.get(pkey)
+    if h is None:  # = agg_hash(job, seq)
+        h = _hash_miss(st, job, seq, pkey)
     if p.is_param:
         S.param += 1
-        wkey = job << 2 | p.ps_index
-        if p.watermark > st.watermark.get(wkey, 0):
-            st.watermark[wkey] = p.watermark
+        ps = p.ps_index
+        wkey = job << 2 | ps
+        old = st.watermark.get(wkey, 0)
         if n:
             i = h % n
-            k = st.key[i]
             # ② parameter packet: deallocate the matching aggregator, then multicast
-            if k == pkey:
+            if st.key[i] == pkey:
                 _free(st, i)
                 S.dealloc_param += 1
-            elif k >= 0 and k >> 32 == job and st.seq[i] < st.watermark.get(job << 2 | st.shard[i], 0):
-                _free(st, i)  # a stale aggregator of this job: reclaim on touch
-                S.stale_reclaimed += 1
+        w = p.watermark
+        if w > old:
+            st.watermark[wkey] = w
+            if n and (old < seq or w > seq + 1):  # (crossing only its own seq: done by ②)
+                # the watermark crossed [old, w): aggregators of this ⟨job, shard⟩ left there
+                # (late duplicates allocated after their sequence's parameter packet) are stale
+                for i in _swept(st, job, ps, old, w):
+                    _free(st, i)
+                    S.stale_reclaimed += 1
         return st, (p,)
 
     e = p.edge  # ③ the edge-switch identifier selects this level's fan-in and bitmap
@@ -226,17 +302,8 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
     i = h % n
     p.agg_index = h
     k = st.key[i]
-    if k == pkey:
-        match = valid = True
-    elif k < 0:
-        match = valid = False
-    else:
-        match = False
-        valid = True
-        if k >> 32 == job and st.seq[i] < wm.get(job << 2 | st.shard[i], 0):
-            _free(st, i)  # stale aggregator of this job: reclaim on touch
-            S.stale_reclaimed += 1
-            valid = False
+    match = k == pkey
+    valid = k >= 0
 
     if p.resend:
         if not match:  # no aggregator of ours: straight upstream, never allocate
@@ -263,7 +330,7 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         # aggregator's value and bitmap into the packet, send upstream, ⑩ deallocate
         if not st.bitmap[i] & bm:
             row = st.rows[i]
-            np.add(row, p.payload, out=row)
+            np.add(row, p.payload, row)
             st.bitmap[i] |= bm
             st.count[i] += 1
             st.flags[i] |= p.ecn | (p.overflow << 1)
@@ -297,7 +364,7 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         S.dup_dropped += 1
         return st, ()
     row = st.rows[i]
-    np.add(row, p.payload, out=row)
+    np.add(row, p.payload, row)
     st.bitmap[i] |= bm
     cnt = st.count[i] = st.count[i] + 1  # ⑤ redundant popcount
     if p.ecn or p.overflow:

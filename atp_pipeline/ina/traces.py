@@ -109,6 +109,8 @@ def scenarios() -> List[Scenario]:
     N = N_AGGREGATORS
     s_col = _colliding_seq(1, 100, N)
     s_col2 = _colliding_seq(1, 300, N, other_job=2)
+    s_sweep = _colliding_seq(1, 20, N, other_job=2)  # job 2's sequence on job 1's seq-20 slot
+    s_sweep2 = _colliding_seq(1, 40, N, other_job=2)
     udp_other = frame(b"not atp", dport=53)
     tcp = frame(bytes(20) + b"tcp bytes", proto=6)
     raw = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
@@ -142,9 +144,10 @@ def scenarios() -> List[Scenario]:
                  "complete with agg1",
                  [g(seq=9, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=1, edge=1),
                   g(seq=9, fan_in0=2, bitmap0=3, fan_in1=2, bitmap1=2, edge=1, ecn=1)]),
-        Scenario("stale_watermark", "parameter packets raise the shard watermark; a gradient below it is "
-                 "forwarded without allocating; stale aggregators are reclaimed by a gradient (then "
-                 "re-allocated) and by a parameter packet",
+        Scenario("stale_watermark", "parameter packets raise the shard watermark and sweep the "
+                 "aggregators of the sequences it crossed; a gradient below it is forwarded without "
+                 "allocating; the swept slots are allocated again by the job's later sequences (same "
+                 "outputs as the P4 programs' reclaim-on-touch)",
                  [g(seq=20, bitmap0=1), g(seq=40, bitmap0=1), par(seq=21, watermark=50), par(seq=21, watermark=3),
                   g(seq=10, bitmap0=1), g(seq=_reclaim_seq(1, 20, 50, N), bitmap0=1),
                   par(seq=_reclaim_seq(1, 40, 50, N), watermark=50)]),
@@ -161,6 +164,15 @@ def scenarios() -> List[Scenario]:
                  [udp_other, tcp, raw]),
         Scenario("no_aggregators", "a switch with zero aggregators treats every gradient as a collision",
                  [g(seq=16, bitmap0=1)], n_aggregators=0, p4_replay=False),
+        Scenario("watermark_sweep", "a parameter packet that raises the watermark frees its ⟨job, shard⟩'s "
+                 "aggregators below it wherever they hash (here: another job then allocates the slot "
+                 "instead of colliding), and a jump longer than the array walks the array. The P4 "
+                 "programs do not sweep yet (it needs a recirculation loop; they reclaim on touch by "
+                 "the same job), so this scenario is not replayed on P4",
+                 [g(seq=20, bitmap0=1), g(seq=40, bitmap0=1, ps_index=1), par(seq=21, watermark=50),
+                  g(job=2, seq=s_sweep, bitmap0=1), g(job=2, seq=s_sweep, bitmap0=2),
+                  par(seq=41, watermark=100_001, ps_index=1),
+                  g(job=2, seq=s_sweep2, bitmap0=1)], jobs=(1, 2), p4_replay=False),
     ]
 
 

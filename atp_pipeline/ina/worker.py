@@ -76,7 +76,9 @@ class WorkerConfig:
     timeout_burst: int = 64  # a timeout resends at most this many expired packets (oldest first)
     min_window_pkts: int = 16  # multiplicative decrease never goes below this
     #: ``rack``: out-of-order ACKs trigger RACK-style loss detection over every hole (ours);
-    #: ``paper``: every three consecutive out-of-order ACKs resend UNA only (§5.4 as written)
+    #: ``paper``: every three consecutive out-of-order ACKs resend UNA only (§5.4 as written);
+    #: ``released``: the authors' released code — any out-of-order ACK resends every hole
+    #: below it at once, once per episode (see :meth:`Worker._released_retransmit`)
     recovery: str = "rack"
 
 
@@ -108,9 +110,10 @@ class Worker:
         self.ssthresh = c.ssthresh
         self._cc, self._mtu, self._max_wnd = c.cc, c.mtu, c.max_window_bytes
         self._job, self._rto, self._dupthresh = layout.job, c.rto, c.dupack_threshold
-        if c.recovery not in ("rack", "paper"):
-            raise ValueError(f"recovery must be 'rack' or 'paper', got {c.recovery!r}")
+        if c.recovery not in ("rack", "paper", "released"):
+            raise ValueError(f"recovery must be 'rack', 'paper' or 'released', got {c.recovery!r}")
         self._rack = c.recovery == "rack"
+        self._released = c.recovery == "released"
         self._payload_bytes = 4 * self.k
         self.rto_cur = c.rto
         self.min_rtt = float("inf")
@@ -148,6 +151,7 @@ class Worker:
         self.nxt = 0
         self.ooo = 0
         self.high = 0
+        self._resend_waiting = -1  # recovery="released": holes up to here were resent
         self.rack_ts = -1.0
         self.rack_rtt = 0.0
         self.reo_deadline: Optional[float] = None
@@ -227,7 +231,10 @@ class Worker:
             self.ooo += 1
             if r > self.high:
                 self.high = r
-            if self.ooo >= self._dupthresh:
+            if self._released:
+                if self.una > self._resend_waiting:
+                    out = self._released_retransmit(now)
+            elif self.ooo >= self._dupthresh:
                 self.ooo = 0
                 if self._rack:
                     out = self._fast_retransmit(now)
@@ -339,6 +346,22 @@ class Worker:
                 first_pending = t + wait
             r = acked.find(0, r + 1, hi)
         self.reo_deadline = first_pending
+        self.stats.fast_retransmits += len(out)
+        return out
+
+    def _released_retransmit(self, now: float) -> List[Packet]:
+        """The authors' released host stack (``client/p4ml_manager.cc``, loss recovery on):
+        on an out-of-order parameter packet, unless the holes are already being resent,
+        resend every sequence from ``una`` up to the earliest out-of-order ACK still
+        outstanding (all unacknowledged), at once and without a cap, and do not resend
+        again until ``una`` passes the last of them."""
+        una = self.una
+        front = self.acked.find(1, una, self.nxt)
+        if front == -1:
+            return []
+        self._decrease(now)
+        out = [self._packet(r, now, resend=1) for r in range(una, front)]
+        self._resend_waiting = front - 1
         self.stats.fast_retransmits += len(out)
         return out
 

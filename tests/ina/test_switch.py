@@ -121,15 +121,33 @@ def test_ecn_of_consumed_packets_survives_aggregation():
     assert out[0].ecn == 1
 
 
-def test_watermark_refuses_stale_allocation_and_reclaims_stale_aggregators():
+def test_watermark_refuses_stale_allocation_and_sweeps_stale_aggregators():
     s = sw(n=2)  # job 7: seqs 0-3 and 8-11 hash to aggregator 1, seqs 4-7 to aggregator 0
     process(s, grad(0, seq=3))  # will be left behind (e.g. a late duplicate)
     process(s, param(seq=5, wm=5))  # PS: every seq < 5 of shard 0 is complete
-    assert live_aggregators(s) == [] and allocated(s) == 1  # stale: logically free
+    # the watermark crossed seq 3: its aggregator is swept although the packet hashes elsewhere
+    assert agg_hash(JOB, 5) % 2 != agg_hash(JOB, 3) % 2
+    assert allocated(s) == 0 and s.stats.stale_reclaimed == 1 and s.wm(JOB, 0) == 5
     g = grad(1, seq=4)
-    assert process(s, g)[1] == (g,) and g.resend and s.stats.stale_forward == 1
-    process(s, grad(0, seq=8))  # touches the stale aggregator: reclaimed, then allocated
-    assert s.stats.stale_reclaimed == 1 and s.seq[1] == 8 and live_aggregators(s) == [(1, JOB, 8)]
+    assert process(s, g)[1] == (g,) and g.resend and s.stats.stale_forward == 1 and allocated(s) == 0
+    process(s, grad(0, seq=8))
+    assert s.seq[1] == 8 and live_aggregators(s) == [(1, JOB, 8)]
+
+
+def test_sweep_frees_only_the_crossed_sequences_of_its_job_and_shard():
+    s = SwitchState(4096, K, jobs=[JOB, 8])
+    for q, shard in ((3, 0), (10, 0), (11, 1), (21, 1), (30, 0)):
+        process(s, FMT.packet(job=JOB, seq=q, worker_id=0, fan_in0=2, bitmap0=1, ps_index=shard,
+                              payload=np.ones(K, np.int32)))
+    process(s, grad(0, seq=5, job=8))  # another job
+    assert allocated(s) == 6
+    process(s, FMT.packet(job=JOB, seq=13, is_param=1, watermark=12, ps_index=0))  # shard 0 below 12
+    assert sorted(s.seq[i] for i in range(s.n) if s.valid[i]) == [5, 11, 21, 30]
+    assert s.stats.stale_reclaimed == 2
+    # a jump longer than the array walks the array: shard 1 below 5000 goes; job 8 and shard 0 stay
+    process(s, FMT.packet(job=JOB, seq=4999, is_param=1, watermark=5000, ps_index=1))
+    assert sorted((s.job[i], s.seq[i]) for i in range(s.n) if s.valid[i]) == [(JOB, 30), (8, 5)]
+    assert s.stats.stale_reclaimed == 4 and s.stats.dealloc_param == 0
 
 
 def test_no_memory_and_no_service():
@@ -165,7 +183,7 @@ def test_ecn_marking_threshold_copies_on_write(backlog, marked):
 def test_parameter_packets_sweep_stale_aggregators_of_their_job_and_teardown_clears():
     s = sw(n=1)
     process(s, grad(0, seq=3))  # orphan: a late duplicate after seq 3 completed
-    process(s, param(seq=9, wm=5))  # same slot (n = 1), watermark passes 3: reclaimed
+    process(s, param(seq=9, wm=5))  # watermark passes 3: swept
     assert allocated(s) == 0 and s.stats.stale_reclaimed == 1
     process(s, grad(0, seq=6))
     assert s.remove_job(JOB) == 1 and allocated(s) == 0 and JOB not in s.jobs and s.watermark == {}

@@ -70,6 +70,21 @@ def test_paper_recovery_three_out_of_order_acks_resend_una():
     assert w.una == 4 and w.nxt == 14 and len(out) == 4
 
 
+def test_released_recovery_resends_every_hole_below_the_first_out_of_order_ack_once():
+    """The authors' released stack: one out-of-order ACK resends all holes below it at
+    once; no more until UNA passes them."""
+    w, _ = worker(cc=False, fixed_window_pkts=10, recovery="released")
+    out = w.on_packet(ack(1003, 1e-6), 1e-6)  # 1000-1002 missing
+    rs = [p for p in out if p.resend]
+    assert [p.seq for p in rs] == [1000, 1001, 1002] and w.stats.fast_retransmits == 3
+    assert not any(p.resend for p in w.on_packet(ack(1005, 2e-6), 2e-6))  # same episode
+    for s in (1000, 1001, 1002):
+        w.on_packet(ack(s, 3e-6), 3e-6)
+    assert w.una == 4  # 1003 acked already; 1004 is the next hole
+    out = w.on_packet(ack(1006, 4e-6), 4e-6)  # a new episode: resend 1004 only
+    assert [p.seq for p in out if p.resend] == [1004]
+
+
 def test_rack_recovery_resends_every_hole_once_it_is_lost():
     w = Worker(FMT, L, 0, 0, WorkerConfig(cc=False, fixed_window_pkts=10))
     w.start(np.zeros(40 * K, dtype=np.int32), 0, 0.0)  # seqs 0..9 sent at t=0

@@ -28,12 +28,14 @@ each of its ports except the ingress port.
 from __future__ import annotations
 
 import random
+from collections import deque
 from heapq import heappush
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from atp_pipeline.ina.packet import Packet
-from atp_pipeline.ina.switch import SwitchState, ecn_mark, process
+from atp_pipeline.ina.sim.engine import LINK_ARRIVAL
+from atp_pipeline.ina.switch import SwitchState, process
 
 MCAST_BASE = 1 << 24
 
@@ -73,7 +75,7 @@ class Link:
 
     __slots__ = ("name", "src", "dst", "rate", "lat", "buf", "ecn_thr", "mark", "busy", "eng", "rng",
                  "loss", "dup", "reorder", "reorder_delay", "tx_bytes", "tx_pkts", "drops",
-                 "lost", "dups", "ecn_marks", "max_backlog", "faulty", "recv", "q", "cnt")
+                 "lost", "dups", "ecn_marks", "max_backlog", "faulty", "recv", "q", "cnt", "fifo", "pend")
 
     def __init__(self, name: str, src: Any, dst: Any, gbps: float, lat: float, buf: int, ecn_thr: float,
                  mark: bool, eng: Any, rng: random.Random) -> None:
@@ -94,17 +96,30 @@ class Link:
         self.max_backlog = 0.0
         self.faulty = False
         self.recv = dst.receive
-        # fast path on the heap engine: push arrivals straight onto its event list
+        # fast path on the heap engine: push arrivals straight onto its event list; arrivals
+        # of one link come in (time, tiebreak) order, so only the earliest sits on the heap
+        # and the rest wait in ``fifo`` (see :meth:`send`)
         self.q = getattr(eng, "_q", None)
         self.cnt = getattr(eng, "_cnt", None)
+        self.fifo: Deque[Tuple[float, int, Any, Any, "Link"]] = deque()  # queued arrival events
+        self.pend = False  # this link's earliest pending arrival is on the event heap
 
     def set_faults(self, f: LinkFaults) -> None:
         self.loss, self.dup, self.reorder, self.reorder_delay = f.loss, f.dup, f.reorder, f.reorder_delay
         self.faulty = bool(f.loss or f.dup or f.reorder)
 
     def send(self, p: Any) -> None:
-        eng = self.eng
-        now = eng.now
+        """Transmit ``p``: tail drop, ECN marking, faults, then its arrival at ``dst``.
+
+        On the heap engine a link keeps at most one arrival on the event heap: a packet's
+        arrival time ``busy + lat`` only grows from one packet to the next (the transmitter
+        is a FIFO), so later arrivals wait in the link's ``fifo`` with the tiebreak they
+        were given now, and the engine moves the next one onto the heap when the earliest
+        is delivered (:data:`~atp_pipeline.ina.sim.engine.LINK_ARRIVAL`). The events
+        run in exactly the ``(time, tiebreak)`` order of one global heap, on a heap of
+        links rather than of packets (hundreds of times smaller). A reordered packet
+        (fault injection) breaks that order and goes onto the heap by itself."""
+        now = self.eng.now
         size = p.size
         busy = self.busy
         if busy > now:
@@ -114,11 +129,11 @@ class Link:
                 return
             if backlog > self.max_backlog:
                 self.max_backlog = backlog
-            if self.mark:  # switch egress: the data plane's ECN rule
-                q = ecn_mark(p, backlog, self.ecn_thr)
-                if q is not p:
-                    self.ecn_marks += 1
-                    p = q
+            # switch egress: the data plane's ECN rule (switch.ecn_mark, inlined: copy on write)
+            if self.mark and backlog > self.ecn_thr and not p.ecn:
+                p = p.copy()
+                p.ecn = 1
+                self.ecn_marks += 1
             self.busy = t = busy + size / self.rate
         else:
             self.busy = t = now + size / self.rate
@@ -132,14 +147,19 @@ class Link:
                 return
             if self.dup and rng.random() < self.dup:
                 self.dups += 1
-                eng.at(t + rng.random() * self.reorder_delay, self.dst.receive, p.copy(), self)
+                self.eng.at(t + rng.random() * self.reorder_delay, self.dst.receive, p.copy(), self)
             if self.reorder and rng.random() < self.reorder:
                 t += rng.random() * self.reorder_delay
-        q = self.q
-        if q is not None:
-            heappush(q, (t, next(self.cnt), self.recv, p, self))
+                if self.q is not None:  # out of FIFO order: on the heap by itself
+                    heappush(self.q, (t, next(self.cnt), self.recv, p, self))
+                    return
+        if self.pend:  # (only ever set on the heap engine)
+            self.fifo.append((t, next(self.cnt), LINK_ARRIVAL, p, self))
+        elif self.q is None:
+            self.eng.at(t, self.recv, p, self)
         else:
-            eng.at(t, self.recv, p, self)
+            self.pend = True
+            heappush(self.q, (t, next(self.cnt), LINK_ARRIVAL, p, self))
 
 
 class JobDemux:
@@ -195,6 +215,7 @@ class SwitchNode:
         self.rack = -1
         self.mcast_local: Dict[int, List[int]] = {}  # group -> local member hosts
         self.mcast_racks: Dict[int, List[int]] = {}  # group -> racks with members
+        self._mcast_ports: Dict[Any, List["Link"]] = {}  # (group, ingress) -> egress links
         self.dataplane: Dict[type, Callable[[Any, Link], List[Any]]] = dict(extra or {})
         self.bypass: Set[int] = set()  # ATP-stack jobs without in-network aggregation (plain PS)
         self.unroutable = 0
@@ -242,8 +263,19 @@ class SwitchNode:
             self.unroutable += 1
 
     def _mcast(self, p: Any, ingress: Optional[Link]) -> None:
+        key = (p.dst, ingress)
+        outs = self._mcast_ports.get(key)
+        if outs is None:
+            outs = self._mcast_ports[key] = self._mcast_out(p.dst, ingress)
+        # replicas share the packet object: nothing downstream mutates a parameter packet
+        # except ECN marking, which copies on write (Link.send)
+        for lk in outs:
+            lk.send(p)
+
+    def _mcast_out(self, g: int, ingress: Optional[Link]) -> List[Link]:
+        """The egress links of group ``g`` for a packet that came in on ``ingress``
+        (memoized in ``_mcast_ports`` until the groups change, :meth:`Fabric.join_group`)."""
         outs: List[Link] = []
-        g = p.dst
         if self.is_core:
             for r in self.mcast_racks.get(g, ()):
                 lk = self.rack_port[r]
@@ -256,10 +288,7 @@ class SwitchNode:
             from_core = ingress is not None and ingress.src is not None and getattr(ingress.src, "is_core", False)
             if not from_core and any(r != self.rack for r in racks):
                 outs.append(self.up)
-        # replicas share the packet object: nothing downstream mutates a parameter packet
-        # except ECN marking, which copies on write (Link.send)
-        for lk in outs:
-            lk.send(p)
+        return outs
 
 
 class Fabric:
@@ -314,7 +343,9 @@ class Fabric:
         """Install a multicast group (IGMP at job launch, §5.1)."""
         racks = sorted({self.hosts[h].rack for h in hosts})
         self.core.mcast_racks[group] = racks
+        self.core._mcast_ports.clear()
         for t in self.tors:
+            t._mcast_ports.clear()
             t.mcast_racks[group] = racks
             t.mcast_local[group] = [h for h in hosts if self.hosts[h].rack == t.rack]
 

@@ -31,6 +31,7 @@ class Result:
     events: int
     hops: int
     drained: bool
+    cpu_time: float = 0.0  # CPU seconds of this process over the same interval as wall_time
 
     def link(self, name: str):
         for lk in self.fabric.links:
@@ -81,6 +82,7 @@ def run(fabric: FabricConfig, jobs: Sequence[Any], faults: Optional[LinkFaults] 
     gc.disable()
     try:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         eng.run(until=until)
         drained = False
         if drain:
@@ -89,7 +91,8 @@ def run(fabric: FabricConfig, jobs: Sequence[Any], faults: Optional[LinkFaults] 
             eng.run(until=eng.now + 1.0)
             drained = True
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
     finally:
         if gc_was_enabled:
             gc.enable()
-    return Result(fab, built, bgs, eng.now, wall, eng.events, fab.packet_hops(), drained)
+    return Result(fab, built, bgs, eng.now, wall, eng.events, fab.packet_hops(), drained, cpu)
