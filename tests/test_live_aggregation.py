@@ -209,7 +209,7 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
         assert dead, err[-4000:]
         # every survivor fails on its own and says why: the ATP job names the silent worker,
         # or gloo (a collective of Lightning's logging) reports the crashed peer
-        blocks = re.split(r"^rank (\d) failed:$", err, flags=re.M)[1:]
+        blocks = re.split(r"^(?:RuntimeError: )?rank (\d) failed:$", err, flags=re.M)[1:]
         survivors = dict(zip(blocks[::2], blocks[1::2]))
         assert len(survivors) == 3 and dead.group(1) not in survivors, err[-4000:]
         for text in survivors.values():
