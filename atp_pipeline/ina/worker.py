@@ -258,6 +258,11 @@ class Worker:
         self.nxt = nxt
         return out
 
+    def set_rto(self, rto: float) -> None:
+        """Change the base retransmission timeout (e.g. from a conservative initial value
+        before the first RTT samples, RFC 6298 §2.1, to the configured one)."""
+        self.cfg.rto = self._rto = self.rto_cur = float(rto)
+
     def _reset_backoff(self) -> None:
         """Back to the base timeout; pending deadlines are re-stamped so the timer list
         stays sorted (entries are in transmission order)."""

@@ -31,7 +31,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -45,6 +45,7 @@ from atp_pipeline.ina.worker import Worker, WorkerConfig
 
 SEQ_LIMIT = 1 << 32
 MAX_DATAGRAM = 65507  # IPv4 UDP payload limit
+INITIAL_RTO_S = 1.0
 
 
 @dataclass
@@ -90,7 +91,11 @@ class Engine:
         self.switch_control, self.ps_controls = tuple(switch_control), [tuple(a) for a in ps_controls]
         self.ranks = list(ranks) if ranks is not None else list(range(n_workers))
         layout = JobLayout(job=job, groups=[list(range(n_workers))], n_ps=n_ps, bitmap_bits=fmt.bitmap_bits)
-        self.worker = Worker(fmt, layout, worker_id, host=worker_id, cfg=self.cfg.worker)
+        # first round: ranks start it at different times (lazy initialization, uneven first
+        # steps) and early packets wait in aggregators for late workers; a conservative
+        # initial timeout (RFC 6298 §2.1: 1 s) keeps them from being resent past the switch
+        self.worker = Worker(fmt, layout, worker_id, host=worker_id,
+                             cfg=replace(self.cfg.worker, rto=max(self.cfg.worker.rto, INITIAL_RTO_S)))
         self.stats = EngineStats()
         self.seq = 0
         self._bound: Dict[int, float] = {}
@@ -160,6 +165,8 @@ class Engine:
                                        f"{self.cfg.max_rescale} rescalings (bound {bound:.3g}){local}")
             bound *= 1024.0
             self.stats.rescales += 1
+        if self.stats.rounds == 0:
+            w.set_rto(self.cfg.worker.rto)
         res = w.result_tensor.astype(np.float64) / scale
         peak = float(np.abs(res).max(initial=0.0))
         self._bound[n] = max(self.cfg.headroom * peak, 1e-12)
