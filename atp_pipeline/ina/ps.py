@@ -156,6 +156,9 @@ class ParameterServer:
             return [self._param(js, seq, done, unicast_to=mask)]
         st = js.open.get(seq)
         if st is None:
+            if mask == L.full_mask:  # the whole sum in one packet (aggregated in the network)
+                S.pieces_added += 1
+                return [self._complete(js, p.job, seq, [(mask, p.payload)], p.ecn, p.overflow)]
             st = js.open[seq] = _Seq()
         have = st.have
         if mask & have == 0:
@@ -177,26 +180,32 @@ class ParameterServer:
         st.ovf |= p.overflow
         if st.have != L.full_mask:
             return []
-        # complete: Σ pieces (int64, then proven to fit int32 by the quantization headroom)
-        ovf = st.ovf
-        if len(st.pieces) == 1:
-            total32 = st.pieces[0][1]
+        del js.open[seq]
+        return [self._complete(js, p.job, seq, st.pieces, st.ecn, st.ovf)]
+
+    def _complete(self, js: _JobState, job: int, seq: int, pieces: List[Tuple[int, np.ndarray]],
+                  ecn: int, ovf: int) -> Packet:
+        """Every worker's contribution is in: Σ pieces (int64, then proven to fit int32 by
+        the quantization headroom), the update, the watermark, the parameter packet."""
+        S = self.stats
+        L = js.layout
+        if len(pieces) == 1:
+            total32 = pieces[0][1]
         else:
-            total = st.pieces[0][1].astype(np.int64)
-            for _, v in st.pieces[1:]:
+            total = pieces[0][1].astype(np.int64)
+            for _, v in pieces[1:]:
                 total += v
             if np.abs(total).max(initial=0) > INT32_MAX:
                 S.int_overflow += 1
                 ovf = 1
                 total = np.clip(total, -INT32_MAX, INT32_MAX)
             total32 = total.astype(np.int32)
-        payload = js.update(p.job, seq, total32)
-        del js.open[seq]
-        res = (payload, st.ecn, ovf)
+        payload = js.update(job, seq, total32)
+        res = (payload, ecn, ovf)
         js.done[seq] = res
         S.completed += 1
         js.completed += 1
-        if len(st.pieces) == 1 and L.n_workers > 1:
+        if len(pieces) == 1 and L.n_workers > 1:
             js.in_switch += 1
         n_ps = L.n_ps
         while js.watermark in js.done:
@@ -205,7 +214,7 @@ class ParameterServer:
             lim = js.watermark - js.retain
             for s in [s for s in js.done if s < lim]:
                 del js.done[s]
-        return [self._param(js, seq, res, unicast_to=None)]
+        return self._param(js, seq, res, unicast_to=None)
 
     def _param(self, js: _JobState, seq: int, res: Tuple[np.ndarray, int, int], unicast_to: Optional[int]) -> Packet:
         L = js.layout

@@ -63,12 +63,12 @@ memory leak-free under loss, duplication and reordering:
 
 Notes for the P4 mirror: the ⑦ flush is a clone (ingress-to-egress mirroring); the
 ⟨job, seq⟩ identifier is one 48-bit key compared in one register action; the stale test
-reads the watermark register at the packet's own ⟨job, shard⟩ only. The watermark sweep
-of a parameter packet that raises the watermark from ``old`` to ``w`` is a recirculation
-loop: the packet (or a clone carrying a cursor from ``old`` to ``w`` in metadata)
-recirculates once per further sequence, each pass hashing ⟨job, cursor⟩ and freeing that
-aggregator if its key is ⟨job, cursor⟩ and its shard the packet's; in the common in-order
-case the range is the packet's own sequence and no extra pass is needed. Egress ECN marking
+reads the watermark register at the packet's own ⟨job, shard⟩ only. The v1model program
+applies the watermark sweep lazily, with the same outputs: an aggregator whose sequence is
+below its own job's watermark for its shard is exactly one this sweep has freed, so a
+packet that touches such an aggregator treats it as free (the register keeps the stale key
+until then; ``p4/README.md``). An eager P4 sweep would be a recirculation loop, one pass
+per sequence of ``[old, w)``. Egress ECN marking
 (:func:`ecn_mark`) compares the enqueue depth with a threshold, as a P4 egress control
 does with ``enq_qdepth``; the simulator's links apply the same rule (inlined in ``Link.send``).
 """
@@ -302,16 +302,25 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
     i = h % n
     p.agg_index = h
     k = st.key[i]
-    match = k == pkey
-    valid = k >= 0
-
-    if p.resend:
-        if not match:  # no aggregator of ours: straight upstream, never allocate
-            if valid:
-                p.collision = 1
-            p.edge = e ^ 1
-            S.resend_forward += 1
-            return st, (p,)
+    if k == pkey:
+        if not p.resend:
+            # ① matched: aggregate into this aggregator (fan-in and bitmap chosen at ③)
+            bmap = st.bitmap
+            have = bmap[i]
+            if have & bm:  # ④ already aggregated and not a retransmission: drop
+                S.dup_dropped += 1
+                return st, ()
+            row = st.rows[i]
+            np.add(row, p.payload, row)
+            bmap[i] = have | bm
+            counts = st.count
+            cnt = counts[i] = counts[i] + 1  # ⑤ redundant popcount
+            if p.ecn or p.overflow:
+                st.flags[i] |= p.ecn | (p.overflow << 1)
+            S.merged += 1
+            if cnt < fan_in:  # ⑥ not complete: the packet is consumed
+                return st, ()
+            return st, (_complete(st, i, p, e),)
         if e == 1:
             # ⑦ second level: forward the retransmission directly; flush what this
             # aggregator holds in a clone, then ⑩ deallocate
@@ -343,8 +352,13 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         _free(st, i)
         S.resend_flush += 1
         return st, (p,)
-
-    if not valid:
+    if p.resend:  # no aggregator of ours: straight upstream, never allocate
+        if k >= 0:
+            p.collision = 1
+        p.edge = e ^ 1
+        S.resend_forward += 1
+        return st, (p,)
+    if k < 0:
         # allocation: claim the free aggregator with ⟨job, seq⟩, value and bitmap
         _claim(st, i, job, seq, p.ps_index, bm)
         st.flags[i] = p.ecn | (p.overflow << 1)
@@ -353,26 +367,11 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         if fan_in > 1:
             return st, ()
         return st, (_complete(st, i, p, e),)
-    if not match:
-        # ① occupied by another ⟨job, seq⟩: upstream untouched, resend set, level flipped
-        p.resend = p.collision = 1
-        p.edge = e ^ 1
-        S.collision += 1
-        return st, (p,)
-    # ① matched: aggregate into this aggregator (fan-in and bitmap chosen at ③ above)
-    if st.bitmap[i] & bm:  # ④ already aggregated and not a retransmission: drop
-        S.dup_dropped += 1
-        return st, ()
-    row = st.rows[i]
-    np.add(row, p.payload, row)
-    st.bitmap[i] |= bm
-    cnt = st.count[i] = st.count[i] + 1  # ⑤ redundant popcount
-    if p.ecn or p.overflow:
-        st.flags[i] |= p.ecn | (p.overflow << 1)
-    S.merged += 1
-    if cnt < fan_in:  # ⑥ not complete: the packet is consumed
-        return st, ()
-    return st, (_complete(st, i, p, e),)
+    # ① occupied by another ⟨job, seq⟩: upstream untouched, resend set, level flipped
+    p.resend = p.collision = 1
+    p.edge = e ^ 1
+    S.collision += 1
+    return st, (p,)
 
 
 def _complete(st: SwitchState, i: int, p: Packet, e: int) -> Packet:

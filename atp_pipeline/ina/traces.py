@@ -147,7 +147,7 @@ def scenarios() -> List[Scenario]:
         Scenario("stale_watermark", "parameter packets raise the shard watermark and sweep the "
                  "aggregators of the sequences it crossed; a gradient below it is forwarded without "
                  "allocating; the swept slots are allocated again by the job's later sequences (same "
-                 "outputs as the P4 programs' reclaim-on-touch)",
+                 "outputs as the v1model program's lazy sweep)",
                  [g(seq=20, bitmap0=1), g(seq=40, bitmap0=1), par(seq=21, watermark=50), par(seq=21, watermark=3),
                   g(seq=10, bitmap0=1), g(seq=_reclaim_seq(1, 20, 50, N), bitmap0=1),
                   par(seq=_reclaim_seq(1, 40, 50, N), watermark=50)]),
@@ -166,13 +166,13 @@ def scenarios() -> List[Scenario]:
                  [g(seq=16, bitmap0=1)], n_aggregators=0, p4_replay=False),
         Scenario("watermark_sweep", "a parameter packet that raises the watermark frees its ⟨job, shard⟩'s "
                  "aggregators below it wherever they hash (here: another job then allocates the slot "
-                 "instead of colliding), and a jump longer than the array walks the array. The P4 "
-                 "programs do not sweep yet (it needs a recirculation loop; they reclaim on touch by "
-                 "the same job), so this scenario is not replayed on P4",
+                 "instead of colliding), and a jump longer than the array walks the array. The v1model "
+                 "program applies the sweep lazily (a touched aggregator below its own job's watermark "
+                 "is free to any job's packet): the same outputs",
                  [g(seq=20, bitmap0=1), g(seq=40, bitmap0=1, ps_index=1), par(seq=21, watermark=50),
                   g(job=2, seq=s_sweep, bitmap0=1), g(job=2, seq=s_sweep, bitmap0=2),
                   par(seq=41, watermark=100_001, ps_index=1),
-                  g(job=2, seq=s_sweep2, bitmap0=1)], jobs=(1, 2), p4_replay=False),
+                  g(job=2, seq=s_sweep2, bitmap0=1)], jobs=(1, 2)),
     ]
 
 

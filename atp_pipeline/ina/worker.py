@@ -189,7 +189,8 @@ class Worker:
             return []
         r = p.seq - self.base
         acked = self.acked
-        if self.done or not 0 <= r < self.n or acked[r]:
+        # (once done, every acked[r] is set: no separate ``done`` test is needed)
+        if not 0 <= r < self.n or acked[r]:
             S.dup_acks += 1
             return []
         S.acks += 1
@@ -317,8 +318,12 @@ class Worker:
     @property
     def result(self) -> np.ndarray:
         """Received parameter payloads, ``(packets, K)`` int32 (zeros where none yet)."""
+        if not self.n:
+            return np.zeros((0, self.k), np.int32)
+        if self.n_acked == self.n:  # every row present: one C-level copy
+            return np.array(self.rows, dtype=np.int32)
         z = np.zeros(self.k, dtype=np.int32)
-        return np.stack([z if x is None else x for x in self.rows]) if self.n else np.zeros((0, self.k), np.int32)
+        return np.stack([z if x is None else x for x in self.rows])
 
     @property
     def result_tensor(self) -> np.ndarray:

@@ -3,6 +3,11 @@
 // two-level, multi-tenant. Values per packet: ATP_K (62) int32 lanes, no recirculation.
 // Registers (Figure 3): agg_key (valid ++ job ++ seq, 49 bit), agg_shard, agg_bitmap,
 // agg_count, agg_flags, ATP_K lane registers (generated), wm (per <job, shard> watermark).
+// The watermark sweep of switch.py (a parameter packet that raises <job, shard>'s watermark
+// frees that job's aggregators below it) is applied lazily: any packet that touches an
+// aggregator whose sequence is below its own job's watermark for its shard finds it free.
+// Every output equals the Python function's (an aggregator is stale exactly when the sweep
+// freed it); only the register contents differ until the next touch.
 // The ⑦ flush uses an ingress-to-egress clone (session ATP_FLUSH_SESSION, egress port set
 // by the control plane to the uplink toward the PS). ECN marking happens in egress.
 #include <core.p4>
@@ -89,10 +94,12 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
                 if (hdr.atp.watermark > meta.wm) { wm.write(hdr.atp.job ++ hdr.atp.ps_index, hdr.atp.watermark); }
                 if (k == ATP_KEY(hdr.atp.job, hdr.atp.seq)) {
                     agg_free();  // ②
-                } else if (k[48:48] == 1 && k[47:32] == hdr.atp.job) {
+                } else if (k[48:48] == 1) {
+                    // the sweep, lazily: an aggregator of any job below that job's watermark
+                    // for its shard is stale; switch.py freed it when the watermark passed it
                     agg_shard.read(shard_i, meta.idx);
-                    wm.read(wm_i, hdr.atp.job ++ shard_i);
-                    if (k[31:0] < wm_i) { agg_free(); }  // stale aggregator: reclaim on touch
+                    wm.read(wm_i, k[47:32] ++ shard_i);
+                    if (k[31:0] < wm_i) { agg_free(); }
                 }
                 sm.mcast_grp = meta.mcast_grp;  // to the job's workers
                 return;
@@ -119,10 +126,12 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
                     hdr.atp.agg_index = meta.h;
                     match = k == ATP_KEY(hdr.atp.job, hdr.atp.seq);
                     valid = k[48:48] == 1;
-                    if (valid && !match && k[47:32] == hdr.atp.job) {
+                    if (valid && !match) {
+                        // the sweep, lazily (as for parameter packets above): a stale
+                        // aggregator of any job is free to this packet
                         agg_shard.read(shard_i, meta.idx);
-                        wm.read(wm_i, hdr.atp.job ++ shard_i);
-                        if (k[31:0] < wm_i) { agg_free(); valid = false; }  // stale: reclaim
+                        wm.read(wm_i, k[47:32] ++ shard_i);
+                        if (k[31:0] < wm_i) { agg_free(); valid = false; }
                     }
                     agg_bitmap.read(b, meta.idx);
                     agg_flags.read(f, meta.idx);

@@ -27,6 +27,7 @@ each of its ports except the ingress port.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from heapq import heappush
@@ -75,7 +76,7 @@ class Link:
 
     __slots__ = ("name", "src", "dst", "rate", "lat", "buf", "ecn_thr", "mark", "busy", "eng", "rng",
                  "loss", "dup", "reorder", "reorder_delay", "tx_bytes", "tx_pkts", "drops",
-                 "lost", "dups", "ecn_marks", "max_backlog", "faulty", "recv", "q", "cnt", "fifo", "pend")
+                 "lost", "dups", "ecn_marks", "faulty", "recv", "q", "tick", "fifo", "pend")
 
     def __init__(self, name: str, src: Any, dst: Any, gbps: float, lat: float, buf: int, ecn_thr: float,
                  mark: bool, eng: Any, rng: random.Random) -> None:
@@ -85,23 +86,24 @@ class Link:
         self.rate = gbps * 1e9 / 8  # bytes/s
         self.lat = lat
         self.buf = buf
-        self.ecn_thr = ecn_thr
         self.mark = mark
+        self.ecn_thr = ecn_thr if mark else math.inf  # (send compares only the threshold)
         self.busy = 0.0
         self.eng = eng
         self.rng = rng
         self.loss = self.dup = self.reorder = 0.0
         self.reorder_delay = 0.0
         self.tx_bytes = self.tx_pkts = self.drops = self.lost = self.dups = self.ecn_marks = 0
-        self.max_backlog = 0.0
         self.faulty = False
         self.recv = dst.receive
         # fast path on the heap engine: push arrivals straight onto its event list; arrivals
         # of one link come in (time, tiebreak) order, so only the earliest sits on the heap
         # and the rest wait in ``fifo`` (see :meth:`send`)
         self.q = getattr(eng, "_q", None)
-        self.cnt = getattr(eng, "_cnt", None)
-        self.fifo: Deque[Tuple[float, int, Any, Any, "Link"]] = deque()  # queued arrival events
+        cnt = getattr(eng, "_cnt", None)
+        self.tick = None if cnt is None else cnt.__next__  # the engine's tiebreak counter
+        fifo = getattr(eng, "fifo", None)  # queued arrival events
+        self.fifo: Deque[Tuple[float, int, Any, Any, "Link"]] = deque() if fifo is None else fifo()
         self.pend = False  # this link's earliest pending arrival is on the event heap
 
     def set_faults(self, f: LinkFaults) -> None:
@@ -127,10 +129,9 @@ class Link:
             if backlog + size > self.buf:
                 self.drops += 1
                 return
-            if backlog > self.max_backlog:
-                self.max_backlog = backlog
-            # switch egress: the data plane's ECN rule (switch.ecn_mark, inlined: copy on write)
-            if self.mark and backlog > self.ecn_thr and not p.ecn:
+            # switch egress: the data plane's ECN rule (switch.ecn_mark, inlined: copy on
+            # write); a link that does not mark has an infinite threshold
+            if backlog > self.ecn_thr and not p.ecn:
                 p = p.copy()
                 p.ecn = 1
                 self.ecn_marks += 1
@@ -151,15 +152,15 @@ class Link:
             if self.reorder and rng.random() < self.reorder:
                 t += rng.random() * self.reorder_delay
                 if self.q is not None:  # out of FIFO order: on the heap by itself
-                    heappush(self.q, (t, next(self.cnt), self.recv, p, self))
+                    heappush(self.q, (t, self.tick(), self.recv, p, self))
                     return
         if self.pend:  # (only ever set on the heap engine)
-            self.fifo.append((t, next(self.cnt), LINK_ARRIVAL, p, self))
+            self.fifo.append((t, self.tick(), LINK_ARRIVAL, p, self))
         elif self.q is None:
             self.eng.at(t, self.recv, p, self)
         else:
             self.pend = True
-            heappush(self.q, (t, next(self.cnt), LINK_ARRIVAL, p, self))
+            heappush(self.q, (t, self.tick(), LINK_ARRIVAL, p, self))
 
 
 class JobDemux:
