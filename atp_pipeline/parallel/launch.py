@@ -7,12 +7,14 @@ failure in any rank raises in the caller with that rank's traceback; no process 
 behind. With ``init=False`` the process group is left to the function (e.g. a Lightning
 Trainer): each process gets torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``, ``TORCHELASTIC_RUN_ID``...), so Lightning treats
-the processes as externally launched and never re-executes ``sys.argv``.
+the processes as externally launched and never re-executes ``sys.argv``. Results travel
+by value (plain pickle), so a rank may return tensors and exit at once.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -51,7 +53,10 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
         out = fn(rank, world, *args)
         if dist.is_initialized():
             dist.barrier()
-        results.put((rank, True, out))
+        # by value: torch.multiprocessing's queue pickler would share a tensor's storage
+        # through this process's file-descriptor server, gone once the process exits
+        # (the parent then fails with FileNotFoundError while unpickling)
+        results.put((rank, True, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,7 +88,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
         while len(done) < world:
             try:
                 rank, ok, value = results.get(timeout=0.5)
-                done[rank] = (ok, value)
+                done[rank] = (ok, pickle.loads(value) if ok else value)
                 if not ok:
                     failures.append(f"rank {rank} failed:\n{value}")
             except queue.Empty:
