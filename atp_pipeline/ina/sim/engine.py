@@ -19,8 +19,8 @@ event — per wall-clock second, best / median of 7:
 ======================================  =================  =================  ============
 workload                                SimPy 4.1.2        HeapEngine         ratio (med.)
 ======================================  =================  =================  ============
-rack_8w (8 workers + PS, one ToR)       128,339 / 104,932  243,176 / 204,742  1.95×
-multirack_2jobs (24 workers, 4 racks)   128,891 / 113,146  248,182 / 239,960  2.12×
+rack_8w (8 workers + PS, one ToR)       130,977 / 118,870  251,752 / 210,120  1.77×
+multirack_2jobs (24 workers, 4 racks)   136,695 / 119,061  255,654 / 217,038  1.82×
 ======================================  =================  =================  ============
 
 (Runs of the same code vary by up to 2× with what else the host runs, CPU time alike; the
