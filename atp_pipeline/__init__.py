@@ -1,26 +1,47 @@
 """atp-pipeline: declarative, topology-aware distributed training.
 
-Importing the package registers its Hydra config schemas, the ``mesh=<d1>x<d2>`` config
-source and the Lightning strategy ``"atp"`` — except where ``ATP_PIPELINE_ROLE`` is set:
-in the live aggregation backend's role processes (switch emulator, parameter server),
-which need numpy only, and in the workers of :func:`atp_pipeline.parallel.launch.spawn`
-with a ready-made process group, which need torch only.
+Importing the package is light: it imports neither Lightning nor Hydra and registers
+nothing heavy. Public names load on first use. Lightning's strategy ``"atp"`` is
+registered in whichever Lightning package (``pytorch_lightning``, ``lightning.pytorch``)
+is imported — already, or later (a post-import hook) — so user code reads::
+
+    import pytorch_lightning as pl        # or: import lightning.pytorch as L
+    import atp_pipeline
+    trainer = pl.Trainer(strategy="atp", devices=4)
+
+``train.py`` registers the Hydra config schemas itself.
 """
 
-import os
-
-if not os.environ.get("ATP_PIPELINE_ROLE"):  # light mode: see the module docstring
-    from atp_pipeline.config import register_mesh_source, register_schemas
-    from atp_pipeline.errors import ConfigError
-    from atp_pipeline.planning import Plan, make_plan
-    from atp_pipeline.topology import Topology
-
-    register_schemas()
-    register_mesh_source()
-
-    from atp_pipeline.lightning import ATPStrategy  # (registers strategy "atp")
-    from atp_pipeline.parallel import ATPLinear, init_mesh
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ATPLinear", "ATPStrategy", "ConfigError", "Plan", "Topology", "init_mesh", "make_plan",
-           "__version__"]
+
+_LAZY = {
+    "ConfigError": "atp_pipeline.errors",
+    "Topology": "atp_pipeline.topology.model",
+    "ModelShape": "atp_pipeline.planning.shape",
+    "MeshPlan": "atp_pipeline.planning.mesh_plan",
+    "make_plan": "atp_pipeline.planning.search",
+    "ATPLinear": "atp_pipeline.parallel.linear",
+    "init_mesh": "atp_pipeline.parallel.mesh",
+    "ATPStrategy": "atp_pipeline.lightning",
+}
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'atp_pipeline' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def _install_lightning_hook() -> None:
+    from atp_pipeline.lightning.hook import install
+
+    install()
+
+
+_install_lightning_hook()

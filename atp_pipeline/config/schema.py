@@ -6,8 +6,9 @@ list, so *every* option of every group — including a user's own topology file 
 invalid enum value fails at compose time, naming the key.
 
 The schemas are the single description of the options; semantic checks that types cannot
-express (a matrix of the right size, a mesh that fits the world) live next to the objects
-built from them (:mod:`atp_pipeline.topology.model`, :mod:`atp_pipeline.planning`).
+express (a matrix of the right size, a mesh that fits the world) run once, when the run
+is resolved (:mod:`atp_pipeline.run.resolve`). Importing this module does not import
+Hydra: :func:`register_schemas` (called by ``train.py``) does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -49,7 +49,13 @@ class MeshStrategy(str, Enum):
     auto = "auto"  # ATP search over every 2D mesh of the world size (§3.5)
     fixed = "fixed"  # DeviceMesh(d1, d2) given by the user (``mesh=2x4``)
     megatron = "megatron"  # DeviceMesh(N, 1): Megatron-LM's 1D tensor parallelism
-    sbp = "sbp"  # AutoDDL: a Split/Broadcast/Partial strategy per layer (issue 8)
+
+
+class PlannerKind(str, Enum):
+    """The ``planner`` config group: which search decides how the model is split."""
+
+    atp = "atp"  # ATP: one 2D tensor-parallel mesh for the whole model (§3.5, Eq. 2-4)
+    sbp = "sbp"  # AutoDDL: a Split/Broadcast/Partial strategy per layer (alpha-beta model)
 
 
 class AggregationMode(str, Enum):
@@ -147,36 +153,15 @@ class TopologyConfig:
     note: str = ""  # how it was derived (e.g. a sub-topology); set by the tools
 
 
-class PlanStyle(str, Enum):
-    """Parallel styles of a plan entry (atp_pipeline.parallel.plan)."""
-
-    column = "column"
-    row = "row"
-    block = "block"
-    layernorm = "layernorm"
-    embedding = "embedding"
-    vocab_loss = "vocab_loss"
-    replicated = "replicated"
-
-
-# The built-in GPT's parallel plan (module-name patterns of atp_pipeline.models.gpt.GPT):
-# ATP's transformer layer per block, hidden-sharded embeddings and final LayerNorm, a
-# column-first LM head and the vocabulary-parallel loss.
-GPT_PARALLEL_PLAN = {
-    "wte": PlanStyle.embedding,
-    "wpe": PlanStyle.embedding,
-    "blocks.*": PlanStyle.block,
-    "ln_f": PlanStyle.layernorm,
-    "head": PlanStyle.column,
-    "loss_fn": PlanStyle.vocab_loss,
-}
-
-
 @dataclass
 class ModelConfig:
-    """A GPT model; ``batch_size`` and ``seq_len`` are the per-step b and s of Eq. 2."""
+    """A model: its ``family`` (an adapter of :mod:`atp_pipeline.models`: ``gpt``, the
+    built-in one, or a user's registered family), its shape, and the per-step b and s of
+    Eq. 2. ``parallel_plan`` (module-name pattern -> style, see
+    :mod:`atp_pipeline.parallel.styles`) overrides the family's own layout."""
 
     name: str = MISSING
+    family: str = "gpt"
     hidden: int = MISSING
     heads: int = MISSING
     layers: int = MISSING
@@ -185,7 +170,7 @@ class ModelConfig:
     vocab_size: int = 50304
     ffn_mult: int = 4
     dtype: DType = DType.fp16
-    parallel_plan: Dict[str, PlanStyle] = field(default_factory=lambda: dict(GPT_PARALLEL_PLAN))
+    parallel_plan: Optional[Dict[str, str]] = None
 
 
 class SBPMethod(str, Enum):
@@ -199,7 +184,7 @@ class SBPMethod(str, Enum):
 
 @dataclass
 class SBPConfig:
-    """The SBP search of ``mesh=sbp`` (:mod:`atp_pipeline.planning.sbp`): the method and its
+    """The SBP search of ``planner=sbp`` (:mod:`atp_pipeline.planning.sbp`): the method and its
     time budget, the mesh orders tried (``paper``: the §4.2.2 order; ``all``: every order,
     which matters when topology levels differ), at most ``max_split_dims`` roles of size > 1
     (2: Megatron-like 2-D plans only), and the latency α of links without a calibration."""
@@ -216,7 +201,7 @@ class SBPConfig:
 class MeshConfig:
     """Which tensor-parallel DeviceMesh(d1, d2) to use (d1, d2 only for ``fixed``), and the
     data-parallel size: the world is dp x d1 x d2. ``dp: null`` (default) is resolved by
-    :func:`atp_pipeline.training.resolve_dp`: what a fixed mesh leaves of the devices;
+    :func:`atp_pipeline.run.resolve.resolve_dp`: what a fixed mesh leaves of the devices;
     otherwise 1 under ``aggregation=ring`` (tensor parallelism over every device) and every
     device under ``atp``/``ps`` (those modes aggregate data-parallel gradients)."""
 
@@ -224,7 +209,6 @@ class MeshConfig:
     d1: Optional[int] = None
     d2: Optional[int] = None
     dp: Optional[int] = None
-    sbp: SBPConfig = field(default_factory=SBPConfig)  # strategy ``sbp`` only
 
 
 @dataclass
@@ -259,6 +243,10 @@ class AggregationConfig:
 
 @dataclass
 class PlannerConfig:
+    """The ``planner`` group: ``atp`` (ATP's mesh search; ``cost_model`` ...
+    ``select_uncalibrated`` apply) or ``sbp`` (AutoDDL's per-layer search; ``sbp`` applies)."""
+
+    name: PlannerKind = PlannerKind.atp
     cost_model: CostModel = CostModel.eq2
     # Only meshes the runtime can execute (heads divisible by d1*d2) may be selected.
     # Off for pure interconnect studies (the paper's Figure 12 goes past the head count).
@@ -268,6 +256,7 @@ class PlannerConfig:
     # selected unless this is set.
     select_uncalibrated: bool = False
     plot: bool = True
+    sbp: SBPConfig = field(default_factory=SBPConfig)  # planner ``sbp`` only
 
 
 @dataclass
@@ -304,7 +293,7 @@ class Config:
     mesh: MeshConfig = MISSING
     overlap: OverlapConfig = MISSING
     aggregation: AggregationConfig = MISSING
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    planner: PlannerConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -315,4 +304,6 @@ SCHEMA_NAME = "atp_schema"
 
 def register_schemas() -> None:
     """Store the root schema; ``conf/config.yaml`` lists it first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)

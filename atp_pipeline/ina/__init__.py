@@ -14,11 +14,13 @@ module                     what it holds
 :mod:`.worker`             the worker stack: window, ACKs, retransmission, AIMD (§5.4)
 :mod:`.job`                per-job setup: groups, fan-ins, two-level hierarchy (§4.1, §5.1)
 :mod:`.sim`                the discrete-event simulator, fabric, baselines (§6, §7)
-:mod:`.experiments`        reduced-scale Figures 7–12 and the two-level report (CSV + PNG)
+:mod:`.live`               the live backend: switch emulator and PS processes, real UDP packets
+:mod:`.p4`                 P4 tooling: generated headers, trace corpus, control plane, BMv2 replay
 =========================  ==================================================================
 
-Entry points: ``python -m atp_pipeline.ina.experiments <name>`` and
-``python -m atp_pipeline.benchmarks.ina_sim_speed``.
+The reduced-scale Figures 7–12 and the two-level report (CSV + PNG) and the simulator's
+speed benchmark are repository tooling, run from the checkout's root:
+``python -m benchmarks.ina_experiments <name>`` and ``python -m benchmarks.ina_sim_speed``.
 """
 
 from atp_pipeline.ina.job import JobLayout, racks_layout

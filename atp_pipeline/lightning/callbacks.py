@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-import pytorch_lightning as pl
 
 AXES = ("dp", "d1", "d2")
 
 
-class StepMetrics(pl.Callback):
+class StepMetricsMixin:
     """Logs, every step: step time, tokens/s, achieved TFLOP/s per device (the model's FLOPs
     per step by the paper's §5 formula over step time and device count), and the bytes and
     blocked time of the collectives on each mesh dimension (the strategy's Comm counters),
@@ -23,14 +22,14 @@ class StepMetrics(pl.Callback):
         self._t0 = 0.0
         self.last: Dict[str, float] = {}
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
         comm = getattr(trainer.strategy, "comm", None)
         if comm is not None:
             comm.stats.reset()
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         dt = time.perf_counter() - self._t0
         m: Dict[str, float] = {

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Tuple
 
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -56,7 +55,7 @@ class SyntheticTokens(Dataset):
         return w[:-1], w[1:]
 
 
-class TokenDataModule(pl.LightningDataModule):
+class TokenDataMixin:
     """``source="corpus"`` (bytes of the shipped text, vocab 256) or ``"synthetic"``.
 
     ``batch_size`` is the global batch; each data-parallel replica loads its share. On

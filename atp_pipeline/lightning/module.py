@@ -1,31 +1,39 @@
-"""The built-in LightningModule: the plain GPT and its optimizer (no parallelism here)."""
+"""``LMModule``: a LightningModule for any causal LM (no parallelism here).
+
+``model(idx, targets)`` must return the mean cross-entropy (a tensor, or an output object
+with ``.loss``, as Hugging Face models return). The model is given built, or as a factory
+called under ``seed`` so every rank builds the same initial weights.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple, Union
 
-import pytorch_lightning as pl
 import torch
+from torch import nn
 
-from atp_pipeline.models.gpt import GPT, GPTConfig
+ModelOrFactory = Union[nn.Module, Callable[[], nn.Module]]
 
 
-class GPTModule(pl.LightningModule):
-    """A GPT trained with AdamW; every rank builds the same initial weights from ``seed``."""
+class LMModuleMixin:
+    """A causal LM trained with AdamW (``lr``, ``weight_decay``); logs ``loss`` every step."""
 
-    def __init__(self, cfg: GPTConfig, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, model: ModelOrFactory, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["cfg"])
-        self.cfg = cfg
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.model = GPT(cfg)
+        self.save_hyperparameters(ignore=["model"])  # type: ignore[attr-defined]
+        if not isinstance(model, nn.Module):
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                model = model()
+        self.model = model
 
     def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         idx, targets = batch
-        loss = self.model(idx, targets)
-        self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
+        out = self.model(idx, targets)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)  # type: ignore[attr-defined]
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        hp = self.hparams  # type: ignore[attr-defined]
+        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)  # type: ignore[attr-defined]

@@ -1,5 +1,2 @@
-"""Plain model definitions; parallelism is applied from outside (atp_pipeline.parallel)."""
-
-from atp_pipeline.models.gpt import GPT, GPTConfig
-
-__all__ = ["GPT", "GPTConfig"]
+"""Model families behind the seam of :mod:`atp_pipeline.models.adapter`; model code
+knows nothing of parallelism, which is applied from outside (:mod:`atp_pipeline.parallel`)."""

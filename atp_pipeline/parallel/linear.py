@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, Handle, comm_for
 from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatter_dim0
-from atp_pipeline.parallel.mesh import device_of, tp_coordinate, tp_mesh
+from atp_pipeline.parallel.mesh import device_of, shard_seed, tp_coordinate, tp_mesh
 
 COLUMN, ROW = "column", "row"
 
@@ -49,7 +49,9 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
 
 def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> nn.Parameter:
     """A DTensor parameter holding this rank's block of ``full`` (identical on all ranks)."""
-    local = local_shard(full.detach(), mesh, placements).to(device_of(tp_mesh(mesh)))
+    local = local_shard(full.detach(), mesh, placements)
+    if not local.is_meta:
+        local = local.to(device_of(tp_mesh(mesh)))
     return nn.Parameter(DTensor.from_local(local, tp_mesh(mesh), list(placements), run_check=False))
 
 
@@ -98,17 +100,35 @@ class ATPLinear(nn.Module):
         if bias:
             if bias_tensor is None:
                 bound = 1 / math.sqrt(in_features)
-                bias_tensor = torch.empty(out_features, dtype=weight.dtype).uniform_(-bound, bound)
+                bias_tensor = torch.empty(out_features, dtype=weight.dtype, device=weight.device)
+                if not bias_tensor.is_meta:
+                    bias_tensor.uniform_(-bound, bound)
             b_place: List[Placement] = [Shard(0), Replicate()] if first == COLUMN else [Replicate(), Shard(0)]
             self.bias = sharded_parameter(bias_tensor, mesh, b_place)
         else:
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: DeviceMesh, first: str) -> "ATPLinear":
-        """Shard a dense ``nn.Linear`` (same values on every rank) into an ATPLinear."""
+    def from_linear(cls, linear: nn.Linear, mesh: DeviceMesh, first: str, input_is_parallel: bool = True,
+                    gather_output: bool = False) -> "ATPLinear":
+        """Shard a dense ``nn.Linear`` (same values on every rank) into an ATPLinear. A
+        linear on the meta device gives meta shards (no rank ever holds the whole weight);
+        :meth:`reset_shards` initializes them once materialized."""
         return cls(linear.in_features, linear.out_features, mesh, first, bias=linear.bias is not None,
-                   weight=linear.weight, bias_tensor=linear.bias)
+                   weight=linear.weight, bias_tensor=linear.bias, input_is_parallel=input_is_parallel,
+                   gather_output=gather_output)
+
+    def reset_shards(self, seed: int, name: str) -> None:
+        """Initialize this rank's blocks like ``nn.Linear.reset_parameters`` (uniform in
+        ``±1/sqrt(in_features)``), from a generator seeded by ``seed``, the layer's name and
+        the (d1, d2) coordinate: data-parallel replicas of a shard get the same values."""
+        g = torch.Generator().manual_seed(shard_seed(seed, name, tp_coordinate(self.mesh)))
+        bound = 1 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    local = p.to_local()
+                    local.copy_(torch.rand(local.shape, generator=g, dtype=local.dtype) * 2 * bound - bound)
 
     def start(self, x: torch.Tensor, pending: List[Handle]) -> torch.Tensor:
         """Launch the GEMM and its all-reduce; the caller waits ``pending`` before :meth:`finish`."""

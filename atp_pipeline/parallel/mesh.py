@@ -7,6 +7,8 @@ ranks of one ``d2`` group are consecutive — the layout the planner's Eq. 3 ass
 
 from __future__ import annotations
 
+import zlib
+from enum import Enum
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,7 +17,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from atp_pipeline.errors import ConfigError
 
-DIM_NAMES = ("dp", "d1", "d2")
+
+
+class Axis(str, Enum):
+    """The named dimensions of ATP's mesh: data parallel, then the 2D tensor-parallel (d1, d2)."""
+
+    dp = "dp"
+    d1 = "d1"
+    d2 = "d2"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DIM_NAMES = tuple(a.value for a in Axis)
 
 
 def init_mesh(shape: Union[int, Sequence[int]], d2: Optional[int] = None, *, dp: int = 1,
@@ -72,3 +87,8 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def shard_seed(seed: int, name: str, coord: Tuple[int, ...]) -> int:
+    """A seed for one shard of a layer: the same on every data-parallel replica of it."""
+    return (seed * 1_000_003 + zlib.crc32(f"{name}@{tuple(coord)}".encode())) % (2**63)

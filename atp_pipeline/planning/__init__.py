@@ -1,20 +1,10 @@
-"""Cost models and searches: ATP's mesh planner (Eq. 2-4) and its report."""
+"""Planning: pure cost models and searches (numpy only; no torch, Hydra or Lightning).
 
-from atp_pipeline.planning.bandwidth import DimBandwidth, LevelCrossing, dimension_bandwidth, rabenseifner
-from atp_pipeline.planning.cost import (
-    CommTerm,
-    collective_seconds,
-    eq2_terms,
-    predicted_elements,
-    runtime_terms,
-    step_comm_time,
-)
-from atp_pipeline.planning.flops import ModelSummary
-from atp_pipeline.planning.search import Candidate, Plan, candidate_meshes, evaluate, make_plan
-
-__all__ = [
-    "Candidate", "CommTerm", "DimBandwidth", "LevelCrossing", "ModelSummary", "Plan",
-    "candidate_meshes", "collective_seconds", "dimension_bandwidth", "eq2_terms",
-    "predicted_elements", "runtime_terms", "evaluate", "make_plan",
-    "rabenseifner", "step_comm_time",
-]
+* :mod:`.shape` — :class:`~.shape.ModelShape`, what a planner reads of a model (FLOPs too);
+* :mod:`.interface` — one planner interface (:func:`~.interface.plan`, :class:`~.interface.PlanResult`);
+* :mod:`.search`, :mod:`.mesh_plan`, :mod:`.bandwidth`, :mod:`.cost` — ATP's mesh search (Eq. 2-4);
+* :mod:`.sbp` — AutoDDL's per-layer SBP search and its alpha-beta model;
+* :mod:`.memory`, :mod:`.gradsync` — per-device memory and the data-parallel sync estimate;
+* :mod:`.report` — the plan report (table, ``plan.json``, ``plan.png``, summary);
+* :mod:`.calibrate` — fitting alpha-beta to measured collectives (measuring: ``run.calibrate``).
+"""

@@ -17,7 +17,7 @@ them on the second. A dimension of size 1 has no collective, so its terms vanish
 ``(N, 1)`` this is Megatron-LM's ``4*L*b*s*h / B1`` (§2.3).
 
 **The runtime (``cost_model=runtime``).** Exactly the collectives that
-:mod:`atp_pipeline.parallel.gpt` sends, each with its own size: the backward all-reduce of
+:mod:`atp_pipeline.models.gpt.parallel` sends, each with its own size: the backward all-reduce of
 an operator carries its *input*'s gradient (``h/d2`` for f1 and f3 on dimension 1,
 ``h/d1`` for f2 and ``4h/d1`` for f4 on dimension 2), so Eq. 2 over-counts dimension 2 by
 ``2h/d1`` per token and layer; and Eq. 2 omits the attention scatter/gather over d2
@@ -40,6 +40,7 @@ from fractions import Fraction
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.config.schema import CostModel
+from atp_pipeline.planning.shape import ModelShape
 
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
 
@@ -59,23 +60,28 @@ class CommTerm:
     per_layer: bool = True
 
 
-def eq2_terms(hidden: int, mesh: Tuple[int, int]) -> List[CommTerm]:
-    """The four conjugate operators of Eq. 2; terms on a size-1 dimension are dropped."""
+def eq2_terms(hidden: int, mesh: Tuple[int, int], ffn: Optional[int] = None,
+              qkv: Optional[int] = None) -> List[CommTerm]:
+    """The four conjugate operators of Eq. 2; terms on a size-1 dimension are dropped.
+    ``qkv`` (default ``3h``) and ``ffn`` (default ``4h``) are the column-first widths."""
     d1, d2 = mesh
     h = hidden
+    qkv = 3 * h if qkv is None else qkv
+    ffn = 4 * h if ffn is None else ffn
     terms = [
-        CommTerm("f1", "attention QKV linear (column-first)", ALL_REDUCE, 2, Fraction(3 * h, d1), 2),
+        CommTerm("f1", "attention QKV linear (column-first)", ALL_REDUCE, 2, Fraction(qkv, d1), 2),
         CommTerm("f2", "attention output linear (row-first)", ALL_REDUCE, 1, Fraction(h, d2), 2),
-        CommTerm("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, Fraction(4 * h, d1), 2),
+        CommTerm("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, Fraction(ffn, d1), 2),
         CommTerm("f4", "MLP second linear (row-first)", ALL_REDUCE, 1, Fraction(h, d2), 2),
     ]
     return [t for t in terms if (d1 if t.dim == 1 else d2) > 1]
 
 
-def runtime_terms(hidden: int, ffn_mult: int, vocab: int, mesh: Tuple[int, int]) -> List[CommTerm]:
-    """Every collective :mod:`atp_pipeline.parallel.gpt` sends in one training step."""
+def runtime_terms(hidden: int, ffn: int, vocab: int, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """Every collective ATP's transformer layer (``models/gpt/parallel.py``, Figure 6) sends
+    in one training step; ``ffn`` is the MLP's width (``4h`` for the GPTs of Table 2)."""
     d1, d2 = mesh
-    h, f = hidden, ffn_mult
+    h = hidden
     F_ = Fraction
     t = CommTerm
     terms = [
@@ -89,10 +95,10 @@ def runtime_terms(hidden: int, ffn_mult: int, vocab: int, mesh: Tuple[int, int])
         t("f2", "attention output linear: input gradient", ALL_REDUCE, 2, F_(h, d1), 1, "bwd"),
         t("ln2", "LayerNorm statistics (sum, sum of squares)", ALL_REDUCE, 2, F_(2), 1, "fwd"),
         t("ln2", "LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd"),
-        t("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, F_(f * h, d1), 1, "fwd"),
+        t("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, F_(ffn, d1), 1, "fwd"),
         t("f3", "MLP first linear: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd"),
         t("f4", "MLP second linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
-        t("f4", "MLP second linear: input gradient", ALL_REDUCE, 2, F_(f * h, d1), 1, "bwd"),
+        t("f4", "MLP second linear: input gradient", ALL_REDUCE, 2, F_(ffn, d1), 1, "bwd"),
         t("ln_f", "final LayerNorm statistics", ALL_REDUCE, 2, F_(2), 1, "fwd", False),
         t("ln_f", "final LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd", False),
         t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(vocab, d1), 1, "fwd", False),
@@ -103,12 +109,11 @@ def runtime_terms(hidden: int, ffn_mult: int, vocab: int, mesh: Tuple[int, int])
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
 
 
-def comm_terms(cost_model: CostModel, hidden: int, mesh: Tuple[int, int], ffn_mult: int = 4,
-               vocab: int = 0) -> List[CommTerm]:
+def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if cost_model == CostModel.eq2:
-        return eq2_terms(hidden, mesh)
+        return eq2_terms(shape.hidden, mesh, ffn=shape.ffn, qkv=shape.q_width + 2 * shape.kv_width)
     if cost_model == CostModel.runtime:
-        return runtime_terms(hidden, ffn_mult, vocab, mesh)
+        return runtime_terms(shape.hidden, shape.ffn, shape.vocab_size, mesh)
     raise ValueError(f"unknown cost model {cost_model}")
 
 

@@ -1,11 +1,12 @@
-"""Per-device memory of the parallel GPT under a mesh, to refuse runs that cannot fit.
+"""Per-device memory of a model under ATP's placements, to refuse runs that cannot fit.
 
-Parameters per device follow the built-in plan's placements (linears over d1*d2, biases,
-LayerNorms and embeddings over one of the dimensions); weights and gradients in the
-model's dtype, AdamW's two moments in fp32 (plus fp32 master weights for fp16/bf16).
-Activations use Korthikanti et al. (2022)'s per-layer estimate without recomputation,
-``s*b*h*(34 + 5*a*s/h)`` bytes for half precision, scaled to the dtype and divided over
-the tensor-parallel group, for the local batch ``b/dp``. An estimate, reported as such.
+Parameters per device follow ATP's layout (§3.2): matrices over d1*d2, the column-first
+biases over d1, the row-first biases, norms and embeddings over d2, the LM head over d1*d2
+(none when tied to the embedding); weights and gradients in the model's dtype, AdamW's two
+moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
+al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
+half precision, scaled to the dtype and divided over the tensor-parallel group, for the
+local batch ``b/dp``. An estimate, reported as such.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,16 @@ class MemoryEstimate:
         return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def per_device_memory(m: ModelSummary, mesh: Tuple[int, int], dp: int = 1) -> MemoryEstimate:
+def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> MemoryEstimate:
     d1, d2 = mesh
     tp = d1 * d2
-    h, f, L, V, s = m.hidden, m.ffn_mult, m.layers, m.vocab_size, m.seq_len
-    per_layer = (4 + 2 * f) * h * h / tp + 3 * h / d1 + h / d2 + f * h / d1 + h / d2 + 4 * h / d2
-    params = L * per_layer + (V + s) * h / d2 + 2 * h / d2 + V * h / tp
+    h, L, V, s = m.hidden, m.layers, m.vocab_size, m.seq_len
+    per_layer = (m.weights_per_layer / tp + m.column_bias_per_layer / d1 + m.row_bias_per_layer / d2
+                 + m.norm_params_per_layer / d2)
+    positions = s if m.position == "learned" else 0
+    final_norm = m.norm_params_per_layer / 2
+    head = 0 if m.tied_embeddings else V * h / tp
+    params = L * per_layer + (V + positions) * h / d2 + final_norm / d2 + head
     q = m.bytes_per_element
     optimizer = params * (8 + (4 if q == 2 else 0))
     b = m.batch_size / dp

@@ -13,19 +13,18 @@ may be selected; ties go to the larger ``d1`` (closer to Megatron-LM).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from omegaconf import DictConfig
+from typing import Any
 
-from atp_pipeline.config.schema import CostModel, MeshConfig, MeshStrategy, PlannerConfig
+from atp_pipeline.config.schema import CostModel, MeshStrategy
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.shape import mesh_infeasibility as _shape_infeasibility
+from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
 from atp_pipeline.topology.model import Topology
-
-Mesh = Tuple[int, int]
 
 
 def divisors(n: int) -> List[int]:
@@ -45,93 +44,17 @@ def candidate_meshes(n: int) -> List[Mesh]:
     return [(n // d2, d2) for d2 in divisors(n)]
 
 
-def mesh_infeasibility(model: ModelSummary, mesh: Mesh) -> Optional[str]:
+def mesh_infeasibility(model: ModelShape, mesh: Mesh) -> Optional[str]:
     """Why the runtime cannot run ``model`` on ``mesh`` (None if it can)."""
-    d1, d2 = mesh
-    if model.heads % (d1 * d2):
-        return (f"{model.heads} heads of model '{model.name}' do not split over d1*d2 = "
-                f"{d1}x{d2} = {d1 * d2} devices")
-    return None
+    return _shape_infeasibility(model, *mesh)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    mesh: Mesh
-    dim1: DimBandwidth
-    dim2: DimBandwidth
-    t_comm_s: float
-    terms: Tuple[TermCost, ...]
-    infeasible: Optional[str] = None
-
-    @property
-    def source(self) -> str:
-        sources = {d.source for d in (self.dim1, self.dim2)} - {"none"}
-        return sources.pop() if len(sources) == 1 else ("model" if not sources else "mixed")
-
-    def to_dict(self, megatron_t: float) -> dict:
-        return {
-            "mesh": list(self.mesh),
-            "B1_prime_GBps": self.dim1.B_prime_GBps,
-            "B2_prime_GBps": self.dim2.B_prime_GBps,
-            "B1_GBps": self.dim1.B_GBps,
-            "B2_GBps": self.dim2.B_GBps,
-            "t_comm_s": self.t_comm_s,
-            "ratio_to_megatron": self.t_comm_s / megatron_t if megatron_t > 0 else None,
-            "source": self.source,
-            "feasible": self.infeasible is None,
-            "infeasible_reason": self.infeasible,
-            "dims": [self.dim1.to_dict(), self.dim2.to_dict()],
-            "terms": [t.to_dict() for t in self.terms],
-        }
-
-
-@dataclass(frozen=True)
-class Plan:
-    topology: Topology
-    model: ModelSummary
-    strategy: MeshStrategy
-    cost_model: CostModel
-    candidates: Tuple[Candidate, ...]
-    selected: Mesh
-    notes: Tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    def candidate(self, mesh: Mesh) -> Candidate:
-        for c in self.candidates:
-            if c.mesh == tuple(mesh):
-                return c
-        raise KeyError(mesh)
-
-    @property
-    def megatron(self) -> Candidate:
-        return self.candidate((self.world_size, 1))
-
-    def to_dict(self) -> dict:
-        mt = self.megatron.t_comm_s
-        sel = self.candidate(self.selected)
-        return {
-            "topology": self.topology.to_dict(),
-            "world_size": self.world_size,
-            "model": self.model.to_dict(),
-            "strategy": self.strategy.value,
-            "cost_model": self.cost_model.value,
-            "candidates": [c.to_dict(mt) for c in self.candidates],
-            "selected": list(self.selected),
-            "selected_t_comm_s": sel.t_comm_s,
-            "megatron_t_comm_s": mt,
-            "notes": list(self.notes),
-        }
-
-
-def evaluate(topo: Topology, model: ModelSummary, mesh: Mesh,
+def evaluate(topo: Topology, model: ModelShape, mesh: Mesh,
              cost_model: CostModel = CostModel.eq2) -> Candidate:
     """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh."""
     dim1 = dimension_bandwidth(topo, mesh, 1)
     dim2 = dimension_bandwidth(topo, mesh, 2)
-    terms = comm_terms(cost_model, model.hidden, mesh, model.ffn_mult, model.vocab_size)
+    terms = comm_terms(cost_model, model, mesh)
     t, costs = step_comm_time(terms, model.layers, model.batch_size, model.seq_len,
                               model.bytes_per_element, sizes={1: mesh[0], 2: mesh[1]},
                               B={1: dim1.B_GBps, 2: dim2.B_GBps},
@@ -140,13 +63,14 @@ def evaluate(topo: Topology, model: ModelSummary, mesh: Mesh,
                      infeasible=mesh_infeasibility(model, mesh))
 
 
-def _mesh_cfg(mesh: MeshConfig | DictConfig) -> Tuple[MeshStrategy, Optional[int], Optional[int]]:
+def _mesh_cfg(mesh: Any) -> Tuple[MeshStrategy, Optional[int], Optional[int]]:
     return MeshStrategy(mesh.strategy), mesh.d1, mesh.d2
 
 
-def make_plan(topo: Topology, model: ModelSummary, mesh: MeshConfig | DictConfig,
-              planner: PlannerConfig | DictConfig) -> Plan:
-    """Evaluate every candidate mesh and select one according to ``mesh.strategy``."""
+def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any) -> MeshPlan:
+    """Evaluate every candidate mesh and select one according to ``mesh.strategy``
+    (``mesh``: a :class:`~atp_pipeline.config.schema.MeshConfig`, ``planner`` a
+    :class:`~atp_pipeline.config.schema.PlannerConfig`, or their DictConfigs)."""
     strategy, fd1, fd2 = _mesh_cfg(mesh)
     n = topo.world_size
     cost_model = CostModel(planner.cost_model)
@@ -192,5 +116,5 @@ def make_plan(topo: Topology, model: ModelSummary, mesh: MeshConfig | DictConfig
     chosen = by_mesh[selected]
     if chosen.infeasible and planner.require_divisible:
         raise ConfigError(f"mesh {selected[0]}x{selected[1]}: {chosen.infeasible}")
-    return Plan(topology=topo, model=model, strategy=strategy, cost_model=cost_model,
+    return MeshPlan(topology=topo, model=model, strategy=strategy, cost_model=cost_model,
                 candidates=candidates, selected=selected, notes=tuple(notes))

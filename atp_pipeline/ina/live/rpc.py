@@ -5,7 +5,7 @@ The data plane is UDP (:mod:`.nodes`); control is a small request/response proto
 ``atp-pipeline``): a request is ``(op, kwargs)``, the answer ``("ok", value)`` or
 ``("error", message)``. The same server class serves the switch emulator and the
 parameter server; a Tofino deployment replaces the switch's side by the BFRuntime control
-plane (:mod:`atp_pipeline.ina.control_plane`).
+plane (:mod:`atp_pipeline.ina.p4.control`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -110,8 +109,9 @@ class Services:
 
 def _launch(args: List[str], payload_k: int) -> subprocess.Popen:
     env = dict(os.environ, ATP_PIPELINE_ROLE="1")  # numpy-only: skip Lightning/Hydra imports
-    root = str(Path(__file__).resolve().parents[3])  # the very package this process runs
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    # this process's own import path, so the role process imports the very package it runs
+    # (a checkout, an installed copy or one put on sys.path by a test runner alike)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     return subprocess.Popen([sys.executable, "-m", "atp_pipeline.ina.live.nodes", *args,
                              "--payload-k", str(payload_k), "--die-with-parent"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)

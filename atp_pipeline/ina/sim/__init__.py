@@ -8,9 +8,10 @@
 * :mod:`.switchml`, :mod:`.ring` — the SwitchML and ring all-reduce baselines (the plain
   N-to-1 PS baseline is an ATP job with ``in_network=False``),
 * :mod:`.background` — background bulk flows,
-* :mod:`.scenario` — :func:`run`, the one entry point.
+* :mod:`.scenario` — :func:`run`, the one entry point (and :func:`pin_aggregators`, emulated
+  contention for switch memory).
 """
 
-from atp_pipeline.ina.sim.scenario import Result, run
+from atp_pipeline.ina.sim.scenario import Result, pin_aggregators, run
 
-__all__ = ["Result", "run"]
+__all__ = ["Result", "pin_aggregators", "run"]

@@ -11,7 +11,7 @@ both produce the same simulation).
 * :class:`HeapEngine` is a lean binary-heap event list (``heapq`` of flat
   ``(time, tiebreak, fn, a, b)`` tuples; links push packet arrivals onto it directly).
 
-Measured with ``python -m atp_pipeline.benchmarks.ina_sim_speed --repeat 7`` (one core,
+Measured with ``python -m benchmarks.ina_sim_speed --repeat 7`` (one core,
 CPython 3.11, this repository's shared 2-core dev machine; runs interleaved; every run
 checked exact), in simulated packet-hops — one packet crossing one link, i.e. one arrival
 event — per wall-clock second, best / median of 7:

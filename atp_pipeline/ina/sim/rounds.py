@@ -184,6 +184,15 @@ class RoundJob:
         t1 = self.round_end[rs[-1]]
         return len(rs) * self.tensor_bytes * 8 / (t1 - t0) / 1e9 if t1 > t0 else 0.0
 
+    def iterations_per_s(self, skip: int = 1) -> float:
+        """Rounds (training iterations) completed per second over rounds ``skip…``."""
+        rs = [r for r in sorted(self.round_end) if r >= skip]
+        if not rs:
+            return 0.0
+        t0 = self.round_start[rs[0]]
+        t1 = self.round_end[rs[-1]]
+        return len(rs) / (t1 - t0) if t1 > t0 else 0.0
+
     def worker_stats(self) -> Dict[str, int]:
         tot: Dict[str, int] = {}
         for wk in self.workers:

@@ -5,6 +5,7 @@ benchmark: it builds the engine and fabric, adds the jobs (ATP, SwitchML, ring
 all-reduce) and background flows, runs until every job has finished, then drains the
 network (no timers left, every in-flight packet delivered or dropped) and returns a
 :class:`Result` with per-job metrics, traffic counters and switch state.
+:func:`pin_aggregators` (a ``setup`` for :func:`run`) emulates contention for switch memory.
 """
 
 from __future__ import annotations
@@ -39,12 +40,32 @@ class Result:
                 return lk
         raise KeyError(name)
 
+    def forwarding_rate(self) -> float:
+        """Fraction of the gradient packets arriving at the switches that found their
+        aggregator held by another ⟨job, seq⟩ and were forwarded to the PS (§7.2.4)."""
+        arrivals = coll = 0
+        for st in self.fabric.switches():
+            S = st.stats
+            coll += S.collision
+            arrivals += S.alloc + S.merged + S.collision + S.dup_dropped
+        return coll / arrivals if arrivals else 0.0
+
     def live_aggregators(self, ignore_jobs=None) -> List[Any]:
         out = []
         for t in self.fabric.tors:
             if t.state is not None:
                 out += [(t.name,) + x for x in live_aggregators(t.state, ignore_jobs)]
         return out
+
+
+def pin_aggregators(fabric: Fabric, fraction: float, foreign_job: int = 0xFFFF) -> None:
+    """Occupy ``fraction`` of every ToR's aggregators with a foreign job that never frees them
+    (§7.2.4's emulated contention: packets hashing there are forwarded to the PS). Pass it to
+    :func:`run` as ``setup=lambda fab: pin_aggregators(fab, 0.5)``."""
+    for st in fabric.switches():
+        n = int(round(fraction * st.n))
+        for i in range(n):
+            st.pin(i * st.n // n if n else i, foreign_job, i)
 
 
 def run(fabric: FabricConfig, jobs: Sequence[Any], faults: Optional[LinkFaults] = None,

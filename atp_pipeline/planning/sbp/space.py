@@ -37,7 +37,7 @@ layers must stay under ``memory_limit`` (§4.5.2).
 
 **Repeated layers (§4.5.1).** Layers with the same ``tie`` share one strategy; a model
 compiles into one decision variable per tie with aggregated tables (:class:`Problem`),
-so a 96-block GPT has four variables, not 384.
+so a 96-block transformer has four variables, not 384.
 """
 
 from __future__ import annotations
@@ -342,13 +342,14 @@ def mlp(dims: Sequence[int], batch: int) -> List[MatmulLayer]:
     return [MatmulLayer(f"fc{i}", batch, dims[i], dims[i + 1]) for i in range(len(dims) - 1)]
 
 
-def gpt(layers: int, hidden: int, heads: int, seq: int, micro_batch: int,
-        ffn_mult: int = 4) -> List[MatmulLayer]:
-    """A GPT stack as matmuls: per block QKV (into attention, heads split evenly),
-    attention output projection, FC1 (``ffn_mult``·h) and FC2; blocks tied (§4.5.1). Tokens
-    ``b = micro_batch·seq`` split only on sequence boundaries."""
+def transformer(layers: int, hidden: int, heads: int, seq: int, micro_batch: int,
+                ffn_mult: float = 4) -> List[MatmulLayer]:
+    """A decoder-only transformer stack as matmuls: per block QKV (into attention, heads
+    split evenly), attention output projection, FC1 (``ffn_mult``·h) and FC2; blocks tied
+    (§4.5.1). Tokens ``b = micro_batch·seq`` split only on sequence boundaries."""
     if hidden % heads:
         raise ConfigError(f"sbp: hidden {hidden} is not divisible by heads {heads}")
+    ffn = ffn_width(hidden, ffn_mult)
     b = micro_batch * seq
     out: List[MatmulLayer] = []
     for i in range(layers):
@@ -356,6 +357,14 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, micro_batch: int,
         out += [MatmulLayer(f"block{i}.qkv", b, hidden, 3 * hidden, tie="qkv", heads=heads,
                             batch_units=u, into_attention=True),
                 MatmulLayer(f"block{i}.proj", b, hidden, hidden, tie="proj", batch_units=u),
-                MatmulLayer(f"block{i}.fc1", b, hidden, ffn_mult * hidden, tie="fc1", batch_units=u),
-                MatmulLayer(f"block{i}.fc2", b, ffn_mult * hidden, hidden, tie="fc2", batch_units=u)]
+                MatmulLayer(f"block{i}.fc1", b, hidden, ffn, tie="fc1", batch_units=u),
+                MatmulLayer(f"block{i}.fc2", b, ffn, hidden, tie="fc2", batch_units=u)]
     return out
+
+
+def ffn_width(hidden: int, ffn_mult: float) -> int:
+    """The MLP width ``ffn_mult·hidden``, which must be a whole number of features."""
+    width = ffn_mult * hidden
+    if width != int(width) or width < 1:
+        raise ConfigError(f"sbp: FFN width {ffn_mult} x hidden {hidden} is not a positive whole number")
+    return int(width)

@@ -5,8 +5,8 @@ branch of Figure 4 (allocation, ① hit / collision, ② deallocation on paramet
 ③ per-level fan-in, ④ duplicate, ⑥ completion, ⑦ second-level resend flush, ⑧/⑨/⑩
 first-level resend, ECN marking, stale watermarks, malformed and unknown-job drops) plus
 non-ATP frames, which a switch must forward untouched. Inputs and the Python switch's
-outputs are written as whole Ethernet/IPv4/UDP frames in hex to ``p4/traces/atp.jsonl``
-so that a BMv2 run can inject the inputs and compare its outputs packet by packet.
+outputs are written as whole Ethernet/IPv4/UDP frames in hex to a JSON-lines file (the
+checkout's ``p4/traces/atp.jsonl``) so that a BMv2 run can inject the inputs and compare its outputs packet by packet.
 
 Format (JSON lines): a scenario line ``{"scenario", "n_aggregators", "jobs",
 "payload_k", "bitmap_bits", "p4_replay", "doc"}`` followed by its step lines
@@ -16,7 +16,9 @@ frames the switch emits in order, ``egress`` (or null) the queue state
 Each scenario starts from an empty switch. ``p4_replay`` is false where the Python state
 has no P4 equivalent (a switch with zero aggregators).
 
-Usage: ``python -m atp_pipeline.ina.traces`` (rewrite) / ``--check`` (exit 1 if stale).
+Usage, from the repository root: ``python -m atp_pipeline.ina.p4.traces`` (rewrite) /
+``--check`` (exit 1 if stale); ``--out FILE`` (default ``p4/traces/atp.jsonl`` under the
+current directory).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from atp_pipeline.ina.p4gen import N_AGGREGATORS
+from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
 from atp_pipeline.ina.packet import ATP_UDP_PORT
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.switch import SwitchState, agg_hash, ecn_mark, process
 
-TRACE_FILE = Path(__file__).resolve().parents[2] / "p4" / "traces" / "atp.jsonl"
+DEFAULT_TRACE_FILE = Path("p4") / "traces" / "atp.jsonl"  # CLI default, relative to the current directory
 WORKER_MAC, PS_MAC = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
 WORKER_IP, PS_IP = bytes([10, 0, 0, 1]), bytes([10, 0, 1, 1])
 FMT = PacketFormat()
@@ -216,7 +218,8 @@ def render() -> str:
     return "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in generate())
 
 
-def load(path: Path = TRACE_FILE) -> List[dict]:
+def load(path: Path) -> List[dict]:
+    """The records of a trace file written by :func:`render`."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -235,18 +238,22 @@ def replay(records: Sequence[dict]) -> List[Tuple[dict, List[str]]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.traces", description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if p4/traces/atp.jsonl is stale")
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.p4.traces", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the trace file is stale")
+    ap.add_argument("--out", "--trace", dest="trace", type=Path, default=DEFAULT_TRACE_FILE,
+                    help=f"trace file to write or check (default {DEFAULT_TRACE_FILE}, relative to the "
+                         "current directory: run from the repository root)")
     a = ap.parse_args(argv)
+    path: Path = a.trace
     text = render()
     if a.check:
-        ok = TRACE_FILE.is_file() and TRACE_FILE.read_text(encoding="utf-8") == text
+        ok = path.is_file() and path.read_text(encoding="utf-8") == text
         if not ok:
-            print(f"stale: {TRACE_FILE} (run python -m atp_pipeline.ina.traces)", file=sys.stderr)
+            print(f"stale: {path} (run python -m atp_pipeline.ina.p4.traces --out {path})", file=sys.stderr)
         return 0 if ok else 1
-    TRACE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    TRACE_FILE.write_text(text, encoding="utf-8")
-    print(f"wrote {TRACE_FILE}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path}")
     return 0
 
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from atp_pipeline.models.gpt import GPT
+from atp_pipeline.models.gpt.model import GPT
 
 
 def native_tensor_parallel(model: GPT, world: int, device_type: str = "cpu") -> nn.Module:

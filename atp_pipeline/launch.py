@@ -77,18 +77,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init),
                          daemon=False) for r in range(world)]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    # workers of a ready-made process group need torch only: they import the package in its
-    # light mode (no Hydra schemas, no Lightning strategy; 3-4 s less per process). Lightning
-    # workers (init=False) need the "atp" strategy registered and import it in full.
-    light = init and not os.environ.get("ATP_PIPELINE_ROLE")
-    if light:
-        os.environ["ATP_PIPELINE_ROLE"] = "spawn-worker"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if light:
-            del os.environ["ATP_PIPELINE_ROLE"]
+    for p in procs:
+        p.start()
     out: List[Any] = [None] * world
     done: dict = {}  # rank -> (ok, value)
     failures: List[str] = []

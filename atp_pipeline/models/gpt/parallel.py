@@ -1,4 +1,4 @@
-"""ATP's parallel transformer layers, and the dense GPT sharded on DeviceMesh(d1, d2).
+"""ATP's parallel transformer layer for the built-in GPT, on DeviceMesh(d1, d2) (Figure 6).
 
 Activation layout between blocks: hidden features split over d2, replicated over d1 — the
 input and output layout of ATP's parallel transformer layer (Figure 6).
@@ -11,7 +11,8 @@ input and output layout of ATP's parallel transformer layer (Figure 6).
 * **LayerNorm** over a hidden dimension split across d2: the sums of x and x² are
   all-reduced over d2 (and their gradient, whose consumers are sharded, likewise).
 * **Embeddings** are split by hidden feature over d2 (no communication); the **LM head**
-  is column-first (vocabulary over d1) and the loss is vocabulary-parallel cross-entropy.
+  is column-first (vocabulary over d1) and the loss is vocabulary-parallel cross-entropy
+  (the adapter's plan, :mod:`atp_pipeline.models.gpt.adapter`).
 * **Chunk-based overlap** (§4.1): with ``chunks = k`` each block splits its batch into k
   pieces and runs them as a wavefront over its stages; every stage ends by launching its
   collective, which stays in flight while the other chunks compute. ``k = 1`` is the
@@ -21,24 +22,33 @@ input and output layout of ATP's parallel transformer layer (Figure 6).
 Residual adds and biases are local. Every collective goes through the model's
 :class:`~atp_pipeline.parallel.comm.Comm`; :func:`atp_pipeline.planning.cost.runtime_terms`
 lists exactly what this module sends.
+
+The style ``block`` (:class:`BlockStyle`, registered by the GPT adapter) replaces a
+:class:`~atp_pipeline.models.gpt.model.Block` by :class:`ParallelBlock`, whose math is
+that block's. A module that is not exactly that block — another class, an overridden
+``forward``, other submodules — is accepted only if, run on a random input, it computes
+what the GPT block computes with its weights; otherwise it is refused with one line.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.models.gpt import GPT, Block, attention_core
+from atp_pipeline.models.gpt.model import GPT, MLP, Attention, Block, attention_core
+from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, Handle, comm_for
-from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, sharded_parameter
-from atp_pipeline.parallel.mappings import all_reduce_sum, gather_dim0, scatter_dim0
+from atp_pipeline.parallel.layers import ParallelLayerNorm
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
+from atp_pipeline.parallel.mappings import gather_dim0, scatter_dim0
+from atp_pipeline.parallel.styles import (ColumnFirst, EmbeddingStyle, LayerNormStyle, ParallelStyle, StyleContext,
+                                          VocabLoss)
 
 
 def check_mesh_fits(heads: int, hidden: int, vocab: int, ffn_mult: int, d1: int, d2: int, what: str = "model") -> None:
@@ -49,38 +59,6 @@ def check_mesh_fits(heads: int, hidden: int, vocab: int, ffn_mult: int, d1: int,
         raise ConfigError(f"{what}: hidden {hidden} does not split over d1={d1} and d2={d2}")
     if vocab % d1:
         raise ConfigError(f"{what}: vocabulary {vocab} is not divisible by d1={d1} (vocab-parallel head)")
-
-
-class ParallelLayerNorm(nn.Module):
-    """LayerNorm over a hidden dimension split across d2 (statistics all-reduced over d2)."""
-
-    def __init__(self, ln: nn.LayerNorm, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.comm = comm_for(mesh)
-        self.hidden, self.eps = ln.normalized_shape[0], ln.eps
-        place = [Replicate(), Shard(0)]
-        self.weight = sharded_parameter(ln.weight, mesh, place)
-        self.bias = sharded_parameter(ln.bias, mesh, place)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight.to_local(), self.bias.to_local()
-        if self.comm.size("d2") == 1:
-            return F.layer_norm(x, (self.hidden,), w, b, self.eps)
-        stats = all_reduce_sum(torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1), self.comm, "d2")
-        mean = stats[..., 0] / self.hidden
-        var = stats[..., 1] / self.hidden - mean * mean
-        return (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1) * w + b
-
-
-class ParallelEmbedding(nn.Module):
-    """An embedding table split by hidden feature over d2, replicated over d1."""
-
-    def __init__(self, emb: nn.Embedding, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.weight = sharded_parameter(emb.weight, mesh, [Replicate(), Shard(1)])
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.weight.to_local())
 
 
 Stage = Callable[[Dict[str, torch.Tensor], List[Handle]], None]
@@ -170,17 +148,93 @@ class ParallelBlock(nn.Module):
         return states[0]["x"] if len(states) == 1 else torch.cat([st["x"] for st in states], dim=0)
 
 
+BLOCK_PARTS = ("ln1", "attn", "attn.qkv", "attn.proj", "ln2", "mlp", "mlp.fc1", "mlp.fc2")
+_EXACT = {"": Block, "ln1": nn.LayerNorm, "attn": Attention, "attn.qkv": nn.Linear, "attn.proj": nn.Linear,
+          "ln2": nn.LayerNorm, "mlp": MLP, "mlp.fc1": nn.Linear, "mlp.fc2": nn.Linear}
+
+
+def _differs_from_gpt_block(module: nn.Module) -> Optional[str]:
+    """None if ``module`` computes the GPT block's function of its own weights, else why not."""
+    missing = [p for p in BLOCK_PARTS if not _has(module, p)]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    exact = all(type(module.get_submodule(p) if p else module) is t for p, t in _EXACT.items())
+    if exact:
+        return None
+    heads = getattr(module.get_submodule("attn"), "heads", None)
+    hidden = module.get_submodule("ln1").normalized_shape[0] if isinstance(module.get_submodule("ln1"), nn.LayerNorm) \
+        else None
+    if not heads or not hidden or any(p.is_meta for p in module.parameters()):
+        return "is not the GPT block class and cannot be compared (no attn.heads, or on the meta device)"
+    ref = Block(_Shape(hidden, heads, module.get_submodule("mlp.fc1").out_features // hidden))
+    try:
+        ref.load_state_dict({k: v.detach() for k, v in module.state_dict().items()})
+    except (RuntimeError, KeyError) as exc:
+        return f"has other parameters than the GPT block ({str(exc).splitlines()[0]})"
+    x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    candidate = copy.deepcopy(module).double()
+    try:
+        with torch.no_grad():
+            got, want = candidate(x), ref.double()(x)
+    except Exception as exc:  # noqa: BLE001 - a block with another signature is not ours
+        return f"cannot run as the GPT block ({type(exc).__name__}: {exc})"
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return None if err <= 1e-9 else f"computes something else than the GPT block (max relative difference {err:.2e})"
+
+
+class _Shape:
+    """The fields of a GPTConfig that :class:`Block` reads."""
+
+    def __init__(self, hidden: int, heads: int, ffn_mult: int) -> None:
+        self.hidden, self.heads, self.ffn_mult = hidden, heads, ffn_mult
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+class BlockStyle(ParallelStyle):
+    """The GPT block -> :class:`ParallelBlock` (ATP's fused layer with chunk overlap);
+    activations in and out split by hidden over d2."""
+
+    name = "block"
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        why = _differs_from_gpt_block(module)
+        if why:
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) {why}: style 'block' would "
+                              f"substitute the GPT block's math, so it is refused (give its linears "
+                              f"column/row styles instead)")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return ParallelBlock(module, ctx.mesh, ctx.chunks)  # type: ignore[arg-type]
+
+
 def parallelize_gpt(model: GPT, mesh: DeviceMesh, chunks: int = 1) -> GPT:
     """A copy of a dense GPT (identical on every rank, e.g. same seed) sharded on ``mesh``
-    by the built-in GPT's parallel plan; same loss and gradients, same parameter names."""
-    from atp_pipeline.config.schema import GPT_PARALLEL_PLAN
-    from atp_pipeline.parallel.plan import apply_parallel_plan
-
+    by the GPT adapter's plan; same loss and gradients, same parameter names."""
     cfg = model.cfg
     comm = comm_for(mesh)
     check_mesh_fits(cfg.heads, cfg.hidden, cfg.vocab_size, cfg.ffn_mult, comm.size("d1"), comm.size("d2"))
     if chunks < 1:
         raise ConfigError(f"chunks must be >= 1, got {chunks}")
     parallel = copy.deepcopy(model)
-    apply_parallel_plan(parallel, {k: v.value for k, v in GPT_PARALLEL_PLAN.items()}, mesh, chunks)
+    apply_plan(parallel, PARALLEL_PLAN, mesh, chunks)
     return parallel
+
+
+# The built-in GPT's plan (module names of :class:`~atp_pipeline.models.gpt.model.GPT`):
+# ATP's layer per block, hidden-sharded embeddings and final LayerNorm, a column-first LM
+# head and the vocabulary-parallel loss; activations stay split between them.
+PARALLEL_PLAN: Dict[str, ParallelStyle] = {
+    "wte": EmbeddingStyle(output="split"),
+    "wpe": EmbeddingStyle(output="split"),
+    "blocks.*": BlockStyle(),
+    "ln_f": LayerNormStyle(input="split", output="split"),
+    "head": ColumnFirst(input="split", output="split"),
+    "loss_fn": VocabLoss(),
+}

@@ -1,8 +1,9 @@
 """Replay the ATP trace corpus on BMv2 and compare packet by packet (issue 7 item 4).
 
-``p4/traces/atp.jsonl`` holds input frames and the frames the Python switch function
-(:func:`atp_pipeline.ina.switch.process`, via :func:`atp_pipeline.ina.traces.run_step`) emits
-for them. This module feeds the same inputs through ``p4/v1model/atp.p4`` running on BMv2
+The trace corpus (``p4/traces/atp.jsonl``, :mod:`atp_pipeline.ina.p4.traces`) holds input
+frames and the frames the Python switch function (:func:`atp_pipeline.ina.switch.process`, via
+:func:`atp_pipeline.ina.p4.traces.run_step`) emits for them. This module feeds the same inputs
+through the v1model program (``p4/v1model/atp.p4``) running on BMv2
 ``simple_switch`` and checks that the program emits the same frames on the ports the
 control plane predicts:
 
@@ -13,7 +14,7 @@ control plane predicts:
    real-time pacing;
 3. during those ``W`` seconds install the scenario's control-plane entries through
    ``simple_switch_CLI`` (Thrift): the entries are those
-   :func:`atp_pipeline.ina.control_plane.compute_plan` computes for the replay fabric
+   :func:`atp_pipeline.ina.p4.control.compute_plan` computes for the replay fabric
    (:data:`REPLAY_TOPOLOGY`), translated by :func:`cli_commands` — one implementation;
 4. wait for the expected number of output frames (plus a settle time that catches extra
    ones), stop the switch, parse the output pcaps, and compare.
@@ -46,12 +47,13 @@ the step's output ports (rate-limited to :data:`ECN_QUEUE_RATE_PPS` with
 ``set_queue_rate``), then the step itself with ``ecn_threshold`` = 0 — so its outputs are
 enqueued behind waiting fillers and must be marked — compared exactly.
 
-Usage::
+Usage, from the repository root (``--trace`` and ``--p4`` default to ``p4/traces/atp.jsonl``
+and ``p4/v1model/atp.p4`` under the current directory)::
 
-    python -m atp_pipeline.ina.bmv2_replay                  # compile, replay, compare
-    python -m atp_pipeline.ina.bmv2_replay --json atp.json  # an already compiled program
-    python -m atp_pipeline.ina.bmv2_replay --scenario ecn --keep --workdir /tmp/replay
-    python -m atp_pipeline.ina.bmv2_replay --dry-run        # commands + expectations, no BMv2
+    python -m atp_pipeline.ina.p4.bmv2                  # compile, replay, compare
+    python -m atp_pipeline.ina.p4.bmv2 --json atp.json  # an already compiled program
+    python -m atp_pipeline.ina.p4.bmv2 --scenario ecn --keep --workdir /tmp/replay
+    python -m atp_pipeline.ina.p4.bmv2 --dry-run        # commands + expectations, no BMv2
 
 Exit status: 0 all frames match, 1 a mismatch (the first one is printed in detail), 2 the
 tools are missing or a run failed.
@@ -76,14 +78,16 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from atp_pipeline.ina import control_plane as cp
-from atp_pipeline.ina import traces
-from atp_pipeline.ina.p4gen import N_AGGREGATORS
+from atp_pipeline.ina.p4 import control as cp
+from atp_pipeline.ina.p4 import traces
+from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
 from atp_pipeline.ina.packet import PacketFormat
 
-ROOT = Path(__file__).resolve().parents[2]
-V1MODEL_P4 = ROOT / "p4" / "v1model" / "atp.p4"
-AGGREGATION_YAML = ROOT / "conf" / "aggregation" / "atp.yaml"
+# CLI defaults, relative to the current directory (the repository root)
+DEFAULT_V1MODEL_P4 = Path("p4") / "v1model" / "atp.p4"
+DEFAULT_TRACE_FILE = traces.DEFAULT_TRACE_FILE
+# The replay's aggregation config (conf/aggregation/atp.yaml): the control plane only needs mode atp
+REPLAY_AGGREGATION = {"mode": "atp"}
 
 # The replay fabric: rack 0 = the trace's worker, rack 1 = its PS (see the module docstring).
 REPLAY_TOPOLOGY = {
@@ -161,10 +165,10 @@ def is_filler(frame: bytes) -> bool:
 
 # -- the control plane of the switch under test ----------------------------------------------
 def replay_plan(jobs: Sequence[int]) -> cp.SwitchPlan:
-    """The DUT's entries from :func:`control_plane.compute_plan`: every job two-level, its
+    """The DUT's entries from :func:`control.compute_plan`: every job two-level, its
     worker on host 0 (rack 0), its PS on host 1 (rack 1)."""
     specs = [{"job": int(j), "worker_hosts": [WORKER_HOST], "ps_hosts": [PS_HOST], "two_level": True} for j in jobs]
-    plan = cp.compute_plan(OmegaConf.create(REPLAY_TOPOLOGY), OmegaConf.load(AGGREGATION_YAML), specs)
+    plan = cp.compute_plan(OmegaConf.create(REPLAY_TOPOLOGY), OmegaConf.create(REPLAY_AGGREGATION), specs)
     hosts = {h.index: h for h in plan.hosts}
     if (ipaddress.IPv4Address(hosts[WORKER_HOST].ipv4).packed != traces.WORKER_IP
             or ipaddress.IPv4Address(hosts[PS_HOST].ipv4).packed != traces.PS_IP):
@@ -299,9 +303,8 @@ class Scenario:
     skip: Optional[str] = None  # why it is not replayed
 
 
-def load_scenarios(records: Optional[Sequence[dict]] = None) -> List[Scenario]:
-    """Scenarios of the trace file with each expected frame placed on its port."""
-    records = traces.load() if records is None else records
+def load_scenarios(records: Sequence[dict]) -> List[Scenario]:
+    """Scenarios of a trace corpus (:func:`traces.load`) with each expected frame placed on its port."""
     out: List[Scenario] = []
     cur: Optional[Scenario] = None
     for r in records:
@@ -561,7 +564,7 @@ def find_tools(need_compiler: bool = True) -> Tuple[Optional[Tools], str]:
     return Tools(comp, sw, cli), ""
 
 
-def compile_program(tools: Tools, out_dir: Path, source: Path = V1MODEL_P4) -> Path:
+def compile_program(tools: Tools, out_dir: Path, source: Path) -> Path:
     """``p4c-bm2-ss -o atp.json atp.p4`` (or ``p4c --target bmv2 --arch v1model``)."""
     assert tools.compiler
     out = out_dir / "atp.json"
@@ -730,8 +733,11 @@ def replay(scenarios: Sequence[Scenario], tools: Tools, json_path: Path, workdir
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.bmv2_replay", description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=traces.TRACE_FILE, help="trace corpus (default p4/traces/atp.jsonl)")
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.p4.bmv2", description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE_FILE,
+                    help=f"trace corpus (default {DEFAULT_TRACE_FILE}, relative to the current directory)")
+    ap.add_argument("--p4", type=Path, default=DEFAULT_V1MODEL_P4,
+                    help=f"the v1model program to compile (default {DEFAULT_V1MODEL_P4}; unused with --json)")
     ap.add_argument("--scenario", action="append", help="replay only this scenario (repeatable)")
     ap.add_argument("--json", type=Path, help="an already compiled BMv2 JSON (skips p4c)")
     ap.add_argument("--workdir", type=Path, help="where pcaps, logs and the JSON go (default: a temporary directory)")
@@ -760,6 +766,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {why}; install BMv2 and p4c (https://github.com/p4lang/behavioral-model), "
               "or use --dry-run", file=sys.stderr)
         return 2
+    if a.json is None and not a.p4.is_file():
+        print(f"error: no P4 program at {a.p4} (run from the repository root, or pass --p4 or --json)",
+              file=sys.stderr)
+        return 2
     tmp = None
     workdir = a.workdir
     if workdir is None:
@@ -767,7 +777,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         workdir = Path(tmp)
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        json_path = a.json or compile_program(tools, workdir)
+        json_path = a.json or compile_program(tools, workdir, a.p4.resolve())
         return replay(scenarios, tools, json_path.resolve(), workdir.resolve(), a.wait, a.timeout)
     except ReplayError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ here, purely, from the same Hydra configs the rest of the project uses (``conf/t
 * register ``wm`` (index ``job ++ ps_index``): reset to 0 at job setup, so a reused job id
   does not inherit the previous job's watermark (a gradient below it would never aggregate).
 * the ATP UDP port: compile-time in both parsers (``ATP_UDP_PORT`` in ``p4/generated``), so it
-  is reported for host configuration and checked against :mod:`atp_pipeline.ina.p4gen`.
+  is reported for host configuration and checked against :mod:`atp_pipeline.ina.p4.codegen`.
 
 Network model: a unit of the topology's outermost level is a rack behind one ToR switch
 running ``atp.p4``; a unit of ``FabricConfig.host_level`` is a host with one NIC (default:
@@ -34,7 +34,7 @@ rack ``/24``s and replicate each job's multicast address to the racks in
 :mod:`atp_pipeline.ina.job` and the simulator (``ina/sim/atp_job.py``) with every ToR
 programmable.
 
-``python -m atp_pipeline.ina.control_plane --topology ... --aggregation ... --jobs ...``
+``python -m atp_pipeline.ina.p4.control --topology ... --aggregation ... --jobs ...``
 prints (or writes) the plan as JSON; ``p4/control/bmv2_install.py`` applies it to BMv2.
 """
 
@@ -421,9 +421,10 @@ def _load_yaml(path: str) -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.p4.control", description=__doc__.splitlines()[0])
     ap.add_argument("--topology", required=True, help="conf/topology/<name>.yaml")
-    ap.add_argument("--aggregation", default="conf/aggregation/atp.yaml")
+    ap.add_argument("--aggregation", default="conf/aggregation/atp.yaml",
+                    help="aggregation config (default conf/aggregation/atp.yaml, relative to the current directory)")
     ap.add_argument("--jobs", required=True, help="YAML: {fabric: {...}, jobs: [{job, worker_hosts, ps_hosts, two_level}]}")
     ap.add_argument("--out", help="write the plan as JSON here (default: stdout)")
     a = ap.parse_args(argv)

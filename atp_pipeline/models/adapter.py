@@ -1,0 +1,117 @@
+"""The model seam: what the machinery needs from a model family, behind one small protocol.
+
+A :class:`ModelAdapter` (one per family, torchtitan's ``ModelSpec``) tells the planners and
+the strategy, for a module of its family:
+
+* :meth:`~ModelAdapter.shape` — the :class:`~atp_pipeline.planning.shape.ModelShape` the
+  planners, the memory estimate, the FLOPs and the cost models read (and
+  :meth:`~ModelAdapter.shape_from_config` for ``train.py``'s model configs);
+* :meth:`~ModelAdapter.parallel_plan` — how its modules map to parallel styles on a
+  (d1, d2) mesh (names relative to the family's root module);
+* :meth:`~ModelAdapter.build` — the module from a model config;
+* :meth:`~ModelAdapter.apply_sbp` — how an SBP layout (AutoDDL) runs on it, if it can.
+
+Families register with :func:`register_adapter`; :func:`find_adapters` locates every
+module of a known family inside a user's module tree. The built-in GPT
+(:mod:`atp_pipeline.models.gpt`) is the first adapter and is found exactly like a user's.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
+
+from torch import nn
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.shape import ModelShape, mesh_infeasibility
+
+BUILTIN = ("atp_pipeline.models.gpt.adapter",)
+
+
+class ModelAdapter(ABC):
+    """One model family's answers to the machinery (see the module docstring)."""
+
+    family: ClassVar[str] = ""
+
+    @abstractmethod
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the root of a model of this family."""
+
+    @abstractmethod
+    def shape(self, module: nn.Module) -> ModelShape:
+        """The module's shape (batch 1; the run sets the step's batch and dtype)."""
+
+    @abstractmethod
+    def shape_from_config(self, cfg: Any) -> ModelShape:
+        """The shape of the model ``cfg`` (a ``ModelConfig`` or its DictConfig) describes."""
+
+    @abstractmethod
+    def build(self, cfg: Any) -> nn.Module:
+        """The dense model of ``cfg``, built on the current default device."""
+
+    @abstractmethod
+    def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
+        """``{relative module-name pattern: style}`` laying the module out on a (d1, d2) mesh."""
+
+    def mesh_infeasibility(self, shape: ModelShape, d1: int, d2: int) -> Optional[str]:
+        """Why this family cannot run on ``DeviceMesh(d1, d2)``; default: ATP's layout rules."""
+        return mesh_infeasibility(shape, d1, d2)
+
+    def apply_sbp(self, module: nn.Module, layout: Any, mesh: Any) -> nn.Module:
+        """The module run by an SBP layout; families that cannot say so."""
+        raise ConfigError(f"model family '{self.family}' has no SBP execution; use planner=atp")
+
+
+_ADAPTERS: Dict[str, ModelAdapter] = {}
+_LOADED = False
+
+
+def register_adapter(adapter: ModelAdapter, override: bool = False) -> ModelAdapter:
+    """Add a family; a user's adapter is registered exactly like the built-in ones."""
+    if not adapter.family:
+        raise ValueError("a model adapter needs a family name")
+    if adapter.family in _ADAPTERS and not override and type(_ADAPTERS[adapter.family]) is not type(adapter):
+        raise ValueError(f"model family '{adapter.family}' is already registered")
+    _ADAPTERS[adapter.family] = adapter
+    return adapter
+
+
+def _load_builtin() -> None:
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        for name in BUILTIN:
+            importlib.import_module(name)
+
+
+def adapters() -> Dict[str, ModelAdapter]:
+    _load_builtin()
+    return dict(_ADAPTERS)
+
+
+def get_adapter(family: str) -> ModelAdapter:
+    found = adapters().get(family)
+    if found is None:
+        raise ConfigError(f"unknown model family '{family}' (families: {', '.join(sorted(adapters()))})")
+    return found
+
+
+def find_adapters(root: nn.Module) -> List[Tuple[str, ModelAdapter, nn.Module]]:
+    """``(name, adapter, module)`` of every outermost module of a known family in ``root``."""
+    known = list(adapters().values())
+    out: List[Tuple[str, ModelAdapter, nn.Module]] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(n + ".") or (not n and name) for n, _, _ in out):
+            continue
+        for adapter in known:
+            if adapter.matches(module):
+                out.append((name, adapter, module))
+                break
+    return out
+
+
+def prefixed(name: str, plan: Mapping[str, Any]) -> Dict[str, Any]:
+    """A family's relative plan placed at ``name`` inside the user's module."""
+    return {(f"{name}.{k}" if name else k): v for k, v in plan.items()}

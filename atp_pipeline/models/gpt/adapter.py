@@ -1,0 +1,40 @@
+"""The built-in GPT's adapter: the first family plugged in through the model seam."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from atp_pipeline.models.adapter import ModelAdapter, register_adapter
+from atp_pipeline.models.gpt.model import GPT, GPTConfig
+from atp_pipeline.models.gpt.parallel import PARALLEL_PLAN, BlockStyle
+from atp_pipeline.parallel.styles import register_style
+from atp_pipeline.planning.shape import ModelShape
+
+
+class GPTAdapter(ModelAdapter):
+    """:class:`~atp_pipeline.models.gpt.model.GPT`: pre-LN decoder, learned positions, GeLU MLP."""
+
+    family = "gpt"
+
+    def matches(self, module: nn.Module) -> bool:
+        return isinstance(module, GPT)
+
+    def shape(self, module: nn.Module) -> ModelShape:
+        c: GPTConfig = module.cfg  # type: ignore[assignment]
+        return ModelShape(name="gpt", hidden=c.hidden, heads=c.heads, layers=c.layers, seq_len=c.seq_len,
+                          vocab_size=c.vocab_size, ffn=c.ffn_mult * c.hidden)
+
+    def shape_from_config(self, cfg: Any) -> ModelShape:
+        return ModelShape.of(cfg)
+
+    def build(self, cfg: Any) -> nn.Module:
+        return GPT(GPTConfig.from_model_config(cfg))
+
+    def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
+        return dict(PARALLEL_PLAN)
+
+
+ADAPTER = register_adapter(GPTAdapter())
+register_style(BlockStyle.name, BlockStyle)

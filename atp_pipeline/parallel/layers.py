@@ -1,0 +1,103 @@
+"""ATP's parallel non-linear layers on DeviceMesh(d1, d2) (§3.2, Figure 6).
+
+Activations between transformer blocks have their hidden features split over d2 and
+replicated over d1 (the input and output layout of ATP's layer). These layers keep that
+layout; at a boundary with code that needs the whole tensor, ``input``/``output`` =
+``"full"`` slices the input / gathers the output over d2.
+
+* :class:`ParallelLayerNorm` — LayerNorm over a hidden dimension split across d2: the
+  sums of x and x² are all-reduced over d2 (and their gradient, whose consumers are
+  sharded, likewise);
+* :class:`ParallelEmbedding` — an embedding table split by hidden feature over d2 (no
+  communication);
+* :class:`VocabParallelLoss` — mean cross-entropy of logits whose vocabulary is split over
+  d1 (replaces a cross-entropy module).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from atp_pipeline.parallel.comm import comm_for
+from atp_pipeline.parallel.linear import sharded_parameter
+from atp_pipeline.parallel.mappings import all_reduce_sum, gather_dim0, scatter_dim0, vocab_parallel_cross_entropy
+from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
+
+FULL, SPLIT = "full", "split"
+
+
+def split_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
+    """This rank's block of the last dimension of a replicated ``x`` (gradient: all-gather)."""
+    return scatter_dim0(x.movedim(-1, 0), comm, axis).movedim(0, -1)
+
+
+def gather_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
+    """All-gather the blocks of the last dimension over ``axis`` (gradient: keep own block)."""
+    return gather_dim0(x.movedim(-1, 0).contiguous(), comm, axis).movedim(0, -1)
+
+
+class ParallelLayerNorm(nn.Module):
+    """LayerNorm over a hidden dimension split across d2 (statistics all-reduced over d2)."""
+
+    def __init__(self, ln: nn.LayerNorm, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT) -> None:
+        super().__init__()
+        self.comm = comm_for(mesh)
+        self.hidden, self.eps = ln.normalized_shape[0], ln.eps
+        self.input, self.output = input, output
+        place = [Replicate(), Shard(0)]
+        self.weight = sharded_parameter(ln.weight, mesh, place)
+        self.bias = sharded_parameter(ln.bias, mesh, place)
+
+    def reset_shards(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            self.weight.to_local().fill_(1.0)
+            self.bias.to_local().zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d2 = Axis.d2.value
+        if self.input == FULL:
+            x = split_last(x, self.comm, d2)
+        w, b = self.weight.to_local(), self.bias.to_local()
+        if self.comm.size(d2) == 1:
+            y = F.layer_norm(x, (self.hidden,), w, b, self.eps)
+        else:
+            stats = all_reduce_sum(torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1), self.comm, d2)
+            mean = stats[..., 0] / self.hidden
+            var = stats[..., 1] / self.hidden - mean * mean
+            y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1) * w + b
+        return gather_last(y, self.comm, d2) if self.output == FULL else y
+
+
+class ParallelEmbedding(nn.Module):
+    """An embedding table split by hidden feature over d2, replicated over d1."""
+
+    def __init__(self, emb: nn.Embedding, mesh: DeviceMesh, output: str = SPLIT) -> None:
+        super().__init__()
+        self.comm = comm_for(mesh)
+        self.output = output
+        self.weight = sharded_parameter(emb.weight, mesh, [Replicate(), Shard(1)])
+
+    def reset_shards(self, seed: int, name: str) -> None:
+        g = torch.Generator().manual_seed(shard_seed(seed, name, tp_coordinate(self.comm.mesh)))
+        with torch.no_grad():
+            local = self.weight.to_local()
+            local.copy_(torch.randn(local.shape, generator=g, dtype=local.dtype))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(idx, self.weight.to_local())
+        return gather_last(y, self.comm, Axis.d2.value) if self.output == FULL else y
+
+
+class VocabParallelLoss(nn.Module):
+    """Mean cross-entropy of vocabulary-sharded logits ``[..., V/d1]`` (replaces a CE module)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.comm = comm_for(mesh)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, Axis.d1.value)

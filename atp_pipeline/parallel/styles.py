@@ -1,0 +1,254 @@
+"""Parallel styles: objects that turn one module into its tensor-parallel counterpart.
+
+A style is a :class:`ParallelStyle` (as PyTorch's ``ParallelStyle``): :meth:`~ParallelStyle.check`
+refuses, with one line naming the module, anything it cannot reproduce exactly, and
+:meth:`~ParallelStyle.apply` returns the replacement on the (dp, d1, d2) mesh. Styles are
+found by name in a registry; a model family's adapter or a user adds one with
+:func:`register_style` without editing this package. Plans name styles as strings —
+``"column"`` or with options ``"column(output=split)"`` — or give style objects.
+
+Built-in styles (``input``/``output``: the activation layout at the module's boundary,
+``full`` = the whole tensor on every rank, ``split`` = ATP's layout: features split over
+the axis the style reads or writes):
+
+=============  ============================================================================
+``column``     ``nn.Linear`` -> column-first :class:`~.linear.ATPLinear` (out over d1, in
+               over d2); ``split`` input is split over d2, ``split`` output over d1
+``row``        ``nn.Linear`` -> row-first (in over d1, out over d2); ``split`` input over
+               d1, ``split`` output over d2
+``layernorm``  ``nn.LayerNorm`` over a hidden dimension split across d2
+``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
+``vocab_loss`` a cross-entropy module -> vocabulary-parallel cross-entropy over d1
+``replicated`` kept whole on every rank (stated explicitly; nothing changes)
+=============  ============================================================================
+
+Defaults are ``full`` in and out: a style dropped into any user model is exact on every
+mesh, whatever the code between layers does. ``split`` boundaries save the gather and the
+slice between two styled modules (``{"fc1": "column(output=split)", "fc2": "row(input=split)"}``
+is Megatron's MLP): use them only where the code in between is elementwise.
+
+A style replaces a module only if that module computes what the style's parallel version
+computes: its type must be one the style knows and its ``forward`` must be that type's own
+(a subclass overriding ``forward`` — LoRA, a custom norm — is refused, never silently
+replaced).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, Mapping, Tuple, Type, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.layers import FULL, SPLIT, ParallelEmbedding, ParallelLayerNorm, VocabParallelLoss
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
+
+LAYOUTS = (FULL, SPLIT)
+
+
+@dataclass(frozen=True)
+class StyleContext:
+    """What a style needs besides the module: the mesh and the overlap chunks (§4.1)."""
+
+    mesh: DeviceMesh
+    chunks: int = 1
+
+
+class ParallelStyle(ABC):
+    """One module -> its parallel counterpart. Subclasses set :attr:`name` and
+    :attr:`applies_to` and implement :meth:`apply`; override :meth:`check` to verify more."""
+
+    name: ClassVar[str] = ""
+    applies_to: ClassVar[Tuple[type, ...]] = ()
+
+    def options(self) -> Dict[str, str]:
+        return {}
+
+    def describe(self) -> str:
+        opts = self.options()
+        return self.name + (f"({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        """Raise :class:`ConfigError` (one line) if this style cannot replace ``module`` exactly."""
+        if not self.applies_to:
+            return
+        base = next((t for t in self.applies_to if isinstance(module, t)), None)
+        if base is None:
+            kinds = " or ".join(t.__name__ for t in self.applies_to)
+            raise ConfigError(f"parallel plan: '{fqn}' is a {type(module).__name__}, not the {kinds} that "
+                              f"style '{self.name}' applies to")
+        if type(module).forward is not base.forward:
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) overrides {base.__name__}.forward; "
+                              f"style '{self.name}' would replace its computation, so it is refused")
+
+    @abstractmethod
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        """The replacement of ``module`` (already checked)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.options() == self.options()
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self.options().items())))
+
+    def __repr__(self) -> str:
+        return f"<style {self.describe()}>"
+
+
+def _layout(style: str, key: str, value: str) -> str:
+    if value not in LAYOUTS:
+        raise ConfigError(f"style '{style}': {key}={value!r} must be one of {', '.join(LAYOUTS)}")
+    return value
+
+
+class _LinearStyle(ParallelStyle):
+    applies_to = (nn.Linear,)
+    first: ClassVar[str] = COLUMN
+
+    def __init__(self, input: str = FULL, output: str = FULL) -> None:
+        self.input, self.output = _layout(self.name, "input", input), _layout(self.name, "output", output)
+
+    def options(self) -> Dict[str, str]:
+        return {k: v for k, v in (("input", self.input), ("output", self.output)) if v != FULL}
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return ATPLinear.from_linear(module, ctx.mesh, self.first,  # type: ignore[arg-type]
+                                     input_is_parallel=self.input == SPLIT, gather_output=self.output == FULL)
+
+
+class ColumnFirst(_LinearStyle):
+    """Column-first linear (§3.2): output features over d1, input features over d2."""
+
+    name = "column"
+    first = COLUMN
+
+
+class RowFirst(_LinearStyle):
+    """Row-first linear (§3.2): input features over d1, output features over d2."""
+
+    name = "row"
+    first = ROW
+
+
+class LayerNormStyle(ParallelStyle):
+    """LayerNorm over a hidden dimension split across d2 (statistics all-reduced over d2)."""
+
+    name = "layernorm"
+    applies_to = (nn.LayerNorm,)
+
+    def __init__(self, input: str = FULL, output: str = FULL) -> None:
+        self.input, self.output = _layout(self.name, "input", input), _layout(self.name, "output", output)
+
+    def options(self) -> Dict[str, str]:
+        return {k: v for k, v in (("input", self.input), ("output", self.output)) if v != FULL}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        ln: nn.LayerNorm = module  # type: ignore[assignment]
+        if len(ln.normalized_shape) != 1 or not ln.elementwise_affine or ln.bias is None:
+            raise ConfigError(f"parallel plan: '{fqn}': style 'layernorm' needs a LayerNorm over one dimension "
+                              f"with weight and bias")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return ParallelLayerNorm(module, ctx.mesh, self.input, self.output)  # type: ignore[arg-type]
+
+
+class EmbeddingStyle(ParallelStyle):
+    """Embedding table split by hidden feature over d2 (no communication)."""
+
+    name = "embedding"
+    applies_to = (nn.Embedding,)
+
+    def __init__(self, output: str = FULL) -> None:
+        self.output = _layout(self.name, "output", output)
+
+    def options(self) -> Dict[str, str]:
+        return {"output": self.output} if self.output != FULL else {}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        emb: nn.Embedding = module  # type: ignore[assignment]
+        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+            raise ConfigError(f"parallel plan: '{fqn}': style 'embedding' supports plain embeddings only "
+                              f"(no padding_idx, max_norm or sparse gradients)")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return ParallelEmbedding(module, ctx.mesh, self.output)  # type: ignore[arg-type]
+
+
+class VocabLoss(ParallelStyle):
+    """Cross-entropy of logits whose vocabulary is split over d1 (a column-first head with
+    ``output=split`` before it)."""
+
+    name = "vocab_loss"
+    applies_to = (nn.CrossEntropyLoss,)
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        ce: nn.CrossEntropyLoss = module  # type: ignore[assignment]
+        if ce.reduction != "mean" or ce.label_smoothing or ce.weight is not None or ce.ignore_index != -100:
+            raise ConfigError(f"parallel plan: '{fqn}': style 'vocab_loss' reproduces a plain mean "
+                              f"CrossEntropyLoss only (no weight, label smoothing or ignore_index)")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return VocabParallelLoss(ctx.mesh)
+
+
+class Replicated(ParallelStyle):
+    """Kept whole on every rank (stated explicitly; nothing changes)."""
+
+    name = "replicated"
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return module
+
+
+StyleFactory = Callable[..., ParallelStyle]
+_REGISTRY: Dict[str, StyleFactory] = {}
+StyleSpec = Union[str, ParallelStyle]
+
+
+def register_style(name: str, factory: StyleFactory, override: bool = False) -> None:
+    """Make ``name`` (and ``name(key=value, ...)``) usable in plans; ``factory(**options)``
+    returns the :class:`ParallelStyle`."""
+    if not re.fullmatch(r"[A-Za-z_][\w]*", name):
+        raise ValueError(f"style names are identifiers, got {name!r}")
+    if name in _REGISTRY and not override and _REGISTRY[name] is not factory:
+        raise ValueError(f"style '{name}' is already registered")
+    _REGISTRY[name] = factory
+
+
+def styles() -> Tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def parse_style(spec: StyleSpec) -> ParallelStyle:
+    """A style object from ``"name"``, ``"name(key=value, ...)"`` or an object."""
+    if isinstance(spec, ParallelStyle):
+        return spec
+    text = str(getattr(spec, "value", spec)).strip()
+    m = re.fullmatch(r"(\w+)\s*(?:\((.*)\))?", text)
+    factory = _REGISTRY.get(m.group(1)) if m else None
+    if factory is None:
+        raise ConfigError(f"parallel plan: unknown style '{text}' (styles: {', '.join(styles())})")
+    opts: Dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (m.group(2) or "").split(","))):  # type: ignore[union-attr]
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ConfigError(f"parallel plan: style '{text}': options are key=value, got '{part}'")
+        opts[key.strip()] = value.strip()
+    try:
+        return factory(**opts)
+    except TypeError:
+        raise ConfigError(f"parallel plan: style '{text}': unknown option(s) {', '.join(opts)}") from None
+
+
+for _cls in (ColumnFirst, RowFirst, LayerNormStyle, EmbeddingStyle, VocabLoss, Replicated):
+    register_style(_cls.name, _cls)
+
+PlanSpec = Mapping[str, StyleSpec]
+StyleType = Type[ParallelStyle]

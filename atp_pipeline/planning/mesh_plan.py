@@ -1,0 +1,219 @@
+"""ATP's mesh plan (§3.5): every candidate ``DeviceMesh(d1, d2)`` costed, one selected.
+
+:class:`MeshPlan` is the ATP planner's :class:`~atp_pipeline.planning.interface.PlanResult`:
+its console table (bandwidths per dimension, T_comm, ratio to Megatron's ``(N, 1)``), the
+levels each dimension of the selection crosses, ``plan.json`` and the ``plan.png`` bar
+chart of every candidate's T_comm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from rich.console import Console
+from rich.table import Table
+
+from atp_pipeline.config.schema import CostModel, MeshStrategy
+from atp_pipeline.planning.bandwidth import DimBandwidth
+from atp_pipeline.planning.cost import TermCost
+from atp_pipeline.planning.fmt import fmt_seconds
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.topology.model import Topology
+
+Mesh = Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    dim1: DimBandwidth
+    dim2: DimBandwidth
+    t_comm_s: float
+    terms: Tuple[TermCost, ...]
+    infeasible: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        sources = {d.source for d in (self.dim1, self.dim2)} - {"none"}
+        return sources.pop() if len(sources) == 1 else ("model" if not sources else "mixed")
+
+    def to_dict(self, megatron_t: float) -> dict:
+        return {
+            "mesh": list(self.mesh),
+            "B1_prime_GBps": self.dim1.B_prime_GBps,
+            "B2_prime_GBps": self.dim2.B_prime_GBps,
+            "B1_GBps": self.dim1.B_GBps,
+            "B2_GBps": self.dim2.B_GBps,
+            "t_comm_s": self.t_comm_s,
+            "ratio_to_megatron": self.t_comm_s / megatron_t if megatron_t > 0 else None,
+            "source": self.source,
+            "feasible": self.infeasible is None,
+            "infeasible_reason": self.infeasible,
+            "dims": [self.dim1.to_dict(), self.dim2.to_dict()],
+            "terms": [t.to_dict() for t in self.terms],
+        }
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """ATP's mesh search result (§3.5): every candidate ``DeviceMesh(d1, d2)`` with its
+    bandwidths and communication time, and the one selected. A
+    :class:`~atp_pipeline.planning.interface.PlanResult`."""
+
+    topology: Topology
+    model: ModelShape
+    strategy: MeshStrategy
+    cost_model: CostModel
+    candidates: Tuple[Candidate, ...]
+    selected: Mesh
+    notes: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def candidate(self, mesh: Mesh) -> Candidate:
+        for c in self.candidates:
+            if c.mesh == tuple(mesh):
+                return c
+        raise KeyError(mesh)
+
+    @property
+    def megatron(self) -> Candidate:
+        return self.candidate((self.world_size, 1))
+
+    # -------------------------------------------------------- PlanResult interface
+    kind = "atp"
+
+    @property
+    def mesh_shape(self) -> Mesh:
+        return self.selected
+
+    @property
+    def label(self) -> str:
+        return f"{self.selected[0]}x{self.selected[1]}"
+
+    @property
+    def predicted_comm_s(self) -> float:
+        return self.candidate(self.selected).t_comm_s
+
+    def with_notes(self, notes: Sequence[str]) -> "MeshPlan":
+        return replace(self, notes=tuple(notes))
+
+    def print(self, console: Any = None) -> None:
+        print_plan(self, console)
+
+    def plot(self, path: Path) -> bool:
+        plot_plan(self, path)
+        return True
+
+    def summary_row(self) -> Dict[str, Any]:
+        sel = self.candidate(self.selected)
+        mt = self.megatron.t_comm_s
+        return {"topology": self.topology.name, "model": self.model.name, "world_size": self.world_size,
+                "strategy": self.strategy.value, "selected": self.label, "t_comm_s": sel.t_comm_s,
+                "megatron_t_comm_s": mt, "ratio_to_megatron": sel.t_comm_s / mt if mt > 0 else None,
+                "B1_GBps": sel.dim1.B_GBps, "B2_GBps": sel.dim2.B_GBps, "source": sel.source}
+
+    def to_dict(self) -> dict:
+        mt = self.megatron.t_comm_s
+        sel = self.candidate(self.selected)
+        return {
+            "planner": "atp",
+            "topology": self.topology.to_dict(),
+            "world_size": self.world_size,
+            "model": self.model.to_dict(),
+            "strategy": self.strategy.value,
+            "cost_model": self.cost_model.value,
+            "candidates": [c.to_dict(mt) for c in self.candidates],
+            "selected": list(self.selected),
+            "selected_t_comm_s": sel.t_comm_s,
+            "megatron_t_comm_s": mt,
+            "notes": list(self.notes),
+        }
+
+
+def _gbps(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def plan_table(plan: MeshPlan) -> Table:
+    topo = plan.topology
+    title = (f"ATP plan: topology '{topo.name}' ({topo.world_size} devices), model "
+             f"'{plan.model.name}' (h={plan.model.hidden}, L={plan.model.layers}, "
+             f"b={plan.model.batch_size}, s={plan.model.seq_len}, {plan.model.dtype}), "
+             f"mesh={plan.strategy.value}")
+    table = Table(title=title, title_justify="left")
+    for col in ("", "d1 x d2", "B1' GB/s", "B2' GB/s", "B1 GB/s", "B2 GB/s", "T_comm", "vs (N,1)",
+                "source"):
+        table.add_column(col, justify="right" if col not in ("", "source") else "left")
+    mt = plan.megatron.t_comm_s
+    for c in plan.candidates:
+        mark = "*" if c.mesh == plan.selected else ""
+        source = c.source + ("" if c.infeasible is None else ", infeasible")
+        table.add_row(mark, f"{c.mesh[0]} x {c.mesh[1]}", _gbps(c.dim1.B_prime_GBps),
+                      _gbps(c.dim2.B_prime_GBps), _gbps(c.dim1.B_GBps), _gbps(c.dim2.B_GBps),
+                      fmt_seconds(c.t_comm_s), f"{c.t_comm_s / mt:.3f}" if mt > 0 else "-", source,
+                      style="bold green" if mark else None)
+    return table
+
+
+def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
+    console = console or Console(width=160)
+    console.print(plan_table(plan))
+    sel = plan.candidate(plan.selected)
+    console.print(f"selected DeviceMesh{plan.selected}: T_comm {fmt_seconds(sel.t_comm_s)} per step, "
+                  f"{sel.t_comm_s / plan.megatron.t_comm_s:.3f}x Megatron-LM's (N,1)"
+                  if plan.megatron.t_comm_s > 0 else f"selected DeviceMesh{plan.selected}")
+    for label, dim in (("dim 1", sel.dim1), ("dim 2", sel.dim2)):
+        if dim.size > 1:
+            crossed = "; ".join(
+                f"level '{c.level}': {c.units_per_group} units per group, {c.groups_sharing} "
+                f"group(s) share a unit, {c.GBps:.4g} GB/s (limited by {c.limited_by})"
+                for c in dim.crossings)
+            console.print(f"  {label} (size {dim.size}, {dim.source}): {crossed}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    for c in plan.candidates:
+        if c.infeasible:
+            console.print(f"infeasible {c.mesh[0]}x{c.mesh[1]}: {c.infeasible}")
+
+
+def plot_plan(plan: MeshPlan, path: Path) -> None:
+    """Bar chart of every candidate's T_comm; the selection and (N,1) are marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{c.mesh[0]}x{c.mesh[1]}" for c in plan.candidates]
+    times = [c.t_comm_s * 1e3 for c in plan.candidates]
+    colors = []
+    for c in plan.candidates:
+        if c.mesh == plan.selected:
+            colors.append("tab:green")
+        elif c.infeasible is not None:
+            colors.append("lightgray")
+        elif c.mesh == plan.megatron.mesh:
+            colors.append("tab:orange")
+        else:
+            colors.append("tab:blue")
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(labels) + 2), 3.6))
+    bars = ax.bar(labels, times, color=colors)
+    for bar, c in zip(bars, plan.candidates):
+        if c.source == "calibrated":
+            bar.set_hatch("//")
+    ax.set_xlabel("DeviceMesh(d1, d2)")
+    ax.set_ylabel("T_comm per step (ms, Eq. 2)")
+    ax.set_title(f"{plan.topology.name}, {plan.model.name}: selected "
+                 f"{plan.selected[0]}x{plan.selected[1]} (green), (N,1) orange, hatched = calibrated",
+                 fontsize=9)
+    if len(times) > 1 and min(t for t in times if t > 0) * 50 < max(times):
+        ax.set_yscale("log")
+    if len(labels) > 8:
+        ax.tick_params(axis="x", labelrotation=60)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,174 @@
+"""What the planners read of a model: its shape and the step it runs (the model seam's data).
+
+A :class:`ModelShape` is produced by a model family's adapter
+(:mod:`atp_pipeline.models.adapter`) from a module or from a model config, and read by
+every planner and estimate: ATP's mesh search and its cost models (Eq. 2-4), the memory
+estimate, the FLOPs of §5 (Megatron-LM's formula) and the SBP layer chain (AutoDDL §4.5).
+Nothing here knows a model family: a decoder-only transformer is described by numbers.
+
+FLOPs per layer and step, forward only, for hidden ``h``, ``a`` query heads of ``d``
+features, ``k`` key/value heads, FFN width ``f`` (gated: three FFN matrices) and ``b·s``
+tokens: ``2·b·s·W + 4·b·s²·a·d`` with ``W`` the layer's matrix weights; training counts
+forward + backward (``×3``, no recomputation, as ATP §5 does). For the GPT of Table 2
+(``a·d = h``, ``k = a``, ``f = 4h``) this is ``72·b·s·h² + 12·b·s²·h``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary", "none")
+TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer as numbers, plus the step (batch, dtype) it is planned for."""
+
+    name: str
+    hidden: int
+    heads: int
+    layers: int
+    seq_len: int
+    vocab_size: int
+    ffn: int  # FFN (intermediate) width
+    kv_heads: int = 0  # 0: as many as ``heads`` (multi-head attention)
+    head_dim: int = 0  # 0: hidden // heads
+    gated: bool = False  # SwiGLU-style MLP (gate, up, down)
+    norm: str = "layernorm"
+    bias: bool = True
+    position: str = "learned"
+    tied_embeddings: bool = False
+    batch_size: int = 1
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if not self.head_dim and self.heads:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"model '{self.name}': norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position not in POSITIONS:
+            raise ValueError(f"model '{self.name}': position must be one of {POSITIONS}, got {self.position!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"model '{self.name}': dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, m: Any) -> "ModelShape":
+        """From a model config (``ModelConfig`` or its DictConfig): the fields it has."""
+        get = (lambda k, d: m.get(k, d)) if hasattr(m, "get") else (lambda k, d: getattr(m, k, d))
+        dtype = get("dtype", "fp32")
+        return cls(name=str(get("name", "model")), hidden=int(m.hidden), heads=int(m.heads),
+                   layers=int(m.layers), seq_len=int(get("seq_len", 2048)),
+                   vocab_size=int(get("vocab_size", 50304)),
+                   ffn=int(get("ffn", 0) or int(get("ffn_mult", 4)) * int(m.hidden)),
+                   kv_heads=int(get("kv_heads", 0) or 0), gated=bool(get("gated", False)),
+                   norm=str(getattr(get("norm", "layernorm"), "value", get("norm", "layernorm"))),
+                   bias=bool(get("bias", True)), batch_size=int(get("batch_size", 1)),
+                   dtype=str(getattr(dtype, "value", dtype)))
+
+    def with_step(self, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+                  dtype: Optional[str] = None) -> "ModelShape":
+        return replace(self, batch_size=batch_size or self.batch_size, seq_len=seq_len or self.seq_len,
+                       dtype=dtype or self.dtype)
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def ffn_mult(self) -> float:
+        """``ffn / hidden`` (an int for the GPTs of Table 2)."""
+        q = self.ffn / self.hidden
+        return int(q) if q == int(q) else q
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def ffn_matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def weights_per_layer(self) -> int:
+        """Matrix weights of one layer: q, k, v, o and the MLP's matrices."""
+        h = self.hidden
+        return h * (2 * self.q_width + 2 * self.kv_width) + self.ffn_matrices * h * self.ffn
+
+    @property
+    def column_bias_per_layer(self) -> int:
+        """Biases of the column-first linears (q, k, v, up/gate): split over d1 under ATP."""
+        return (self.q_width + 2 * self.kv_width + (self.ffn_matrices - 1) * self.ffn) if self.bias else 0
+
+    @property
+    def row_bias_per_layer(self) -> int:
+        """Biases of the row-first linears (o, down): split over d2 under ATP."""
+        return 2 * self.hidden if self.bias else 0
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        return 2 * (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    @property
+    def params_per_layer(self) -> int:
+        return (self.weights_per_layer + self.column_bias_per_layer + self.row_bias_per_layer
+                + self.norm_params_per_layer)
+
+    @property
+    def flops_per_layer(self) -> int:
+        b, s = self.batch_size, self.seq_len
+        forward = 2 * b * s * self.weights_per_layer + 4 * b * s * s * self.q_width
+        return 3 * forward
+
+    @property
+    def flops_lm_head(self) -> int:
+        return 3 * 2 * self.batch_size * self.seq_len * self.hidden * self.vocab_size
+
+    @property
+    def flops_per_step(self) -> int:
+        return self.layers * self.flops_per_layer + self.flops_lm_head
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ffn_mult=self.ffn_mult, bytes_per_element=self.bytes_per_element,
+                 weights_per_layer=self.weights_per_layer, params_per_layer=self.params_per_layer,
+                 flops_per_layer=self.flops_per_layer, flops_lm_head=self.flops_lm_head,
+                 flops_per_layer_TFLOPs_2_40=self.flops_per_layer / TFLOP_TABLE2)
+        return d
+
+
+def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
+    """Why ATP's layout (§3.2) cannot run ``shape`` on ``DeviceMesh(d1, d2)``, or None.
+
+    Attention heads are column-first over d1 and scattered over d2, so they split over
+    ``d1·d2``; activations between blocks split the hidden size over d2; the FFN and the
+    attention widths are column-first over d1; the LM head splits the vocabulary over d1.
+    """
+    if shape.heads % (d1 * d2):
+        return (f"{shape.heads} heads of model '{shape.name}' do not split over d1*d2 = "
+                f"{d1}x{d2} = {d1 * d2} devices")
+    if shape.hidden % d2 or shape.hidden % d1 or shape.ffn % d1:
+        return f"hidden {shape.hidden} (FFN {shape.ffn}) of model '{shape.name}' does not split over d1={d1} and d2={d2}"
+    if shape.kv_heads % d1 and d1 % shape.kv_heads:
+        return (f"{shape.kv_heads} key/value heads of model '{shape.name}' neither split over nor "
+                f"replicate evenly across d1={d1}")
+    if shape.vocab_size % d1:
+        return f"vocabulary {shape.vocab_size} of model '{shape.name}' is not divisible by d1={d1} (vocab-parallel head)"
+    return None

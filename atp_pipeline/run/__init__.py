@@ -1,0 +1,1 @@
+"""Running things: the steps that launch processes and drive the library (calibration, ...)."""
