@@ -1,15 +1,19 @@
 """The Hydra app: ``python train.py [overrides]`` (see README.md).
 
-Composes ``conf/`` into the typed config and runs the pipeline
-(:mod:`atp_pipeline.pipeline`). Bad input exits with one line and status 2.
+Registers the config schemas and the ``mesh=<d1>x<d2>`` config source, composes ``conf/``
+into the typed config and runs it (:func:`atp_pipeline.run.run`). Bad input exits with one
+line and status 2.
 """
 
 import hydra
 from omegaconf import DictConfig
 
-import atp_pipeline  # noqa: F401  (registers schemas and the mesh config source)
 from atp_pipeline.cli import exits_on_bad_input, guarded
-from atp_pipeline.pipeline import run
+from atp_pipeline.config import register_mesh_source, register_schemas
+from atp_pipeline.run import run
+
+register_schemas()
+register_mesh_source()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

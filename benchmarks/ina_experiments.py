@@ -1,9 +1,10 @@
 """Reduced-scale reproductions of the paper's experiments (§7), each writing CSV + PNG.
 
-Entry point (default output ``outputs/ina/<name>/``, git-ignored)::
+Entry point, from the repository root (default output ``outputs/ina/<name>/`` under the
+current directory, git-ignored)::
 
-    python -m atp_pipeline.ina.experiments <name> [--out DIR] [--quick]
-    python -m atp_pipeline.ina.experiments all [--quick]
+    python -m benchmarks.ina_experiments <name> [--out DIR] [--quick]
+    python -m benchmarks.ina_experiments all [--quick]
 
 ==================  ===========================================================  ========
 name                what it reproduces                                           paper
@@ -31,7 +32,10 @@ compute per round) and ``resnet`` (compute-bound: 5.4× smaller tensor, 60 µs).
 tens of µs, so a 1 ms timeout costs many rounds — the reason Fig. 7 also shows 100 µs.
 Every run checks that each worker's result equals the exact integer sum (``exact``).
 Each experiment function returns its rows; ``tests/ina/test_trends.py`` asserts the
-paper's trends on the same functions.
+paper's trends on the same functions. The simulator, with the helpers these experiments
+use (:func:`~atp_pipeline.ina.sim.scenario.pin_aggregators`,
+:meth:`~atp_pipeline.ina.sim.scenario.Result.forwarding_rate`,
+:meth:`~atp_pipeline.ina.sim.rounds.RoundJob.iterations_per_s`), is :mod:`atp_pipeline.ina.sim`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.sim.atp_job import AtpJobSpec
 from atp_pipeline.ina.sim.fabric import FabricConfig
-from atp_pipeline.ina.sim.scenario import run
+from atp_pipeline.ina.sim.scenario import pin_aggregators, run
 from atp_pipeline.ina.worker import WorkerConfig
 
 DEFAULT_OUT = os.path.join("outputs", "ina")
@@ -154,24 +158,6 @@ def _rack(n_hosts: int = 24, **kw) -> FabricConfig:
     return FabricConfig(n_racks=1, hosts_per_rack=n_hosts, **kw)
 
 
-def _pin_fraction(fab, frac: float, foreign_job: int = 0xFFFF) -> None:
-    """Occupy ``frac`` of every ToR's aggregators with a foreign job that never frees them
-    (§7.2.4's emulated contention: packets hashing there are forwarded to the PS)."""
-    for st in fab.switches():
-        n = int(round(frac * st.n))
-        for i in range(n):
-            st.pin(i * st.n // n if n else i, foreign_job, i)
-
-
-def _forward_rate(res) -> float:
-    arrivals = coll = 0
-    for st in res.fabric.switches():
-        S = st.stats
-        coll += S.collision
-        arrivals += S.alloc + S.merged + S.collision + S.dup_dropped
-    return coll / arrivals if arrivals else 0.0
-
-
 # --------------------------------------------------------------------------- Fig. 8
 def forwarding_sweep(rates: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0), workers: int = 8,
                      rounds: int = 6, models: Sequence[str] = ("vgg", "resnet"), cc: bool = True,
@@ -181,22 +167,15 @@ def forwarding_sweep(rates: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0), 
         for f in rates:
             spec = AtpJobSpec(job=1, worker_hosts=list(range(workers)), ps_hosts=[workers], rounds=rounds,
                               worker=WorkerConfig(cc=cc, rto=rto), **WORKLOADS[model])
-            res = run(_rack(), [spec], setup=lambda fab, f=f: _pin_fraction(fab, f))
+            res = run(_rack(), [spec], setup=lambda fab, f=f: pin_aggregators(fab, f))
             j = res.jobs[0]
-            rows.append(dict(model=model, pinned_fraction=f, forwarding_rate=_forward_rate(res),
-                             iters_per_s=_iters_per_s(j), gbps_per_worker=j.throughput_gbps(skip=1),
+            rows.append(dict(model=model, pinned_fraction=f, forwarding_rate=res.forwarding_rate(),
+                             iters_per_s=j.iterations_per_s(), gbps_per_worker=j.throughput_gbps(skip=1),
                              exact=j.mismatches == 0 and j.finished, retransmits=j.worker_stats()["retransmits"]))
     base = {r["model"]: r["iters_per_s"] for r in rows if r["pinned_fraction"] == 0.0}
     for r in rows:
         r["normalized"] = r["iters_per_s"] / base[r["model"]] if base.get(r["model"]) else float("nan")
     return rows
-
-
-def _iters_per_s(j, skip: int = 1) -> float:
-    rs = [r for r in sorted(j.round_end) if r >= skip]
-    if not rs:
-        return 0.0
-    return len(rs) / (j.round_end[rs[-1]] - j.round_start[rs[0]])
 
 
 def exp_fig8(out_dir: str, quick: bool = False) -> List[Dict[str, Any]]:
@@ -245,7 +224,7 @@ def loss_sweep(rates: Sequence[float] = (0.0, 1e-4, 1e-3, 1e-2), workers: int = 
             res = run(_rack(seed=seed), [spec], setup=setup)
             j = res.jobs[0]
             rows.append(dict(system=system, loss=loss, rto_us=rto * 1e6, seed=seed,
-                             gbps_per_worker=j.throughput_gbps(skip=1), iters_per_s=_iters_per_s(j),
+                             gbps_per_worker=j.throughput_gbps(skip=1), iters_per_s=j.iterations_per_s(),
                              exact=j.mismatches == 0 and j.finished, retransmits=j.worker_stats()["retransmits"]))
     base = {r["system"]: r["gbps_per_worker"] for r in rows if r["loss"] == 0.0}
     for r in rows:
@@ -317,11 +296,11 @@ def _two_jobs(kind_a: str, kind_b: str, wa: int, wb: int, pool: int, rounds: int
     for tag, j in zip("ab", res.jobs):
         out[f"{tag}_kind"] = (kind_a, kind_b)["ab".index(tag)]
         out[f"{tag}_workers"] = len(j.workers)
-        out[f"{tag}_iters_per_s"] = _iters_per_s(j)
+        out[f"{tag}_iters_per_s"] = j.iterations_per_s()
         out[f"{tag}_gbps_per_worker"] = j.throughput_gbps(skip=1)
         out[f"{tag}_exact"] = bool(j.finished and j.mismatches == 0)
     out["total_gbps"] = out["a_gbps_per_worker"] * wa + out["b_gbps_per_worker"] * wb
-    out["forwarding_rate"] = _forward_rate(res)
+    out["forwarding_rate"] = res.forwarding_rate()
     return out
 
 
@@ -404,11 +383,11 @@ def cc_on_off(forward: float = 0.5, workers: int = 8, rounds: int = 6, model: st
         spec = AtpJobSpec(job=1, worker_hosts=list(range(workers)), ps_hosts=[workers], rounds=rounds,
                           worker=WorkerConfig(cc=cc, rto=rto, fixed_window_pkts=window_pkts, recovery=recovery),
                           timeline_bin=bin_s, **WORKLOADS[model])
-        res = run(_rack(), [spec], setup=lambda fab: _pin_fraction(fab, forward))
+        res = run(_rack(), [spec], setup=lambda fab: pin_aggregators(fab, forward))
         j = res.jobs[0]
         ps_link = res.link(f"tor0->h{workers}")
-        rows.append(dict(cc=cc, recovery=recovery, rto_us=rto * 1e6, forwarding_rate=_forward_rate(res), gbps_per_worker=j.throughput_gbps(skip=1),
-                         iters_per_s=_iters_per_s(j), exact=bool(j.finished and j.mismatches == 0),
+        rows.append(dict(cc=cc, recovery=recovery, rto_us=rto * 1e6, forwarding_rate=res.forwarding_rate(), gbps_per_worker=j.throughput_gbps(skip=1),
+                         iters_per_s=j.iterations_per_s(), exact=bool(j.finished and j.mismatches == 0),
                          ps_link_drops=ps_link.drops, retransmits=j.worker_stats()["retransmits"],
                          timeouts=j.worker_stats()["timeouts"],
                          timeline=[(b * bin_s, j.timeline.get(b, 0) * 8 / bin_s / 1e9)
@@ -523,7 +502,7 @@ EXPERIMENTS: Dict[str, Callable[[str, bool], List[Dict[str, Any]]]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.experiments", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ina_experiments", description=__doc__.split("\n")[0])
     ap.add_argument("name", choices=sorted(EXPERIMENTS) + ["all"])
     ap.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT}/<name>)")
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")

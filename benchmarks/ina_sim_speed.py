@@ -1,6 +1,6 @@
 """Simulator speed: simulated packets per second of wall time, SimPy vs the heap engine.
 
-    python -m atp_pipeline.benchmarks.ina_sim_speed [--out outputs/ina/sim_speed.json] [--repeat 3]
+    python -m benchmarks.ina_sim_speed [--out outputs/ina/sim_speed.json] [--repeat 3]
 
 Runs the same ATP simulations on both engines of :mod:`atp_pipeline.ina.sim.engine`,
 pinned to one CPU core, and reports per workload and engine:
@@ -69,7 +69,7 @@ def measure(engine: str, name: str) -> Dict[str, Any]:
 
 
 def main(argv: List[str] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.benchmarks.ina_sim_speed")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ina_sim_speed")
     ap.add_argument("--out", default=os.path.join("outputs", "ina", "sim_speed.json"))
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--engines", default="simpy,heap")

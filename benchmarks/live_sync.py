@@ -1,8 +1,9 @@
 """Gradient-sync throughput and step time of the live ATP backend against ring all-reduce.
 
-    python -m atp_pipeline.benchmarks.live_sync --world 4 --model tiny --payloads 62,2048
+    python -m benchmarks.live_sync --world 4 --model tiny --payloads 62,2048
 
-On ``world`` CPU processes (gloo) it trains the GPT of ``conf/model/<model>.yaml`` with
+Run from the repository root (``--conf``, default ``conf``). On ``world`` CPU processes
+(gloo) it trains the GPT of ``<conf>/model/<model>.yaml`` with
 DistributedDataParallel, once per mode, interleaved over ``--repeats`` rounds so machine
 noise hits every mode alike:
 
@@ -31,21 +32,22 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.benchmarks.tp_step import load_model
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, ModelConfig
 from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.parallel.launch import spawn
+from benchmarks.tp_step import CONF, load_model
 
 
-def _worker(rank: int, world: int, model: str, payloads: List[int], steps: int, repeats: int) -> Dict[str, Any]:
+def _worker(rank: int, world: int, mcfg: ModelConfig, payloads: List[int], steps: int, repeats: int
+            ) -> Dict[str, Any]:
     from atp_pipeline.ina.live.sync import ATPSync, atp_hook
 
-    cfg = GPTConfig.from_model_config(load_model(model))
+    cfg = GPTConfig.from_model_config(mcfg)
     torch.manual_seed(0)
     net = GPT(cfg)
     n_params = sum(p.numel() for p in net.parameters())
     g = torch.Generator().manual_seed(rank)
-    idx = torch.randint(0, cfg.vocab_size, (max(1, load_model(model).batch_size // world), cfg.seq_len), generator=g)
+    idx = torch.randint(0, cfg.vocab_size, (max(1, mcfg.batch_size // world), cfg.seq_len), generator=g)
     syncs: Dict[str, Any] = {"ring": None}
     for k in payloads:
         syncs[f"atp-{k}"] = ATPSync.setup(dist.group.WORLD, AggregationConfig(mode=AggregationMode.atp, payload_k=k))
@@ -94,9 +96,11 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="outputs/benchmarks/live_sync")
+    ap.add_argument("--conf", type=Path, default=CONF,
+                    help="config tree with model/ (default: conf under the current directory)")
     a = ap.parse_args(argv)
     payloads = [int(x) for x in a.payloads.split(",")]
-    res = spawn(_worker, a.world, a.model, payloads, a.steps, a.repeats, timeout=3600)
+    res = spawn(_worker, a.world, load_model(a.model, a.conf), payloads, a.steps, a.repeats, timeout=3600)
     n = res[0]["n_params"]
     table = []
     for name in res[0]["rows"]:

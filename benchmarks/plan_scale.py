@@ -1,6 +1,6 @@
 """How long ATP's mesh search takes as the world grows.
 
-    python -m atp_pipeline.benchmarks.plan_scale [--out outputs/benchmarks/plan_scale.json]
+    python -m benchmarks.plan_scale [--out outputs/benchmarks/plan_scale.json]
 
 Plans model M4 on one-level switched topologies (every device on one switch) and on
 two-level clusters of 8-GPU nodes, from 1,024 to 65,536 devices, and reports the median

@@ -1,15 +1,16 @@
 """Calibrated alpha-beta model on this machine: fit quality and strategy ranking (AutoDDL §3.2–§3.3, Figure 4).
 
-    python -m atp_pipeline.benchmarks.sbp_calibration [--world 4] [--out outputs/benchmarks/sbp_calibration]
+    python -m benchmarks.sbp_calibration [--world 4] [--out outputs/benchmarks/sbp_calibration]
 
-1. **Calibration** (:mod:`atp_pipeline.planning.calibrate`, one launch of ``--world`` gloo
+1. **Calibration** (:mod:`atp_pipeline.run.calibrate`, one launch of ``--world`` gloo
    processes): the four collectives over every group layout and message size, α/β fitted
-   per level by least squares; criterion: held-out median relative error ≤ 25 %. Writes
-   the topology ``<out>/conf/topology/<name>.yaml`` and loads it back through
+   per level by least squares (:mod:`atp_pipeline.planning.calibrate`); criterion:
+   held-out median relative error ≤ 25 %. Writes the topology
+   ``<out>/conf/topology/<name>.yaml`` and loads it back through
    :meth:`Topology.from_config` and :meth:`AlphaBeta.from_topology` — the path
    ``topology=<name>`` takes.
 2. **Strategy ranking** (a second launch): one transformer layer (QKV, output projection,
-   FC1, FC2; :func:`~atp_pipeline.planning.sbp.space.gpt`) on the same processes;
+   FC1, FC2; :func:`~atp_pipeline.planning.sbp.space.transformer`) on the same processes;
    ``--strategies`` SBP strategies — data parallel, Megatron, the 2-D hybrid and further
    ones evenly spaced over the predicted-cost ranking of all legal assignments. Each
    strategy's exact collective schedule (:func:`~atp_pipeline.planning.sbp.schedule.schedule`,
@@ -37,9 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.planning import calibrate as cal
-from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, compile_problem, gpt
+from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, compile_problem, transformer
 from atp_pipeline.planning.sbp.schedule import schedule
 from atp_pipeline.planning.sbp.space import Problem
+from atp_pipeline.run import calibrate as run_cal
 from atp_pipeline.topology.model import Topology
 
 ACT_BYTES = 4.0  # float32 activations, as the measurement buffers
@@ -125,25 +127,25 @@ def run(world: int, out: Path, name: str, strategies: int, hidden: int, heads: i
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     # 1. calibration -----------------------------------------------------------------
-    spec = cal.SweepSpec(world=world, sizes=sizes, passes=passes)
+    spec = run_cal.SweepSpec(world=world, sizes=sizes, passes=passes)
     levels = cal.level_specs(world, [world])
-    res = cal.calibrate(spec, name, levels, seed=seed)
+    res = run_cal.calibrate(spec, name, levels, seed=seed)
     cal.print_summary(res)
     topo_path = out / "conf" / "topology" / f"{name}.yaml"
-    cal.write_topology(res.topology, topo_path, "# written by atp_pipeline.benchmarks.sbp_calibration\n")
+    cal.write_topology(res.topology, topo_path, "# written by benchmarks.sbp_calibration\n")
     paths = cal.write_report(res, out, name)
     import yaml
 
     topo = Topology.from_config(yaml.safe_load(topo_path.read_text()))  # what topology=<name> loads
     ab = AlphaBeta.from_topology(topo)
     # 2. strategies of one transformer layer ----------------------------------------------
-    layers = gpt(1, hidden, heads, seq, micro_batch)
+    layers = transformer(1, hidden, heads, seq, micro_batch)
     problem = compile_problem(layers, world, ab, MemoryModel(act_bytes=ACT_BYTES))
     chosen = choose_strategies(problem, strategies)
     schedules = [schedule(problem, a, layers, ACT_BYTES) for _, a in chosen]
     print(f"measuring {len(chosen)} strategies of one transformer layer (h={hidden}, heads={heads}, "
           f"tokens={seq * micro_batch}) on {world} processes ...")
-    measured = cal.measure_schedules(world, schedules, warmup=1, passes=strategy_passes)
+    measured = run_cal.measure_schedules(world, schedules, warmup=1, passes=strategy_passes)
     rows = []
     for i, ((nm, a), sch, (m, runs)) in enumerate(zip(chosen, schedules, measured)):
         pred = problem.raw_cost(a)
@@ -201,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     run(args.world, Path(args.out), args.name, args.strategies, args.hidden, args.heads, args.seq,
-        args.micro_batch, cal.parse_sizes(args.sizes), args.passes, args.strategy_passes, args.seed)
+        args.micro_batch, run_cal.parse_sizes(args.sizes), args.passes, args.strategy_passes, args.seed)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The four SBP search algorithms on the paper's Figure 8 setting (AutoDDL §4.6).
 
-    python -m atp_pipeline.benchmarks.sbp_search [--out outputs/benchmarks/sbp_search.json]
+    python -m benchmarks.sbp_search [--out outputs/benchmarks/sbp_search.json]
 
 A 4-layer MLP 32768-16384-4096-2048-512 (batch 4096, fp32, Adam: 16 bytes per parameter,
 16 GiB per device) on 128 and 4,096 devices of a flat network (α = 5 µs, 10 GB/s, the
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from atp_pipeline.planning.sbp import (METHODS, AlphaBeta, MemoryModel, compile_problem, gpt,
+from atp_pipeline.planning.sbp import (METHODS, AlphaBeta, MemoryModel, compile_problem, transformer,
                                        mlp, search)
 
 FIG8_DIMS = (32768, 16384, 4096, 2048, 512)
@@ -53,7 +53,7 @@ def figure8(devices: int, seeds: int, budget_s: float) -> Dict[str, Any]:
 
 def gpt96(budget_s: float) -> Dict[str, Any]:
     t0 = time.perf_counter()
-    problem = compile_problem(gpt(96, 12288, 96, 2048, 256), 4096, FIG8_MODEL,
+    problem = compile_problem(transformer(96, 12288, 96, 2048, 256), 4096, FIG8_MODEL,
                               MemoryModel(param_bytes=16.0, act_bytes=2.0, limit=80 * 2**30))
     res = search(problem, "coordinate", budget_s, 0)
     total = time.perf_counter() - t0

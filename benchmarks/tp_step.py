@@ -1,10 +1,12 @@
 """Step time of ATP's tensor parallelism per mesh and chunk count, beside PyTorch's own.
 
-    python -m atp_pipeline.benchmarks.tp_step --model tiny --world 4
-    python -m atp_pipeline.benchmarks.tp_step --model small --world 8 --emulate ic1 --slowdown 200
+    python -m benchmarks.tp_step --model tiny --world 4
+    python -m benchmarks.tp_step --model small --world 8 --emulate ic1 --slowdown 200
 
-On ``world`` CPU processes (gloo) it trains the GPT of ``conf/model/<model>.yaml`` for a few
-steps on every 2D mesh of ``world`` devices with each chunk count, and — unless emulating —
+Run from the repository root (``--conf``, default ``conf``, is the config tree the model and
+topology names are read from). On ``world`` CPU processes (gloo) it trains the GPT of
+``<conf>/model/<model>.yaml`` for a few steps on every 2D mesh of ``world`` devices with
+each chunk count, and — unless emulating —
 PyTorch-native tensor parallelism (``parallelize_module``, ColwiseParallel/RowwiseParallel)
 and plain data parallelism (DDP) on the same model, ranks and global batch. Configurations
 are interleaved over ``--repeats`` rounds so machine noise hits them alike; a step is
@@ -42,17 +44,20 @@ from atp_pipeline.planning.flops import ModelSummary
 from atp_pipeline.planning.search import candidate_meshes, evaluate
 from atp_pipeline.topology.model import Topology
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path("conf")  # the repository's config tree, relative to the current directory
 DTYPES = {"fp16": torch.float32, "bf16": torch.float32, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def load_model(name: str) -> ModelConfig:
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+def load_model(name: str, conf: Path = CONF) -> ModelConfig:
+    """``<conf>/model/<name>.yaml`` as a typed :class:`ModelConfig`."""
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(Path(conf) / "model" / f"{name}.yaml"))
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
-def load_topology(name: str, world: int) -> Topology:
-    raw = OmegaConf.merge(OmegaConf.structured(TopologyConfig), OmegaConf.load(CONF / "topology" / f"{name}.yaml"))
+def load_topology(name: str, world: int, conf: Path = CONF) -> Topology:
+    """``<conf>/topology/<name>.yaml``, restricted to ``world`` devices."""
+    raw = OmegaConf.merge(OmegaConf.structured(TopologyConfig),
+                          OmegaConf.load(Path(conf) / "topology" / f"{name}.yaml"))
     topo = Topology.from_config(raw)
     return topo if topo.world_size == world else topo.restrict(world)
 
@@ -143,21 +148,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--chunks", default="1,2,4")
     p.add_argument("--meshes", default="all", help="all, or e.g. 4x1,2x2")
-    p.add_argument("--emulate", default=None, help="topology name in conf/topology (emulated interconnect)")
+    p.add_argument("--emulate", default=None, help="topology name in <conf>/topology (emulated interconnect)")
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=None, help="override the model's batch size")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="outputs/benchmarks/tp_step")
+    p.add_argument("--conf", type=Path, default=CONF,
+                   help="config tree with model/ and topology/ (default: conf under the current directory)")
     args = p.parse_args(argv)
 
-    mcfg = load_model(args.model)
+    mcfg = load_model(args.model, args.conf)
     if args.batch is not None:
         mcfg.batch_size = args.batch
     meshes = candidate_meshes(args.world) if args.meshes == "all" else [
         tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
-    topo = load_topology(args.emulate, args.world) if args.emulate else None
+    topo = load_topology(args.emulate, args.world, args.conf) if args.emulate else None
     spec = {"gpt": asdict(GPTConfig.from_model_config(mcfg)), "dtype": mcfg.dtype.value,
             "batch": mcfg.batch_size, "meshes": meshes, "chunks": [int(c) for c in args.chunks.split(",")],
             "topology": topo.to_dict() if topo else None, "slowdown": args.slowdown,

@@ -13,7 +13,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-import atp_pipeline  # noqa: F401  (registers the schemas and the mesh source)
+from atp_pipeline.config import register_mesh_source, register_schemas
+
+register_schemas()
+register_mesh_source()
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

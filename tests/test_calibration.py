@@ -2,7 +2,7 @@
 
 The fit is checked exactly on synthetic data; one small real launch (2 gloo processes, a
 few seconds) checks the measurement end to end. Wall-clock quality criteria (held-out
-error, Spearman) are the benchmark's (``python -m atp_pipeline.benchmarks.sbp_calibration``),
+error, Spearman) are the benchmark's (``python -m benchmarks.sbp_calibration``),
 not asserted here: the machine is shared and noisy.
 """
 
@@ -20,8 +20,9 @@ from atp_pipeline.planning import calibrate as cal
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
 from atp_pipeline.planning.calibrate import Sample
 from atp_pipeline.planning.sbp import (AlphaBeta, Collective, LinkLevel, MemoryModel,
-                                       compile_problem, gpt)
+                                       compile_problem, transformer)
 from atp_pipeline.planning.sbp.schedule import schedule
+from atp_pipeline.run import calibrate as run_cal
 from atp_pipeline.topology.model import Topology
 
 C = list(Collective)
@@ -31,13 +32,13 @@ SIZES = (4096, 65536, 1 << 20, 1 << 22)
 def synthetic(ab: AlphaBeta, world: int) -> list:
     """Exact Table 2 times of every layout, collective and size under ``ab``."""
     return [Sample(c, g, s, n, ab.cost(c, g, n, s))
-            for g, s in cal.default_layouts(world) for c in C for n in SIZES]
+            for g, s in run_cal.default_layouts(world) for c in C for n in SIZES]
 
 
 def test_default_layouts_tile_the_world() -> None:
-    assert cal.default_layouts(4) == ((2, 1), (2, 2), (4, 1))
-    assert cal.layout_groups(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert cal.layout_groups(4, 4, 1) == [[0, 1, 2, 3]]
+    assert run_cal.default_layouts(4) == ((2, 1), (2, 2), (4, 1))
+    assert run_cal.layout_groups(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert run_cal.layout_groups(4, 4, 1) == [[0, 1, 2, 3]]
 
 
 def test_fit_recovers_known_alpha_beta_exactly() -> None:
@@ -80,8 +81,8 @@ def test_fit_is_non_negative() -> None:
 def test_calibrated_topology_feeds_both_planners(tmp_path: Path) -> None:
     truth = AlphaBeta((LinkLevel(1 << 62, 4e-4, 2.5e-9, (("reduce_scatter", 8e-4, 5e-9),)),))
     samples = synthetic(truth, 4)
-    res = cal.calibrate(cal.SweepSpec(world=4), "calib_test", cal.level_specs(4, [4]),
-                        samples=samples)
+    res = run_cal.calibrate(run_cal.SweepSpec(world=4), "calib_test", cal.level_specs(4, [4]),
+                            samples=samples)
     assert res.heldout_median_error < 1e-9
     path = tmp_path / "topology" / "calib_test.yaml"
     cal.write_topology(res.topology, path)
@@ -100,8 +101,8 @@ def test_calibrated_topology_feeds_both_planners(tmp_path: Path) -> None:
 
 
 def test_calibrated_topology_composes_with_hydra(compose_cfg, tmp_path: Path) -> None:
-    res = cal.calibrate(cal.SweepSpec(world=4), "calib_hydra", cal.level_specs(4, [4]),
-                        samples=synthetic(AlphaBeta.uniform(1e-4, 1e-9), 4))
+    res = run_cal.calibrate(run_cal.SweepSpec(world=4), "calib_hydra", cal.level_specs(4, [4]),
+                            samples=synthetic(AlphaBeta.uniform(1e-4, 1e-9), 4))
     cal.write_topology(res.topology, tmp_path / "topology" / "calib_hydra.yaml")
     cfg = compose_cfg(f"hydra.searchpath=[file://{tmp_path}]", "topology=calib_hydra")
     topo = Topology.from_config(cfg.topology)
@@ -111,7 +112,7 @@ def test_calibrated_topology_composes_with_hydra(compose_cfg, tmp_path: Path) ->
 def test_schedule_is_exactly_what_the_model_charges() -> None:
     ab = AlphaBeta((LinkLevel(2, 1e-4, 2e-9, (("reduce_scatter", 3e-4, 5e-9),)),
                     LinkLevel(1 << 62, 3e-4, 4e-9, (("all_to_all", 1e-5, 1e-8),))))
-    layers = gpt(2, 64, 8, 16, 4)
+    layers = transformer(2, 64, 8, 16, 4)
     problem = compile_problem(layers, 4, ab, MemoryModel(act_bytes=4.0), orders="all")
     for a in itertools.islice(itertools.product(*[range(k) for k in problem.sizes]), 0, None, 7):
         calls = schedule(problem, a, layers, 4.0)
@@ -125,14 +126,14 @@ def test_spearman_with_ties() -> None:
 
 
 def test_bad_input_is_one_line(capsys) -> None:
-    assert cal.main(["--world", "4", "--levels", "3"]) == 2
+    assert run_cal.main(["--world", "4", "--levels", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: calibrate: --levels 3 must be positive counts (outermost first) whose "
                    "product is --world 4"]
     with pytest.raises(ConfigError, match="does not tile 4 processes"):
-        cal.SweepSpec(world=4, layouts=((3, 1),))
+        run_cal.SweepSpec(world=4, layouts=((3, 1),))
     with pytest.raises(ConfigError, match="--sizes"):
-        cal.parse_sizes("4Q")
+        run_cal.parse_sizes("4Q")
     with pytest.raises(ConfigError, match="level 'gpu' is not a level"):
         Topology.from_config({"name": "x", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1,
                                                        "group_GBps": 1}],
@@ -141,9 +142,9 @@ def test_bad_input_is_one_line(capsys) -> None:
 
 def test_real_calibration_run_on_two_processes(tmp_path: Path) -> None:
     """One launch of 2 gloo processes, tiny sweep: the pipeline works end to end."""
-    spec = cal.SweepSpec(world=2, sizes=(4096, 262144), passes=3, warmup=1, batch_ms=2.0,
-                         max_batch=4)
-    res = cal.calibrate(spec, "calib_real", cal.level_specs(2, [2]))
+    spec = run_cal.SweepSpec(world=2, sizes=(4096, 262144), passes=3, warmup=1, batch_ms=2.0,
+                             max_batch=4)
+    res = run_cal.calibrate(spec, "calib_real", cal.level_specs(2, [2]))
     assert len(res.samples) == 4 * 2
     assert all(s.seconds > 0 and len(s.runs) == 3 for s in res.samples)
     a, b = res.fit.pairs["process"]

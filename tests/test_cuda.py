@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atp_pipeline.parallel.launch import spawn
+from atp_pipeline.launch import spawn
 
 from . import workers
 

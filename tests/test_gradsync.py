@@ -99,7 +99,7 @@ def test_bad_input_is_one_config_error() -> None:
 
 
 def test_plan_report_shows_gradsync(compose_cfg, tmp_path, capsys) -> None:
-    from atp_pipeline.pipeline import run
+    from atp_pipeline.run import run
 
     cfg = compose_cfg("stage=plan", "mesh=1x1", "mesh.dp=4", "planner.plot=false")
     row = run(cfg, output_dir=tmp_path)
@@ -111,3 +111,12 @@ def test_plan_report_shows_gradsync(compose_cfg, tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())["gradsync_atp_s"] > 0
     out = capsys.readouterr().out
     assert "data-parallel gradient sync per step" in out and "fastest" in out
+
+
+def test_packet_geometry_defaults_are_the_protocols() -> None:
+    """planning/ gets the wire format as data; its defaults are the protocol's own format."""
+    from atp_pipeline.planning.gradsync import PacketGeometry
+    from atp_pipeline.run.report import packet_geometry
+
+    assert packet_geometry(62) == PacketGeometry()
+    assert packet_geometry(2048).wire_bytes == PacketFormat(2048).wire_bytes

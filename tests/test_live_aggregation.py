@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode
 from atp_pipeline.ina.live.services import Services
-from atp_pipeline.parallel.launch import spawn
-from atp_pipeline.training import read_metrics
+from atp_pipeline.launch import spawn
+from atp_pipeline.run.report import read_metrics
 
 from .conftest import ROOT, run_train
 
@@ -234,11 +234,11 @@ def test_strategy_in_plain_lightning_code_one_job_per_tensor_parallel_coordinate
     script = tmp_path / "plain.py"
     script.write_text(textwrap.dedent("""
         import pytorch_lightning as pl
-        from atp_pipeline.lightning import ATPStrategy, GPTModule, TokenDataModule
-        from atp_pipeline.models.gpt import GPTConfig
+        from atp_pipeline.lightning import ATPStrategy, LMModule, TokenDataModule
+        from atp_pipeline.models.gpt import GPT, GPTConfig
 
         cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=32, heads=8, layers=2)
-        module = GPTModule(cfg)
+        module = LMModule(lambda: GPT(cfg))
         strategy = ATPStrategy(mesh=(2, 1), aggregation={"mode": "atp", "payload_k": 512})
         trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=4, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False)

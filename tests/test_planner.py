@@ -18,17 +18,17 @@ from atp_pipeline.config.schema import (
     Routing,
 )
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.pipeline import model_summary, plan_from_config
+from atp_pipeline.run.resolve import model_shape as model_summary, plan_from_config
 from atp_pipeline.planning.bandwidth import dimension_bandwidth, rabenseifner
 from atp_pipeline.planning.cost import eq2_terms
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import candidate_meshes, evaluate, make_plan
 from atp_pipeline.topology.builders import ring_matrix, switched, torus2d
 from atp_pipeline.topology.model import Topology
 
 
-def summary(hidden=2048, heads=16, layers=1, b=4, s=2048, dtype=DType.fp16) -> ModelSummary:
-    return ModelSummary.of(ModelConfig(name="x", hidden=hidden, heads=heads, layers=layers,
+def summary(hidden=2048, heads=16, layers=1, b=4, s=2048, dtype=DType.fp16) -> ModelShape:
+    return ModelShape.of(ModelConfig(name="x", hidden=hidden, heads=heads, layers=layers,
                                        seq_len=s, batch_size=b, dtype=dtype))
 
 

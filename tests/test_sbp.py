@@ -14,7 +14,7 @@ import pytest
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp import (METHODS, AlphaBeta, Collective, LinkLevel, MatmulLayer,
-                                       MemoryModel, Strategy, compile_problem, gpt, mlp, search,
+                                       MemoryModel, Strategy, compile_problem, transformer, mlp, search,
                                        strategies)
 from atp_pipeline.planning.sbp.space import factorizations
 from atp_pipeline.topology.builders import nodes
@@ -75,11 +75,11 @@ def test_strategy_space_contains_paper_special_cases() -> None:
 
 
 def test_attention_heads_and_sequences_split_evenly() -> None:
-    layers = gpt(2, 768, 12, 128, 4)
+    layers = transformer(2, 768, 12, 128, 4)
     for s in strategies(layers[0], 16):
         assert 12 % (s.pm * s.pn) == 0 and 4 % s.pb == 0
     with pytest.raises(ConfigError):
-        compile_problem(gpt(2, 768, 12, 128, 1), 64, PIZ)  # 12 heads x 1 sequence < 64
+        compile_problem(transformer(2, 768, 12, 128, 1), 64, PIZ)  # 12 heads x 1 sequence < 64
 
 
 def test_hand_computed_two_layer_cost() -> None:
@@ -204,7 +204,7 @@ def test_square_matmul_asymptotics() -> None:
 
 def test_gpt96_tied_plan_on_4096_devices() -> None:
     t0 = time.perf_counter()
-    pr = compile_problem(gpt(96, 12288, 96, 2048, 256), 4096, PIZ,
+    pr = compile_problem(transformer(96, 12288, 96, 2048, 256), 4096, PIZ,
                          MemoryModel(param_bytes=16.0, act_bytes=2.0, limit=80 * 2**30))
     r = search(pr, "coordinate", 60, 0)
     elapsed = time.perf_counter() - t0

@@ -4,7 +4,7 @@
   on 4 and 8 processes — plus hand-picked strategies (3-D ones, Partial outputs, other mesh
   orders, row splits changing between layers) — give the dense model's loss and every
   gradient to 1e-9 relative in float64. One launch per process count.
-* Item 6: ``stage=plan mesh=sbp`` writes the SBP plan report; ``mesh=sbp`` trains through
+* Item 6: ``stage=plan planner=sbp`` writes the SBP plan report; ``planner=sbp`` trains through
   the Lightning strategy and reproduces the single-process losses; bad input is one line.
 """
 
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.launch import spawn
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel.launch import spawn
-from atp_pipeline.parallel.sbp_exec import SBPPlan, check_gpt_plan, plan_mesh_shape
-from atp_pipeline.planning.sbp import AlphaBeta, Strategy, compile_problem, gpt, mlp, search
+from atp_pipeline.planning.sbp import AlphaBeta, Strategy, compile_problem, mlp, search, transformer
+from atp_pipeline.planning.sbp.layout import SBPLayout, check_transformer_layout, plan_mesh_shape
 
 from .conftest import run_train
 
@@ -31,16 +31,16 @@ AB = AlphaBeta.uniform(alpha=5e-6, beta=1e-10)
 GCFG = GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=8, layers=2)
 BATCH = 4
 MLP_DIMS = ([16, 64, 64, 16], 8)
-Case = Tuple[str, str, Any, SBPPlan]  # name, kind (mlp/gpt), dims or layers, plan
+Case = Tuple[str, str, Any, SBPLayout]  # name, kind (mlp/gpt), dims or layers, plan
 
 
-def _chosen(layers, p: int) -> Tuple[SBPPlan, float]:
+def _chosen(layers, p: int) -> Tuple[SBPLayout, float]:
     """The exhaustive search's optimum (tiny spaces) and the search time."""
     pr = compile_problem(layers, p, AB)
     t0 = time.perf_counter()
     res = search(pr, "exhaustive", 10)
     assert res.complete
-    return SBPPlan.from_search(pr, res), time.perf_counter() - t0
+    return SBPLayout.from_search(pr, res), time.perf_counter() - t0
 
 
 def _s(pb: int, pm: int, pn: int, order: str = "bmn") -> Strategy:
@@ -53,7 +53,7 @@ def cases(p: int) -> List[Case]:
     change between layers (all-to-all)."""
     dims, batch = MLP_DIMS
     mlp_plan, _ = _chosen(mlp(dims, batch), p)
-    gpt_plan, _ = _chosen(gpt(GCFG.layers, GCFG.hidden, GCFG.heads, GCFG.seq_len, BATCH), p)
+    gpt_plan, _ = _chosen(transformer(GCFG.layers, GCFG.hidden, GCFG.heads, GCFG.seq_len, BATCH), p)
     out: List[Case] = [("mlp chosen", "mlp", (dims, batch), mlp_plan),
                        ("gpt chosen", "gpt", GCFG.layers, gpt_plan)]
     if p == 4:
@@ -72,8 +72,8 @@ def cases(p: int) -> List[Case]:
                                                  "fc1": _s(4, 2, 1), "fc2": _s(2, 1, 4, "bnm")})
     for name, strat in mlp_forced:
         out.append((f"mlp {name}", "mlp", (dims, batch),
-                    SBPPlan(p, {f"fc{i}": s for i, s in enumerate(strat)})))
-    out.append((f"gpt {gpt_forced[0]}", "gpt", GCFG.layers, SBPPlan(p, gpt_forced[1])))
+                    SBPLayout(p, {f"fc{i}": s for i, s in enumerate(strat)})))
+    out.append((f"gpt {gpt_forced[0]}", "gpt", GCFG.layers, SBPLayout(p, gpt_forced[1])))
     return out
 
 
@@ -83,7 +83,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_cases(rank: int, world: int, todo: List[Case]) -> List[Dict[str, Any]]:
     """Worker: every case against the dense model (float64), same seeds on every rank."""
-    from atp_pipeline.parallel.sbp_exec import SBPGPT, SBPMLP
+    from atp_pipeline.models.gpt.sbp import SBPGPT
+    from atp_pipeline.parallel.sbp_exec import SBPMLP
 
     torch.set_default_dtype(torch.float64)
     results = []
@@ -172,22 +173,22 @@ def test_plan_mesh_and_bad_plans() -> None:
     with pytest.raises(ConfigError, match="no single row-major device mesh refines"):
         plan_mesh_shape([_s(2, 3, 1), _s(3, 2, 1)], 6)
     with pytest.raises(ConfigError, match="uses 4 devices, the plan has 8"):
-        SBPPlan(8, {"fc0": _s(2, 2, 1)})
+        SBPLayout(8, {"fc0": _s(2, 2, 1)})
     good = {k: _s(1, 2, 2) for k in ("qkv", "proj", "fc1", "fc2")}
     with pytest.raises(ConfigError, match="6 heads do not split over the QKV layer's pm\\*pn"):
-        check_gpt_plan(SBPPlan(4, good), hidden=24, heads=6, ffn_mult=4)
+        check_transformer_layout(SBPLayout(4, good), hidden=24, heads=6, ffn_mult=4)
     with pytest.raises(ConfigError, match="missing fc2"):
-        check_gpt_plan(SBPPlan(4, {k: good[k] for k in ("qkv", "proj", "fc1")}), 16, 8, 4)
-    plan = SBPPlan(4, good)
-    assert SBPPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+        check_transformer_layout(SBPLayout(4, {k: good[k] for k in ("qkv", "proj", "fc1")}), 16, 8, 4)
+    plan = SBPLayout(4, good)
+    assert SBPLayout.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
-# ---------------------------------------------------------------------- item 6: mesh=sbp
+# ---------------------------------------------------------------------- item 6: planner=sbp
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
 
 def test_stage_plan_mesh_sbp_reports_layers_and_collectives(tmp_path) -> None:
-    out = run_train(["stage=plan", "mesh=sbp", *FAST, f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=300)
+    out = run_train(["stage=plan", "planner=sbp", *FAST, f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SBP plan: topology 'local' (4 devices)" in out.stdout and "predicted communication" in out.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -201,16 +202,16 @@ def test_stage_plan_mesh_sbp_reports_layers_and_collectives(tmp_path) -> None:
     assert set(plan["communication"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     total = sum(c["seconds"] for c in plan["communication"].values())
     assert total == pytest.approx(plan["cost_s"])
-    assert SBPPlan.from_dict(plan["execution_plan"]).devices == 4
+    assert SBPLayout.from_dict(plan["execution_plan"]).devices == 4
     text = (tmp_path / "plan.txt").read_text()
     assert "SBP plan" in text and "all_reduce" in text
     assert json.loads((tmp_path / "summary.json").read_text())["strategy"] == "sbp"
 
 
 def test_paper_size_sbp_plan_is_fast(compose_cfg, tmp_path) -> None:
-    from atp_pipeline.pipeline import run
+    from atp_pipeline.run import run
 
-    cfg = compose_cfg("stage=plan", "mesh=sbp", "topology=ic4", "model=m3", "planner.plot=false")
+    cfg = compose_cfg("stage=plan", "planner=sbp", "topology=ic4", "model=m3", "planner.plot=false")
     t0 = time.perf_counter()
     row = run(cfg, tmp_path)
     elapsed = time.perf_counter() - t0
@@ -220,25 +221,24 @@ def test_paper_size_sbp_plan_is_fast(compose_cfg, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.devices=3"], "mesh=sbp: model 'tiny' on 3 devices: sbp: layer 'block0.qkv'"),
-    (["mesh.dp=2"], "mesh=sbp plans data parallelism per layer itself: it needs mesh.dp=1"),
+    (["trainer.devices=3"], "planner=sbp: model 'tiny' on 3 devices: sbp: layer 'block0.qkv'"),
+    (["mesh.dp=2"], "planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1"),
     (["overlap=chunk2"], "overlap=chunk1 (got chunks=2)"),
     (["topology.device.memory_GB=0.000001"], "no SBP plan of model 'tiny' on 4 devices fits"),
 ])
 def test_bad_sbp_input_is_one_config_error(compose_cfg, overrides, message) -> None:
-    from atp_pipeline.pipeline import model_summary
-    from atp_pipeline.training import prepare
+    from atp_pipeline.run.resolve import resolve
 
-    cfg = compose_cfg("mesh=sbp", *overrides)
+    cfg = compose_cfg("planner=sbp", *overrides)
     with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        prepare(cfg, model_summary(cfg))
+        resolve(cfg)
 
 
 def test_bad_sbp_input_exits_2_before_any_process(tmp_path) -> None:
-    out = run_train(["mesh=sbp", "trainer.devices=3", *FAST], cwd=tmp_path, timeout=300)
+    out = run_train(["planner=sbp", "trainer.devices=3", *FAST], cwd=tmp_path, timeout=300)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: mesh=sbp: model 'tiny' on 3 devices"), out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: planner=sbp: model 'tiny' on 3 devices"), out.stderr
     assert "has no legal strategy on 3 devices" in lines[0]
     assert not list(tmp_path.rglob("metrics.csv"))
 
@@ -246,14 +246,15 @@ def test_bad_sbp_input_exits_2_before_any_process(tmp_path) -> None:
 def test_fit_mesh_sbp_equals_the_dense_run(compose_cfg, tmp_path) -> None:
     """4 processes under the SBP plan vs the single-process dense GPT (float32: Lightning's
     ModelParallelStrategy has no 64-true precision; AdamW, 8 steps)."""
-    from atp_pipeline.pipeline import model_summary
-    from atp_pipeline.training import fit, read_metrics
+    from atp_pipeline.run.fit import fit
+    from atp_pipeline.run.report import read_metrics
+    from atp_pipeline.run.resolve import resolve
 
     runs = {}
-    for name, extra in (("dense", ["trainer.devices=1"]), ("sbp", ["mesh=sbp"])):
+    for name, extra in (("dense", ["trainer.devices=1"]), ("sbp", ["planner=sbp"])):
         out = tmp_path / name
         cfg = compose_cfg(*FAST, "trainer.max_steps=8", *extra, f"paths.output_dir={out}")
-        runs[name] = fit(cfg, model_summary(cfg), out, {})
+        runs[name] = fit(resolve(cfg), out)
         runs[name]["losses"] = [r["loss"] for r in read_metrics(out / "metrics.csv") if "loss" in r]
     dense, sbp = runs["dense"]["losses"], runs["sbp"]["losses"]
     assert len(dense) == len(sbp) == 8 and sbp[-1] < sbp[0]

@@ -17,8 +17,9 @@ from typing import Any, Dict, List
 import pytest
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.pipeline import model_summary
-from atp_pipeline.training import fit, read_metrics
+from atp_pipeline.run.fit import fit
+from atp_pipeline.run.report import read_metrics
+from atp_pipeline.run.resolve import resolve
 
 from .conftest import run_train
 
@@ -27,7 +28,7 @@ FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
 def _fit(compose_cfg, out: Path, *overrides: str) -> Dict[str, Any]:
     cfg = compose_cfg(*FAST, *overrides, f"paths.output_dir={out}")
-    return fit(cfg, model_summary(cfg), out, {})
+    return fit(resolve(cfg), out)
 
 
 def _losses(run_dir: Path) -> List[float]:
@@ -35,17 +36,14 @@ def _losses(run_dir: Path) -> List[float]:
 
 
 def test_fewer_devices_plan_on_the_occupied_sub_topology(compose_cfg):
-    from atp_pipeline.training import prepare
-
     cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=fit", "trainer.accelerator=gpu")
     with pytest.raises(ConfigError, match="needs 4 GPUs on this host, found 0"):
-        prepare(cfg, model_summary(cfg))
+        resolve(cfg)
     cfg.trainer.accelerator = "cpu"
     with pytest.raises(ConfigError, match="describes A100-80GB devices but trainer.accelerator=cpu"):
-        prepare(cfg, model_summary(cfg))
+        resolve(cfg)
     cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=plan")
-    prepared = prepare(cfg, model_summary(cfg))
-    plan = prepared["plan"]
+    plan = resolve(cfg).plan
     assert plan.world_size == 4 and [(l.name, l.count) for l in plan.topology.levels] == [("gpu", 4)]
     assert plan.notes[0] == "4 of 16 devices of 'ic4' are used: planned and run on that sub-topology"
     assert "sub-topology of 'ic4': the first 4 of 16 devices (one 'node')" in plan.to_dict()["notes"]
@@ -57,15 +55,15 @@ def test_plain_lightning_script_uses_strategy_atp(tmp_path):
     script.write_text(textwrap.dedent("""
         import pytorch_lightning as pl
         import atp_pipeline  # registers strategy "atp"
-        from atp_pipeline.lightning import GPTModule, TokenDataModule
-        from atp_pipeline.models.gpt import GPTConfig
+        from atp_pipeline.lightning import LMModule, TokenDataModule
+        from atp_pipeline.models.gpt import GPT, GPTConfig
         from atp_pipeline.parallel import ATPLinear
 
-        class MyModule(GPTModule):
+        class MyModule(LMModule):
             pass
 
         cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=32, heads=8, layers=2)
-        module = MyModule(cfg)
+        module = MyModule(lambda: GPT(cfg))
         trainer = pl.Trainer(strategy="atp", accelerator="cpu", devices=4, max_steps=5, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False)
         trainer.fit(module, datamodule=TokenDataModule("corpus", cfg.seq_len, batch_size=8))

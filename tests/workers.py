@@ -15,10 +15,11 @@ from torch import nn
 from atp_pipeline.config.schema import CostModel, DType, ModelConfig
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel import ATPLinear, comm_for, init_mesh, parallelize_gpt
+from atp_pipeline.models.gpt.parallel import parallelize_gpt
+from atp_pipeline.parallel import ATPLinear, comm_for, init_mesh
 from atp_pipeline.parallel.emulation import TopologyEmulator
-from atp_pipeline.parallel.native import native_tensor_parallel
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.models.gpt.native import native_tensor_parallel
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import evaluate
 from atp_pipeline.topology.builders import nodes
 
@@ -123,7 +124,7 @@ def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
     from atp_pipeline.topology.model import Topology
 
     topo = Topology.from_config(topo_cfg)
-    summary = ModelSummary.of(ModelConfig(name="tiny", hidden=TINY.hidden, heads=TINY.heads,
+    summary = ModelShape.of(ModelConfig(name="tiny", hidden=TINY.hidden, heads=TINY.heads,
                                           layers=TINY.layers, seq_len=TINY.seq_len, batch_size=BATCH,
                                           vocab_size=TINY.vocab_size, dtype=DType.fp64))
     res["emulated"] = []

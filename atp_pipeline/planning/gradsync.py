@@ -33,7 +33,7 @@ atp        ``(1 − f + f·W) · P·wire``: the switch aggregates the W         
            forwarded unaggregated (§7.2.4's forwarding rate). ``P`` =
            ⌈E / K⌉ packets of ``wire`` bytes: ``K`` int32 lanes plus the
            ATP header and L2–L4 encapsulation (§5.2,
-           :class:`~atp_pipeline.ina.packet.PacketFormat`) — gradients
+           :class:`PacketGeometry`) — gradients
            travel as int32 whatever the training dtype
 switchml   ``P_s·wire_s`` per worker link: the ToR switch is the PS          2
            (SwitchML, ATP §3), 32 int32 lanes per 180-byte packet (§6);
@@ -163,12 +163,28 @@ def link_params(topo: Topology, workers: int, stride: int, alpha_s: Optional[flo
     return a, float(bw)
 
 
-def estimate(topo: Topology, buckets: Sequence[GradBucket], bytes_per_element: int,
-             alpha_s: Optional[float] = None, payload_k: int = 62, forwarding_rate: float = 0.0,
-             configured: Optional[str] = None, tp_comm_s: Optional[float] = None) -> GradSyncReport:
-    """Seconds per step of every aggregation mode (see the module docstring)."""
-    from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES, PacketFormat
+@dataclass(frozen=True)
+class PacketGeometry:
+    """The wire format the estimate counts, given as data (the protocol's own
+    :class:`~atp_pipeline.ina.packet.PacketFormat` supplies it: ``run.report``): ``payload_k``
+    int32 lanes per ATP packet after ``header_bytes`` of ATP header, ``l2l4_bytes`` of
+    Ethernet/IPv4/UDP, and SwitchML's header. The defaults are the 62-lane hardware format."""
 
+    payload_k: int = 62
+    header_bytes: int = 29
+    l2l4_bytes: int = 42
+    switchml_header_bytes: int = 10
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.l2l4_bytes + self.header_bytes + 4 * self.payload_k
+
+
+def estimate(topo: Topology, buckets: Sequence[GradBucket], bytes_per_element: int,
+             alpha_s: Optional[float] = None, payload_k: Optional[int] = None, forwarding_rate: float = 0.0,
+             configured: Optional[str] = None, tp_comm_s: Optional[float] = None,
+             packets: Optional[PacketGeometry] = None) -> GradSyncReport:
+    """Seconds per step of every aggregation mode (see the module docstring)."""
     if bytes_per_element < 1:
         raise ConfigError(f"gradient sync: bytes_per_element must be >= 1, got {bytes_per_element}")
     if not 0.0 <= forwarding_rate <= 1.0:
@@ -176,12 +192,14 @@ def estimate(topo: Topology, buckets: Sequence[GradBucket], bytes_per_element: i
     if configured is not None and configured not in MODES:
         raise ConfigError(f"gradient sync: unknown aggregation mode '{configured}' "
                           f"(one of {', '.join(MODES)})")
-    try:
-        fmt = PacketFormat(payload_k=payload_k)
-    except ValueError as exc:
-        raise ConfigError(f"gradient sync: {exc}") from None
-    sml_header = _switchml_header_bytes()
-    sml_wire = sml_header + 4 * SWITCHML_LANES + L2L4_OVERHEAD_BYTES
+    fmt = packets or PacketGeometry()
+    if payload_k is not None and payload_k != fmt.payload_k:
+        if packets is not None:
+            raise ConfigError(f"gradient sync: payload_k={payload_k} but the packet geometry has {fmt.payload_k}")
+        fmt = PacketGeometry(payload_k=payload_k)
+    if fmt.payload_k < 1:
+        raise ConfigError(f"gradient sync: payload_k must be >= 1, got {fmt.payload_k}")
+    sml_wire = fmt.switchml_header_bytes + 4 * SWITCHML_LANES + fmt.l2l4_bytes
     q = bytes_per_element
     f = forwarding_rate
     totals = {m: [0.0, 0.0, 0.0] for m in MODES}  # seconds, worker bytes, bottleneck bytes
@@ -229,16 +247,6 @@ def estimate(topo: Topology, buckets: Sequence[GradBucket], bytes_per_element: i
               "switchml_wire_bytes": sml_wire}
     return GradSyncReport(tuple(buckets), q, tuple(links), tuple(alphas), modes, packet, f,
                           configured, tp_comm_s)
-
-
-def _switchml_header_bytes() -> int:
-    """SwitchML's header as the simulator models it (job, slot, version, flags, worker, offset)."""
-    try:
-        from atp_pipeline.ina.sim.switchml import SML_HEADER_BYTES
-
-        return int(SML_HEADER_BYTES)
-    except ImportError:  # pragma: no cover - the simulator is part of the package
-        return 10
 
 
 def dp_bucket(params_per_device: float, dp: int, tp: int) -> GradBucket:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +19,8 @@ from atp_pipeline.config.schema import CostModel, MeshStrategy
 from atp_pipeline.planning.bandwidth import DimBandwidth
 from atp_pipeline.planning.cost import TermCost
 from atp_pipeline.planning.fmt import fmt_seconds
+from atp_pipeline.planning.gradsync import GradBucket, dp_bucket
+from atp_pipeline.planning.memory import per_device_memory
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -108,6 +110,15 @@ class MeshPlan:
     def plot(self, path: Path) -> bool:
         plot_plan(self, path)
         return True
+
+    @property
+    def tp_comm_s(self) -> float:
+        return self.predicted_comm_s
+
+    def grad_buckets(self, dp: int) -> List[GradBucket]:
+        """One bucket: ``dp`` replicas of each of the ``d1·d2`` shards (gradsync)."""
+        d1, d2 = self.selected
+        return [dp_bucket(per_device_memory(self.model, self.selected, dp).params, dp, d1 * d2)]
 
     def summary_row(self) -> Dict[str, Any]:
         sel = self.candidate(self.selected)

@@ -1,1 +1,30 @@
-"""Running things: the steps that launch processes and drive the library (calibration, ...)."""
+"""The run layer: compose -> resolve -> plan -> report (``stage=plan``) and on to build ->
+fit -> report (``stage=fit``); also the sweep summary and calibration's measuring half.
+
+:func:`run` is what ``train.py`` calls for a composed config. ``stage=plan`` imports
+neither the fit nor the worker modules (nor Lightning).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
+    """Run the composed config; returns the run's summary row."""
+    from atp_pipeline.run.resolve import resolve
+
+    out = Path(output_dir if output_dir is not None else cfg.paths.output_dir)
+    spec = resolve(cfg)
+    if spec.stage == "plan":
+        from atp_pipeline.run.report import report_plan
+
+        return report_plan(spec, out, extra=spec.job)
+    from atp_pipeline.run.fit import fit
+
+    row = fit(spec, out)
+    row.pop("_results", None)
+    return row

@@ -6,7 +6,7 @@
 The measuring half of calibration: this module runs collectives on processes; the fit, its
 quality check and the written topology are :mod:`atp_pipeline.planning.calibrate` (pure).
 
-**Measure.** One launch of ``--world`` processes (:func:`atp_pipeline.parallel.launch.spawn`,
+**Measure.** One launch of ``--world`` processes (:func:`atp_pipeline.launch.spawn`,
 gloo) runs the four collectives of Table 2 — all-reduce, all-gather, reduce-scatter and
 all-to-all — for every message size of ``--sizes`` and every group layout ``(size,
 stride)`` that tiles the world (group sizes 2 … world, consecutive and strided ranks).
@@ -183,7 +183,7 @@ def _sweep_worker(rank: int, world: int, spec: SweepSpec) -> List[List[float]]:
 
 def measure(spec: SweepSpec, timeout: float = 900.0) -> List[Sample]:
     """Run the sweep on ``spec.world`` gloo processes (one launch) and return its points."""
-    from atp_pipeline.parallel.launch import spawn
+    from atp_pipeline.launch import spawn
 
     per_rank = spawn(_sweep_worker, spec.world, spec, timeout=timeout)
     stats = combine(per_rank)
@@ -214,7 +214,7 @@ def measure_schedules(world: int, schedules: Sequence[Sequence[Any]], warmup: in
     :class:`~atp_pipeline.planning.sbp.schedule.CollectiveCall` run back to back, each call
     ``times`` times on all groups of its layout at once — on ``world`` gloo processes (one
     launch): (median over passes of the median over ranks, the passes)."""
-    from atp_pipeline.parallel.launch import spawn
+    from atp_pipeline.launch import spawn
 
     layouts = sorted({(c.size, c.stride) for sch in schedules for c in sch})
     jobs = [[(c.collective.value, c.size, c.stride, elements(c.size, int(c.nbytes)))

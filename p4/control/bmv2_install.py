@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Install the ATP control plane (atp_pipeline/ina/control_plane.py) on one BMv2 switch.
+"""Install the ATP control plane (atp_pipeline/ina/p4/control.py) on one BMv2 switch.
 
 ATP §5.1 job setup / §5.3: applies one ToR's ``SwitchPlan`` — ``ipv4_route``, ``l2_forward``,
 ``atp_job`` table entries, the per-job multicast groups (parameter packets to the job's
@@ -10,7 +10,7 @@ workers), the ⑦ flush clone session, and the ``ecn_threshold`` / ``wm`` regist
 Register writes go through ``simple_switch_CLI`` (Thrift ``register_write``), because BMv2's
 P4Runtime server does not accept register writes on every release.
 
-    python -m atp_pipeline.ina.control_plane --topology conf/topology/fig7a.yaml \
+    python -m atp_pipeline.ina.p4.control --topology conf/topology/fig7a.yaml \
         --jobs p4/control/jobs.example.yaml --out plan.json
     p4c-bm2-ss --p4runtime-files atp.p4info.txt -o atp.json p4/v1model/atp.p4
     python p4/control/bmv2_install.py --plan plan.json --switch tor0 \
@@ -76,7 +76,7 @@ def install(plan: Dict[str, Any], switch: str, args: argparse.Namespace) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="Install an ATP control plan on a BMv2 switch (p4runtime-shell).")
-    ap.add_argument("--plan", required=True, help="JSON from python -m atp_pipeline.ina.control_plane")
+    ap.add_argument("--plan", required=True, help="JSON from python -m atp_pipeline.ina.p4.control")
     ap.add_argument("--switch", required=True, help="ToR name in the plan, e.g. tor0")
     ap.add_argument("--grpc-addr", default="127.0.0.1:9559")
     ap.add_argument("--device-id", type=int, default=0)

@@ -83,7 +83,7 @@ def test_background_flow_and_atp_share_a_link():
 
 
 def test_experiment_entry_point_writes_csv_and_png(tmp_path):
-    from atp_pipeline.ina.experiments import main
+    from benchmarks.ina_experiments import main
 
     assert main(["two_level", "--quick", "--out", str(tmp_path)]) == 0
     assert os.path.getsize(tmp_path / "two_level.png") > 1000
@@ -96,7 +96,7 @@ def test_speed_benchmark_writes_exact_runs(tmp_path):
     held against the bar (no wall-clock assertion: the figure is reported, not tested)."""
     import json
 
-    from atp_pipeline.benchmarks import ina_sim_speed
+    from benchmarks import ina_sim_speed
 
     out = tmp_path / "speed.json"
     assert ina_sim_speed.main(["--repeat", "1", "--engines", "heap", "--out", str(out)]) == 0

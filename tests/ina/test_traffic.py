@@ -45,7 +45,7 @@ def test_ps_link_carries_everything_with_zero_aggregators():
 
 
 def test_two_level_aggregation_of_1024_workers_in_32_racks():
-    from atp_pipeline.ina.experiments import two_level_comparison
+    from benchmarks.ina_experiments import two_level_comparison
 
     rep = two_level_comparison(tensor_packets=4)
     two, one = rep["two_level"], rep["single_level_at_ps_tor"]

@@ -1,6 +1,6 @@
 """Must-show: the paper's trends (§7.2–§7.4) reproduced at reduced scale in the simulator.
 
-Each test runs the same experiment function as ``python -m atp_pipeline.ina.experiments``
+Each test runs the same experiment function as ``python -m benchmarks.ina_experiments``
 with fewer rounds, and asserts the direction (and the stated margin) of the paper's result.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from atp_pipeline.ina import experiments as E
+from benchmarks import ina_experiments as E
 
 
 @pytest.fixture(scope="module")

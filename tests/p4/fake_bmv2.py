@@ -1,6 +1,6 @@
 """A stand-in for BMv2's command-line tools, to test the replay harness's orchestration here.
 
-Not BMv2: it models only what ``atp_pipeline/ina/bmv2_replay.py`` relies on —
+Not BMv2: it models only what ``atp_pipeline/ina/p4/bmv2.py`` relies on —
 ``simple_switch --use-files W --thrift-port T -i P@PREFIX ... JSON`` (listens on T, waits W
 seconds, reads PREFIX_in.pcap, writes PREFIX_out.pcap with linktype 0 as BMv2 does, runs
 until terminated), ``simple_switch_CLI --thrift-port T`` (commands on stdin, recorded in
@@ -30,8 +30,8 @@ from pathlib import Path
 
 def _imports():  # heavy (numpy, omegaconf): only the fake switch needs them, not the fake CLI
     global br, traces, SwitchState
-    from atp_pipeline.ina import bmv2_replay as br
-    from atp_pipeline.ina import traces
+    from atp_pipeline.ina.p4 import bmv2 as br
+    from atp_pipeline.ina.p4 import traces
     from atp_pipeline.ina.switch import SwitchState
 
 
@@ -169,12 +169,11 @@ def main(tool: str) -> int:
 
 
 def install(bindir: Path) -> None:
-    """Write the three fake tools into ``bindir`` (run with this interpreter; the package is
-    imported in its light mode, ``ATP_PIPELINE_ROLE``, as the live backend's role processes do)."""
+    """Write the three fake tools into ``bindir`` (run with this interpreter)."""
     here = Path(__file__).resolve().parent
     for tool in ("simple_switch", "simple_switch_CLI", "p4c-bm2-ss"):
         script = bindir / tool
-        script.write_text(f"#!{sys.executable}\nimport os, sys\nos.environ['ATP_PIPELINE_ROLE'] = 'fake-bmv2'\n"
+        script.write_text(f"#!{sys.executable}\nimport sys\n"
                           f"sys.path[:0] = [{str(here)!r}, {str(here.parents[1])!r}]\n"
                           f"import fake_bmv2\nsys.exit(fake_bmv2.main({tool!r}))\n")
         script.chmod(0o755)

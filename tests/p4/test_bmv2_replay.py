@@ -9,22 +9,22 @@ without BMv2).
 import re
 import struct
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from atp_pipeline.ina import bmv2_replay as br
-from atp_pipeline.ina import control_plane as cp
-from atp_pipeline.ina import traces
+from atp_pipeline.ina.p4 import bmv2 as br
+from atp_pipeline.ina.p4 import control as cp
+from atp_pipeline.ina.p4 import traces
 
-ROOT = Path(__file__).resolve().parents[2]
-V1 = (ROOT / "p4" / "v1model" / "atp.p4").read_text()
+from . import TRACE_FILE, V1MODEL_P4
+
+V1 = V1MODEL_P4.read_text()
 PS_PORT, UPLINK = 1, 2
 
 
 @pytest.fixture(scope="module")
 def scenarios():
-    return br.load_scenarios()
+    return br.load_scenarios(traces.load(TRACE_FILE))
 
 
 def _sc(scenarios, name):
@@ -42,7 +42,7 @@ def _ideal_outputs(checks):
 
 # -- trace -> steps ---------------------------------------------------------------------------
 def test_every_trace_step_is_loaded_in_order(scenarios):
-    records = traces.load()
+    records = traces.load(TRACE_FILE)
     steps = [r for r in records if "step" in r]
     assert [(s.scenario, s.index) for sc in scenarios for s in sc.steps] == [(r["scenario"], r["step"]) for r in steps]
     for sc in scenarios:
@@ -50,7 +50,7 @@ def test_every_trace_step_is_loaded_in_order(scenarios):
 
 
 def test_only_scenarios_without_p4_equivalent_are_skipped(scenarios):
-    records = {r["scenario"]: r for r in traces.load() if "step" not in r}
+    records = {r["scenario"]: r for r in traces.load(TRACE_FILE) if "step" not in r}
     for sc in scenarios:
         assert (sc.skip is None) == records[sc.name]["p4_replay"], (sc.name, sc.skip)
         if sc.skip:
@@ -69,7 +69,7 @@ def test_replay_fabric_matches_trace_addresses():
 
 
 def test_every_python_output_has_a_port_and_every_step_is_accounted(scenarios):
-    records = [r for r in traces.load() if "step" in r]
+    records = [r for r in traces.load(TRACE_FILE) if "step" in r]
     by_label = {(r["scenario"], r["step"]): r for r in records}
     for sc in scenarios:
         if sc.skip:
@@ -96,7 +96,7 @@ def test_expected_ports_follow_the_program_forwarding(scenarios):
 
 def test_congested_steps_are_those_the_trace_marked(scenarios):
     cong = [s.label for sc in scenarios for s in sc.steps if s.congested]
-    marked = [f"{r['scenario']}[{r['step']}]" for r in traces.load()
+    marked = [f"{r['scenario']}[{r['step']}]" for r in traces.load(TRACE_FILE)
               if "step" in r and r["egress"] and r["egress"]["backlog_bytes"] > r["egress"]["threshold_bytes"]]
     assert cong == marked and "ecn[0]" in cong
     s = _sc(scenarios, "ecn").steps[0]
@@ -251,7 +251,7 @@ def test_ecn_masked_in_main_run_and_exact_in_ecn_run(scenarios):
 
 def test_ecn_run_replays_prefix_unchecked():
     """A congested step after other steps: its ECN run replays them for state only."""
-    recs = [r for r in traces.load() if r["scenario"] == "aggregate_complete_dealloc"]
+    recs = [r for r in traces.load(TRACE_FILE) if r["scenario"] == "aggregate_complete_dealloc"]
     recs[2] = dict(recs[2], egress={"backlog_bytes": 10, "threshold_bytes": 5})  # step 1 congested
     (sc,) = br.load_scenarios(recs)
     runs = br.plan_runs(sc)
@@ -331,13 +331,13 @@ def test_switch_argv_uses_pcap_file_ports(tmp_path):
 
 
 def test_dry_run_needs_no_tools(capsys):
-    assert br.main(["--dry-run", "--scenario", "ecn"]) == 0
+    assert br.main(["--dry-run", "--scenario", "ecn", "--trace", str(TRACE_FILE)]) == 0
     out = capsys.readouterr().out
     assert "# run ecn/ecn@0" in out and "set_queue_rate 10 1" in out and "(ECN bit ignored)" in out
 
 
 def test_missing_tools_exit_2_with_reason(monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert br.main(["--scenario", "ecn"]) == 2
+    assert br.main(["--scenario", "ecn", "--trace", str(TRACE_FILE), "--p4", str(V1MODEL_P4)]) == 2
     assert "simple_switch/p4c not on PATH" in capsys.readouterr().err
-    assert br.main(["--scenario", "nope"]) == 2
+    assert br.main(["--scenario", "nope", "--trace", str(TRACE_FILE)]) == 2

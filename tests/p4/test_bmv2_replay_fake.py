@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from atp_pipeline.ina import bmv2_replay as br
+from atp_pipeline.ina.p4 import bmv2 as br
 
-from . import fake_bmv2
+from . import TRACE_FILE, V1MODEL_P4, fake_bmv2
 
 # ⑦ clone; the ECN main run and its extra run; the machine may be loaded: generous wait
 SCENARIOS = ["resend_level1", "ecn"]
@@ -28,7 +28,8 @@ def fake_path(tmp_path, monkeypatch):
 
 
 def _run(tmp_path, scenarios=SCENARIOS):
-    args = ["--workdir", str(tmp_path / "work"), "--wait", "6", "--timeout", "20"]
+    args = ["--workdir", str(tmp_path / "work"), "--wait", "6", "--timeout", "20",
+            "--trace", str(TRACE_FILE), "--p4", str(V1MODEL_P4)]
     for s in scenarios:
         args += ["--scenario", s]
     return br.main(args)

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.ina import control_plane as cp
+from atp_pipeline.ina.p4 import control as cp
 from atp_pipeline.ina.packet import ATP_UDP_PORT
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,8 +4,10 @@ import re
 
 import numpy as np
 
-from atp_pipeline.ina import p4gen
+from atp_pipeline.ina.p4 import codegen
 from atp_pipeline.ina.packet import PacketFormat
+
+from . import GENERATED_DIR
 
 
 def _parse_header(text: str, name: str):
@@ -15,7 +17,7 @@ def _parse_header(text: str, name: str):
 
 def test_generated_header_matches_codec_field_for_field():
     fmt = PacketFormat()
-    text = (p4gen.GENERATED_DIR / "atp_headers.p4").read_text()
+    text = (GENERATED_DIR / "atp_headers.p4").read_text()
     fields = _parse_header(text, "atp_t")
     assert fields == [(f.name, f.bits) for f in fmt.fields]
     assert sum(b for _, b in fields) == 8 * fmt.header_bytes
@@ -36,29 +38,29 @@ def test_generated_header_matches_codec_field_for_field():
 
 def test_lane_order_matches_payload_order():
     fmt = PacketFormat()
-    names = [n for n, _ in _parse_header(p4gen.render_headers(fmt), "atp_data_t")]
+    names = [n for n, _ in _parse_header(codegen.render_headers(fmt), "atp_data_t")]
     buf = fmt.encode(fmt.packet(payload=np.arange(fmt.payload_k, dtype=np.int32)))
     for i, n in enumerate(names):
-        assert n == p4gen.lane_name(i, fmt.payload_k)
+        assert n == codegen.lane_name(i, fmt.payload_k)
         assert int.from_bytes(buf[fmt.header_bytes + 4 * i: fmt.header_bytes + 4 * i + 4], "big") == i
 
 
 def test_other_formats_render_their_own_table():
     fmt = PacketFormat(payload_k=8, bitmap_bits=64)
-    fields = _parse_header(p4gen.render_headers(fmt), "atp_t")
+    fields = _parse_header(codegen.render_headers(fmt), "atp_t")
     assert fields == [(f.name, f.bits) for f in fmt.fields]
     assert sum(b for _, b in fields) == 8 * fmt.header_bytes
-    assert p4gen.render_lanes_tna(fmt).count("Register<bit<32>, bit<32>>") == 8
+    assert codegen.render_lanes_tna(fmt).count("Register<bit<32>, bit<32>>") == 8
 
 
 def test_checked_in_generated_files_are_fresh():
-    assert p4gen.stale_files() == [], "run: python -m atp_pipeline.ina.p4gen"
+    assert codegen.stale_files(GENERATED_DIR) == [], "run: python -m atp_pipeline.ina.p4.codegen"
 
 
 def test_check_mode_detects_stale_file(tmp_path, capsys):
-    assert p4gen.main(["--out-dir", str(tmp_path)]) == 0
-    assert p4gen.main(["--check", "--out-dir", str(tmp_path)]) == 0
+    assert codegen.main(["--out-dir", str(tmp_path)]) == 0
+    assert codegen.main(["--check", "--out-dir", str(tmp_path)]) == 0
     f = tmp_path / "atp_headers.p4"
     f.write_text(f.read_text().replace("bit<16> job;", "bit<15> job;"))
-    assert p4gen.main(["--check", "--out-dir", str(tmp_path)]) == 1
+    assert codegen.main(["--check", "--out-dir", str(tmp_path)]) == 1
     assert "stale" in capsys.readouterr().err

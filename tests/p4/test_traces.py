@@ -5,16 +5,19 @@ import sys
 
 import pytest
 
-from atp_pipeline.ina import switch, traces
+from atp_pipeline.ina import switch
+from atp_pipeline.ina.p4 import traces
+
+from . import TRACE_FILE
 
 
 @pytest.fixture(scope="module")
 def records():
-    return traces.load()
+    return traces.load(TRACE_FILE)
 
 
 def test_checked_in_traces_are_fresh(records):
-    assert traces.TRACE_FILE.read_text(encoding="utf-8") == traces.render(), "run: python -m atp_pipeline.ina.traces"
+    assert TRACE_FILE.read_text(encoding="utf-8") == traces.render(), "run: python -m atp_pipeline.ina.p4.traces"
 
 
 def _lines(code):

@@ -108,7 +108,7 @@ class Services:
 
 
 def _launch(args: List[str], payload_k: int) -> subprocess.Popen:
-    env = dict(os.environ, ATP_PIPELINE_ROLE="1")  # numpy-only: skip Lightning/Hydra imports
+    env = dict(os.environ)  # importing the package is light (numpy here; no Lightning or Hydra)
     # this process's own import path, so the role process imports the very package it runs
     # (a checkout, an installed copy or one put on sys.path by a test runner alike)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)

@@ -179,8 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.check:
         bad = stale_files(a.out_dir)
         for name in bad:
-            print(f"stale: {a.out_dir / name} (run python -m atp_pipeline.ina.p4.codegen --out {a.out_dir})",
-                  file=sys.stderr)
+            state = "stale" if (a.out_dir / name).is_file() else "missing"
+            print(f"{state}: {a.out_dir / name} (run python -m atp_pipeline.ina.p4.codegen --out {a.out_dir}, "
+                  "from the repository root)", file=sys.stderr)
         return 1 if bad else 0
     for p in write_all(a.out_dir):
         print(f"wrote {p}")

@@ -249,7 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.check:
         ok = path.is_file() and path.read_text(encoding="utf-8") == text
         if not ok:
-            print(f"stale: {path} (run python -m atp_pipeline.ina.p4.traces --out {path})", file=sys.stderr)
+            state = "stale" if path.is_file() else "missing"
+            print(f"{state}: {path} (run python -m atp_pipeline.ina.p4.traces --out {path}, from the repository "
+                  "root)", file=sys.stderr)
         return 0 if ok else 1
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

@@ -35,6 +35,12 @@ class GPTAdapter(ModelAdapter):
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
         return dict(PARALLEL_PLAN)
 
+    def apply_sbp(self, module: nn.Module, layout: Any, mesh: Any) -> nn.Module:
+        """The GPT run by the SBP layout (:class:`~atp_pipeline.models.gpt.sbp.SBPGPT`)."""
+        from atp_pipeline.models.gpt.sbp import SBPGPT
+
+        return SBPGPT(module, layout, mesh)  # type: ignore[arg-type]
+
 
 ADAPTER = register_adapter(GPTAdapter())
 register_style(BlockStyle.name, BlockStyle)

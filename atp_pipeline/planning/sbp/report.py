@@ -1,17 +1,19 @@
-"""``mesh=sbp``: plan a GPT with the SBP search and report it (issue 8, item 6).
+"""``planner=sbp``: plan a decoder-only transformer with the SBP search (issue 8, item 6).
 
-:func:`plan_sbp` turns a model summary and a topology into the matmul chain of
-:func:`~atp_pipeline.planning.sbp.space.gpt` (blocks tied, §4.5.1), costs it with the
-topology's alpha-beta model (calibrated α/β where the topology has them, else Eq. 3's B′
-and ``mesh.sbp.alpha_us``), limits memory to the topology's device memory (§4.5.2), runs
-the configured search (§4.6) and checks that the DTensor executor
-(:mod:`atp_pipeline.parallel.sbp_exec`) can run the result — all before any process
-starts; every failure is one :class:`~atp_pipeline.errors.ConfigError` line.
+:func:`plan_sbp` turns a :class:`~atp_pipeline.planning.shape.ModelShape` and a topology
+into the matmul chain of :func:`~atp_pipeline.planning.sbp.space.transformer` (blocks tied,
+§4.5.1), costs it with the topology's alpha-beta model (calibrated α/β where the topology
+has them, else Eq. 3's B′ and ``planner.sbp.alpha_us``), limits memory to the topology's
+device memory (§4.5.2), runs the configured search (§4.6) and checks that the result can be
+executed (:func:`~atp_pipeline.planning.sbp.layout.check_transformer_layout`) — all before
+any process starts; every failure is one :class:`~atp_pipeline.errors.ConfigError` line.
 
-:class:`SBPReport` is the plan report of ``stage=plan mesh=sbp`` (and of ``stage=fit``):
-a console table with each layer's distribution (strategy, SBP of X/W/Y per mesh role,
-the DTensor placements on the plan's device mesh) and its predicted communication per
-collective; ``plan.json``, ``plan.txt`` (the same table as text) and ``summary.json``.
+:class:`SBPPlan` is the SBP planner's
+:class:`~atp_pipeline.planning.interface.PlanResult` (``kind = "sbp"``): a console table
+with each layer's distribution (strategy, SBP of X/W/Y per mesh role, the DTensor
+placements on the plan's device mesh) and its predicted communication per collective;
+``plan.json`` (``to_dict``), the summary row, a per-layer chart (``plot``) and the
+executor's :class:`~atp_pipeline.planning.sbp.layout.SBPLayout` (``layout``).
 """
 
 from __future__ import annotations
@@ -19,42 +21,44 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.table import Table
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta
+from atp_pipeline.planning.sbp.layout import SBPLayout, check_transformer_layout, placement_names, plan_mesh_shape
 from atp_pipeline.planning.sbp.search import SearchResult, search
-from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem, gpt
+from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem, transformer
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
-from atp_pipeline.planning.report import _seconds
 
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 
 
-def memory_model(summary: ModelSummary, topo: Topology) -> MemoryModel:
+def memory_model(shape: ModelShape, topo: Topology) -> MemoryModel:
     """Bytes per parameter as :mod:`atp_pipeline.planning.memory` counts them (weights and
     gradients in the model's dtype, Adam's two fp32 states, an fp32 master copy for 16-bit
     types), activations in the dtype, the limit from the topology's device memory."""
-    q = summary.bytes_per_element
+    q = shape.bytes_per_element
     capacity = topo.device.get("memory_GB")
     return MemoryModel(param_bytes=2 * q + 8 + (4 if q == 2 else 0), act_bytes=q,
                        limit=float(capacity) * 1e9 if capacity else None)
 
 
 @dataclass(frozen=True)
-class SBPReport:
-    """A searched SBP plan with everything its report shows."""
+class SBPPlan:
+    """A searched SBP plan with everything its report shows. A
+    :class:`~atp_pipeline.planning.interface.PlanResult`."""
 
     topology: Topology
-    model: ModelSummary
+    model: ModelShape
     problem: Problem
     result: SearchResult
     budget_s: float
-    mesh_shape: Tuple[int, ...]
+    device_mesh: Tuple[int, ...]
     notes: Tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -66,32 +70,55 @@ class SBPReport:
         return self.result.cost
 
     @property
-    def exec_plan(self):  # -> SBPPlan (import kept lazy: torch.distributed)
-        from atp_pipeline.parallel.sbp_exec import SBPPlan
+    def layout(self) -> SBPLayout:
+        """The executor's view: devices and one strategy per layer key."""
+        return SBPLayout.from_search(self.problem, self.result)
 
-        return SBPPlan.from_search(self.problem, self.result)
+    @property
+    def tp_comm_s(self) -> float:
+        """Predicted seconds per step of the collectives other than the weight-gradient
+        all-reduces (activations: reduce-scatter, all-gather, all-to-all)."""
+        breakdown = self.problem.breakdown(self.result.assignment)
+        return sum(v["seconds"] for c, v in breakdown.items() if c != "all_reduce")
+
+    def grad_buckets(self, dp: int = 1) -> List[Any]:
+        """The weight-gradient buckets (§4.4.1: one per layer whose weight is replicated over
+        its ``b`` role) for :func:`~atp_pipeline.planning.gradsync.estimate`; ``dp`` is
+        ignored: the plan's data parallelism is inside its strategies."""
+        from atp_pipeline.planning import gradsync
+
+        return gradsync.sbp_buckets(self.problem, self.result.assignment)
+
+    # -------------------------------------------------------- PlanResult interface
+    kind = "sbp"
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        return self.device_mesh
 
     @property
     def label(self) -> str:
-        return self.exec_plan.label()
+        return self.layout.label()
 
-    def with_notes(self, notes: List[str]) -> "SBPReport":
+    @property
+    def predicted_comm_s(self) -> float:
+        return self.cost_s
+
+    def with_notes(self, notes: Sequence[str]) -> "SBPPlan":
         return replace(self, notes=tuple(notes))
 
     def layer_rows(self) -> List[Dict[str, Any]]:
         """Per tie group: strategy, SBP placements (§4.2.2, per role and on the plan's mesh)
         and the predicted seconds/bytes per collective of its instances."""
-        from atp_pipeline.parallel.sbp_exec import LayerLayout
-
         rows = []
         for v, s in zip(self.problem.vars, self.result.assignment):
             strat = v.strategies[s]
-            lay = LayerLayout.of(strat, self.mesh_shape)
+            lay = placement_names(strat, self.mesh_shape)
             rows.append({
                 "tie": v.name, "instances": v.count,
                 "shape": {"b": v.layer.b, "n": v.layer.n, "m": v.layer.m},
                 "strategy": strat.to_dict(),
-                "device_mesh_placements": {t: [str(p) for p in lay[t]] for t in ("X", "W", "Y", "split")},
+                "device_mesh_placements": {t: list(lay[t]) for t in ("X", "W", "Y", "split")},
                 "communication": {c: {"seconds": float(v.cost[c][s]), "bytes_per_device": float(v.volume[c][s])}
                                   for c in COLLECTIVES},
                 "memory_bytes_per_device": float(v.memory[s]),
@@ -102,14 +129,15 @@ class SBPReport:
         body = self.result.plan(self.problem)
         body["layers"] = self.layer_rows()
         return {
-            "strategy": "sbp", "topology": self.topology.to_dict(), "world_size": self.world_size,
+            "planner": "sbp", "strategy": "sbp", "topology": self.topology.to_dict(),
+            "world_size": self.world_size,
             "model": self.model.to_dict(), "device_mesh": list(self.mesh_shape),
             "search": {"method": self.result.method, "budget_s": self.budget_s,
                        "evaluations": self.result.evaluations, "seconds": self.result.seconds,
                        "complete": self.result.complete},
             **{k: body[k] for k in ("cost_s", "communication", "memory_bytes_per_device", "memory_limit",
                                      "layers")},
-            "execution_plan": self.exec_plan.to_dict(), "notes": list(self.notes),
+            "execution_plan": self.layout.to_dict(), "notes": list(self.notes),
         }
 
     def summary_row(self) -> Dict[str, Any]:
@@ -119,34 +147,43 @@ class SBPReport:
                 **{f"t_{c}_s": comm[c]["seconds"] for c in COLLECTIVES},
                 "method": self.result.method, "search_s": self.result.seconds}
 
+    def _layer_comm(self) -> List[Dict[str, Any]]:
+        """Per tie group: predicted seconds per collective, the all-to-all between layers
+        charged to the consumer."""
+        assign = self.result.assignment
+        pair_a2a: Dict[int, float] = {}
+        for pr in self.problem.pairs:
+            pair_a2a[pr.b] = pair_a2a.get(pr.b, 0.0) + float(pr.cost[assign[pr.a], assign[pr.b]])
+        out = []
+        for i, (v, s) in enumerate(zip(self.problem.vars, assign)):
+            comm = {c: float(v.cost[c][s]) for c in COLLECTIVES}
+            comm["all_to_all"] += pair_a2a.get(i, 0.0)
+            out.append({"tie": v.name, "comm": comm})
+        return out
+
     def table(self) -> Table:
         m = self.model
         table = Table(title=f"SBP plan: topology '{self.topology.name}' ({self.world_size} devices), model "
                             f"'{m.name}' (h={m.hidden}, L={m.layers}, b={m.batch_size}, s={m.seq_len}, "
-                            f"{m.dtype}), mesh=sbp, device mesh {self.mesh_shape}", title_justify="left")
+                            f"{m.dtype}), planner=sbp, device mesh {self.mesh_shape}", title_justify="left")
         for col in ("layer", "x", "b x n -> m", "strategy", "X", "W", "Y", *(SHORT[c] for c in COLLECTIVES)):
             table.add_column(col, justify="left" if col in ("layer", "strategy", "X", "W", "Y") else "right")
-        pair_a2a: Dict[int, float] = {}
-        for pr in self.problem.pairs:  # all-to-all between layers, charged to the consumer
-            pair_a2a[pr.b] = pair_a2a.get(pr.b, 0.0) + float(pr.cost[self.result.assignment[pr.a],
-                                                                       self.result.assignment[pr.b]])
-        for i, row in enumerate(self.layer_rows()):
+        for row, per in zip(self.layer_rows(), self._layer_comm()):
             st, sh, pl = row["strategy"], row["shape"], row["strategy"]["placements"]
             roles = st["mesh"]
-            comm = {c: row["communication"][c]["seconds"] for c in COLLECTIVES}
-            comm["all_to_all"] += pair_a2a.get(i, 0.0)
+            comm = per["comm"]
             table.add_row(row["tie"], str(row["instances"]), f"{sh['b']} x {sh['n']} -> {sh['m']}",
                           f"{st['label']}", _sbp(pl["X"], roles), _sbp(pl["W"], roles), _sbp(pl["Y"], roles),
-                          *(_seconds(comm[c]) for c in COLLECTIVES))
+                          *(fmt_seconds(comm[c]) for c in COLLECTIVES))
         return table
 
-    def print(self, console: Optional[Console] = None) -> None:
+    def print(self, console: Any = None) -> None:
         console = console or Console(width=180)
         console.print(self.table())
         comm = self.problem.breakdown(self.result.assignment)
         console.print("predicted communication per step: " + ", ".join(
-            f"{c} {_seconds(comm[c]['seconds'])} ({comm[c]['bytes_per_device'] / 1e6:.4g} MB/device)"
-            for c in COLLECTIVES) + f"; total {_seconds(self.cost_s)}")
+            f"{c} {fmt_seconds(comm[c]['seconds'])} ({comm[c]['bytes_per_device'] / 1e6:.4g} MB/device)"
+            for c in COLLECTIVES) + f"; total {fmt_seconds(self.cost_s)}")
         limit = self.problem.memory_limit
         mem = self.problem.memory(self.result.assignment)
         console.print(f"memory {mem / 1e9:.4g} GB/device" + (f" (limit {limit / 1e9:.4g} GB)" if limit else "")
@@ -156,6 +193,32 @@ class SBPReport:
                       f"device_mesh_placements); X/W/Y in the paper's notation, roles in mesh order")
         for note in self.notes:
             console.print(f"note: {note}")
+
+    def plot(self, path: Path) -> bool:
+        """``plan.png``: predicted communication per layer (tie group), stacked by collective
+        (all-to-all between layers charged to the consumer, as in the table)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        per = self._layer_comm()
+        names = [row["tie"] for row in per]
+        fig, ax = plt.subplots(figsize=(max(4.0, 0.8 * len(names) + 2), 3.6))
+        bottom = [0.0] * len(names)
+        for c in COLLECTIVES:
+            vals = [row["comm"][c] * 1e3 for row in per]
+            ax.bar(names, vals, bottom=bottom, label=SHORT[c])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xlabel("layer (tie group)")
+        ax.set_ylabel("predicted communication per step (ms)")
+        ax.set_title(f"{self.topology.name}, {self.model.name}: SBP plan on DeviceMesh{self.mesh_shape}, "
+                     f"total {fmt_seconds(self.cost_s)}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return True
 
     def write(self, out_dir: Path, extra_summary: Optional[Dict[str, Any]] = None) -> Dict[str, Path]:
         """plan.json, plan.txt (the printed report) and summary.json into ``out_dir``."""
@@ -176,43 +239,51 @@ def _sbp(placements: List[str], sizes: List[int]) -> str:
     return f"({', '.join(parts)})" if parts else "whole"
 
 
-def plan_sbp(topo: Topology, model: ModelSummary, sbp_cfg: Any, devices: Optional[int] = None) -> SBPReport:
-    """Search the SBP plan of ``model`` on ``topo`` (``sbp_cfg``: a
-    :class:`~atp_pipeline.config.schema.SBPConfig` or its DictConfig) and check that the
-    executor can run it; one-line :class:`ConfigError` otherwise."""
-    from atp_pipeline.parallel.sbp_exec import check_gpt_plan, plan_mesh_shape
-
+def plan_sbp(topo: Topology, shape: ModelShape, sbp_cfg: Any, devices: Optional[int] = None) -> SBPPlan:
+    """Search the SBP plan of the model ``shape`` on ``topo`` (``sbp_cfg``: a
+    :class:`~atp_pipeline.config.schema.SBPConfig` or its DictConfig, ``planner.sbp``) and
+    check that it can be executed; one-line :class:`ConfigError` otherwise."""
     p = devices or topo.world_size
     if p != topo.world_size:
         topo = topo.restrict(p)
     method = getattr(sbp_cfg.method, "value", sbp_cfg.method)
     if sbp_cfg.orders not in ("paper", "all"):
-        raise ConfigError(f"mesh.sbp.orders must be 'paper' or 'all', got '{sbp_cfg.orders}'")
+        raise ConfigError(f"planner.sbp.orders must be 'paper' or 'all', got '{sbp_cfg.orders}'")
     if not 1 <= sbp_cfg.max_split_dims <= 3:
-        raise ConfigError(f"mesh.sbp.max_split_dims must be 1, 2 or 3, got {sbp_cfg.max_split_dims}")
+        raise ConfigError(f"planner.sbp.max_split_dims must be 1, 2 or 3, got {sbp_cfg.max_split_dims}")
     if sbp_cfg.alpha_us < 0:
-        raise ConfigError(f"mesh.sbp.alpha_us must be >= 0, got {sbp_cfg.alpha_us}")
+        raise ConfigError(f"planner.sbp.alpha_us must be >= 0, got {sbp_cfg.alpha_us}")
+    unsupported = ([f"{shape.kv_heads} key/value heads for {shape.heads} query heads"]
+                   if shape.kv_heads != shape.heads else [])
+    if shape.hidden % shape.heads == 0 and shape.q_width != shape.hidden:
+        unsupported.append(f"heads of {shape.head_dim} features (not hidden/heads)")
+    if shape.gated:
+        unsupported.append("a gated MLP")
+    if unsupported:
+        raise ConfigError(f"planner=sbp: model '{shape.name}': the SBP layer chain is multi-head attention and a "
+                          f"two-matrix MLP; this model has {', '.join(unsupported)}; use planner=atp")
     alpha = float(sbp_cfg.alpha_us) * 1e-6
     ab = AlphaBeta.from_topology(topo, alpha=alpha) if p > 1 else AlphaBeta.uniform(alpha, 0.0)
-    layers = gpt(model.layers, model.hidden, model.heads, model.seq_len, model.batch_size, model.ffn_mult)
     try:
-        problem = compile_problem(layers, p, ab, memory_model(model, topo), sbp_cfg.orders,
+        layers = transformer(shape.layers, shape.hidden, shape.heads, shape.seq_len, shape.batch_size,
+                             shape.ffn_mult)
+        problem = compile_problem(layers, p, ab, memory_model(shape, topo), sbp_cfg.orders,
                                   int(sbp_cfg.max_split_dims))
     except ConfigError as exc:
-        raise ConfigError(f"mesh=sbp: model '{model.name}' on {p} devices: {exc}") from None
+        raise ConfigError(f"planner=sbp: model '{shape.name}' on {p} devices: {exc}") from None
     result = search(problem, method, float(sbp_cfg.budget_s), int(sbp_cfg.seed))
     if result.cost == float("inf"):
         limit = problem.memory_limit or 0.0
         best = sum(float(var.memory.min()) for var in problem.vars)
-        raise ConfigError(f"mesh=sbp: no SBP plan of model '{model.name}' on {p} devices fits the "
+        raise ConfigError(f"planner=sbp: no SBP plan of model '{shape.name}' on {p} devices fits the "
                           f"{limit / 1e9:g} GB per device of '{topo.name}' (the leanest needs "
                           f"~{best / 1e9:.1f} GB)")
-    report = SBPReport(topo, model, problem, result, float(sbp_cfg.budget_s), (1,))
-    plan = report.exec_plan
-    check_gpt_plan(plan, model.hidden, model.heads, model.ffn_mult, model.batch_size,
-                   what=f"model '{model.name}'")
+    plan = SBPPlan(topo, shape, problem, result, float(sbp_cfg.budget_s), (1,))
+    layout = plan.layout
+    check_transformer_layout(layout, shape.hidden, shape.heads, shape.ffn_mult, shape.batch_size,
+                             what=f"model '{shape.name}'")
     notes = [topo.note] if topo.note else []
     notes.append("embeddings, LayerNorms, the LM head and the loss run split by tokens over all devices "
                  "with replicated weights (outside the SBP search space; their gradient all-reduces are "
                  "not in the prediction)")
-    return replace(report, mesh_shape=plan_mesh_shape(plan.strategies.values(), p), notes=tuple(notes))
+    return replace(plan, device_mesh=plan_mesh_shape(layout.strategies.values(), p), notes=tuple(notes))

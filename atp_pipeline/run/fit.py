@@ -1,0 +1,76 @@
+"""Launch -> collect: ``stage=fit`` of a resolved run.
+
+The parent has resolved and reported the plan; it starts the live aggregation roles when
+the run needs them (so they outlive any worker), then the worker processes with torchrun's
+environment (Lightning treats them as externally launched, so nothing re-executes
+``sys.argv``), and collects rank 0's logs. Under ``torchrun`` itself (multi-node) every
+process runs its worker in place, with the run directory given on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Dict, List
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.launch import spawn
+from atp_pipeline.run.report import report_fit, report_plan
+from atp_pipeline.run.resolve import RunSpec
+from atp_pipeline.run.worker import fit_worker
+
+
+def _role_report(services: Any) -> Dict[str, Any]:
+    """What the switch and the PS counted for this run (printed, and kept in summary.json)."""
+    try:
+        st = services.stats()
+    except Exception as e:  # noqa: BLE001 - a role that died: say so, do not mask the run's error
+        print(f"aggregation: could not read the roles' counters ({e})")
+        return {"error": str(e)}
+    sw = st["switch"]
+    rep = {"switch_allocated_after": sw["allocated"], "switch_jobs": sw["jobs"],
+           "injected_loss": sw["injected_loss"], "injected_dup": sw["injected_dup"],
+           "socket_drops": sw["socket_drops"] + sum(p["socket_drops"] for p in st["ps"]),
+           "ecn_marked": sw["ecn_marked"], "ps_jobs": [p["jobs"] for p in st["ps"]]}
+    print(f"aggregation: switch allocated {sum(j['allocs'] for j in sw['jobs'].values())} aggregators over "
+          f"{len(sw['jobs'])} job(s), {sw['allocated']} still allocated after teardown; injected loss "
+          f"{sw['injected_loss']}, duplicates {sw['injected_dup']}, socket drops {rep['socket_drops']}")
+    return rep
+
+
+def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
+    """Train the resolved run; the summary row (with ``_results``: every rank's result)."""
+    torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+    lead = not torchrun or os.environ.get("RANK", "0") == "0"
+    if lead:
+        report_plan(spec, out)
+        dp, d1, d2 = spec.mesh
+        print(f"fit: {spec.devices} processes, mesh dp x d1 x d2 = {dp} x {d1} x {d2}, chunks={spec.chunks}, "
+              f"{spec.trainer.max_steps} steps -> {out}")
+    extra: Dict[str, Any] = {}
+    if torchrun:  # e.g. one process per GPU on every node: run in place
+        world = int(os.environ["WORLD_SIZE"])
+        if world != spec.devices:
+            raise ConfigError(f"torchrun started {world} processes but the run needs trainer.devices={spec.devices}")
+        mine = fit_worker(int(os.environ["RANK"]), world, spec, str(out))
+        if mine["rank"] != 0:
+            return {"rank": mine["rank"]}
+        results: List[Dict[str, Any]] = [mine]
+    else:
+        services = None
+        if spec.live_aggregation:
+            from atp_pipeline.ina.live.services import Services
+
+            services = Services.start(spec.aggregation)
+            spec = dataclasses.replace(spec, services=services.to_dict())
+        try:
+            results = spawn(fit_worker, spec.devices, spec, str(out), init=False,
+                            timeout=max(600.0, 10.0 * spec.trainer.max_steps))
+        finally:
+            if services is not None:
+                extra["aggregation_roles"] = _role_report(services)
+                services.stop()
+    row = report_fit(spec, out, results[0], extra)
+    row["_results"] = results
+    return row

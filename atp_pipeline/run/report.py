@@ -1,0 +1,117 @@
+"""Report: the plan report of a resolved run, and the training run's outputs.
+
+``stage=plan`` and ``stage=fit`` print and write the same plan report
+(:func:`atp_pipeline.planning.report.write_report`), with the data-parallel gradient sync
+of the planned step under every aggregation mode (the packet geometry comes from the
+protocol's own wire format, :class:`~atp_pipeline.ina.packet.PacketFormat`). After a fit,
+rank 0's logs become ``metrics.csv``, ``loss.png``, ``summary.json`` and ``summary.txt``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES, PacketFormat
+from atp_pipeline.ina.sim.switchml import SML_HEADER_BYTES
+from atp_pipeline.planning import gradsync
+from atp_pipeline.planning.report import write_report
+from atp_pipeline.run.resolve import RunSpec
+
+
+def packet_geometry(payload_k: int) -> gradsync.PacketGeometry:
+    """The estimate's packet geometry from the protocol's wire format."""
+    fmt = PacketFormat(payload_k=payload_k)
+    return gradsync.PacketGeometry(payload_k=fmt.payload_k, header_bytes=fmt.header_bytes,
+                                   l2l4_bytes=L2L4_OVERHEAD_BYTES, switchml_header_bytes=int(SML_HEADER_BYTES))
+
+
+def gradsync_estimate(spec: RunSpec) -> Optional[gradsync.GradSyncReport]:
+    """The data-parallel gradient sync of the planned step under every aggregation mode."""
+    buckets = spec.plan.grad_buckets(spec.dp)  # type: ignore[attr-defined]
+    mode = spec.aggregation.mode.value
+    return gradsync.estimate(spec.occupied, buckets, spec.shape.bytes_per_element, configured=mode,
+                             packets=packet_geometry(spec.aggregation.payload_k),
+                             tp_comm_s=spec.plan.tp_comm_s)  # type: ignore[attr-defined]
+
+
+def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Print and write the plan report; the summary row."""
+    gs = gradsync_estimate(spec)
+    paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return row
+
+
+def read_metrics(path: Path) -> List[Dict[str, float]]:
+    rows: Dict[int, Dict[str, float]] = {}
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            step = int(float(r["step"]))
+            for k, v in r.items():
+                if v not in ("", None) and k != "step":
+                    rows.setdefault(step, {"step": step})[k] = float(v)
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_loss(rows: List[Dict[str, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(r["step"] + 1, r["loss"]) for r in rows if "loss" in r]
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy, nats)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    """``metrics.csv``, ``loss.png``, ``summary.json``/``.txt`` from rank 0's logs; the summary row."""
+    metrics_path = out / "metrics.csv"
+    metrics_path.write_bytes(Path(first["metrics_csv"]).read_bytes())
+    rows = read_metrics(metrics_path)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    steps = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
+    dp, d1, d2 = spec.mesh
+    plot_loss(rows, out / "loss.png", f"{spec.shape.name} on {spec.topology.name}, mesh {dp}x{d1}x{d2}, "
+                                      f"chunks {spec.chunks}")
+
+    def med(key: str) -> Optional[float]:
+        vals = [r[key] for r in steps if key in r]
+        return statistics.median(vals) if vals else None
+
+    row = {
+        "topology": spec.topology.name, "model": spec.shape.name, "world_size": spec.devices, "dp": spec.dp,
+        "planner": spec.plan.kind, "selected": spec.plan.label, "chunks": spec.chunks,
+        "steps": first["global_step"], "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "loss_drop": (1 - losses[-1] / losses[0]) if losses and losses[0] else None,
+        "step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
+        "tflops_per_device": med("tflops_per_device"),
+        **{f"comm_{a}_bytes": med(f"comm_{a}_bytes") for a in ("dp", "d1", "d2")},
+        **{f"comm_{a}_wait_s": med(f"comm_{a}_wait_s") for a in ("dp", "d1", "d2")},
+        "aggregation": spec.aggregation.mode.value,
+        **{k: med(k) for k in ("atp_sync_s", "atp_gbps", "atp_in_switch_frac", "atp_fallback_frac",
+                               "atp_retransmits", "atp_window_pkts") if any(k in r for r in steps)},
+        "predicted_t_comm_s": spec.plan.predicted_comm_s, "atp_linears": first["atp_linears"],
+        **spec.job, **extra,
+    }
+    (out / "summary.json").write_text(json.dumps(row, indent=2) + "\n")
+    lines = [f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()]
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print(f"loss {row['first_loss']:.4f} -> {row['final_loss']:.4f} "
+          f"({100 * (row['loss_drop'] or 0):.1f}% lower) in {first['global_step']} steps; "
+          f"median step {1e3 * (row['step_time_s'] or math.nan):.1f} ms, "
+          f"{row['tokens_per_s'] or math.nan:.0f} tokens/s; wrote {out}")
+    return row

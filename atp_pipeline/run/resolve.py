@@ -1,0 +1,262 @@
+"""Resolve: the composed config -> one typed :class:`RunSpec`, with every input check.
+
+The run's flow is one-way: compose (Hydra) -> **resolve** -> plan -> build -> fit ->
+report. Resolving happens once, in the parent, before any process starts: the topology
+and its restriction to the devices used, the data-parallel size, the model family's
+adapter and the model's shape, the plan (one planner interface: ATP's mesh or SBP's
+per-layer strategies), the parallel plan's patterns against the model's modules (on the
+meta device), the per-device memory, the accelerator, the aggregation backend's knobs and
+the checkpoint to resume. Each failure is one :class:`~atp_pipeline.errors.ConfigError`
+line. Workers receive the :class:`RunSpec` itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, DataSource, MeshStrategy, PlannerKind,
+                                        Stage)
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.ina.packet import PacketFormat
+from atp_pipeline.models.adapter import get_adapter
+from atp_pipeline.parallel.apply import match_plan
+from atp_pipeline.planning.interface import PlanResult, plan
+from atp_pipeline.planning.memory import per_device_memory
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.topology.model import Topology
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    accelerator: str = "cpu"
+    max_steps: int = 150
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    checkpoint_every_n_steps: int = 0
+    progress_bar: bool = True
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run needs, resolved and checked (workers receive this object)."""
+
+    stage: str
+    topology: Topology  # as configured
+    occupied: Topology  # restricted to the devices used
+    devices: int
+    dp: int
+    family: str
+    model_config: Dict[str, Any]  # the model group, plain (the adapter builds from it)
+    shape: ModelShape  # with the step's batch and dtype
+    plan: PlanResult
+    parallel_plan: Optional[Dict[str, str]]  # overrides the family's plan
+    chunks: int
+    aggregation: AggregationConfig
+    trainer: TrainerSpec
+    data_source: str
+    seed: int
+    resume: Optional[str]
+    plot: bool = True
+    services: Optional[Dict[str, Any]] = None  # the live roles, once started
+    job: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mesh(self) -> Tuple[int, int, int]:
+        """``(dp, d1, d2)``; an SBP plan keeps its own mesh, the strategy's is ``(1, N, 1)``."""
+        if self.plan.kind == "sbp":
+            return 1, self.devices, 1
+        d1, d2 = self.plan.mesh_shape
+        return self.dp, d1, d2
+
+    @property
+    def live_aggregation(self) -> bool:
+        """Whether gradients go through the live in-network aggregation backend."""
+        return self.aggregation.mode in (AggregationMode.atp, AggregationMode.ps) and self.dp > 1
+
+    @property
+    def precision(self) -> str:
+        return "64-true" if self.shape.dtype == "fp64" else "32-true"
+
+
+def resolve_dp(cfg: DictConfig, devices: int) -> int:
+    """``mesh.dp``, or for ``dp: null``: the devices a fixed d1 x d2 mesh leaves over; else
+    every device when gradients go through the aggregation backend (atp/ps), 1 for ring."""
+    if cfg.mesh.dp is not None:
+        return int(cfg.mesh.dp)
+    if cfg.mesh.strategy == MeshStrategy.fixed and cfg.mesh.d1 and cfg.mesh.d2:
+        tp = int(cfg.mesh.d1) * int(cfg.mesh.d2)
+        return devices // tp if devices % tp == 0 else 1  # 1: the planner names the mismatch
+    return devices if cfg.aggregation.mode in (AggregationMode.atp, AggregationMode.ps) else 1
+
+
+def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
+    """Validate ``aggregation`` for a run."""
+    mode = agg.mode
+    if mode == AggregationMode.switchml:
+        raise ConfigError("aggregation=switchml runs in the simulator only (python -m "
+                          "benchmarks.ina_experiments); training supports ring, atp and ps")
+    cfg = OmegaConf.to_object(agg)
+    assert isinstance(cfg, AggregationConfig)
+    if mode == AggregationMode.ring or dp == 1:
+        return cfg
+    from atp_pipeline.ina.live.engine import MAX_DATAGRAM
+
+    limit = (MAX_DATAGRAM - PacketFormat(1).header_bytes) // 4
+    if not 1 <= agg.payload_k <= limit:
+        raise ConfigError(f"aggregation.payload_k={agg.payload_k} must be 1..{limit} (one UDP datagram)")
+    for key in ("loss", "duplicate"):
+        if not 0.0 <= agg[key] < 1.0:
+            raise ConfigError(f"aggregation.{key}={agg[key]} must be in [0, 1)")
+    if agg.aggregators < 0:
+        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be >= 0")
+    if not 1 <= agg.n_ps <= 4:
+        raise ConfigError(f"aggregation.n_ps={agg.n_ps} must be 1..4 (2-bit PS index)")
+    if dp > PacketFormat().bitmap_bits:
+        raise ConfigError(f"mesh.dp={dp} exceeds the {PacketFormat().bitmap_bits}-bit worker bitmap of one "
+                          f"ATP job (single-level aggregation)")
+    if agg.stall_timeout_s <= 0 or agg.rto_s <= 0:
+        raise ConfigError("aggregation.stall_timeout_s and aggregation.rto_s must be > 0")
+    if agg.switch is not None:
+        from atp_pipeline.ina.live.rpc import parse_addr
+
+        try:
+            parse_addr(agg.switch)
+        except ValueError as e:
+            raise ConfigError(f"aggregation.switch: {e}") from None
+        if agg.loss or agg.duplicate:
+            raise ConfigError("aggregation.loss/duplicate are set when the switch is started; a shared "
+                              "switch (aggregation.switch) keeps its own")
+    return cfg
+
+
+def model_shape(cfg: DictConfig) -> ModelShape:
+    """The model's shape from its family's adapter, checked (sizes, chunks)."""
+    m = cfg.model
+    for key in ("hidden", "heads", "layers", "seq_len", "batch_size", "vocab_size", "ffn_mult"):
+        if m[key] < 1:
+            raise ConfigError(f"model '{m.name}': {key} must be >= 1, got {m[key]}")
+    if m.hidden % m.heads:
+        raise ConfigError(f"model '{m.name}': hidden {m.hidden} is not divisible by heads {m.heads}")
+    chunks = cfg.overlap.chunks
+    if chunks < 1 or m.batch_size % chunks:
+        raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="
+                          f"{m.batch_size} (chunks split the batch, §4.1)")
+    try:
+        return get_adapter(m.family).shape_from_config(m)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _job_info() -> Dict[str, Any]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except ValueError:  # compose API: no Hydra run
+        return {}
+    return {"job_num": hc.job.get("num"), "overrides": hc.job.override_dirname}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planning half of a resolved run (what ``stage=plan`` needs)."""
+
+    shape: ModelShape
+    topology: Topology
+    occupied: Topology
+    devices: int
+    dp: int
+    plan: PlanResult
+
+
+def resolve_plan(cfg: DictConfig) -> Planned:
+    """Shape, devices, dp and the plan (on the devices of one data-parallel replica)."""
+    shape = model_shape(cfg)
+    topo = Topology.from_config(cfg.topology)
+    devices = cfg.trainer.devices or topo.world_size
+    if devices > topo.world_size:
+        raise ConfigError(f"trainer.devices={devices} but topology '{topo.name}' has only "
+                          f"{topo.world_size} devices")
+    dp = resolve_dp(cfg, devices)
+    if dp < 1 or devices % dp:
+        raise ConfigError(f"mesh.dp={dp} does not divide trainer.devices={devices}")
+    occupied = topo.restrict(devices)
+    kind = PlannerKind(cfg.planner.name)
+    if kind == PlannerKind.sbp and (dp != 1 or cfg.overlap.chunks != 1):
+        raise ConfigError(f"planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1 (got {dp}), "
+                          f"aggregation=ring and overlap=chunk1 (got chunks={cfg.overlap.chunks})")
+    result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh)
+    notes = list(result.notes)
+    if devices < topo.world_size:
+        notes.insert(0, f"{devices} of {topo.world_size} devices of '{topo.name}' are used: planned and "
+                        f"run on that sub-topology")
+    return Planned(shape, topo, occupied, devices, dp, result.with_notes(notes))
+
+
+def plan_from_config(cfg: DictConfig) -> PlanResult:
+    """The plan of a composed config (``stage=plan``'s table), without the fit checks."""
+    return resolve_plan(cfg).plan
+
+
+def resolve(cfg: DictConfig) -> RunSpec:
+    """Every check that can fail, before any process starts; the typed run."""
+    planned = resolve_plan(cfg)
+    shape, topo, occupied, devices, dp, result = (planned.shape, planned.topology, planned.occupied,
+                                                  planned.devices, planned.dp, planned.plan)
+    fitting = cfg.stage == Stage.fit
+    aggregation = check_aggregation(cfg.aggregation, dp) if fitting else OmegaConf.to_object(cfg.aggregation)
+    adapter = get_adapter(cfg.model.family)
+    if result.kind == "atp":
+        d1, d2 = result.mesh_shape
+        why = adapter.mesh_infeasibility(shape, d1, d2)
+        if why:
+            raise ConfigError(f"model '{shape.name}' on mesh {d1}x{d2}: {why}")
+    else:
+        d1, d2 = devices, 1
+    local_batch = shape.batch_size // dp
+    if shape.batch_size % dp or local_batch % cfg.overlap.chunks:
+        raise ConfigError(f"model.batch_size={shape.batch_size} must split over mesh.dp={dp} and then "
+                          f"over overlap.chunks={cfg.overlap.chunks}")
+    if cfg.data.source == DataSource.corpus and shape.vocab_size < 256:
+        raise ConfigError(f"data.source=corpus is byte-level and needs model.vocab_size >= 256, got "
+                          f"{shape.vocab_size}")
+    user_plan = dict(cfg.model.parallel_plan) if cfg.model.parallel_plan is not None else None
+    with torch.device("meta"):
+        model = adapter.build(cfg.model)
+    match_plan(model, user_plan or adapter.parallel_plan(model))  # patterns name real modules
+    capacity = topo.device.get("memory_GB")
+    if result.kind == "atp" and capacity:  # sbp: the search's own limit
+        mem = per_device_memory(shape, (d1, d2), dp)
+        if mem.total_bytes > capacity * 1e9:
+            raise ConfigError(
+                f"model '{shape.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {d1}x{d2} "
+                f"(dp={dp}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, optimizer "
+                f"{mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
+                f"'{topo.name}' devices have {capacity:g} GB")
+    accel = str(cfg.trainer.accelerator)
+    device_name = str(topo.device.get("name") or "unknown")
+    if fitting and accel == "cpu" and device_name not in ("cpu", "unknown"):
+        raise ConfigError(f"topology '{topo.name}' describes {device_name} devices but trainer.accelerator=cpu; "
+                          f"set trainer.accelerator=gpu to train on them, or stage=plan to only plan")
+    if fitting and accel in ("gpu", "cuda") and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        local = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local < devices:
+            raise ConfigError(f"trainer.accelerator={accel} with {devices} processes needs {devices} GPUs on "
+                              f"this host, found {local} (several nodes: launch with torchrun)")
+    if cfg.resume and not Path(cfg.resume).exists():
+        raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
+    t = cfg.trainer
+    return RunSpec(
+        stage=Stage(cfg.stage).value, topology=topo, occupied=occupied, devices=devices, dp=dp,
+        family=str(cfg.model.family), model_config=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+        shape=shape, plan=result, parallel_plan=user_plan, chunks=int(cfg.overlap.chunks),
+        aggregation=aggregation, trainer=TrainerSpec(accel, int(t.max_steps), float(t.lr), float(t.weight_decay),
+                                                     int(t.checkpoint_every_n_steps), bool(t.progress_bar)),
+        data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
+        plot=bool(cfg.planner.plot), job=_job_info())

@@ -1,0 +1,66 @@
+"""Build -> fit, in one worker process: a Lightning ``Trainer`` with ``ATPStrategy`` realizing
+the resolved :class:`~atp_pipeline.run.resolve.RunSpec` (the model from its family's
+adapter, the data module, per-step metrics, sharded checkpoints)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import torch
+
+from atp_pipeline.models.adapter import get_adapter
+from atp_pipeline.run.resolve import RunSpec
+
+
+def digest(module: torch.nn.Module) -> Dict[str, str]:
+    """A short hash of every parameter's local values (replicas compare equal)."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        out[name] = hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+    return out
+
+
+def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, Any]:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
+
+    from atp_pipeline.lightning.pl import ATPStrategy, LMModule, StepMetrics, TokenDataModule
+
+    out = Path(out_dir)
+    dtype = torch.float64 if spec.shape.dtype == "fp64" else torch.float32
+    adapter = get_adapter(spec.family)
+    cfg = SimpleNamespace(**spec.model_config)
+    module = LMModule(lambda: adapter.build(cfg), lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
+                      seed=spec.seed).to(dtype)
+    data = TokenDataModule(spec.data_source, spec.shape.seq_len, spec.shape.batch_size, spec.shape.vocab_size,
+                           seed=spec.seed)
+    mesh = spec.plan if spec.plan.kind == "sbp" else tuple(spec.plan.mesh_shape)
+    strategy = ATPStrategy(mesh=mesh, dp=spec.dp if spec.plan.kind == "atp" else "auto", chunks=spec.chunks,
+                           plan=spec.parallel_plan, aggregation=spec.aggregation, services=spec.services)
+    t = spec.trainer
+    every = t.checkpoint_every_n_steps or t.max_steps
+    ckpt = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", save_last=True,
+                           every_n_train_steps=every, save_top_k=-1, auto_insert_metric_name=False)
+    logger = CSVLogger(save_dir=str(out), name="", version="lightning_logs")
+    loggers: List[Any] = [logger]
+    if importlib.util.find_spec("tensorboard") is not None:  # optional
+        from pytorch_lightning.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(out), name="", version="tensorboard"))
+    trainer = pl.Trainer(strategy=strategy, accelerator=t.accelerator, devices=world, num_nodes=1,
+                         max_steps=t.max_steps, logger=loggers, log_every_n_steps=1,
+                         callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt],
+                         enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision)
+    trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
+    coord = strategy.device_mesh.get_coordinate()
+    return {"rank": rank, "coord": list(coord) if coord else None, "global_step": trainer.global_step,
+            "metrics_csv": str(Path(logger.log_dir) / "metrics.csv"), "digest": digest(module),
+            "applied_plan": strategy.applied_plan,
+            "atp_linears": sum(type(m).__name__ == "ATPLinear" for m in module.modules())}

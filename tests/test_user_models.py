@@ -1,0 +1,106 @@
+"""A user's own LightningModules under ``Trainer(strategy="atp")`` (issue 13): an MLP with
+no plan, with a column/row plan on every 2D mesh of 4 processes (both Lightning packages),
+Megatron's split boundaries, user blocks that only look like the GPT's, the DataLoader
+order with one replica, and a meta-device model materialized as shards.
+
+Three launches: 4 processes for each Lightning package, 2 for the rest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import pytest
+
+from atp_pipeline.launch import spawn
+
+from . import user_workers as uw
+
+
+def _mean_over_replicas(runs: List[Dict[str, Any]]) -> List[float]:
+    """Per step, the mean of the data-parallel replicas' local losses (one rank per replica)."""
+    first = {}
+    for r in runs:
+        first.setdefault(tuple(r["coord"][0:1]), r["losses"])
+    per = list(first.values())
+    return [sum(x) / len(per) for x in zip(*per)]
+
+
+@pytest.fixture(scope="module")
+def pl_runs() -> List[Dict[str, Any]]:
+    return spawn(uw.meshes_case, 4, "pytorch_lightning", init=False, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def unified_runs() -> List[Dict[str, Any]]:
+    pytest.importorskip("lightning.pytorch", reason="pip install lightning")
+    return spawn(uw.meshes_case, 4, "lightning.pytorch", init=False, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def light() -> List[Dict[str, Any]]:
+    return spawn(uw.light_case, 2, init=False, timeout=900)
+
+
+@pytest.mark.parametrize("runs_name", ["pl_runs", "unified_runs"])
+def test_user_mlp_plan_on_every_mesh_matches_single_process(runs_name, request):
+    ranks = request.getfixturevalue(runs_name)
+    for i, (mesh, kind) in enumerate((((2, 1), "full"), ((1, 2), "full"), ((2, 2), "full"), ((2, 2), "split"))):
+        runs = [r["runs"][i] for r in ranks]
+        assert all(r["mesh"] == mesh and r["kind"] == kind for r in runs)
+        dp = 4 // (mesh[0] * mesh[1])
+        assert runs[0]["dims"] == (dp, *mesh)
+        assert set(runs[0]["applied"]) == {"net.0", "net.2"}
+        assert len(runs[0]["sharded"]) == 4, runs[0]["sharded"]  # both linears are DTensors
+        got, want = _mean_over_replicas(runs), uw.reference_losses(dp)
+        assert len(got) == len(want) == uw.STEPS
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        assert worst <= 1e-5, (mesh, kind, worst, got[:3], want[:3])
+        assert got[-1] < got[0]
+
+
+def test_dataloader_keeps_single_process_order_with_one_replica(pl_runs):
+    """dp = 1 on (2, 2): every rank sees the user's unshuffled batches, in order."""
+    ds = uw.dataset()
+    want = [float(ds[s * uw.BATCH][0][0]) for s in range(uw.STEPS)]
+    for r in pl_runs:
+        assert r["runs"][2]["first_x"] == want
+
+
+def test_no_plan_trains_data_parallel_and_says_so(light):
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        runs = [r[package] for r in light]
+        assert runs[0]["dims"] == (2, 1, 1) and runs[0]["applied"] == {}
+        assert any("no parallel plan and no model adapter for Regressor" in n for n in runs[0]["notes"])
+        got = [sum(x) / 2 for x in zip(*(r["losses"] for r in runs))]
+        want = uw.reference_losses(2)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5
+
+
+def test_meta_device_model_is_materialized_as_shards(light):
+    for r in light:
+        meta = r["meta"]
+        assert meta["full"] == [], meta["full"][:5]  # no rank ever made a whole 48x24 weight
+        assert meta["global"] == [(48, 24), (48,), (24, 48), (24,)]
+        assert meta["local"] == [(48, 12), (48,), (24, 24), (12,)]  # (1, 2) mesh: halves
+        assert meta["finite"]
+
+
+def test_user_block_named_like_ours_is_refused_in_one_line():
+    out = spawn(uw.refusals_case, 4, init=False, timeout=600)[0]
+    relu, separate = out[False], out[True]
+    assert relu is not None and "\n" not in relu
+    assert relu.startswith("parallel plan: 'blocks.0' (Block) computes something else than the GPT block")
+    assert separate is not None and "lacks attn.qkv" in separate and "'blocks.0'" in separate
+
+
+def test_import_is_light_and_registers_in_both_lightning_packages():
+    code = ("import atp_pipeline, sys; assert 'pytorch_lightning' not in sys.modules and 'hydra' not in sys.modules; "
+            "import lightning.pytorch as L; import pytorch_lightning as pl; "
+            "assert 'atp' in L.strategies.StrategyRegistry and 'atp' in pl.strategies.StrategyRegistry; "
+            "from atp_pipeline.lightning import ATPStrategy; print(ATPStrategy.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "atp_pipeline.lightning.pl"

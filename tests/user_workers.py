@@ -1,0 +1,244 @@
+"""Worker functions for tests/test_user_models.py: a user's own LightningModules under
+``Trainer(strategy="atp")`` in real gloo processes (torchrun environment, several Trainers
+one after another in the same processes). Each returns plain data; the test asserts."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN, HID, OUT, N, BATCH, STEPS = 8, 32, 8, 640, 8, 20
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, IN, generator=g)
+    w = torch.randn(IN, OUT, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(N, OUT, generator=g))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+
+
+def reference_losses(dp: int) -> List[float]:
+    """Single process: what ``dp`` replicas fed by DDP's samplers (Lightning's
+    DistributedSampler, shuffle=True, seed 0) compute together; ``dp=1``: the plain order."""
+    from torch.utils.data import DistributedSampler
+
+    ds, model = dataset(), mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    orders = [list(range(N))] if dp == 1 else [
+        list(DistributedSampler(ds, num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
+    per = BATCH
+    out = []
+    for step in range(STEPS):
+        idx = [i for order in orders for i in order[step * per:(step + 1) * per]]
+        x, y = ds[idx]
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _pl(package: str) -> Any:
+    return importlib.import_module(package)
+
+
+def _module_class(package: str) -> type:
+    pl = _pl(package)
+
+    class Regressor(pl.LightningModule):
+        """A user's own module: no family, no adapter."""
+
+        def __init__(self, plan: Optional[Dict[str, str]] = None) -> None:
+            super().__init__()
+            self.net = mlp()
+            if plan is not None:
+                self.parallel_plan = plan
+            self.losses: List[float] = []
+            self.first_x: List[float] = []
+
+        def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            self.first_x.append(float(x[0, 0]))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(dataset(), batch_size=BATCH, shuffle=False)
+
+    return Regressor
+
+
+def _trainer(package: str, strategy: Any, world: int, steps: int = STEPS) -> Any:
+    pl = _pl(package)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _strategy(package: str, **kwargs: Any) -> Any:
+    importlib.import_module(package)
+    flavor = importlib.import_module("atp_pipeline.lightning.pl" if package == "pytorch_lightning"
+                                     else "atp_pipeline.lightning.unified")
+    return flavor.ATPStrategy(**kwargs)
+
+
+def meshes_case(rank: int, world: int, package: str) -> Dict[str, Any]:
+    """The MLP with a column/row plan on (2,1), (1,2), (2,2) (dp = what is left) and with
+    Megatron's split boundaries on (2,2); plain Lightning code with strategy "atp"."""
+    Regressor = _module_class(package)
+    out: Dict[str, Any] = {"runs": []}
+    plans = {"full": {"net.0": "column", "net.2": "row"},
+             "split": {"net.0": "column(output=split)", "net.2": "row(input=split)"}}
+    for mesh, kind in (((2, 1), "full"), ((1, 2), "full"), ((2, 2), "full"), ((2, 2), "split")):
+        module = Regressor(plans[kind])
+        strategy = _strategy(package, mesh=mesh)
+        trainer = _trainer(package, strategy, world)
+        trainer.fit(module)
+        sharded = [tuple(p.to_local().shape) for p in module.net.parameters() if hasattr(p, "to_local")]
+        out["runs"].append({"mesh": mesh, "kind": kind, "dims": strategy.mesh_shape,
+                            "coord": list(strategy.device_mesh.get_coordinate()), "losses": module.losses,
+                            "first_x": module.first_x, "applied": strategy.applied_plan, "sharded": sharded})
+    return out
+
+
+def refusals_case(rank: int, world: int) -> Dict[str, Any]:
+    """User blocks named like the GPT's but computing otherwise, under style 'block'."""
+    import pytorch_lightning as pl
+
+    from atp_pipeline.errors import ConfigError
+
+    class Attn(nn.Module):
+        def __init__(self, h: int, separate: bool) -> None:
+            super().__init__()
+            self.heads = 4
+            if separate:
+                self.q, self.k, self.v = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+            else:
+                self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if hasattr(self, "qkv"):
+                q, k, v = self.qkv(x).chunk(3, dim=-1)
+            else:
+                q, k, v = self.q(x), self.k(x), self.v(x)
+            b, s, h = x.shape
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            return self.proj(a)
+
+    class Block(nn.Module):
+        def __init__(self, h: int, separate: bool) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.attn = Attn(h, separate)
+            self.mlp = nn.Module()
+            self.mlp.fc1, self.mlp.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp.fc2(F.relu(self.mlp.fc1(self.ln2(x))))
+
+    class Net(pl.LightningModule):
+        def __init__(self, separate: bool) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(16, separate)])
+            self.parallel_plan = {"blocks.*": "block"}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = batch[0].view(-1, 4, 16)
+            h = x
+            for b in self.blocks:
+                h = b(h)
+            return (h - x).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randn(64, 64)), batch_size=8)
+
+    out = {}
+    for separate in (False, True):
+        try:
+            _trainer("pytorch_lightning", _strategy("pytorch_lightning", mesh=(2, 2)), world, 2).fit(Net(separate))
+            out[separate] = None
+        except ConfigError as exc:
+            out[separate] = str(exc)
+    return out
+
+
+def light_case(rank: int, world: int) -> Dict[str, Any]:
+    """2 processes: no plan (both Lightning packages), and a model created on the meta
+    device in configure_model, materialized as shards (no rank holds a full weight)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    out: Dict[str, Any] = {}
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        Regressor = _module_class(package)
+        module = Regressor()
+        strategy = _strategy(package)
+        trainer = _trainer(package, strategy, world)
+        trainer.fit(module)
+        out[package] = {"dims": strategy.mesh_shape, "losses": module.losses, "notes": strategy.notes,
+                        "applied": strategy.applied_plan}
+
+    import pytorch_lightning as pl
+
+    full_shapes = {(48, 24), (24, 48)}  # the sharded layers' whole weights (out x in)
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.full: List[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            res = func(*args, **(kwargs or {}))
+            for t in (res if isinstance(res, (tuple, list)) else (res,)):
+                if isinstance(t, torch.Tensor) and not t.is_meta and tuple(t.shape) in full_shapes:
+                    self.full.append(f"{func} -> {tuple(t.shape)}")
+            return res
+
+    class MetaNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parallel_plan = {"fc1": "column", "fc2": "row"}
+
+        def configure_model(self) -> None:
+            with torch.device("meta"):
+                self.fc1, self.fc2 = nn.Linear(24, 48), nn.Linear(48, 24)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = batch[0]
+            return self.fc2(F.gelu(self.fc1(x))).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randn(32, 24, generator=torch.Generator().manual_seed(1))),
+                              batch_size=8)
+
+    rec = Recorder()
+    module = MetaNet()
+    with rec:
+        _trainer("pytorch_lightning", _strategy("pytorch_lightning", mesh=(1, 2)), world, 3).fit(module)
+    out["meta"] = {"full": rec.full,
+                   "local": [tuple(p.to_local().shape) for p in module.parameters() if hasattr(p, "to_local")],
+                   "global": [tuple(p.shape) for p in module.parameters()],
+                   "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in module.parameters())}
+    return out
