@@ -90,15 +90,15 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
             agg_key.read(k, meta.idx);
             if (hdr.atp.is_param == 1) {
                 // parameter packet: learn the shard watermark, ② deallocate, multicast
-                wm.read(meta.wm, hdr.atp.job ++ hdr.atp.ps_index);
-                if (hdr.atp.watermark > meta.wm) { wm.write(hdr.atp.job ++ hdr.atp.ps_index, hdr.atp.watermark); }
+                wm.read(meta.wm, (bit<32>)(hdr.atp.job ++ hdr.atp.ps_index));
+                if (hdr.atp.watermark > meta.wm) { wm.write((bit<32>)(hdr.atp.job ++ hdr.atp.ps_index), hdr.atp.watermark); }
                 if (k == ATP_KEY(hdr.atp.job, hdr.atp.seq)) {
                     agg_free();  // ②
                 } else if (k[48:48] == 1) {
                     // the sweep, lazily: an aggregator of any job below that job's watermark
                     // for its shard is stale; switch.py freed it when the watermark passed it
                     agg_shard.read(shard_i, meta.idx);
-                    wm.read(wm_i, k[47:32] ++ shard_i);
+                    wm.read(wm_i, (bit<32>)(k[47:32] ++ shard_i));
                     if (k[31:0] < wm_i) { agg_free(); }
                 }
                 sm.mcast_grp = meta.mcast_grp;  // to the job's workers
@@ -119,7 +119,7 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
                            || hdr.atp.bitmap0 == 0 || (hdr.atp.bitmap0 >> hdr.atp.fan_in0) != 0))) {
                 drop(); return;  // malformed: one child, inside the fan-in
             } else {
-                wm.read(meta.wm, hdr.atp.job ++ hdr.atp.ps_index);
+                wm.read(meta.wm, (bit<32>)(hdr.atp.job ++ hdr.atp.ps_index));
                 if (hdr.atp.seq < meta.wm) {  // already complete: never allocate
                     hdr.atp.resend = 1; flip_level();
                 } else {
@@ -130,7 +130,7 @@ control AtpIngress(inout headers_t hdr, inout atp_meta_t meta, inout standard_me
                         // the sweep, lazily (as for parameter packets above): a stale
                         // aggregator of any job is free to this packet
                         agg_shard.read(shard_i, meta.idx);
-                        wm.read(wm_i, k[47:32] ++ shard_i);
+                        wm.read(wm_i, (bit<32>)(k[47:32] ++ shard_i));
                         if (k[31:0] < wm_i) { agg_free(); valid = false; }
                     }
                     agg_bitmap.read(b, meta.idx);
