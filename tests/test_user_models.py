@@ -84,7 +84,7 @@ def test_meta_device_model_is_materialized_as_shards(light):
         meta = r["meta"]
         assert meta["full"] == [], meta["full"][:5]  # no rank ever made a whole 48x24 weight
         assert meta["global"] == [(48, 24), (48,), (24, 48), (24,)]
-        assert meta["local"] == [(48, 12), (48,), (24, 24), (12,)]  # (1, 2) mesh: halves
+        assert meta["local"] == [(48, 12), (48,), (12, 48), (12,)]  # (1, 2): inputs of fc1, outputs of fc2 halved
         assert meta["finite"]
 
 

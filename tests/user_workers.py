@@ -185,6 +185,7 @@ def refusals_case(rank: int, world: int) -> Dict[str, Any]:
 def light_case(rank: int, world: int) -> Dict[str, Any]:
     """2 processes: no plan (both Lightning packages), and a model created on the meta
     device in configure_model, materialized as shards (no rank holds a full weight)."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     out: Dict[str, Any] = {}
@@ -209,7 +210,10 @@ def light_case(rank: int, world: int) -> Dict[str, Any]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             res = func(*args, **(kwargs or {}))
             for t in (res if isinstance(res, (tuple, list)) else (res,)):
-                if isinstance(t, torch.Tensor) and not t.is_meta and tuple(t.shape) in full_shapes:
+                # a DTensor's shape is the global one and holds no memory: its local shard is
+                # allocated by its own (plain-tensor) op, which this mode sees too
+                if (isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and not t.is_meta
+                        and tuple(t.shape) in full_shapes):
                     self.full.append(f"{func} -> {tuple(t.shape)}")
             return res
 

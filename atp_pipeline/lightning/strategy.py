@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, MeshConfig, MeshStrategy,
                                         PlannerConfig)
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.models.adapter import find_adapters, prefixed
+from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.grad_sync import GradSync, RingSync, sync_gradients
@@ -257,6 +257,7 @@ class ATPStrategyMixin:
                 setattr(module.get_submodule(parent_name) if parent_name else module, attr, replaced)
                 done[name] = "sbp"
             return done
+        adapters()  # the families' styles (e.g. "block") are registered before a plan names them
         plan: Dict[str, Any] = dict(self._user_plan() or {})
         if not plan:
             for name, adapter, sub in self._families():
