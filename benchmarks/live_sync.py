@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode, ModelConfig
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel.launch import spawn
+from atp_pipeline.launch import spawn
 from benchmarks.tp_step import CONF, load_model
 
 

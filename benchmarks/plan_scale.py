@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from atp_pipeline.config.schema import DType, MeshConfig, ModelConfig, PlannerConfig
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import make_plan
 from atp_pipeline.topology.builders import nodes, switched
 from atp_pipeline.topology.model import Topology
 
 
 def bench(sizes: List[int], repeats: int) -> List[Dict[str, Any]]:
-    model = ModelSummary.of(ModelConfig(name="m4", hidden=12288, heads=96, layers=96,
+    model = ModelShape.of(ModelConfig(name="m4", hidden=12288, heads=96, layers=96,
                                         dtype=DType.fp16))
     planner = PlannerConfig(require_divisible=False)
     rows = []

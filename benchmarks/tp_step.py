@@ -36,11 +36,12 @@ from omegaconf import OmegaConf
 
 from atp_pipeline.config.schema import CostModel, ModelConfig, TopologyConfig
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.parallel import comm_for, init_mesh, parallelize_gpt
+from atp_pipeline.models.gpt.parallel import parallelize_gpt
+from atp_pipeline.parallel import comm_for, init_mesh
 from atp_pipeline.parallel.emulation import TopologyEmulator
-from atp_pipeline.parallel.launch import spawn
-from atp_pipeline.parallel.native import data_parallel, native_tensor_parallel
-from atp_pipeline.planning.flops import ModelSummary
+from atp_pipeline.launch import spawn
+from atp_pipeline.models.gpt.native import data_parallel, native_tensor_parallel
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import candidate_meshes, evaluate
 from atp_pipeline.topology.model import Topology
 
@@ -174,7 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = spawn(worker, args.world, spec, timeout=3600)[0]
     rows: List[Dict[str, Any]] = result["rows"]
 
-    summary = ModelSummary.of(mcfg)
+    summary = ModelShape.of(mcfg)
     native = next((r["step_s_median"] for r in rows if r["impl"] == "native-tp"), None)
     for r in rows:
         if r["impl"] == "atp" and topo is not None:

@@ -128,7 +128,7 @@ class CollectiveAlphaBetaConfig:
 @dataclass
 class AlphaBetaLevelConfig:
     """Alpha-beta parameters of one level, fitted by least squares from measured
-    collectives (AutoDDL §3.2; ``python -m atp_pipeline.planning.calibrate``). Collectives
+    collectives (AutoDDL §3.2; ``python -m atp_pipeline.run.calibrate``). Collectives
     whose group spans this level (and no outer one) cost ``α·steps + volume/GBps`` (Table 2);
     ``collectives`` optionally gives all_reduce / all_gather / reduce_scatter / all_to_all
     their own pair."""

@@ -9,7 +9,7 @@ group (size and rank stride on the row-major mesh), its Table 2 size ``N`` in by
 many times a step runs it. It follows :func:`~atp_pipeline.planning.sbp.space.compile_problem`
 term by term; ``sum(call.seconds(ab))`` equals ``problem.raw_cost(assign)`` exactly (tested),
 so running the schedule on real process groups measures exactly what the model predicts
-(:mod:`atp_pipeline.benchmarks.sbp_calibration`, the paper's Figure 4).
+(:mod:`benchmarks.sbp_calibration`, the paper's Figure 4).
 """
 
 from __future__ import annotations
