@@ -105,15 +105,19 @@ def _layout(style: str, key: str, value: str) -> str:
     return value
 
 
-class _LinearStyle(ParallelStyle):
-    applies_to = (nn.Linear,)
-    first: ClassVar[str] = COLUMN
+class _InOutStyle(ParallelStyle):
+    """A style with an ``input`` and an ``output`` boundary layout (``full`` by default)."""
 
     def __init__(self, input: str = FULL, output: str = FULL) -> None:
         self.input, self.output = _layout(self.name, "input", input), _layout(self.name, "output", output)
 
     def options(self) -> Dict[str, str]:
         return {k: v for k, v in (("input", self.input), ("output", self.output)) if v != FULL}
+
+
+class _LinearStyle(_InOutStyle):
+    applies_to = (nn.Linear,)
+    first: ClassVar[str] = COLUMN
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return ATPLinear.from_linear(module, ctx.mesh, self.first,  # type: ignore[arg-type]
@@ -134,17 +138,11 @@ class RowFirst(_LinearStyle):
     first = ROW
 
 
-class LayerNormStyle(ParallelStyle):
+class LayerNormStyle(_InOutStyle):
     """LayerNorm over a hidden dimension split across d2 (statistics all-reduced over d2)."""
 
     name = "layernorm"
     applies_to = (nn.LayerNorm,)
-
-    def __init__(self, input: str = FULL, output: str = FULL) -> None:
-        self.input, self.output = _layout(self.name, "input", input), _layout(self.name, "output", output)
-
-    def options(self) -> Dict[str, str]:
-        return {k: v for k, v in (("input", self.input), ("output", self.output)) if v != FULL}
 
     def check(self, fqn: str, module: nn.Module) -> None:
         super().check(fqn, module)
