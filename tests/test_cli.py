@@ -77,3 +77,38 @@ def test_multirun_leaves_one_summary(tmp_path):
     assert {r["selected"] for r in rows if r["topology"] == "ic1"} == {"2x4"}
     assert len([p for p in sweep.iterdir() if p.is_dir()]) == 16
     assert "sweep summary: 16 runs" in out.stdout
+
+
+_PLAN_ONLY = r"""
+import runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+try:
+    runpy.run_path(TRAIN, run_name="__main__")
+finally:
+    heavy = sorted(m for m in sys.modules if m in ("pytorch_lightning", "lightning", "torch.distributed.run")
+                   or m.startswith(("atp_pipeline.run.fit", "atp_pipeline.run.worker",
+                                    "atp_pipeline.lightning.", "atp_pipeline.launch"))
+                   and m != "atp_pipeline.lightning.hook")  # stdlib-only post-import hook
+    print("HEAVY=" + ",".join(heavy))
+"""
+
+
+@pytest.mark.parametrize("planner", ["atp", "sbp"])
+def test_stage_plan_imports_no_training_module(tmp_path, planner):
+    """``stage=plan`` is resolve -> report: the fit and worker modules, the launcher and
+    Lightning are never imported (issue 13)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = _PLAN_ONLY.replace("TRAIN", repr(str(ROOT / "train.py")))
+    args = ["stage=plan", f"planner={planner}", f"hydra.run.dir={tmp_path / 'run'}"]
+    if planner == "sbp":
+        args.append("planner.sbp.budget_s=2")
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "run" / "plan.json").exists()
+    heavy = [line for line in out.stdout.splitlines() if line.startswith("HEAVY=")]
+    assert heavy == ["HEAVY="], heavy

@@ -27,7 +27,7 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.shape import ModelShape, mesh_infeasibility
 
-BUILTIN = ("atp_pipeline.models.gpt.adapter",)
+BUILTIN = ("atp_pipeline.models.gpt.adapter", "atp_pipeline.models.hf.adapter")
 
 
 class ModelAdapter(ABC):

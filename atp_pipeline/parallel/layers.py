@@ -10,6 +10,11 @@ layout; at a boundary with code that needs the whole tensor, ``input``/``output`
   sharded, likewise);
 * :class:`ParallelEmbedding` — an embedding table split by hidden feature over d2 (no
   communication);
+* :func:`run_gathered` — any module run whole, on its input gathered over d2 (the user's
+  own ``forward`` runs, so it is exact whatever the module computes: an RMSNorm that
+  upcasts to float32, a norm with ``(1 + w)``); its output is sliced back over d2 where the
+  next module reads the split layout. It costs an all-gather of the hidden per token in
+  each direction, against the two statistics of :class:`ParallelLayerNorm`;
 * :class:`VocabParallelLoss` — mean cross-entropy of logits whose vocabulary is split over
   d1 (replaces a cross-entropy module).
 """
@@ -24,20 +29,24 @@ from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import sharded_parameter
-from atp_pipeline.parallel.mappings import all_reduce_sum, gather_dim0, scatter_dim0, vocab_parallel_cross_entropy
+from atp_pipeline.parallel.mappings import (all_reduce_sum, gather_dim0, grad_contiguous, scatter_dim0,
+                                           vocab_parallel_cross_entropy)
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 FULL, SPLIT = "full", "split"
 
 
 def split_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
-    """This rank's block of the last dimension of a replicated ``x`` (gradient: all-gather)."""
-    return scatter_dim0(x.movedim(-1, 0), comm, axis).movedim(0, -1)
+    """This rank's block of the last dimension of a replicated ``x`` (gradient: all-gather),
+    contiguous: a user's module reducing over it (a float32 norm) sums in the same order as
+    on one process."""
+    return scatter_dim0(grad_contiguous(x).movedim(-1, 0), comm, axis).movedim(0, -1).contiguous()
 
 
 def gather_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
-    """All-gather the blocks of the last dimension over ``axis`` (gradient: keep own block)."""
-    return gather_dim0(x.movedim(-1, 0).contiguous(), comm, axis).movedim(0, -1)
+    """All-gather the blocks of the last dimension over ``axis`` (gradient: keep own block),
+    contiguous like the tensor one process would hold."""
+    return gather_dim0(grad_contiguous(x).movedim(-1, 0).contiguous(), comm, axis).movedim(0, -1).contiguous()
 
 
 class ParallelLayerNorm(nn.Module):
@@ -72,6 +81,27 @@ class ParallelLayerNorm(nn.Module):
         return gather_last(y, self.comm, d2) if self.output == FULL else y
 
 
+def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT) -> nn.Module:
+    """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its first
+    input over d2 (``input="split"``), a forward hook slices its output over d2
+    (``output="split"``). The module, its parameter names and its ``forward`` stay the
+    user's; its parameters stay whole on every rank, and their gradients are identical
+    across the tensor-parallel ranks (computed from the same full tensors)."""
+    comm, d2 = comm_for(mesh), Axis.d2.value
+
+    def before(mod: nn.Module, args: tuple) -> tuple:
+        return (gather_last(args[0], comm, d2), *args[1:]) if input == SPLIT and args else args
+
+    def after(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return split_last(out, comm, d2) if output == SPLIT else out
+
+    if comm.size(d2) > 1:
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+    module.atp_layout = (input, output)  # what was applied (read by reports and tests)
+    return module
+
+
 class ParallelEmbedding(nn.Module):
     """An embedding table split by hidden feature over d2, replicated over d1."""
 
@@ -79,6 +109,7 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         self.comm = comm_for(mesh)
         self.output = output
+        self.padding_idx = emb.padding_idx
         self.weight = sharded_parameter(emb.weight, mesh, [Replicate(), Shard(1)])
 
     def reset_shards(self, seed: int, name: str) -> None:
@@ -88,7 +119,7 @@ class ParallelEmbedding(nn.Module):
             local.copy_(torch.randn(local.shape, generator=g, dtype=local.dtype))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        y = F.embedding(idx, self.weight.to_local())
+        y = F.embedding(idx, self.weight.to_local(), self.padding_idx)
         return gather_last(y, self.comm, Axis.d2.value) if self.output == FULL else y
 
 

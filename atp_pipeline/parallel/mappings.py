@@ -13,6 +13,9 @@ them. A dimension of size 1 makes an operator a no-op.
   which is how chunk-based overlap (§4.1) lets the next chunk compute meanwhile.
 * :class:`AllReduceSum` — all-reduce in both directions, for a sum whose consumers are
   sharded (LayerNorm statistics over a hidden dimension split across d2).
+* :class:`CopyToAxis` — identity in the forward, all-reduce of the gradient in the backward:
+  a replicated tensor that each rank consumes only in part (Megatron-Core's
+  ``copy_to_tensor_model_parallel_region``), e.g. the key/value heads a rank's query heads read.
 * :class:`ScatterDim0` / :class:`GatherDim0` — the scatter before and the gather after the
   attention core (§3.2.1): split / all-gather along dim 0, conjugate in backward.
 * :class:`VocabParallelCrossEntropy` — cross-entropy over logits whose vocabulary is split
@@ -64,6 +67,34 @@ class AllReduceSum(torch.autograd.Function):
         y = x.clone()
         comm.all_reduce(y, axis)
         return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        g = g.clone()
+        ctx.comm.all_reduce(g, ctx.axis)
+        return g, None, None
+
+
+class GradContiguous(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient made contiguous — so a user's module that
+    reduces over its output's gradient in float32 sums in the order one process would."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g.contiguous()
+
+
+class CopyToAxis(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce the gradient over ``axis``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
@@ -142,6 +173,14 @@ def linear_all_reduce(x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: st
 
 def all_reduce_sum(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return x if comm.size(axis) == 1 else AllReduceSum.apply(x, comm, axis)
+
+
+def grad_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return GradContiguous.apply(x)
+
+
+def copy_to_axis(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else CopyToAxis.apply(x, comm, axis)
 
 
 def scatter_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:

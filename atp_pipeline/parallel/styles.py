@@ -17,6 +17,8 @@ the axis the style reads or writes):
 ``row``        ``nn.Linear`` -> row-first (in over d1, out over d2); ``split`` input over
                d1, ``split`` output over d2
 ``layernorm``  ``nn.LayerNorm`` over a hidden dimension split across d2
+``gathered``   any module run whole on its input gathered over d2 (its own ``forward``
+               runs: exact for any norm, e.g. an RMSNorm upcasting to float32)
 ``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
 ``vocab_loss`` a cross-entropy module -> vocabulary-parallel cross-entropy over d1
 ``replicated`` kept whole on every rank (stated explicitly; nothing changes)
@@ -44,7 +46,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.parallel.layers import FULL, SPLIT, ParallelEmbedding, ParallelLayerNorm, VocabParallelLoss
+from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
+                                         VocabParallelLoss)
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
 
 LAYOUTS = (FULL, SPLIT)
@@ -155,6 +158,17 @@ class LayerNormStyle(_InOutStyle):
         return ParallelLayerNorm(module, ctx.mesh, self.input, self.output)  # type: ignore[arg-type]
 
 
+class Gathered(_InOutStyle):
+    """Any module run whole on activations gathered over d2 (:func:`~.layers.run_gathered`): the
+    module's own ``forward`` runs, so nothing is substituted; with ``input``/``output`` =
+    ``split`` it sits between modules that keep ATP's hidden-split layout."""
+
+    name = "gathered"
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return run_gathered(module, ctx.mesh, self.input, self.output)
+
+
 class EmbeddingStyle(ParallelStyle):
     """Embedding table split by hidden feature over d2 (no communication)."""
 
@@ -170,9 +184,9 @@ class EmbeddingStyle(ParallelStyle):
     def check(self, fqn: str, module: nn.Module) -> None:
         super().check(fqn, module)
         emb: nn.Embedding = module  # type: ignore[assignment]
-        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+        if emb.max_norm is not None or emb.sparse:
             raise ConfigError(f"parallel plan: '{fqn}': style 'embedding' supports plain embeddings only "
-                              f"(no padding_idx, max_norm or sparse gradients)")
+                              f"(no max_norm or sparse gradients)")
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return ParallelEmbedding(module, ctx.mesh, self.output)  # type: ignore[arg-type]
@@ -245,7 +259,7 @@ def parse_style(spec: StyleSpec) -> ParallelStyle:
         raise ConfigError(f"parallel plan: style '{text}': unknown option(s) {', '.join(opts)}") from None
 
 
-for _cls in (ColumnFirst, RowFirst, LayerNormStyle, EmbeddingStyle, VocabLoss, Replicated):
+for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, VocabLoss, Replicated):
     register_style(_cls.name, _cls)
 
 PlanSpec = Mapping[str, StyleSpec]

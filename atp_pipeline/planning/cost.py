@@ -40,7 +40,7 @@ from fractions import Fraction
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.config.schema import CostModel
-from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.shape import KV_PICK, KV_SCATTER, ModelShape, kv_layout
 
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
 
@@ -109,10 +109,59 @@ def runtime_terms(hidden: int, ffn: int, vocab: int, mesh: Tuple[int, int]) -> L
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
 
 
+def module_style_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """Every collective of a decoder laid out module by module (``comm_layout="module_styles"``:
+    :mod:`atp_pipeline.models.hf`), one training step. Per layer: two norms run whole on
+    the hidden gathered over d2 (an all-gather of ``h`` forward and of its gradient
+    backward); q/k/v column-first and o row-first, the query heads scattered over d2 and
+    gathered back, the key/value heads as :func:`~atp_pipeline.planning.shape.kv_layout`
+    places them; the MLP's ``2`` (``3`` gated) linears. Per model: the final norm and the
+    column-first LM head, whose logits are gathered over d1 for the model's own loss."""
+    d1, d2 = mesh
+    h, q, kv, f = shape.hidden, shape.q_width, shape.kv_width, shape.ffn
+    F_, t = Fraction, CommTerm
+    up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
+    layout = kv_layout(shape.kv_heads, d1, d2)
+    terms = [
+        t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "fwd"),
+        t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "bwd"),
+        t("f1", "q/k/v linears (column-first)", ALL_REDUCE, 2, F_(q + 2 * kv, d1), 1, "fwd"),
+        t("f1", "q/k/v linears: input gradient", ALL_REDUCE, 1, F_(3 * h, d2), 1, "bwd"),
+        t("scatter", "query heads scattered over d2: gradient", ALL_GATHER, 2, F_(q, d1), 1, "bwd"),
+        t("gather", "attention output gathered over d2", ALL_GATHER, 2, F_(q, d1), 1, "fwd"),
+        t("f2", "output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
+        t("f2", "output linear: input gradient", ALL_REDUCE, 2, F_(q, d1), 1, "bwd"),
+        t("f3", "MLP column-first linears", ALL_REDUCE, 2, F_(up * f, d1), 1, "fwd"),
+        t("f3", "MLP column-first linears: input gradient", ALL_REDUCE, 1, F_(up * h, d2), 1, "bwd"),
+        t("f4", "MLP row-first linear", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
+        t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
+        t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
+        t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd", False),
+        t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(shape.vocab_size, d1), 1, "fwd", False),
+        t("head", "LM head: logits gathered over d1", ALL_GATHER, 1, F_(shape.vocab_size), 1, "fwd", False),
+        t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False),
+    ]
+    if layout == KV_SCATTER:
+        terms.append(t("scatter", "key/value heads scattered over d2: gradient", ALL_GATHER, 2,
+                       F_(2 * kv, d1), 1, "bwd"))
+    elif layout == KV_PICK:
+        terms.append(t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
+                       F_(2 * kv, d1), 1, "bwd"))
+    else:
+        terms += [t("kv", "key/value linears: output gathered over d1", ALL_GATHER, 1, F_(2 * kv), 1, "fwd"),
+                  t("pick", "key/value heads picked per rank: gradient summed over d1", ALL_REDUCE, 1,
+                    F_(2 * kv), 1, "bwd"),
+                  t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
+                    F_(2 * kv), 1, "bwd")]
+    return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
+
+
 def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if cost_model == CostModel.eq2:
         return eq2_terms(shape.hidden, mesh, ffn=shape.ffn, qkv=shape.q_width + 2 * shape.kv_width)
     if cost_model == CostModel.runtime:
+        if shape.comm_layout == "module_styles":
+            return module_style_terms(shape, mesh)
         return runtime_terms(shape.hidden, shape.ffn, shape.vocab_size, mesh)
     raise ValueError(f"unknown cost model {cost_model}")
 

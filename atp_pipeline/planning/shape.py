@@ -21,6 +21,12 @@ from typing import Any, Optional
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "none")
+# How a family's modules sit on the mesh, as far as communication goes: "fused_block" is
+# ATP's fused layer (LayerNorm statistics all-reduced, vocabulary-parallel loss);
+# "module_styles" styles each module and keeps the user's own code between them (norms
+# run whole on the gathered hidden, logits gathered for the model's own loss).
+COMM_LAYOUTS = ("fused_block", "module_styles")
+KV_SCATTER, KV_PICK, KV_GATHERED = "scatter", "pick", "gathered"
 TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
 
 
@@ -44,6 +50,7 @@ class ModelShape:
     tied_embeddings: bool = False
     batch_size: int = 1
     dtype: str = "fp32"
+    comm_layout: str = "fused_block"
 
     def __post_init__(self) -> None:
         if not self.kv_heads:
@@ -57,6 +64,8 @@ class ModelShape:
             raise ValueError(f"model '{self.name}': norm must be one of {NORMS}, got {self.norm!r}")
         if self.position not in POSITIONS:
             raise ValueError(f"model '{self.name}': position must be one of {POSITIONS}, got {self.position!r}")
+        if self.comm_layout not in COMM_LAYOUTS:
+            raise ValueError(f"model '{self.name}': comm_layout must be one of {COMM_LAYOUTS}, got {self.comm_layout!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model '{self.name}': dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -152,6 +161,20 @@ class ModelShape:
                  flops_per_layer=self.flops_per_layer, flops_lm_head=self.flops_lm_head,
                  flops_per_layer_TFLOPs_2_40=self.flops_per_layer / TFLOP_TABLE2)
         return d
+
+
+def kv_layout(kv_heads: int, d1: int, d2: int) -> str:
+    """How grouped-query attention's key/value heads sit on DeviceMesh(d1, d2) (§3.2.1):
+    ``scatter`` — split over d1 and scattered over d2 like the query heads; ``pick`` — split
+    over d1, each rank of d2 picks the heads its queries read; ``gathered`` — fewer heads
+    than d1: gathered over d1, each rank picks its heads."""
+    if kv_heads % (d1 * d2) == 0:
+        return KV_SCATTER
+    if kv_heads % d1 == 0:
+        return KV_PICK
+    if d1 % kv_heads == 0:
+        return KV_GATHERED
+    raise ValueError(f"{kv_heads} key/value heads neither split over nor replicate evenly across d1={d1}")
 
 
 def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
