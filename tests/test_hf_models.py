@@ -106,3 +106,47 @@ def test_lightning_trains_an_hf_llama_with_the_planned_mesh():
     plan = make_plan(local, adapter.shape(sub).with_step(batch_size=BATCH),
                      MeshConfig(strategy=MeshStrategy.auto), PlannerConfig())
     assert tuple(runs[packages[0]]["dims"]) == (1, *plan.selected)
+
+
+def test_stage_plan_of_a_real_size_llama_on_the_meta_device(tmp_path):
+    """``python train.py stage=plan model=llama3_8b topology=ic4``: the shape read from the
+    HF config (GQA, gated MLP), the candidate table and a per-device memory estimate."""
+    import json
+
+    from .conftest import run_train
+
+    out = run_train(["stage=plan", "model=llama3_8b", "topology=ic4", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "heads=32 (kv 8, head dim 128), FFN 14336 gated, rmsnorm" in out.stdout
+    assert "memory per device on " in out.stdout
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["model"]["kv_heads"], plan["model"]["comm_layout"]) == (8, "module_styles")
+    assert plan["memory_per_device"]["total_bytes"] < 80e9
+
+
+def test_infeasible_hf_mesh_is_one_line(tmp_path):
+    from .conftest import run_train
+
+    out = run_train(["stage=plan", "model=qwen2_7b", "topology=ic4", "mesh=8x2",
+                     f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "28 heads" in lines[0] and "8x2 = 16" in lines[0], out.stderr
+
+
+def test_train_py_fits_a_tiny_hf_llama(tmp_path):
+    """``python train.py model=llama_tiny mesh=2x2`` trains and writes the usual run directory."""
+    import json
+
+    from .conftest import run_train
+
+    run = tmp_path / "run"
+    out = run_train(["model=llama_tiny", "mesh=2x2", "trainer.max_steps=8", f"hydra.run.dir={run}"],
+                    cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["model"], summary["selected"], summary["steps"]) == ("llama_tiny", "2x2", 8)
+    assert summary["final_loss"] < summary["first_loss"]
+    for name in ("plan.json", "metrics.csv", "loss.png", "summary.txt"):
+        assert (run / name).exists(), name

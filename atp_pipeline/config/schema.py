@@ -171,6 +171,9 @@ class ModelConfig:
     ffn_mult: int = 4
     dtype: DType = DType.fp16
     parallel_plan: Optional[Dict[str, str]] = None
+    # family "hf": the transformers config (``model_type`` and its fields); the shape keys
+    # above interpolate from it (see ``conf/model/llama3_8b.yaml``)
+    hf: Optional[Dict[str, Any]] = None
 
 
 class SBPMethod(str, Enum):

@@ -1,13 +1,13 @@
 """``LMModule``: a LightningModule for any causal LM (no parallelism here).
 
 ``model(idx, targets)`` must return the mean cross-entropy (a tensor, or an output object
-with ``.loss``, as Hugging Face models return). The model is given built, or as a factory
+with ``.loss``), unless ``loss`` says how to call it (a model family's ``lm_loss``). The model is given built, or as a factory
 called under ``seed`` so every rank builds the same initial weights.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,9 +18,11 @@ ModelOrFactory = Union[nn.Module, Callable[[], nn.Module]]
 class LMModuleMixin:
     """A causal LM trained with AdamW (``lr``, ``weight_decay``); logs ``loss`` every step."""
 
-    def __init__(self, model: ModelOrFactory, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, model: ModelOrFactory, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0,
+                 loss: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]] = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["model"])  # type: ignore[attr-defined]
+        self.save_hyperparameters(ignore=["model", "loss"])  # type: ignore[attr-defined]
+        self._loss = loss
         if not isinstance(model, nn.Module):
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
@@ -29,7 +31,7 @@ class LMModuleMixin:
 
     def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         idx, targets = batch
-        out = self.model(idx, targets)
+        out = self._loss(self.model, idx, targets) if self._loss else self.model(idx, targets)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)  # type: ignore[attr-defined]
         return loss

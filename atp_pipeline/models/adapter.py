@@ -55,6 +55,12 @@ class ModelAdapter(ABC):
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
         """``{relative module-name pattern: style}`` laying the module out on a (d1, d2) mesh."""
 
+    def lm_loss(self, model: nn.Module, idx: Any, targets: Any) -> Any:
+        """Mean next-token cross-entropy of ``model`` on ``idx`` against ``targets`` (the
+        family's calling convention; default ``model(idx, targets)``)."""
+        out = model(idx, targets)
+        return getattr(out, "loss", out)
+
     def mesh_infeasibility(self, shape: ModelShape, d1: int, d2: int) -> Optional[str]:
         """Why this family cannot run on ``DeviceMesh(d1, d2)``; default: ATP's layout rules."""
         return mesh_infeasibility(shape, d1, d2)

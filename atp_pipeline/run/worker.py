@@ -38,7 +38,7 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
     adapter = get_adapter(spec.family)
     cfg = SimpleNamespace(**spec.model_config)
     module = LMModule(lambda: adapter.build(cfg), lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
-                      seed=spec.seed).to(dtype)
+                      seed=spec.seed, loss=adapter.lm_loss).to(dtype)
     data = TokenDataModule(spec.data_source, spec.shape.seq_len, spec.shape.batch_size, spec.shape.vocab_size,
                            seed=spec.seed)
     mesh = spec.plan if spec.plan.kind == "sbp" else tuple(spec.plan.mesh_shape)

@@ -76,11 +76,36 @@ class HFCausalLMAdapter(ModelAdapter):
     def shape(self, module: nn.Module) -> ModelShape:
         return shape_of_config(self._supported(module))
 
+    @staticmethod
+    def hf_config(cfg: Any) -> Any:
+        """The transformers config of a model config's ``hf`` block (``model_type`` + fields)."""
+        from transformers import AutoConfig
+
+        fields = dict(getattr(cfg, "hf", None) or {})
+        kind = fields.pop("model_type", None)
+        if kind not in SUPPORTED:
+            raise ConfigError(f"model '{getattr(cfg, 'name', '?')}': model.hf.model_type={kind!r} has no ATP layout "
+                              f"yet (supported: {', '.join(SUPPORTED)})")
+        try:
+            return AutoConfig.for_model(kind, **fields)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model '{getattr(cfg, 'name', '?')}': model.hf: {exc}") from None
+
     def shape_from_config(self, cfg: Any) -> ModelShape:
-        raise ConfigError("transformers models are configured through their own config (model.family=hf)")
+        get = (lambda k, d: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
+        dtype = get("dtype", "fp32")
+        return shape_of_config(self.hf_config(cfg), str(get("name", ""))).with_step(
+            batch_size=int(get("batch_size", 1)), seq_len=int(get("seq_len", 0)) or None,
+            dtype=str(getattr(dtype, "value", dtype)))
 
     def build(self, cfg: Any) -> nn.Module:
-        raise ConfigError("transformers models are built by the user's LightningModule")
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(self.hf_config(cfg))
+
+    def lm_loss(self, model: nn.Module, idx: Any, targets: Any) -> Any:
+        """transformers' own loss on next-token targets already shifted (``shift_labels``)."""
+        return model(input_ids=idx, labels=targets, shift_labels=targets).loss
 
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
         config = self._supported(module)
