@@ -32,10 +32,7 @@ import torch
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm
 from atp_pipeline.parallel.mappings import copy_to_axis, gather_dim0, scatter_dim0
-from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, kv_layout
-
-SCATTER, PICK, GATHERED = KV_SCATTER, KV_PICK, KV_GATHERED
-
+from atp_pipeline.planning.shape import KV_GATHERED, KV_SCATTER, kv_layout
 
 @dataclass
 class HeadSharding:
@@ -58,12 +55,12 @@ class HeadSharding:
         self.local_heads = self.heads // (d1 * d2)
         # the first query head of this rank, and the first key/value head this rank holds
         self.q_first = self.comm.rank("d1") * (self.heads // d1) + self.comm.rank("d2") * self.local_heads
-        self.kv_first = 0 if self.layout == GATHERED else self.comm.rank("d1") * (self.kv_heads // d1)
+        self.kv_first = 0 if self.layout == KV_GATHERED else self.comm.rank("d1") * (self.kv_heads // d1)
 
     @property
     def kv_gathered(self) -> bool:
         """Whether the key/value projections gather their output over d1."""
-        return self.layout == GATHERED
+        return self.layout == KV_GATHERED
 
     def _pick(self, t: torch.Tensor) -> torch.Tensor:
         """The key/value heads of this rank's query heads, one per query head."""
@@ -74,15 +71,13 @@ class HeadSharding:
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]]:
         """``q``: ``[b, heads/d1, s, hd]``; ``k``/``v``: ``[b, kv_heads/d1 (or all), s, hd]`` ->
         this rank's ``q, k, v`` and the group size the core must use (None: the model's)."""
-        d2 = "d2"
-
         def scatter(t: torch.Tensor) -> torch.Tensor:
-            return scatter_dim0(t.transpose(0, 1).contiguous(), self.comm, d2).transpose(0, 1)
+            return scatter_dim0(t.transpose(0, 1).contiguous(), self.comm, "d2").transpose(0, 1)
 
         q = scatter(q)
-        if self.layout == SCATTER:
+        if self.layout == KV_SCATTER:
             return q, scatter(k), scatter(v), None
-        axes = ("d1", d2) if self.layout == GATHERED else (d2,)
+        axes = ("d1", "d2") if self.layout == KV_GATHERED else ("d2",)
         picked = []
         for t in (k, v):
             for axis in axes:

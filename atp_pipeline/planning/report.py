@@ -32,9 +32,10 @@ def print_report(plan: PlanResult, gradsync: Optional[GradSyncReport] = None, co
 
 
 def write_report(plan: PlanResult, out_dir: Path, plot: bool = True, gradsync: Optional[GradSyncReport] = None,
-                 extra_summary: Optional[Dict[str, Any]] = None, echo: bool = True
-                 ) -> Tuple[Dict[str, Path], Dict[str, Any]]:
-    """Print (``echo``) and write the report into ``out_dir``; returns the paths and the summary row."""
+                 extra_summary: Optional[Dict[str, Any]] = None, echo: bool = True,
+                 extra_plan: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Path], Dict[str, Any]]:
+    """Print (``echo``) and write the report into ``out_dir``; returns the paths and the summary
+    row. ``extra_plan`` adds keys to ``plan.json``."""
     if echo:
         print_report(plan, gradsync)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -42,6 +43,7 @@ def write_report(plan: PlanResult, out_dir: Path, plot: bool = True, gradsync: O
     data = plan.to_dict()
     if gradsync is not None:
         data["gradient_sync"] = gradsync.to_dict()
+    data.update(extra_plan or {})
     paths["plan"].write_text(json.dumps(data, indent=2) + "\n")
     with open(paths["text"], "w") as sink:
         recorder = Console(record=True, width=180, file=sink)

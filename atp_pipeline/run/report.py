@@ -19,7 +19,6 @@ from typing import Any, Dict, List, Optional
 from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES, PacketFormat
 from atp_pipeline.ina.sim.switchml import SML_HEADER_BYTES
 from atp_pipeline.planning import gradsync
-from atp_pipeline.planning.memory import per_device_memory
 from atp_pipeline.planning.report import write_report
 from atp_pipeline.run.resolve import RunSpec
 
@@ -41,24 +40,22 @@ def gradsync_estimate(spec: RunSpec) -> Optional[gradsync.GradSyncReport]:
 
 
 def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Print and write the plan report; the summary row."""
+    """Print and write the plan report (with the model's shape and, for an ATP plan, the
+    per-device memory estimate); the summary row."""
     gs = gradsync_estimate(spec)
-    paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra)
-    if spec.plan.kind == "atp":
-        mem = per_device_memory(spec.shape, tuple(spec.plan.mesh_shape), spec.dp)  # type: ignore[arg-type]
-        s = spec.shape
-        print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
-              f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "
-              f"{'tied' if s.tied_embeddings else 'untied'} head")
+    mem = spec.memory
+    extra_plan = None if mem is None else {"memory_per_device": {
+        "params": mem.params, "weights_grads_bytes": mem.weights_grads_bytes, "optimizer_bytes": mem.optimizer_bytes,
+        "activation_bytes": mem.activation_bytes, "total_bytes": mem.total_bytes}}
+    paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
+    s = spec.shape
+    print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
+          f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "
+          f"{'tied' if s.tied_embeddings else 'untied'} head")
+    if mem is not None:
         print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}): "
               f"~{mem.total_bytes / 1e9:.1f} GB = weights+grads {mem.weights_grads_bytes / 1e9:.1f} + optimizer "
               f"{mem.optimizer_bytes / 1e9:.1f} + activations {mem.activation_bytes / 1e9:.1f}")
-        plan_json = out / "plan.json"
-        data = json.loads(plan_json.read_text())
-        data["memory_per_device"] = {"params": mem.params, "weights_grads_bytes": mem.weights_grads_bytes,
-                                     "optimizer_bytes": mem.optimizer_bytes, "activation_bytes": mem.activation_bytes,
-                                     "total_bytes": mem.total_bytes}
-        plan_json.write_text(json.dumps(data, indent=2))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return row
 

@@ -27,7 +27,7 @@ from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.planning.interface import PlanResult, plan
-from atp_pipeline.planning.memory import per_device_memory
+from atp_pipeline.planning.memory import MemoryEstimate, per_device_memory
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -63,6 +63,7 @@ class RunSpec:
     seed: int
     resume: Optional[str]
     plot: bool = True
+    memory: Optional[MemoryEstimate] = None  # per device, ATP plans (planning/memory.py)
     services: Optional[Dict[str, Any]] = None  # the live roles, once started
     job: Dict[str, Any] = field(default_factory=dict)
 
@@ -231,8 +232,8 @@ def resolve(cfg: DictConfig) -> RunSpec:
         model = adapter.build(cfg.model)
     match_plan(model, user_plan or adapter.parallel_plan(model))  # patterns name real modules
     capacity = topo.device.get("memory_GB")
-    if result.kind == "atp" and capacity:  # sbp: the search's own limit
-        mem = per_device_memory(shape, (d1, d2), dp)
+    mem = per_device_memory(shape, (d1, d2), dp) if result.kind == "atp" else None  # sbp: the search's own limit
+    if mem is not None and capacity:
         if mem.total_bytes > capacity * 1e9:
             raise ConfigError(
                 f"model '{shape.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {d1}x{d2} "
@@ -259,4 +260,4 @@ def resolve(cfg: DictConfig) -> RunSpec:
         aggregation=aggregation, trainer=TrainerSpec(accel, int(t.max_steps), float(t.lr), float(t.weight_decay),
                                                      int(t.checkpoint_every_n_steps), bool(t.progress_bar)),
         data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
-        plot=bool(cfg.planner.plot), job=_job_info())
+        plot=bool(cfg.planner.plot), memory=mem, job=_job_info())

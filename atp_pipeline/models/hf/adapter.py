@@ -25,6 +25,7 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
+from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.styles import register_style
 from atp_pipeline.planning.shape import ModelShape
 
@@ -137,15 +138,13 @@ class HFCausalLMAdapter(ModelAdapter):
 
     @staticmethod
     def _check_covered(module: nn.Module, plan: Mapping[str, Any]) -> None:
-        """Every module that holds parameters sits under a pattern of ``plan``."""
-        import fnmatch
-
+        """Every module that holds parameters is styled by ``plan`` or sits inside a styled one
+        (matched by the rules :func:`~atp_pipeline.parallel.apply.match_plan` applies)."""
+        styled = match_plan(module, plan, check=False)
         for name, sub in module.named_modules():
-            if not any(True for _ in sub.parameters(recurse=False)):
+            if next(sub.parameters(recurse=False), None) is None:
                 continue
-            parts = name.split(".")
-            covered = any(fnmatch.fnmatchcase(".".join(parts[:i]), p) for i in range(1, len(parts) + 1) for p in plan)
-            if not covered:
+            if not any(name == n or name.startswith(n + ".") for n in styled):
                 raise ConfigError(f"transformers model '{type(module).__name__}': module '{name}' "
                                   f"({type(sub).__name__}) holds parameters but ATP's layout has no style for it; "
                                   f"pass a plan")
