@@ -13,26 +13,31 @@ VOCAB, SEQ, BATCH = 96, 8, 2
 
 # Tiny configs of each supported family: 8 query heads (split over d1*d2 <= 4), and key/value
 # heads that exercise every layout: split over d1*d2 (8), over d1 only (2 on 1x4 is
-# "pick"), fewer than d1 (1 head, Mistral: "gathered").
+# "pick"), fewer than d1 (1 head, Mistral: "gathered"). GPT-2 (Conv1D, fused concatenated
+# q|k|v, learned positions, tied head), OPT (per-rank num_heads, positions derived in its
+# forward, tied head, ReLU) and GPT-NeoX (per-head interleaved q|k|v, partial rotary,
+# parallel residual, untied) with dropout 0 (refused otherwise).
+COMMON: Dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+                              max_position_embeddings=64, attn_implementation="sdpa")
 TINY: Dict[str, Dict[str, Any]] = {
-    "llama": dict(num_key_value_heads=4, attention_bias=False),
-    "mistral": dict(num_key_value_heads=1, sliding_window=None),
-    "qwen2": dict(num_key_value_heads=2),
+    "llama": dict(intermediate_size=48, num_key_value_heads=4, attention_bias=False, tie_word_embeddings=False),
+    "mistral": dict(intermediate_size=48, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False),
+    "qwen2": dict(intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=True),  # tied, as Qwen2-0.5B
+    "gpt2": dict(n_inner=48, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    "opt": dict(ffn_dim=48, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, activation_function="relu"),
+    "gpt_neox": dict(intermediate_size=48, hidden_dropout=0.0, attention_dropout=0.0, rotary_pct=0.5,
+                     use_parallel_residual=True, tie_word_embeddings=False),
 }
 
 
 def build(family: str, dtype: torch.dtype = torch.float64, **over: Any) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=8, max_position_embeddings=64, tie_word_embeddings=False,
-                  attn_implementation="sdpa")
-    fields.update(TINY[family])
-    fields.update(over)
+    fields = {**COMMON, **TINY[family], **over}
     config = AutoConfig.for_model(family, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # non-trivial norm weights, so a norm applied on the wrong slice cannot hide
+    # non-trivial norm weights and biases, so one applied on the wrong slice cannot hide
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -44,20 +49,68 @@ def batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """Max error relative to the reference tensor's magnitude, or to ``floor`` where that is
+    smaller (a gradient that is zero in exact arithmetic, e.g. of a key bias, is rounding noise)."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+class _Counting:
+    """A stored tensor (safetensors slice) that counts the elements read out of it."""
+
+    read = 0
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        t = self.inner[index]
+        _Counting.read += t.numel()
+        return t
 
 
-def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int, int]]) -> List[Dict[str, Any]]:
+def _round_trip(family: str, idx: torch.Tensor, sub: torch.nn.Module, adapter: Any, mesh: Any, plan: Dict[str, Any],
+                saved: str, export_dir: str) -> Dict[str, Any]:
+    """Weights in and out in HF format: the dense model's checkpoint loaded into the layout
+    from the meta device (each rank reading only its blocks) gives the same loss; the laid-out
+    model exported is the dense model again, loadable by ``from_pretrained``."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from atp_pipeline.models.hf.adapter import load_pretrained
+    from atp_pipeline.models.hf.weights import safetensors_reader
+    from atp_pipeline.parallel.apply import apply_plan
+    from atp_pipeline.parallel.dense import load_dense
+    from atp_pipeline.parallel.materialize import materialize
+
+    adapter.export(sub, export_dir)
+    export_diff = None
+    if dist.get_rank() == 0:
+        back = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float64)
+        ref = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64).state_dict()
+        export_diff = max(float((v - ref[k]).abs().max()) for k, v in back.state_dict().items())
+    fresh = load_pretrained(saved).to(torch.float64)
+    apply_plan(fresh, plan, mesh)
+    materialize(fresh, torch.device("cpu"), loaded=[fresh])
+    reader = safetensors_reader(saved, fresh)
+    _Counting.read = 0
+    load_dense(fresh, lambda name: None if reader(name) is None else _Counting(reader(name)))
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in fresh.parameters())
+    loss = fresh(input_ids=idx, labels=idx).loss.item()
+    return {"export_diff": export_diff, "loaded_loss": loss, "read": _Counting.read, "held": held}
+
+
+def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int, int]],
+              workdir: str = "") -> List[Dict[str, Any]]:
     """Float64, one forward + backward: loss and every full gradient vs the single process,
-    with the counted collectives per (collective, axis)."""
+    with the counted collectives per (collective, axis); with ``workdir``, the HF checkpoint
+    round trip (:func:`_round_trip`)."""
+    import torch.distributed as dist
+
     from atp_pipeline.models.adapter import find_adapters, prefixed
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.parallel.comm import comm_for
+    from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
 
     idx = batch()
@@ -68,22 +121,31 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
         ref.backward()
         ref_grads = {n: p.grad.clone() for n, p in dense.named_parameters()}
         dense.zero_grad(set_to_none=True)
+        saved = f"{workdir}/{family}"
+        if workdir and rank == 0:
+            dense.save_pretrained(saved)
+        if workdir:
+            dist.barrier()
         for d1, d2 in meshes:
             mesh = init_mesh((d1, d2))
             model = copy.deepcopy(dense)
             (name, adapter, sub), = find_adapters(model)
-            applied = apply_plan(model, prefixed(name, adapter.parallel_plan(sub)), mesh)
+            plan = prefixed(name, adapter.parallel_plan(sub))
+            applied = apply_plan(model, plan, mesh)
             comm = comm_for(mesh)
             comm.stats.reset()
             loss = model(input_ids=idx, labels=idx).loss
             loss.backward()
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-            err = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads if n in grads}
+            grads = dense_tensors(model, grad=True)
+            floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
+            err = {n: _rel(grads[n], ref_grads[n], floor) for n in ref_grads if n in grads}
             out.append({"family": family, "mesh": (d1, d2), "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
                         "grad_rel": max(err.values()), "worst": max(err, key=err.get),
                         "same_params": sorted(grads) == sorted(ref_grads), "applied": len(applied),
                         "counted": {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()},
-                        "shape": adapter.shape(sub).to_dict()})
+                        "shape": adapter.shape(sub).to_dict(), "loss": loss.item(),
+                        **(_round_trip(family, idx, sub, adapter, mesh, plan, saved, f"{saved}-{d1}x{d2}")
+                           if workdir else {})})
     return out
 
 

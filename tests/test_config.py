@@ -37,7 +37,9 @@ def test_every_topology_composes_and_validates(compose_cfg, topology):
 def test_models_and_groups_compose(compose_cfg):
     for model in MODELS:
         cfg = compose_cfg(f"model={model}", "overlap=chunk4", "aggregation=atp")
-        assert cfg.model.name == model and cfg.model.hidden % cfg.model.heads == 0
+        assert cfg.model.name == model
+        if model != "hf_pretrained":  # its shape is read from the checkpoint directory it names
+            assert cfg.model.hidden % cfg.model.heads == 0
         assert cfg.overlap.chunks == 4 and cfg.aggregation.mode.value == "atp"
     m1 = compose_cfg("model=m1").model
     assert (m1.hidden, m1.heads, m1.batch_size, m1.seq_len, m1.dtype.value) == (2048, 16, 4, 2048, "fp16")

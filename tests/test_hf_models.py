@@ -1,5 +1,8 @@
 """transformers causal LMs on ATP's 2D meshes (issue 14): Llama, Mistral (one key/value head:
-fewer than the ranks), Qwen2 (biased q/k/v), built from tiny configs, laid out by the HF
+fewer than the ranks), Qwen2 (biased q/k/v, tied head), GPT-2 (Conv1D, fused concatenated
+q|k|v, learned positions, tied head), OPT (per-rank head count, derived positions, tied
+head) and GPT-NeoX (per-head interleaved q|k|v, partial rotary, parallel residual), built
+from tiny configs, laid out by the HF
 adapter's plan (no plan written by hand) against the single-process model, float64, one
 forward and backward: the loss and the full tensor of every gradient within 1e-9 relative,
 on 2 processes (2x1, 1x2) and 4 processes (4x1, 2x2, 1x4) — one launch each; the counted
@@ -8,6 +11,7 @@ collectives equal the planner's runtime cost model (``module_styles`` layout) ex
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="pip install transformers")
 
@@ -21,9 +25,9 @@ MESHES = {2: [(2, 1), (1, 2)], 4: [(4, 1), (2, 2), (1, 4)]}
 
 
 @pytest.fixture(scope="module", params=sorted(MESHES), ids=lambda w: f"{w}proc")
-def results(request):
+def results(request, tmp_path_factory):
     world = request.param
-    return world, spawn(exactness, world, FAMILIES, MESHES[world])
+    return world, spawn(exactness, world, FAMILIES, MESHES[world], str(tmp_path_factory.mktemp("hf")))
 
 
 def test_every_family_and_mesh_matches_single_process(results):
@@ -40,6 +44,21 @@ def test_every_family_and_mesh_matches_single_process(results):
     # every rank computed the same loss and the same full gradients
     for other in per_rank[1:]:
         assert [(r["loss_rel"], r["grad_rel"]) for r in other] == [(r["loss_rel"], r["grad_rel"]) for r in rows]
+
+
+def test_hf_checkpoints_load_shard_by_shard_and_export_exactly(results):
+    """The dense model saved with ``save_pretrained``, loaded into the layout from the meta
+    device: the same loss bit for bit, and each rank reads exactly the elements it holds
+    (its blocks, not the whole tensors); the laid-out model exported is the dense model
+    again, bit for bit, through ``AutoModelForCausalLM.from_pretrained``."""
+    world, per_rank = results
+    for rank_rows in zip(*per_rank):
+        r = rank_rows[0]
+        where = f"{r['family']} on {r['mesh']}"
+        assert r["export_diff"] == 0.0, where
+        for x in rank_rows:
+            assert x["loaded_loss"] == x["loss"], where
+            assert x["read"] == x["held"], (where, x["read"], x["held"])
 
 
 def test_shape_is_read_from_the_model():
@@ -66,12 +85,27 @@ def test_unsupported_family_is_one_line():
     assert "\n" not in msg and "model_type 'phi'" in msg and "llama" in msg and "plan" in msg
 
 
-def test_tied_embeddings_are_refused_in_one_line():
+@pytest.mark.parametrize("family, over, message", [
+    ("gpt2", dict(resid_pdrop=0.1), "dropout transformer.h.*.attn.resid_dropout.p=0.1"),
+    ("opt", dict(attention_dropout=0.1), "dropout attention_dropout=0.1"),
+    ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim=16 differs from hidden_size=32"),
+])
+def test_what_the_layout_cannot_reproduce_is_refused_in_one_line(family, over, message):
     from atp_pipeline.models.adapter import find_adapters
 
-    (_, adapter, sub), = find_adapters(build("llama", tie_word_embeddings=True))
-    with pytest.raises(ConfigError, match="tie_word_embeddings=True"):
+    (_, adapter, sub), = find_adapters(build(family, **over))
+    with pytest.raises(ConfigError) as err:
         adapter.parallel_plan(sub)
+    assert "\n" not in str(err.value) and message in str(err.value) and f"model_type '{family}'" in str(err.value)
+
+
+def test_tied_head_shares_the_embedding_table():
+    """Qwen2 (tied): the head's style is ``tied`` and it holds no parameter of its own."""
+    from atp_pipeline.models.adapter import find_adapters
+
+    (_, adapter, sub), = find_adapters(build("qwen2"))
+    assert adapter.parallel_plan(sub)["lm_head"] == "tied(table=model.embed_tokens, input=split)"
+    assert adapter.shape(sub).tied_embeddings
 
 
 def test_lightning_trains_an_hf_llama_with_the_planned_mesh():
@@ -135,18 +169,63 @@ def test_infeasible_hf_mesh_is_one_line(tmp_path):
     assert len(lines) == 1 and "28 heads" in lines[0] and "8x2 = 16" in lines[0], out.stderr
 
 
-def test_train_py_fits_a_tiny_hf_llama(tmp_path):
-    """``python train.py model=llama_tiny mesh=2x2`` trains and writes the usual run directory."""
+def _corpus_batch(step: int, seq_len: int = 64, batch: int = 8, seed: int = 0):
+    """The ``(idx, targets)`` a dp=1 run of ``train.py`` trains on at ``step`` (0-based)."""
+    from atp_pipeline.data import CORPUS
+    from atp_pipeline.lightning.data import CorpusWindows
+
+    ds = CorpusWindows(CORPUS, seq_len, seed)
+    x, y = zip(*(ds[i] for i in range(step * batch, (step + 1) * batch)))
+    return torch.stack(x), torch.stack(y)
+
+
+def _hf_loss(model, step: int) -> float:
+    idx, targets = _corpus_batch(step)
+    with torch.no_grad():
+        return model(input_ids=idx, labels=targets, shift_labels=targets).loss.item()
+
+
+def test_train_py_hf_fit_resume_export_and_pretrained(tmp_path):
+    """``python train.py model=llama_tiny mesh=2x2`` trains, writes the usual run directory and
+    exports the model in HF format (``<run>/hf``); resuming from its sharded DCP checkpoint at
+    step 3 reproduces steps 4-6 exactly, and its step 7 — the loss of the model trained for 6
+    steps — equals the exported checkpoint's loss under ``from_pretrained`` on that batch.
+    ``model=hf_pretrained``: a GPT-2 checkpoint written by ``save_pretrained`` (Conv1D, fused
+    q|k|v, tied head) loads into a 2x2 run shard by shard; its first-step loss is the
+    single-process model's on the same batch, and with lr=0 it is exported back bit for bit."""
     import json
+
+    from transformers import AutoModelForCausalLM
+
+    from atp_pipeline.run.report import read_metrics
 
     from .conftest import run_train
 
-    run = tmp_path / "run"
-    out = run_train(["model=llama_tiny", "mesh=2x2", "trainer.max_steps=8", f"hydra.run.dir={run}"],
-                    cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["model"], summary["selected"], summary["steps"]) == ("llama_tiny", "2x2", 8)
+    def train(run, *args):
+        out = run_train([*args, "trainer.progress_bar=false", "planner.plot=false", f"hydra.run.dir={run}"],
+                        cwd=tmp_path, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.csv") if "loss" in r}
+
+    a, c, b = tmp_path / "a", tmp_path / "c", tmp_path / "b"
+    full = train(a, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3")
+    summary = json.loads((a / "summary.json").read_text())
+    assert (summary["model"], summary["selected"], summary["steps"]) == ("llama_tiny", "2x2", 6)
     assert summary["final_loss"] < summary["first_loss"]
-    for name in ("plan.json", "metrics.csv", "loss.png", "summary.txt"):
-        assert (run / name).exists(), name
+    for name in ("plan.json", "metrics.csv", "loss.png", "summary.txt", "hf/config.json", "hf/model.safetensors"):
+        assert (a / name).exists(), name
+
+    resumed = train(c, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=7", f"resume={a / 'checkpoints' / 'step3.ckpt'}")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert all(resumed[k] == pytest.approx(full[k], abs=1e-6) for k in (3, 4, 5)), (resumed, sorted(full.items()))
+    exported = AutoModelForCausalLM.from_pretrained(str(a / "hf"))
+    assert _hf_loss(exported, 6) == pytest.approx(resumed[6], rel=1e-5)
+
+    ckpt = tmp_path / "gpt2"
+    dense = build("gpt2", torch.float32, vocab_size=256)
+    dense.save_pretrained(str(ckpt))
+    first = train(b, "model=hf_pretrained", f"model.pretrained={ckpt}", "mesh=2x2", "trainer.max_steps=1",
+                  "trainer.lr=0")
+    assert first[0] == pytest.approx(_hf_loss(dense, 0), rel=1e-5)
+    back, ref = AutoModelForCausalLM.from_pretrained(str(b / "hf")).state_dict(), dense.state_dict()
+    assert sorted(back) == sorted(ref) and all(torch.equal(back[k], ref[k]) for k in ref)

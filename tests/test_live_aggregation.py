@@ -194,9 +194,10 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
             assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.5)
         kids = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(proc.pid)}
-        workers = [c for c, cmd in kids.items() if b"spawn_main" in cmd]
+        servers = [c for c, cmd in kids.items() if b"forkserver" in cmd]  # the ranks are forked from it
+        workers = [w for s in servers for w in _children(s)]
         roles = [c for c, cmd in kids.items() if b"atp_pipeline.ina.live.nodes" in cmd]
-        assert len(workers) == 4 and len(roles) == 1, kids  # 4 ranks and this run's PS
+        assert len(servers) == 1 and len(workers) == 4 and len(roles) == 1, kids  # 4 ranks and this run's PS
         victim = workers[2]
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -215,8 +216,17 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
         for text in survivors.values():
             named = re.findall(r"no contribution from worker (\d) \(rank (\d)\)", text)
             assert named == [(dead.group(1), dead.group(1))] or "Connection closed by peer" in text, text[-2000:]
-        for pid in workers:
-            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        def gone(pid: int) -> bool:
+            try:
+                return "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+            except OSError:
+                return True
+
+        for pid in workers + servers:  # the fork server exits once its launcher has gone
+            until = time.monotonic() + 15
+            while not gone(pid) and time.monotonic() < until:
+                time.sleep(0.2)
+            assert gone(pid), ("fork server" if pid in servers else "worker", pid)
         live = _live_role_pids()
         assert sw.switch.pid in live and not set(roles) & set(live)  # the run's PS is gone
         st = sw.stats()["switch"]

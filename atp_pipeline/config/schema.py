@@ -174,6 +174,9 @@ class ModelConfig:
     # family "hf": the transformers config (``model_type`` and its fields); the shape keys
     # above interpolate from it (see ``conf/model/llama3_8b.yaml``)
     hf: Optional[Dict[str, Any]] = None
+    # a local checkpoint directory in the family's format (HF: config.json + safetensors); the
+    # model's config is read from it (``hf`` then overrides fields) and each rank loads its shards
+    pretrained: Optional[str] = None
 
 
 class SBPMethod(str, Enum):
@@ -274,6 +277,7 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 0  # 0: only the last step
     progress_bar: bool = True
+    export: bool = True  # at the end, the model in its family's own format (HF: <run>/hf), if it has one
 
 
 @dataclass

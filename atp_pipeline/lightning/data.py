@@ -3,9 +3,11 @@
 Both datasets are indexed by sample number and deterministic in it (a seeded permutation of
 corpus windows, or seeded random tokens), and the loaders do not shuffle: the order of
 batches is the same whatever the process count, so a tensor-parallel run sees exactly the
-single-process run's batches, data-parallel replicas split each global batch (a
-non-shuffling DistributedSampler over the dp dimension), and a resumed run continues at
-the sample where the checkpoint stopped.
+single-process run's batches, data-parallel replicas split each global batch (strided, as
+a non-shuffling ``DistributedSampler`` splits it), and a resumed run continues at the sample
+where the checkpoint stopped — whatever ``max_steps`` it resumes with: the loader's length
+is the whole run (Lightning counts the restored batches of the epoch against it), and it
+yields the batches from the restored step on (:class:`RunSampler`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from atp_pipeline.data import CORPUS
 from atp_pipeline.errors import ConfigError
@@ -55,6 +57,21 @@ class SyntheticTokens(Dataset):
         return w[:-1], w[1:]
 
 
+class RunSampler(Sampler):
+    """This replica's sample indices of a run's batches ``first_batch..`` of ``batch`` samples
+    (strided over ``replicas``); its length counts the whole run from batch 0, which is how
+    Lightning numbers the batches of the one epoch a run is, including restored ones."""
+
+    def __init__(self, first_batch: int, batches: int, batch: int, replicas: int = 1, rank: int = 0) -> None:
+        self.first, self.total, self.replicas, self.rank = first_batch * batch, batches * batch, replicas, rank
+
+    def __iter__(self):
+        return iter(range(self.first + self.rank, self.total, self.replicas))
+
+    def __len__(self) -> int:
+        return self.total // self.replicas
+
+
 class TokenDataMixin:
     """``source="corpus"`` (bytes of the shipped text, vocab 256) or ``"synthetic"``.
 
@@ -85,11 +102,11 @@ class TokenDataMixin:
             raise ConfigError(f"global batch {self.batch_size} does not split over {replicas} data-parallel replicas")
         trainer = self.trainer
         step = trainer.global_step if trainer else 0
-        steps_left = max(1, (trainer.max_steps if trainer and trainer.max_steps > 0 else 10_000) - step)
-        start, length = step * self.batch_size, steps_left * self.batch_size  # one "epoch" = the run
+        steps = max(step + 1, trainer.max_steps if trainer and trainer.max_steps > 0 else 10_000)  # one "epoch" = the run
+        length = steps * self.batch_size
         if self.source == "corpus":
-            ds: Dataset = CorpusWindows(self.path, self.seq_len, self.seed, start, length)
+            ds: Dataset = CorpusWindows(self.path, self.seq_len, self.seed, 0, length)
         else:
-            ds = SyntheticTokens(self.vocab_size, self.seq_len, self.seed, start, length)
-        sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=False)
+            ds = SyntheticTokens(self.vocab_size, self.seq_len, self.seed, 0, length)
+        sampler = RunSampler(step, steps, self.batch_size, replicas, rank)
         return DataLoader(ds, batch_size=self.batch_size // replicas, sampler=sampler, num_workers=0)

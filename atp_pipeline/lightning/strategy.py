@@ -12,7 +12,8 @@ groups and sharded ``torch.distributed.checkpoint`` checkpoints):
    ``plan``, else the ``parallel_plan`` attribute of the LightningModule, else each known
    family's own plan — or an SBP plan's executor; a model built on the meta device is then
    materialized shard by shard (:mod:`atp_pipeline.parallel.materialize`) and replicated
-   parameters are broadcast from rank 0, as DDP does;
+   parameters are broadcast from rank 0, as DDP does; a family's checkpoint
+   (``ModelAdapter.weights``) fills the shards, each rank reading only its own;
 3. **gradient sync** (``post_backward``): every gradient averaged over the data-parallel
    replicas through one :class:`~atp_pipeline.parallel.grad_sync.GradSync` (``ring``, or the
    in-network aggregation backend for ``atp``/``ps``).
@@ -44,6 +45,7 @@ from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.grad_sync import GradSync, RingSync, sync_gradients
+from atp_pipeline.parallel.dense import load_dense
 from atp_pipeline.parallel.materialize import broadcast_replicated, has_meta, materialize
 from atp_pipeline.parallel.mesh import Axis, init_mesh
 from atp_pipeline.planning.interface import PlanResult
@@ -278,8 +280,11 @@ class ATPStrategyMixin:
         if not meta:  # replicas start from rank 0's values (DDP), whatever each rank's RNG did
             broadcast_replicated(module, device)
         self.applied_plan = self._layout(module)
+        sources = [(sub, r) for _, adapter, sub in self._families() if (r := adapter.weights(sub)) is not None]
         if meta:
-            materialize(module, device)
+            materialize(module, device, loaded=[sub for sub, _ in sources])
+        for sub, read in sources:  # a family's checkpoint: each rank reads only its shards
+            load_dense(sub, read)
         # Lightning's Strategy.setup: precision, device, optimizers (ModelParallelStrategy's own
         # would insist on configure_model and re-materialize).
         super(self._lightning_base(), self).setup(trainer)  # type: ignore[misc]

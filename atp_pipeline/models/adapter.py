@@ -9,7 +9,9 @@ the strategy, for a module of its family:
 * :meth:`~ModelAdapter.parallel_plan` — how its modules map to parallel styles on a
   (d1, d2) mesh (names relative to the family's root module);
 * :meth:`~ModelAdapter.build` — the module from a model config;
-* :meth:`~ModelAdapter.apply_sbp` — how an SBP layout (AutoDDL) runs on it, if it can.
+* :meth:`~ModelAdapter.apply_sbp` — how an SBP layout (AutoDDL) runs on it, if it can;
+* :meth:`~ModelAdapter.weights` / :meth:`~ModelAdapter.export` — the family's checkpoint
+  format in (each rank reading its shards) and out.
 
 Families register with :func:`register_adapter`; :func:`find_adapters` locates every
 module of a known family inside a user's module tree. The built-in GPT
@@ -60,6 +62,17 @@ class ModelAdapter(ABC):
         family's calling convention; default ``model(idx, targets)``)."""
         out = model(idx, targets)
         return getattr(out, "loss", out)
+
+    def weights(self, module: nn.Module) -> Optional[Any]:
+        """Where the laid-out ``module``'s weights come from once its shards are allocated: a
+        reader for :func:`~atp_pipeline.parallel.dense.load_dense` (``name -> stored tensor``),
+        or None (keep the initialization)."""
+        return None
+
+    def export(self, module: nn.Module, out_dir: str) -> Optional[str]:
+        """Write the laid-out ``module`` in the family's own format (collective: every rank
+        calls it); None if the family has no such format."""
+        return None
 
     def mesh_infeasibility(self, shape: ModelShape, d1: int, d2: int) -> Optional[str]:
         """Why this family cannot run on ``DeviceMesh(d1, d2)``; default: ATP's layout rules."""

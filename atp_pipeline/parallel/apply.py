@@ -6,7 +6,8 @@ wins, and modules inside a replaced module are not matched again). :func:`match_
 checks the patterns against a module tree — every pattern must match a module and every
 match must pass its style's check — without touching it (a model on the meta device will
 do), so a bad plan fails before any process starts. :func:`apply_plan` then replaces the
-matches in place, parents first; the model code never changes (torchtitan's approach).
+matches in place, parents first (a style sharing another module's parameters, ``order = 1``,
+after all others); the model code never changes (torchtitan's approach).
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def apply_plan(root: nn.Module, plan: Mapping[str, StyleSpec], mesh: DeviceMesh,
     """Replace the modules of ``root`` that ``plan`` matches, in place; returns
     ``{module name: style description}`` of what was applied."""
     chosen = match_plan(root, plan)
-    ctx = StyleContext(mesh, chunks)
-    for name, style in sorted(chosen.items(), key=lambda kv: kv[0].count(".")):
+    if chunks > 1 and not any(s.chunked for s in chosen.values()):
+        raise ConfigError(f"overlap chunks={chunks} (§4.1): no style of this plan runs chunked "
+                          f"({', '.join(sorted({s.name for s in chosen.values()}))}); use chunks=1")
+    ctx = StyleContext(mesh, chunks, root)
+    for name, style in sorted(chosen.items(), key=lambda kv: (kv[1].order, kv[0].count("."))):
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, style.apply(name, getattr(parent, attr), ctx))

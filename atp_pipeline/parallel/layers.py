@@ -15,6 +15,9 @@ layout; at a boundary with code that needs the whole tensor, ``input``/``output`
   upcasts to float32, a norm with ``(1 + w)``); its output is sliced back over d2 where the
   next module reads the split layout. It costs an all-gather of the hidden per token in
   each direction, against the two statistics of :class:`ParallelLayerNorm`;
+* :class:`TiedHead` — an LM head sharing a :class:`ParallelEmbedding`'s table (tied input
+  and output embeddings): partial logits of each rank's hidden block over the whole
+  vocabulary, all-reduced over d2;
 * :class:`VocabParallelLoss` — mean cross-entropy of logits whose vocabulary is split over
   d1 (replaces a cross-entropy module).
 """
@@ -29,8 +32,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import sharded_parameter
-from atp_pipeline.parallel.mappings import (all_reduce_sum, gather_dim0, grad_contiguous, scatter_dim0,
-                                           vocab_parallel_cross_entropy)
+from atp_pipeline.parallel.mappings import (all_reduce_sum, gather_dim0, grad_contiguous, reduce_from_axis,
+                                           scatter_dim0, vocab_parallel_cross_entropy)
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 FULL, SPLIT = "full", "split"
@@ -110,6 +113,7 @@ class ParallelEmbedding(nn.Module):
         self.comm = comm_for(mesh)
         self.output = output
         self.padding_idx = emb.padding_idx
+        self.source_id = id(emb.weight)  # which dense table it replaced (a tied head finds it by this)
         self.weight = sharded_parameter(emb.weight, mesh, [Replicate(), Shard(1)])
 
     def reset_shards(self, seed: int, name: str) -> None:
@@ -121,6 +125,31 @@ class ParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         y = F.embedding(idx, self.weight.to_local(), self.padding_idx)
         return gather_last(y, self.comm, Axis.d2.value) if self.output == FULL else y
+
+
+class TiedHead(nn.Module):
+    """``logits = x E^T`` with ``E`` the table of a :class:`ParallelEmbedding` (tied
+    embeddings). ``E`` is split by hidden over d2 and replicated over d1, so each rank
+    multiplies its hidden block of ``x`` by its block of ``E`` over the whole vocabulary and
+    the partial logits are all-reduced over d2 (backward: no communication — the gradient of
+    the logits is replicated, and ``E``'s gradient from the head adds to the embedding's on
+    the same shard). The logits are whole on every rank (the model's own loss runs on them);
+    d1 ranks compute the same head, so its FLOPs are not divided by d1."""
+
+    def __init__(self, table: ParallelEmbedding, mesh: DeviceMesh, input: str = FULL) -> None:
+        super().__init__()
+        self.comm, self.input = comm_for(mesh), input
+        object.__setattr__(self, "table", table)  # not a submodule: the embedding owns the weight
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.table.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d2 = Axis.d2.value
+        if self.input == FULL:
+            x = split_last(x, self.comm, d2)
+        return reduce_from_axis(F.linear(x, self.table.weight.to_local()), self.comm, d2)
 
 
 class VocabParallelLoss(nn.Module):

@@ -17,7 +17,7 @@ optimizers, checkpointing and ``full_tensor()`` see the global parameter.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,6 +30,49 @@ from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatt
 from atp_pipeline.parallel.mesh import device_of, shard_seed, tp_coordinate, tp_mesh
 
 COLUMN, ROW = "column", "row"
+
+# Modules computing ``y = x W^T + b``, by type -> whether they store ``W`` transposed (in x out).
+_LINEAR_KINDS: Dict[type, bool] = {nn.Linear: False}
+LinearView = Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]
+
+
+def register_linear_kind(cls: type, transposed: bool = False) -> None:
+    """Let the ``column``/``row`` styles replace modules of type ``cls`` that hold ``weight``
+    (out x in, or in x out if ``transposed``: GPT-2's ``Conv1D``) and ``bias``."""
+    _LINEAR_KINDS[cls] = transposed
+
+
+def linear_kinds() -> Tuple[type, ...]:
+    return tuple(_LINEAR_KINDS)
+
+
+def _transposed(cls: type) -> bool:
+    for base in cls.__mro__:
+        if base in _LINEAR_KINDS:
+            return _LINEAR_KINDS[base]
+    raise ConfigError(f"{cls.__name__} is not a linear kind ({', '.join(t.__name__ for t in _LINEAR_KINDS)})")
+
+
+def as_linear(module: nn.Module) -> LinearView:
+    """``(in, out, W out x in, b)`` of a module of a registered linear kind."""
+    w = module.weight.t() if _transposed(type(module)) else module.weight
+    return int(w.shape[1]), int(w.shape[0]), w, module.bias
+
+
+def group_rows(w: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """Rows of ``w`` (dim 0) that are ``parts`` concatenated segments (a fused q|k|v), reordered
+    so that block ``i`` of ``n`` equal blocks holds block ``i`` of every segment: sharding the
+    result over ``n`` ranks gives each rank its part of each segment, in segment order."""
+    if parts == 1:
+        return w
+    return w.reshape(parts, n, w.shape[0] // (parts * n), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def ungroup_rows(w: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`group_rows`."""
+    if parts == 1:
+        return w
+    return w.reshape(n, parts, w.shape[0] // (parts * n), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
@@ -71,12 +114,14 @@ class ATPLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh, first: str = COLUMN,
                  bias: bool = True, weight: Optional[torch.Tensor] = None,
                  bias_tensor: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
-                 input_is_parallel: bool = True, gather_output: bool = False) -> None:
+                 input_is_parallel: bool = True, gather_output: bool = False, parts: int = 1) -> None:
         super().__init__()
         self.input_is_parallel, self.gather_output = input_is_parallel, gather_output
         if first not in (COLUMN, ROW):
             raise ConfigError(f"ATPLinear first must be 'column' or 'row', got {first!r}")
         self.in_features, self.out_features, self.first = in_features, out_features, first
+        self.parts = parts
+        self.source_kind: type = nn.Linear  # the dense module it replaced (from_linear)
         self.mesh = mesh
         self.comm: Comm = comm_for(mesh)
         d1, d2 = self.comm.size("d1"), self.comm.size("d2")
@@ -88,6 +133,9 @@ class ATPLinear(nn.Module):
             if size % n:
                 raise ConfigError(f"ATPLinear({in_features}, {out_features}, first={first!r}): "
                                   f"{name}={size} is not divisible by {axis}={n}")
+        if parts > 1 and (first != COLUMN or out_features % (parts * d1)):
+            raise ConfigError(f"ATPLinear({in_features}, {out_features}, first={first!r}): {parts} fused output "
+                              f"segments need a column-first layer whose out_features divide by {parts}*d1")
         w_place: List[Placement] = [Shard(0), Shard(1)] if first == COLUMN else [Shard(1), Shard(0)]
         if weight is None:
             dense = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -96,7 +144,7 @@ class ATPLinear(nn.Module):
         if tuple(weight.shape) != (out_features, in_features):
             raise ConfigError(f"ATPLinear weight must be {out_features}x{in_features} (out x in), "
                               f"got {tuple(weight.shape)}")
-        self.weight = sharded_parameter(weight, mesh, w_place)
+        self.weight = sharded_parameter(group_rows(weight, parts, d1), mesh, w_place)
         if bias:
             if bias_tensor is None:
                 bound = 1 / math.sqrt(in_features)
@@ -104,19 +152,65 @@ class ATPLinear(nn.Module):
                 if not bias_tensor.is_meta:
                     bias_tensor.uniform_(-bound, bound)
             b_place: List[Placement] = [Shard(0), Replicate()] if first == COLUMN else [Replicate(), Shard(0)]
-            self.bias = sharded_parameter(bias_tensor, mesh, b_place)
+            self.bias = sharded_parameter(group_rows(bias_tensor, parts, d1), mesh, b_place)
         else:
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: DeviceMesh, first: str, input_is_parallel: bool = True,
-                    gather_output: bool = False) -> "ATPLinear":
-        """Shard a dense ``nn.Linear`` (same values on every rank) into an ATPLinear. A
-        linear on the meta device gives meta shards (no rank ever holds the whole weight);
-        :meth:`reset_shards` initializes them once materialized."""
-        return cls(linear.in_features, linear.out_features, mesh, first, bias=linear.bias is not None,
-                   weight=linear.weight, bias_tensor=linear.bias, input_is_parallel=input_is_parallel,
-                   gather_output=gather_output)
+    def from_linear(cls, linear: nn.Module, mesh: DeviceMesh, first: str, input_is_parallel: bool = True,
+                    gather_output: bool = False, parts: int = 1) -> "ATPLinear":
+        """Shard a dense ``nn.Linear`` (or a module of a registered linear kind; same values on
+        every rank) into an ATPLinear. A linear on the meta device gives meta shards (no rank
+        ever holds the whole weight); :meth:`reset_shards` initializes them once materialized.
+        ``parts``: the output features are that many concatenated segments (a fused q|k|v),
+        each split over d1 (:func:`group_rows`)."""
+        n_in, n_out, weight, bias = as_linear(linear)
+        layer = cls(n_in, n_out, mesh, first, bias=bias is not None, weight=weight, bias_tensor=bias,
+                    input_is_parallel=input_is_parallel, gather_output=gather_output, parts=parts)
+        layer.source_kind = type(linear)
+        return layer
+
+    def dense(self, grad: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+        """The replaced module's ``weight`` and ``bias`` (or their gradients), whole and in its
+        own layout (a ``Conv1D``'s ``W`` transposed; a fused q|k|v in segment order).
+        Collective: every rank of the tensor-parallel mesh must call it."""
+        n = self.comm.size("d1")
+
+        def whole(p: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+            t = None if p is None else (p.grad if grad else p.data)
+            return None if t is None else ungroup_rows(t.full_tensor(), self.parts, n)
+
+        w = whole(self.weight)
+        if w is not None and _transposed(self.source_kind):
+            w = w.t().contiguous()
+        return {"weight": w, "bias": whole(self.bias)}
+
+    def local_ranges(self) -> Tuple[List[Tuple[int, int]], Tuple[int, int]]:
+        """This rank's block of ``W`` (out x in) in the dense layer's indices: the output
+        feature ranges (one per fused segment) and the input feature range."""
+        c1, c2 = tp_coordinate(self.mesh)
+        (ro, no), (ri, ni) = ((c1, self.comm.size("d1")), (c2, self.comm.size("d2"))) if self.first == COLUMN \
+            else ((c2, self.comm.size("d2")), (c1, self.comm.size("d1")))
+        seg = self.out_features // self.parts
+        block = seg // no
+        rows = [(p * seg + ro * block, p * seg + (ro + 1) * block) for p in range(self.parts)]
+        width = self.in_features // ni
+        return rows, (ri * width, (ri + 1) * width)
+
+    def load_dense(self, weight: Any, bias: Any) -> None:
+        """Fill this rank's blocks from the dense layer's ``weight``/``bias`` as stored (sliceable
+        like a tensor, e.g. a safetensors slice: only this rank's block is read)."""
+        rows, (i0, i1) = self.local_ranges()
+        t = _transposed(self.source_kind)
+        with torch.no_grad():
+            w = torch.cat([weight[i0:i1, r0:r1].t() if t else weight[r0:r1, i0:i1] for r0, r1 in rows], 0)
+            self.weight.to_local().copy_(w)
+            if self.bias is not None:
+                local = self.bias.to_local()
+                if self.first == COLUMN:
+                    local.copy_(torch.cat([bias[r0:r1] for r0, r1 in rows], 0))
+                else:
+                    local.copy_(bias[rows[0][0]:rows[0][1]])
 
     def reset_shards(self, seed: int, name: str) -> None:
         """Initialize this rank's blocks like ``nn.Linear.reset_parameters`` (uniform in
@@ -151,4 +245,5 @@ class ATPLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, first={self.first}, "
-                f"mesh=(d1={self.comm.size('d1')}, d2={self.comm.size('d2')}), bias={self.bias is not None}")
+                f"mesh=(d1={self.comm.size('d1')}, d2={self.comm.size('d2')}), bias={self.bias is not None}"
+                + (f", parts={self.parts}" if self.parts > 1 else ""))

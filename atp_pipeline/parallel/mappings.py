@@ -13,6 +13,9 @@ them. A dimension of size 1 makes an operator a no-op.
   which is how chunk-based overlap (§4.1) lets the next chunk compute meanwhile.
 * :class:`AllReduceSum` — all-reduce in both directions, for a sum whose consumers are
   sharded (LayerNorm statistics over a hidden dimension split across d2).
+* :class:`ReduceFromAxis` — all-reduce in the forward, identity in the backward: partial
+  sums whose consumer is replicated (Megatron-Core's ``reduce_from_tensor_model_parallel_region``),
+  e.g. the logits of an LM head tied to an embedding split by hidden over d2.
 * :class:`CopyToAxis` — identity in the forward, all-reduce of the gradient in the backward:
   a replicated tensor that each rank consumes only in part (Megatron-Core's
   ``copy_to_tensor_model_parallel_region``), e.g. the key/value heads a rank's query heads read.
@@ -86,6 +89,20 @@ class GradContiguous(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         return g.contiguous()
+
+
+class ReduceFromAxis(torch.autograd.Function):
+    """Forward: all-reduce over ``axis``. Backward: identity (the gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        y = x.clone()
+        comm.all_reduce(y, axis)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None, None
 
 
 class CopyToAxis(torch.autograd.Function):
@@ -177,6 +194,10 @@ def all_reduce_sum(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
 
 def grad_contiguous(x: torch.Tensor) -> torch.Tensor:
     return GradContiguous.apply(x)
+
+
+def reduce_from_axis(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else ReduceFromAxis.apply(x, comm, axis)
 
 
 def copy_to_axis(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:

@@ -11,7 +11,8 @@ broadcast from global rank 0, so every rank holds the same replicated values.
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+from typing import Iterator, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,27 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real (as
+    accelerate's ``init_empty_weights(include_buffers=False)``): buffers computed at
+    construction (rotary frequencies) stay valid, and no weight is allocated until
+    :func:`materialize` allocates this rank's shards."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: "nn.Parameter | None") -> None:
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = dict(requires_grad=param.requires_grad)
+            self._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -51,16 +73,20 @@ def broadcast_replicated(module: nn.Module, device: torch.device) -> None:
                     t.data.copy_(buf)
 
 
-def materialize(root: nn.Module, device: torch.device) -> List[str]:
-    """Allocate and initialize every module with meta tensors; returns their names."""
+def materialize(root: nn.Module, device: torch.device, loaded: Sequence[nn.Module] = ()) -> List[str]:
+    """Allocate and initialize every module with meta tensors; returns their names. Modules
+    inside ``loaded`` (whose tensors a checkpoint fills next) are allocated only."""
     seed = shared_seed(device)
+    skip = {id(m) for sub in loaded for m in sub.modules()}
     done: List[str] = []
     for name, module in root.named_modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if not any(_is_meta(t) for t in own):
             continue
         module.to_empty(device=device, recurse=False)
-        if hasattr(module, "reset_shards"):
+        if id(module) in skip:
+            pass
+        elif hasattr(module, "reset_shards"):
             module.reset_shards(seed, name)
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -12,14 +12,18 @@ Built-in styles (``input``/``output``: the activation layout at the module's bou
 the axis the style reads or writes):
 
 =============  ============================================================================
-``column``     ``nn.Linear`` -> column-first :class:`~.linear.ATPLinear` (out over d1, in
-               over d2); ``split`` input is split over d2, ``split`` output over d1
+``column``     ``nn.Linear`` (or a registered linear kind) -> column-first
+               :class:`~.linear.ATPLinear` (out over d1, in over d2); ``split`` input is
+               split over d2, ``split`` output over d1; ``parts=3``: the output is three
+               concatenated segments (a fused q|k|v), each split over d1
 ``row``        ``nn.Linear`` -> row-first (in over d1, out over d2); ``split`` input over
                d1, ``split`` output over d2
 ``layernorm``  ``nn.LayerNorm`` over a hidden dimension split across d2
 ``gathered``   any module run whole on its input gathered over d2 (its own ``forward``
                runs: exact for any norm, e.g. an RMSNorm upcasting to float32)
 ``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
+``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
+               named by ``table=`` (tied embeddings): logits all-reduced over d2
 ``vocab_loss`` a cross-entropy module -> vocabulary-parallel cross-entropy over d1
 ``replicated`` kept whole on every rank (stated explicitly; nothing changes)
 =============  ============================================================================
@@ -40,25 +44,27 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, Mapping, Tuple, Type, Union
+from typing import Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
-                                         VocabParallelLoss)
-from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
+                                         TiedHead, VocabParallelLoss)
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
 
 LAYOUTS = (FULL, SPLIT)
 
 
 @dataclass(frozen=True)
 class StyleContext:
-    """What a style needs besides the module: the mesh and the overlap chunks (§4.1)."""
+    """What a style needs besides the module: the mesh, the overlap chunks (§4.1) and the
+    root module (for a style that shares another module's parameters)."""
 
     mesh: DeviceMesh
     chunks: int = 1
+    root: Optional[nn.Module] = None
 
 
 class ParallelStyle(ABC):
@@ -67,6 +73,8 @@ class ParallelStyle(ABC):
 
     name: ClassVar[str] = ""
     applies_to: ClassVar[Tuple[type, ...]] = ()
+    order: ClassVar[int] = 0  # styles apply by (order, depth): 1 = after the modules they share with
+    chunked: ClassVar[bool] = False  # runs chunk-based overlap (§4.1) when the context has chunks > 1
 
     def options(self) -> Dict[str, str]:
         return {}
@@ -75,13 +83,17 @@ class ParallelStyle(ABC):
         opts = self.options()
         return self.name + (f"({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
 
+    def kinds(self) -> Tuple[type, ...]:
+        """The module types this style replaces (empty: any)."""
+        return self.applies_to
+
     def check(self, fqn: str, module: nn.Module) -> None:
         """Raise :class:`ConfigError` (one line) if this style cannot replace ``module`` exactly."""
-        if not self.applies_to:
+        if not self.kinds():
             return
-        base = next((t for t in self.applies_to if isinstance(module, t)), None)
+        base = next((t for t in self.kinds() if isinstance(module, t)), None)
         if base is None:
-            kinds = " or ".join(t.__name__ for t in self.applies_to)
+            kinds = " or ".join(t.__name__ for t in self.kinds())
             raise ConfigError(f"parallel plan: '{fqn}' is a {type(module).__name__}, not the {kinds} that "
                               f"style '{self.name}' applies to")
         if type(module).forward is not base.forward:
@@ -119,12 +131,26 @@ class _InOutStyle(ParallelStyle):
 
 
 class _LinearStyle(_InOutStyle):
-    applies_to = (nn.Linear,)
+    """``nn.Linear`` or a registered linear kind (:func:`~.linear.register_linear_kind`)."""
+
     first: ClassVar[str] = COLUMN
 
+    def __init__(self, input: str = FULL, output: str = FULL, parts: str = "1") -> None:
+        super().__init__(input, output)
+        if not str(parts).isdigit() or int(parts) < 1 or (int(parts) > 1 and self.first != COLUMN):
+            raise ConfigError(f"style '{self.name}': parts={parts!r} must be a positive integer "
+                              f"(fused output segments; column-first only)")
+        self.parts = int(parts)
+
+    def options(self) -> Dict[str, str]:
+        return {**super().options(), **({"parts": str(self.parts)} if self.parts > 1 else {})}
+
+    def kinds(self) -> Tuple[type, ...]:
+        return linear_kinds()
+
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        return ATPLinear.from_linear(module, ctx.mesh, self.first,  # type: ignore[arg-type]
-                                     input_is_parallel=self.input == SPLIT, gather_output=self.output == FULL)
+        return ATPLinear.from_linear(module, ctx.mesh, self.first, input_is_parallel=self.input == SPLIT,
+                                     gather_output=self.output == FULL, parts=self.parts)
 
 
 class ColumnFirst(_LinearStyle):
@@ -190,6 +216,47 @@ class EmbeddingStyle(ParallelStyle):
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return ParallelEmbedding(module, ctx.mesh, self.output)  # type: ignore[arg-type]
+
+
+class Tied(ParallelStyle):
+    """An LM head tied to an embedding styled ``embedding`` (:class:`~.layers.TiedHead`);
+    applied after the embedding, whose split table it shares. ``table`` is named relative to
+    the head's enclosing modules (nearest first)."""
+
+    name = "tied"
+    applies_to = (nn.Linear,)
+    order = 1
+
+    def __init__(self, table: str = "", input: str = FULL) -> None:
+        if not table:
+            raise ConfigError("style 'tied': name the embedding whose table the head shares, tied(table=<module>)")
+        self.table, self.input = table, _layout(self.name, "input", input)
+
+    def options(self) -> Dict[str, str]:
+        return {"table": self.table, **({"input": self.input} if self.input != FULL else {})}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        if module.bias is not None:
+            raise ConfigError(f"parallel plan: '{fqn}': style 'tied' supports a head without bias")
+
+    def _find_table(self, fqn: str, root: Optional[nn.Module]) -> Optional[nn.Module]:
+        """``table`` named relative to the head's enclosing modules, nearest first (a family's
+        plan placed inside a user's module keeps its relative names)."""
+        parts = fqn.split(".")[:-1]
+        for i in range(len(parts), -1, -1):
+            try:
+                return root.get_submodule(".".join(parts[:i] + [self.table])) if root is not None else None
+            except AttributeError:
+                continue
+        return None
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        table = self._find_table(fqn, ctx.root)
+        if not isinstance(table, ParallelEmbedding) or table.source_id != id(module.weight):
+            raise ConfigError(f"parallel plan: '{fqn}': style 'tied' needs '{self.table}' styled 'embedding' "
+                              f"and holding the same weight as '{fqn}' (tied embeddings)")
+        return TiedHead(table, ctx.mesh, self.input)
 
 
 class VocabLoss(ParallelStyle):
@@ -259,7 +326,7 @@ def parse_style(spec: StyleSpec) -> ParallelStyle:
         raise ConfigError(f"parallel plan: style '{text}': unknown option(s) {', '.join(opts)}") from None
 
 
-for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, VocabLoss, Replicated):
+for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, Tied, VocabLoss, Replicated):
     register_style(_cls.name, _cls)
 
 PlanSpec = Mapping[str, StyleSpec]

@@ -113,20 +113,24 @@ def module_style_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTer
     """Every collective of a decoder laid out module by module (``comm_layout="module_styles"``:
     :mod:`atp_pipeline.models.hf`), one training step. Per layer: two norms run whole on
     the hidden gathered over d2 (an all-gather of ``h`` forward and of its gradient
-    backward); q/k/v column-first and o row-first, the query heads scattered over d2 and
-    gathered back, the key/value heads as :func:`~atp_pipeline.planning.shape.kv_layout`
-    places them; the MLP's ``2`` (``3`` gated) linears. Per model: the final norm and the
-    column-first LM head, whose logits are gathered over d1 for the model's own loss."""
+    backward); q/k/v column-first (three linears, or one fused) and o row-first, the query
+    heads scattered over d2 and gathered back, the key/value heads as
+    :func:`~atp_pipeline.planning.shape.kv_layout` places them; the MLP's ``2`` (``3``
+    gated) linears. Per model: the final norm; the LM head, column-first with its logits
+    gathered over d1 for the model's own loss, or tied to the embedding (partial logits over
+    the whole vocabulary all-reduced over d2, no backward communication); embeddings run whole
+    and sliced over d2 (their gradient gathered over d2)."""
     d1, d2 = mesh
-    h, q, kv, f = shape.hidden, shape.q_width, shape.kv_width, shape.ffn
+    h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
     F_, t = Fraction, CommTerm
     up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
+    qkv_inputs = 1 if shape.qkv_fused else 3
     layout = kv_layout(shape.kv_heads, d1, d2)
     terms = [
         t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "fwd"),
         t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "bwd"),
         t("f1", "q/k/v linears (column-first)", ALL_REDUCE, 2, F_(q + 2 * kv, d1), 1, "fwd"),
-        t("f1", "q/k/v linears: input gradient", ALL_REDUCE, 1, F_(3 * h, d2), 1, "bwd"),
+        t("f1", "q/k/v linears: input gradient", ALL_REDUCE, 1, F_(qkv_inputs * h, d2), 1, "bwd"),
         t("scatter", "query heads scattered over d2: gradient", ALL_GATHER, 2, F_(q, d1), 1, "bwd"),
         t("gather", "attention output gathered over d2", ALL_GATHER, 2, F_(q, d1), 1, "fwd"),
         t("f2", "output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
@@ -135,12 +139,21 @@ def module_style_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTer
         t("f3", "MLP column-first linears: input gradient", ALL_REDUCE, 1, F_(up * h, d2), 1, "bwd"),
         t("f4", "MLP row-first linear", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
-        t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
-        t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd", False),
-        t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(shape.vocab_size, d1), 1, "fwd", False),
-        t("head", "LM head: logits gathered over d1", ALL_GATHER, 1, F_(shape.vocab_size), 1, "fwd", False),
-        t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False),
     ]
+    if shape.final_norm:
+        terms += [t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
+                  t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd",
+                    False)]
+    if shape.tied_embeddings:
+        terms.append(t("head", "LM head tied to the embedding: logits all-reduced over d2", ALL_REDUCE, 2,
+                       F_(V), 1, "fwd", False))
+    else:
+        terms += [t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(V, d1), 1, "fwd", False),
+                  t("head", "LM head: logits gathered over d1", ALL_GATHER, 1, F_(V), 1, "fwd", False),
+                  t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False)]
+    if shape.gathered_embeddings:
+        terms.append(t("embed", "embeddings run whole: gradient gathered over d2", ALL_GATHER, 2,
+                       F_(shape.gathered_embeddings * h), 1, "bwd", False))
     if layout == KV_SCATTER:
         terms.append(t("scatter", "key/value heads scattered over d2: gradient", ALL_GATHER, 2,
                        F_(2 * kv, d1), 1, "bwd"))

@@ -1,8 +1,9 @@
 """Per-device memory of a model under ATP's placements, to refuse runs that cannot fit.
 
 Parameters per device follow ATP's layout (§3.2): matrices over d1*d2, the column-first
-biases over d1, the row-first biases, norms and embeddings over d2, the LM head over d1*d2
-(none when tied to the embedding); weights and gradients in the model's dtype, AdamW's two
+biases over d1, the row-first biases, norms and embeddings over d2 (norms whole on every
+rank where a family is laid out module by module), the LM head over d1*d2 (none when tied
+to the embedding); weights and gradients in the model's dtype, AdamW's two
 moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
@@ -33,12 +34,13 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> Memo
     d1, d2 = mesh
     tp = d1 * d2
     h, L, V, s = m.hidden, m.layers, m.vocab_size, m.seq_len
+    norm_split = d2 if m.comm_layout == "fused_block" else 1  # module by module: norms run whole
     per_layer = (m.weights_per_layer / tp + m.column_bias_per_layer / d1 + m.row_bias_per_layer / d2
-                 + m.norm_params_per_layer / d2)
+                 + m.norm_params_per_layer / norm_split)
     positions = s if m.position == "learned" else 0
-    final_norm = m.norm_params_per_layer / 2
+    final_norm = m.norm_params_per_layer / 2 if m.final_norm else 0
     head = 0 if m.tied_embeddings else V * h / tp
-    params = L * per_layer + (V + positions) * h / d2 + final_norm / d2 + head
+    params = L * per_layer + (V + positions) * h / d2 + final_norm / norm_split + head
     q = m.bytes_per_element
     optimizer = params * (8 + (4 if q == 2 else 0))
     b = m.batch_size / dp

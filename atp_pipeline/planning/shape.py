@@ -51,15 +51,20 @@ class ModelShape:
     batch_size: int = 1
     dtype: str = "fp32"
     comm_layout: str = "fused_block"
+    qkv_fused: bool = False  # one q|k|v projection (one input-gradient all-reduce, not three)
+    final_norm: bool = True  # a norm after the last layer
+    gathered_embeddings: int = 0  # embeddings run whole and sliced over d2 (e.g. OPT's positions)
 
     def __post_init__(self) -> None:
-        if not self.kv_heads:
-            object.__setattr__(self, "kv_heads", self.heads)
-        if not self.head_dim and self.heads:
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if not self.head_dim:
+            if self.hidden % self.heads:
+                raise ValueError(f"model '{self.name}': hidden {self.hidden} is not divisible by heads {self.heads}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.norm not in NORMS:
             raise ValueError(f"model '{self.name}': norm must be one of {NORMS}, got {self.norm!r}")
         if self.position not in POSITIONS:
@@ -182,7 +187,8 @@ def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
 
     Attention heads are column-first over d1 and scattered over d2, so they split over
     ``d1·d2``; activations between blocks split the hidden size over d2; the FFN and the
-    attention widths are column-first over d1; the LM head splits the vocabulary over d1.
+    attention widths are column-first over d1; the LM head splits the vocabulary over d1
+    (a head tied to the embedding, laid out module by module, does not).
     """
     if shape.heads % (d1 * d2):
         return (f"{shape.heads} heads of model '{shape.name}' do not split over d1*d2 = "
@@ -192,6 +198,6 @@ def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
     if shape.kv_heads % d1 and d1 % shape.kv_heads:
         return (f"{shape.kv_heads} key/value heads of model '{shape.name}' neither split over nor "
                 f"replicate evenly across d1={d1}")
-    if shape.vocab_size % d1:
+    if shape.vocab_size % d1 and not (shape.tied_embeddings and shape.comm_layout == "module_styles"):
         return f"vocabulary {shape.vocab_size} of model '{shape.name}' is not divisible by d1={d1} (vocab-parallel head)"
     return None

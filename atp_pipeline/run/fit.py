@@ -72,5 +72,7 @@ def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
                 extra["aggregation_roles"] = _role_report(services)
                 services.stop()
     row = report_fit(spec, out, results[0], extra)
+    if results[0].get("exported") and lead:
+        print(f"exported the trained model in its family's format to {results[0]['exported']}")
     row["_results"] = results
     return row

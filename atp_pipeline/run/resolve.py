@@ -40,6 +40,7 @@ class TrainerSpec:
     weight_decay: float = 0.0
     checkpoint_every_n_steps: int = 0
     progress_bar: bool = True
+    export: bool = True
 
 
 @dataclass(frozen=True)
@@ -139,19 +140,18 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
 def model_shape(cfg: DictConfig) -> ModelShape:
     """The model's shape from its family's adapter, checked (sizes, chunks)."""
     m = cfg.model
-    for key in ("hidden", "heads", "layers", "seq_len", "batch_size", "vocab_size", "ffn_mult"):
-        if m[key] < 1:
-            raise ConfigError(f"model '{m.name}': {key} must be >= 1, got {m[key]}")
-    if m.hidden % m.heads:
-        raise ConfigError(f"model '{m.name}': hidden {m.hidden} is not divisible by heads {m.heads}")
-    chunks = cfg.overlap.chunks
-    if chunks < 1 or m.batch_size % chunks:
-        raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="
-                          f"{m.batch_size} (chunks split the batch, §4.1)")
     try:
-        return get_adapter(m.family).shape_from_config(m)
+        shape = get_adapter(m.family).shape_from_config(m)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    chunks = cfg.overlap.chunks
+    if chunks > 1 and shape.comm_layout == "module_styles":
+        raise ConfigError(f"overlap.chunks={chunks}: model '{shape.name}' is laid out module by module, which has "
+                          f"no chunked execution (§4.1 overlap runs in ATP's fused block); use overlap=chunk1")
+    if chunks < 1 or shape.batch_size % chunks:
+        raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="
+                          f"{shape.batch_size} (chunks split the batch, §4.1)")
+    return shape
 
 
 def _job_info() -> Dict[str, Any]:
@@ -258,6 +258,7 @@ def resolve(cfg: DictConfig) -> RunSpec:
         family=str(cfg.model.family), model_config=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
         shape=shape, plan=result, parallel_plan=user_plan, chunks=int(cfg.overlap.chunks),
         aggregation=aggregation, trainer=TrainerSpec(accel, int(t.max_steps), float(t.lr), float(t.weight_decay),
-                                                     int(t.checkpoint_every_n_steps), bool(t.progress_bar)),
+                                                     int(t.checkpoint_every_n_steps), bool(t.progress_bar),
+                                                     bool(t.export)),
         data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
         plot=bool(cfg.planner.plot), memory=mem, job=_job_info())

@@ -59,8 +59,9 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
                          callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt],
                          enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision)
     trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
+    exported = adapter.export(module.model, str(out / "hf")) if t.export else None
     coord = strategy.device_mesh.get_coordinate()
     return {"rank": rank, "coord": list(coord) if coord else None, "global_step": trainer.global_step,
             "metrics_csv": str(Path(logger.log_dir) / "metrics.csv"), "digest": digest(module),
-            "applied_plan": strategy.applied_plan,
+            "applied_plan": strategy.applied_plan, "exported": exported,
             "atp_linears": sum(type(m).__name__ == "ATPLinear" for m in module.modules())}

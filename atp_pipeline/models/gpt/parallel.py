@@ -202,6 +202,7 @@ class BlockStyle(ParallelStyle):
     activations in and out split by hidden over d2."""
 
     name = "block"
+    chunked = True
 
     def check(self, fqn: str, module: nn.Module) -> None:
         why = _differs_from_gpt_block(module)

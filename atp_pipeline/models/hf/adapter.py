@@ -1,56 +1,155 @@
 """transformers causal LMs through the model seam: shape from the model's config, ATP's layout
-from what transformers already declares (``base_model_tp_plan``), no table per family.
+from what transformers already declares (``base_model_tp_plan``) plus a few lines per family
+where it declares nothing (:data:`FAMILIES`).
 
 ATP's layout for a decoder (§3.2): activations between blocks split by hidden over d2;
-the attention's q/k/v column-first and o row-first with the core on local heads
+the attention's q/k/v (separate, or one fused projection: GPT-2's concatenated ``c_attn``,
+GPT-NeoX's per-head interleaved ``query_key_value``) column-first and its output
+projection row-first, with the core on local heads
 (:class:`~atp_pipeline.models.hf.attention.HFAttention`); the MLP's ``colwise`` linears
-(up/gate) column-first and its ``rowwise`` one (down) row-first, as transformers' own
-``base_model_tp_plan`` marks them; every norm run whole on the gathered hidden (style
-``gathered``: the family's own norm runs, bit for bit); the token embedding split by
-hidden; the LM head column-first with its logits gathered, so transformers' own loss
-runs on them.
+(up/gate, fc1) column-first and its ``rowwise`` one (down, fc2) row-first, as transformers'
+``base_model_tp_plan`` marks them (``nn.Linear`` or GPT-2's ``Conv1D``); every norm run
+whole on the gathered hidden (style ``gathered``: the family's own norm runs, bit for
+bit); the token embedding and plain learned positions split by hidden, a position
+embedding whose ``forward`` derives the positions (OPT) run whole and sliced; the LM head
+column-first with its logits gathered, or — tied to the token embedding — sharing its
+split table (style ``tied``), so transformers' own loss runs on whole logits. The
+family's own ``forward`` runs throughout (rotary and partial rotary, parallel residual,
+learned positions), so nothing of the model is re-implemented.
 
-Families whose attention reshapes with ``-1`` heads and whose plan names separate
-``q_proj``/``k_proj``/``v_proj``/``o_proj`` fit this layout; the others are refused with
-one line naming their ``model_type``. Every module holding parameters must be covered by
-the plan: one that is not would see split activations, so the plan refuses it by name.
+A family not in :data:`FAMILIES`, or a configuration of one that the layout does not cover,
+is refused with one line naming its ``model_type``. Every module holding parameters must be
+covered by the plan: one that is not would see split activations, so the plan refuses it
+by name. Dropout is refused (ranks holding different blocks of a tensor would draw the
+same masks).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from typing import Any, Dict, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.parallel.apply import match_plan
+from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
+from atp_pipeline.parallel.linear import register_linear_kind
+from atp_pipeline.parallel.materialize import parameters_on_meta
 from atp_pipeline.parallel.styles import register_style
 from atp_pipeline.planning.shape import ModelShape
 
-SUPPORTED = ("llama", "mistral", "qwen2")
 _NORM = re.compile(r"(RMSNorm|LayerNorm)$")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What ATP's layout needs of a transformers family beyond its config and its declared
+    ``base_model_tp_plan``: the attention style (projection names, a fused q|k|v's layout,
+    attributes its ``forward`` reshapes by), the MLP's colwise/rowwise linears where
+    transformers declares no plan (GPT-2, OPT), and how its config names the shape."""
+
+    attention: str = "hf_attention"
+    linears: Mapping[str, str] = field(default_factory=dict)  # only where base_model_tp_plan is absent
+    ffn: Callable[[Any], int] = lambda c: int(c.intermediate_size)
+    gated: bool = True
+    norm: str = "rmsnorm"
+    bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
+    position: str = "rotary"
+    qkv_fused: bool = False
+    final_norm: Callable[[Any], bool] = lambda c: True
+    gathered_positions: bool = False  # a position embedding whose forward derives the positions
+    refuse: Callable[[Any], str] = lambda c: ""  # why a config of the family cannot be laid out
+
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(bias=lambda c: True),
+    "gpt_neox": Family(attention="hf_attention(qkv=query_key_value, fused=heads, o=dense)", gated=False,
+                       norm="layernorm", bias=lambda c: bool(c.attention_bias), qkv_fused=True),
+    "gpt2": Family(attention="hf_attention(qkv=c_attn, fused=concat, o=c_proj, per_rank=split_size)",
+                   linears={"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+                   ffn=lambda c: int(c.n_inner or 4 * c.hidden_size), gated=False, norm="layernorm",
+                   bias=lambda c: True, position="learned", qkv_fused=True,
+                   refuse=lambda c: "cross-attention (add_cross_attention=True)" if c.add_cross_attention else ""),
+    "opt": Family(attention="hf_attention(o=out_proj, per_rank=num_heads)",
+                  linears={"decoder.layers.*.fc1": "colwise", "decoder.layers.*.fc2": "rowwise"},
+                  ffn=lambda c: int(c.ffn_dim), gated=False, norm="layernorm", bias=lambda c: bool(c.enable_bias),
+                  position="learned", gathered_positions=True,
+                  final_norm=lambda c: bool(c.do_layer_norm_before and not c._remove_final_layer_norm),
+                  refuse=lambda c: (f"word_embed_proj_dim={c.word_embed_proj_dim} differs from hidden_size="
+                                    f"{c.hidden_size} (project_in/project_out)")
+                  if c.word_embed_proj_dim != c.hidden_size else ""),
+}
+SUPPORTED = tuple(FAMILIES)
 
 
 def is_hf_causal_lm(module: nn.Module) -> bool:
     cls = type(module)
-    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("ForCausalLM") \
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith(("ForCausalLM", "LMHeadModel")) \
         and hasattr(module, "config")
+
+
+def _dropouts(module: nn.Module) -> Dict[str, float]:
+    """Non-zero dropout the model draws in training: its ``nn.Dropout`` modules and the
+    attention dropout its config passes to the attention function."""
+    out = {f"{_pattern(n)}.p": float(m.p) for n, m in module.named_modules()
+           if isinstance(m, nn.Dropout) and m.p > 0}
+    for key, value in module.config.to_dict().items():
+        if "att" in key and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            out[key] = float(value)
+    return out
+
+
+def family_of(config: Any) -> Family:
+    """The :class:`Family` of a transformers config, or one line saying why there is none."""
+    kind = getattr(config, "model_type", "?")
+    family = FAMILIES.get(kind)
+    if family is None:
+        raise ConfigError(f"transformers model_type '{kind}' has no ATP layout yet (supported: "
+                          f"{', '.join(SUPPORTED)}); pass plan={{module pattern: style}} to ATPStrategy or set "
+                          f"the LightningModule's parallel_plan")
+    why = family.refuse(config)
+    if why:
+        raise ConfigError(f"transformers model_type '{kind}': {why} is not laid out by ATP yet; pass a plan")
+    return family
 
 
 def shape_of_config(config: Any, name: str = "") -> ModelShape:
     """A :class:`ModelShape` from a transformers ``PretrainedConfig`` of a supported family."""
+    family = family_of(config)
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(config.num_hidden_layers),
         seq_len=int(getattr(config, "max_position_embeddings", 2048)), vocab_size=int(config.vocab_size),
-        ffn=int(config.intermediate_size), kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(config, "head_dim", None) or hidden // heads), gated=True, norm="rmsnorm",
-        bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
-        position="rotary", tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        comm_layout="module_styles")
+        ffn=family.ffn(config), kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads), gated=family.gated, norm=family.norm,
+        bias=family.bias(config), position=family.position,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), comm_layout="module_styles",
+        qkv_fused=family.qkv_fused, final_norm=family.final_norm(config),
+        gathered_embeddings=int(family.gathered_positions))
+
+
+PRETRAINED = "atp_pretrained"  # attribute of a model built by load_pretrained: its checkpoint directory
+
+
+def load_pretrained(path: str, config: Any = None) -> nn.Module:
+    """A transformers causal LM of the local HF checkpoint ``path``, its parameters on the meta
+    device: ``Trainer(strategy="atp")`` lays it out, allocates this rank's shards and reads
+    only those from the checkpoint (a user's way to a model bigger than one device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = config if config is not None else AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    setattr(model, PRETRAINED, str(path))
+    return model
 
 
 def _pattern(name: str) -> str:
@@ -65,32 +164,37 @@ class HFCausalLMAdapter(ModelAdapter):
     def matches(self, module: nn.Module) -> bool:
         return is_hf_causal_lm(module)
 
-    def _supported(self, module: nn.Module) -> Any:
-        config = module.config
-        kind = getattr(config, "model_type", "?")
-        if kind not in SUPPORTED:
-            raise ConfigError(f"transformers model_type '{kind}' ({type(module).__name__}) has no ATP layout yet "
-                              f"(supported: {', '.join(SUPPORTED)}); pass plan={{module pattern: style}} to "
-                              f"ATPStrategy or set the LightningModule's parallel_plan")
-        return config
-
     def shape(self, module: nn.Module) -> ModelShape:
-        return shape_of_config(self._supported(module))
+        register_conv1d()
+        return shape_of_config(module.config)
 
     @staticmethod
     def hf_config(cfg: Any) -> Any:
-        """The transformers config of a model config's ``hf`` block (``model_type`` + fields)."""
+        """The transformers config of a model config: read from ``pretrained`` (a local HF
+        checkpoint directory) if set, else from ``model_type``; the ``hf`` block's fields set
+        on top."""
         from transformers import AutoConfig
 
-        fields = dict(getattr(cfg, "hf", None) or {})
-        kind = fields.pop("model_type", None)
-        if kind not in SUPPORTED:
-            raise ConfigError(f"model '{getattr(cfg, 'name', '?')}': model.hf.model_type={kind!r} has no ATP layout "
-                              f"yet (supported: {', '.join(SUPPORTED)})")
+        get = (lambda k: cfg.get(k, None)) if hasattr(cfg, "get") else (lambda k: getattr(cfg, k, None))
+        name = get("name") or "?"
+        fields = dict(get("hf") or {})
+        pretrained = get("pretrained")
         try:
-            return AutoConfig.for_model(kind, **fields)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"model '{getattr(cfg, 'name', '?')}': model.hf: {exc}") from None
+            if pretrained:
+                if not (Path(pretrained) / "config.json").exists():
+                    raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
+                fields.pop("model_type", None)
+                config = AutoConfig.from_pretrained(pretrained, **fields)
+            else:
+                kind = fields.pop("model_type", None)
+                if kind not in SUPPORTED:
+                    raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
+                                      f"(supported: {', '.join(SUPPORTED)})")
+                config = AutoConfig.for_model(kind, **fields)
+        except (TypeError, ValueError, OSError) as exc:
+            raise ConfigError(f"model '{name}': model.hf: {exc}".splitlines()[0]) from None
+        family_of(config)
+        return config
 
     def shape_from_config(self, cfg: Any) -> ModelShape:
         get = (lambda k, d: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
@@ -100,39 +204,67 @@ class HFCausalLMAdapter(ModelAdapter):
             dtype=str(getattr(dtype, "value", dtype)))
 
     def build(self, cfg: Any) -> nn.Module:
+        """The model of ``cfg``; with ``pretrained``, its parameters on the meta device (each
+        rank allocates and reads only its shards once laid out: :meth:`weights`)."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(self.hf_config(cfg))
+        config = self.hf_config(cfg)
+        pretrained = cfg.get("pretrained", None) if hasattr(cfg, "get") else getattr(cfg, "pretrained", None)
+        if not pretrained:
+            return AutoModelForCausalLM.from_config(config)
+        return load_pretrained(pretrained, config)
+
+    def weights(self, module: nn.Module) -> Optional[Any]:
+        path = getattr(module, PRETRAINED, None)
+        return safetensors_reader(path, module) if path else None
+
+    def export(self, module: nn.Module, out_dir: str) -> Optional[str]:
+        out = export_pretrained(module, out_dir)
+        return str(out) if out is not None else None
 
     def lm_loss(self, model: nn.Module, idx: Any, targets: Any) -> Any:
         """transformers' own loss on next-token targets already shifted (``shift_labels``)."""
         return model(input_ids=idx, labels=targets, shift_labels=targets).loss
 
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
-        config = self._supported(module)
-        if getattr(config, "tie_word_embeddings", False):
-            raise ConfigError(f"transformers model_type '{config.model_type}': tied input and output embeddings "
-                              f"are not laid out yet (tie_word_embeddings=True); untie them or pass a plan")
+        """ATP's layout of ``module`` (§3.2) as a plan of styles, from the family's declared
+        ``base_model_tp_plan`` (or :attr:`Family.linears`) and its attention style."""
+        register_conv1d()
+        config = module.config
+        family = family_of(config)
+        drop = _dropouts(module)
+        if drop:
+            raise ConfigError(f"transformers model_type '{config.model_type}': dropout "
+                              f"{', '.join(f'{k}={v:g}' for k, v in sorted(drop.items()))} would draw the same masks "
+                              f"on ranks holding different blocks of a tensor (no per-rank RNG tracker yet); "
+                              f"set them to 0")
         base = module.base_model_prefix
-        declared: Dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
+        names = dict(module.named_modules())
+        declared = dict(family.linears or getattr(config, "base_model_tp_plan", None) or {})
         plan: Dict[str, Any] = {}
-        attention = sorted({k.rsplit(".", 1)[0] for k in declared if k.endswith(".q_proj")})
+        attention = sorted({_pattern(n) for n, m in names.items() if type(m).__name__.endswith("Attention")})
         for pattern in attention:
-            plan[f"{base}.{pattern}"] = "hf_attention"
+            plan[pattern] = family.attention
         for pattern, kind in declared.items():
-            if any(pattern.startswith(a + ".") for a in attention):
-                continue
+            full = f"{base}.{pattern}"
+            if any(fnmatch.fnmatchcase(full, a + ".*") for a in attention):
+                continue  # laid out by the attention style
             if kind not in ("colwise", "rowwise"):
                 raise ConfigError(f"transformers model_type '{config.model_type}': '{pattern}' is declared "
                                   f"'{kind}', which ATP's layout does not cover; pass a plan")
-            first = "column" if kind == "colwise" else "row"
-            plan[f"{base}.{pattern}"] = f"{first}(input=split, output=split)"
-        names = dict(module.named_modules())
+            plan[full] = f"{'column' if kind == 'colwise' else 'row'}(input=split, output=split)"
         by_object = {id(m): n for n, m in names.items()}
-        plan[by_object[id(module.get_input_embeddings())]] = "embedding(output=split)"
+        table = by_object[id(module.get_input_embeddings())]
+        plan[table] = "embedding(output=split)"
+        for n, m in names.items():  # other embeddings (learned positions)
+            if isinstance(m, nn.Embedding) and n != table:
+                whole = type(m).forward is not nn.Embedding.forward  # its forward derives the positions
+                plan[n] = "gathered(input=full, output=split)" if whole else "embedding(output=split)"
         for name in sorted({_pattern(n) for n, m in names.items() if _NORM.search(type(m).__name__)}):
             plan[name] = "gathered(input=split, output=split)"
-        plan[by_object[id(module.get_output_embeddings())]] = "column(input=split, output=full)"
+        head = by_object[id(module.get_output_embeddings())]
+        tied = module.get_output_embeddings().weight is module.get_input_embeddings().weight
+        plan[head] = f"tied(table={table}, input=split)" if tied else "column(input=split, output=full)"
         self._check_covered(module, plan)
         return plan
 
@@ -154,6 +286,14 @@ def _register_styles() -> None:
     from atp_pipeline.models.hf.attention import HFAttention
 
     register_style(HFAttention.name, HFAttention)
+
+
+def register_conv1d() -> None:
+    """GPT-2's ``Conv1D`` (``y = x W + b``, ``W`` stored in x out) as a linear kind of the
+    ``column``/``row`` styles (called when a transformers model is laid out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    register_linear_kind(Conv1D, transposed=True)
 
 
 ADAPTER = register_adapter(HFCausalLMAdapter())

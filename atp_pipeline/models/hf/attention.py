@@ -1,9 +1,10 @@
 """An HF attention module on ATP's (d1, d2) mesh (§3.2.1, Figure 6a), its own ``forward`` kept.
 
-:class:`HFAttention` (style ``hf_attention``) replaces the module's q/k/v projections by
-column-first and its output projection by a row-first :class:`~atp_pipeline.parallel.linear.ATPLinear`
-(hidden split over d2 in and out), so the module's ``forward`` — its reshapes use ``-1``
-heads — sees its d1 block of heads. The attention core is reached through transformers'
+:class:`HFAttention` (style ``hf_attention``) replaces the module's q/k/v projections (or
+its fused qkv projection) by column-first and its output projection by a row-first
+:class:`~atp_pipeline.parallel.linear.ATPLinear` (hidden split over d2 in and out), so the
+module's ``forward`` — reshaping by ``-1`` heads or by attributes made per-rank — sees
+its d1 block of heads. The attention core is reached through transformers'
 ``AttentionInterface``: the module gets a copy of its config naming the implementation
 ``"atp"``, which scatters the heads over d2 and picks the key/value heads of grouped-query
 attention (:class:`~atp_pipeline.parallel.attention.HeadSharding`), runs the module's own
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,11 +23,10 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
-from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
 from atp_pipeline.parallel.styles import ParallelStyle, StyleContext
 
 IMPLEMENTATION = "atp"
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class _Groups:
@@ -63,21 +63,53 @@ def _register() -> None:
     AttentionInterface.register(IMPLEMENTATION, atp_attention)
 
 
+FUSED = ("concat", "heads")
+
+
 class HFAttention(ParallelStyle):
-    """A transformers attention module with separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``
-    linears on the (d1, d2) mesh; activations in and out split by hidden over d2."""
+    """A transformers attention module on the (d1, d2) mesh; activations in and out split by
+    hidden over d2. Options name its projections: separate ``q``/``k``/``v`` (defaults
+    ``q_proj``/``k_proj``/``v_proj``) or one fused ``qkv`` whose output is the queries, keys
+    and values either concatenated (``fused=concat``, GPT-2's ``c_attn``) or interleaved
+    per head (``fused=heads``, GPT-NeoX's ``query_key_value``), and the output ``o``.
+    ``per_rank`` names module attributes counting the whole layer's heads or features that
+    the module's ``forward`` reshapes by (OPT's ``num_heads``, GPT-2's ``split_size``): they
+    become this rank's (divided by d1), so the family's own ``forward`` runs unchanged."""
 
     name = "hf_attention"
 
+    def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
+                 qkv: str = "", fused: str = "concat", per_rank: str = "") -> None:
+        if fused not in FUSED:
+            raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
+        self.q, self.k, self.v, self.o, self.qkv, self.fused = q, k, v, o, qkv, fused
+        self.per_rank = tuple(a for a in per_rank.split("+") if a)
+
+    def options(self) -> Dict[str, str]:
+        opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
+            {k: v for k, v in (("q", self.q), ("k", self.k), ("v", self.v)) if v != f"{k}_proj"}
+        if self.o != "o_proj":
+            opts["o"] = self.o
+        if self.per_rank:
+            opts["per_rank"] = "+".join(self.per_rank)
+        return opts
+
+    def projections(self) -> Tuple[str, ...]:
+        return ((self.qkv,) if self.qkv else (self.q, self.k, self.v)) + (self.o,)
+
     def check(self, fqn: str, module: nn.Module) -> None:
-        for p in PROJECTIONS:
+        for p in self.projections():
             sub = getattr(module, p, None)
-            if type(sub) is not nn.Linear:
-                raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no plain nn.Linear "
-                                  f"'{p}'; style 'hf_attention' needs q_proj, k_proj, v_proj and o_proj")
-        if not hasattr(module, "config") or not getattr(module, "head_dim", None):
+            if type(sub) not in linear_kinds():
+                raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no linear '{p}' "
+                                  f"(style '{self.describe()}')")
+        if not hasattr(module, "config"):
             raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) is not a transformers "
-                              f"attention module (no config or head_dim)")
+                              f"attention module (no config)")
+        for a in self.per_rank:
+            if not isinstance(getattr(module, a, None), int):
+                raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no integer attribute "
+                                  f"'{a}' (style '{self.describe()}', per_rank)")
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         _register()
@@ -85,11 +117,18 @@ class HFAttention(ParallelStyle):
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         sharding = HeadSharding(comm_for(ctx.mesh), heads, kv)
-        module.q_proj = ATPLinear.from_linear(module.q_proj, ctx.mesh, COLUMN)
-        for p in ("k_proj", "v_proj"):
-            setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN,
-                                                     gather_output=sharding.kv_gathered))
-        module.o_proj = ATPLinear.from_linear(module.o_proj, ctx.mesh, ROW)
+        if self.qkv:
+            setattr(module, self.qkv, ATPLinear.from_linear(getattr(module, self.qkv), ctx.mesh, COLUMN,
+                                                            parts=3 if self.fused == "concat" else 1))
+        else:
+            setattr(module, self.q, ATPLinear.from_linear(getattr(module, self.q), ctx.mesh, COLUMN))
+            for p in (self.k, self.v):
+                setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN,
+                                                         gather_output=sharding.kv_gathered))
+        setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
+        d1 = sharding.comm.size("d1")
+        for a in self.per_rank:
+            setattr(module, a, getattr(module, a) // d1)
         module.atp_heads = sharding
         module.atp_inner_attention = cfg._attn_implementation or "eager"
         module.config = copy.copy(cfg)

@@ -1,0 +1,97 @@
+"""Hugging Face checkpoints in and out of a sharded model (issue 14: real weights).
+
+* :func:`safetensors_reader` — a reader of a local HF checkpoint directory (``config.json``
+  plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``): tensors by the
+  model's parameter names, as lazy safetensors slices, so each rank reads only its blocks
+  (:func:`~atp_pipeline.parallel.dense.load_dense`). Names saved without the base model's
+  prefix (GPT-2's ``h.0...`` for ``transformer.h.0...``) are found too.
+* :func:`export_pretrained` — the sharded model gathered into the dense model's names and
+  layouts (:func:`~atp_pipeline.parallel.dense.dense_tensors`) and written by transformers'
+  own ``save_pretrained`` on global rank 0, loadable by ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.dense import dense_tensors
+
+
+def safetensors_reader(path: str, model: nn.Module) -> Callable[[str], Optional[Any]]:
+    """``name -> safetensors slice`` (or None) of the checkpoint in directory ``path``, by the
+    parameter names of ``model``: checkpoint keys are renamed as transformers' own loading
+    renames them (its per-family ``WeightRenaming``s, e.g. GPT-NeoX's ``embed_out`` ->
+    ``lm_head``); a key saved without the base model's prefix is found too. A checkpoint
+    needing a conversion other than a renaming (fused or split tensors) is refused."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    elif (root / "model.safetensors").exists():
+        single = root / "model.safetensors"
+        with safe_open(str(single), framework="pt") as f:
+            files = {k: single for k in f.keys()}
+    else:
+        raise ConfigError(f"model.pretrained={path}: no model.safetensors or model.safetensors.index.json there")
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    stored: Dict[str, str] = {}
+    for key in files:
+        if apply_converters(key, converters)[1] is not None:
+            raise ConfigError(f"model.pretrained={path}: '{key}' needs transformers' conversion (not a renaming), "
+                              f"which ATP's shard-wise loading does not do; load the model with from_pretrained")
+        stored[apply_renamings(key, renamings)] = key
+    prefix = getattr(model, "base_model_prefix", "")
+    handles: Dict[Path, Any] = {}
+
+    def read(name: str) -> Optional[Any]:
+        for want in (name, name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None):
+            key = stored.get(want) if want is not None else None
+            if key is not None:
+                f = files[key]
+                if f not in handles:
+                    handles[f] = safe_open(str(f), framework="pt")
+                return handles[f].get_slice(key)
+        return None
+
+    return read
+
+
+def export_pretrained(model: nn.Module, out_dir: str) -> Optional[Path]:
+    """Write the sharded transformers ``model`` to ``out_dir`` in HF format (collective: every
+    rank calls it; global rank 0 writes). Returns the directory on rank 0."""
+    state = dense_tensors(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        dense = type(model)(model.config.__class__.from_dict(_plain_config(model)))
+    missing, unexpected = dense.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False, assign=True)
+    dense.tie_weights()
+    left = [n for n, p in dense.named_parameters() if p.is_meta]
+    if left or unexpected:
+        raise ConfigError(f"export: {type(model).__name__} state does not match its dense model "
+                          f"(missing {left[:3]}, unexpected {unexpected[:3]})")
+    out = Path(out_dir)
+    dense.save_pretrained(str(out))
+    return out
+
+
+def _plain_config(model: nn.Module) -> Dict[str, Any]:
+    """The model's config as a dict, without ATP's attention implementation (set on copies
+    inside the attention modules only, but checked here too)."""
+    d = model.config.to_dict()
+    if d.get("_attn_implementation") == "atp":
+        d.pop("_attn_implementation")
+    return d

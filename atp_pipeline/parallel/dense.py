@@ -1,0 +1,100 @@
+"""The dense view of a parallel model: every parameter (or gradient) whole, under the name and
+in the layout of the module the styles replaced — what the single-process model holds, so a
+parallel run is compared with it tensor by tensor, exported in the model's own format, and
+loaded from a checkpoint of the dense model with each rank reading only its blocks.
+
+:func:`dense_tensors` is collective (every rank of the tensor-parallel mesh calls it; DTensor
+parameters are gathered with ``full_tensor()``). :func:`load_dense` is local: each rank slices
+its blocks out of the stored tensors (a safetensors slice reads only those bytes). A module
+sharing another's parameter (a head tied to its embedding) holds none of its own and adds
+no name; plain parameters (norms run whole) are whole on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.linear import ATPLinear
+from atp_pipeline.parallel.mesh import tp_coordinate, tp_mesh
+
+# name -> the stored tensor, sliceable (``t[a:b, c:d]``), or None if the checkpoint lacks it
+Reader = Callable[[str], Optional[Any]]
+
+
+def _own_tensors(module: nn.Module) -> List[Tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_parameter)`` of a module's own parameters and persistent buffers."""
+    skip = getattr(module, "_non_persistent_buffers_set", set())
+    return [(k, p, True) for k, p in module.named_parameters(recurse=False)] + \
+        [(k, b, False) for k, b in module.named_buffers(recurse=False) if k not in skip and b is not None]
+
+
+def dense_tensors(root: nn.Module, grad: bool = False) -> Dict[str, torch.Tensor]:
+    """``{name: whole tensor}`` of ``root``'s parameters and persistent buffers in the dense
+    model's names and layouts (``grad=True``: the parameters' gradients, where they have one)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, module in root.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, ATPLinear):
+            for key, t in module.dense(grad).items():
+                if t is not None:
+                    out[prefix + key] = t
+            continue
+        for key, t, is_param in _own_tensors(module):
+            if grad:
+                if not is_param or t.grad is None:
+                    continue
+                t = t.grad
+            out[prefix + key] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    return out
+
+
+def _block(stored: Any, shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> torch.Tensor:
+    """This rank's block of a stored tensor of ``shape`` under ``placements`` on (d1, d2)."""
+    index = [slice(0, n) for n in shape]
+    sub = tp_mesh(mesh)
+    coord = tp_coordinate(sub)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            width = (index[p.dim].stop - index[p.dim].start) // sub.size(axis)
+            start = index[p.dim].start + coord[axis] * width
+            index[p.dim] = slice(start, start + width)
+    return stored[tuple(index)]
+
+
+def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = lambda name: False) -> int:
+    """Fill every parameter and persistent buffer of ``root`` (already laid out and allocated)
+    from the dense model's stored tensors, each rank reading only its blocks; returns how
+    many tensors were read. A name the checkpoint lacks is an error unless ``optional``."""
+    missing: List[str] = []
+    count = 0
+    for name, module in root.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, ATPLinear):
+            weight, bias = read(prefix + "weight"), read(prefix + "bias") if module.bias is not None else None
+            if weight is None or (module.bias is not None and bias is None):
+                missing.append(prefix + ("weight" if weight is None else "bias"))
+                continue
+            module.load_dense(weight, bias)
+            count += 1 + (module.bias is not None)
+            continue
+        for key, t, is_param in _own_tensors(module):
+            stored = read(prefix + key)
+            if stored is None:
+                if is_param and not optional(prefix + key):
+                    missing.append(prefix + key)
+                continue
+            with torch.no_grad():
+                if isinstance(t, DTensor):
+                    t.to_local().copy_(_block(stored, t.shape, t.device_mesh, t.placements))
+                else:
+                    t.copy_(stored[tuple(slice(0, n) for n in t.shape)] if t.dim() else stored[()])
+            count += 1
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"checkpoint lacks {', '.join(missing[:3])}{more} of {type(root).__name__}")
+    return count
