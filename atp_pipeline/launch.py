@@ -46,7 +46,8 @@ def torchrun_env(rank: int, world: int, port: int) -> dict:
 
 
 # imported once by the fork server (missing ones are skipped by multiprocessing)
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "pytorch_lightning"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "pytorch_lightning",
+           "atp_pipeline._forkserver_exit"]
 
 
 def _context() -> Any:
@@ -55,6 +56,15 @@ def _context() -> Any:
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def prestart() -> None:
+    """Start the fork server now (it imports :data:`PRELOAD` in the background), so the
+    launcher's own work overlaps with it; :func:`spawn` then finds it running."""
+    if _context().get_start_method() == "forkserver" and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
@@ -140,7 +150,12 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     finally:
         for p in procs:
             p.join(timeout=1 if failures else 10)
+        for p in procs:  # a rank blocked in a collective may survive SIGTERM (Lightning handles it)
             if p.is_alive():
                 p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
                 p.join()
     return out

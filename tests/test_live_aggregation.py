@@ -195,9 +195,9 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
             time.sleep(0.5)
         kids = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(proc.pid)}
         servers = [c for c, cmd in kids.items() if b"forkserver" in cmd]  # the ranks are forked from it
-        workers = [w for s in servers for w in _children(s)]
+        workers = [w for s in servers for w in _children(s)] or [c for c, cmd in kids.items() if b"spawn_main" in cmd]
         roles = [c for c, cmd in kids.items() if b"atp_pipeline.ina.live.nodes" in cmd]
-        assert len(servers) == 1 and len(workers) == 4 and len(roles) == 1, kids  # 4 ranks and this run's PS
+        assert len(workers) == 4 and len(roles) == 1, kids  # 4 ranks and this run's PS
         victim = workers[2]
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()

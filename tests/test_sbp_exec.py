@@ -73,7 +73,8 @@ def cases(p: int) -> List[Case]:
     for name, strat in mlp_forced:
         out.append((f"mlp {name}", "mlp", (dims, batch),
                     SBPLayout(p, {f"fc{i}": s for i, s in enumerate(strat)})))
-    out.append((f"gpt {gpt_forced[0]}", "gpt", GCFG.layers, SBPLayout(p, gpt_forced[1])))
+    # one layer: the forced strategies are per layer (what changes between layers is the MLP cases')
+    out.append((f"gpt {gpt_forced[0]}", "gpt", 1 if p == 8 else GCFG.layers, SBPLayout(p, gpt_forced[1])))
     return out
 
 

@@ -23,6 +23,9 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
         from atp_pipeline.run.report import report_plan
 
         return report_plan(spec, out, extra=spec.job)
+    from atp_pipeline.launch import prestart
+
+    prestart()  # the ranks' fork server imports torch and Lightning while the plan is reported
     from atp_pipeline.run.fit import fit
 
     row = fit(spec, out)

@@ -27,8 +27,8 @@ def fake_path(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _run(tmp_path, scenarios=SCENARIOS):
-    args = ["--workdir", str(tmp_path / "work"), "--wait", "6", "--timeout", "20",
+def _run(tmp_path, scenarios=SCENARIOS, timeout=20):
+    args = ["--workdir", str(tmp_path / "work"), "--wait", "6", "--timeout", str(timeout),
             "--trace", str(TRACE_FILE), "--p4", str(V1MODEL_P4)]
     for s in scenarios:
         args += ["--scenario", s]
@@ -49,7 +49,7 @@ def test_replay_against_fake_bmv2_matches(fake_path, capsys):
 def test_divergence_is_reported_with_first_mismatch(fake_path, monkeypatch, capsys):
     """(Field-level diffs and any-order matching are unit-tested in test_bmv2_replay.py.)"""
     monkeypatch.setenv("FAKE_BMV2_BUG", "drop_clone")  # the ⑦ flush clone never leaves
-    assert _run(fake_path, ["resend_level1"]) == 1
+    assert _run(fake_path, ["resend_level1"], timeout=8) == 1  # a frame that never comes: waits the timeout
     out = capsys.readouterr().out
     assert "MISMATCH at resend_level1[1], port 1" in out and "MISSING" in out
     assert "run(s) with mismatches" in out

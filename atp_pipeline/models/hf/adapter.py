@@ -139,6 +139,12 @@ def shape_of_config(config: Any, name: str = "") -> ModelShape:
 PRETRAINED = "atp_pretrained"  # attribute of a model built by load_pretrained: its checkpoint directory
 
 
+def _pretrained(cfg: Any) -> Optional[str]:
+    """``cfg.pretrained`` of a model config (DictConfig, dict or object)."""
+    value = cfg.get("pretrained", None) if hasattr(cfg, "get") else getattr(cfg, "pretrained", None)
+    return str(value) if value else None
+
+
 def load_pretrained(path: str, config: Any = None) -> nn.Module:
     """A transformers causal LM of the local HF checkpoint ``path``, its parameters on the meta
     device: ``Trainer(strategy="atp")`` lays it out, allocates this rank's shards and reads
@@ -178,21 +184,21 @@ class HFCausalLMAdapter(ModelAdapter):
         get = (lambda k: cfg.get(k, None)) if hasattr(cfg, "get") else (lambda k: getattr(cfg, k, None))
         name = get("name") or "?"
         fields = dict(get("hf") or {})
-        pretrained = get("pretrained")
+        pretrained = _pretrained(cfg)
+        if pretrained and not (Path(pretrained) / "config.json").exists():
+            raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
+        kind = fields.pop("model_type", None)
+        if not pretrained and kind is None:
+            raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
+                              f"model.hf.model_type (supported: {', '.join(SUPPORTED)})")
+        if not pretrained and kind not in SUPPORTED:
+            raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
+                              f"(supported: {', '.join(SUPPORTED)})")
         try:
-            if pretrained:
-                if not (Path(pretrained) / "config.json").exists():
-                    raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
-                fields.pop("model_type", None)
-                config = AutoConfig.from_pretrained(pretrained, **fields)
-            else:
-                kind = fields.pop("model_type", None)
-                if kind not in SUPPORTED:
-                    raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
-                                      f"(supported: {', '.join(SUPPORTED)})")
-                config = AutoConfig.for_model(kind, **fields)
+            config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
+                AutoConfig.for_model(kind, **fields)
         except (TypeError, ValueError, OSError) as exc:
-            raise ConfigError(f"model '{name}': model.hf: {exc}".splitlines()[0]) from None
+            raise ConfigError(f"model '{name}': model.hf: {str(exc).splitlines()[0]}") from None
         family_of(config)
         return config
 
@@ -209,7 +215,7 @@ class HFCausalLMAdapter(ModelAdapter):
         from transformers import AutoModelForCausalLM
 
         config = self.hf_config(cfg)
-        pretrained = cfg.get("pretrained", None) if hasattr(cfg, "get") else getattr(cfg, "pretrained", None)
+        pretrained = _pretrained(cfg)
         if not pretrained:
             return AutoModelForCausalLM.from_config(config)
         return load_pretrained(pretrained, config)
