@@ -12,15 +12,14 @@ no name; plain parameters (norms run whole) are whole on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.parallel.linear import ATPLinear
-from atp_pipeline.parallel.mesh import tp_coordinate, tp_mesh
+from atp_pipeline.parallel.linear import ATPLinear, shard_index
 
 # name -> the stored tensor, sliceable (``t[a:b, c:d]``), or None if the checkpoint lacks it
 Reader = Callable[[str], Optional[Any]]
@@ -53,19 +52,6 @@ def dense_tensors(root: nn.Module, grad: bool = False) -> Dict[str, torch.Tensor
     return out
 
 
-def _block(stored: Any, shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> torch.Tensor:
-    """This rank's block of a stored tensor of ``shape`` under ``placements`` on (d1, d2)."""
-    index = [slice(0, n) for n in shape]
-    sub = tp_mesh(mesh)
-    coord = tp_coordinate(sub)
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            width = (index[p.dim].stop - index[p.dim].start) // sub.size(axis)
-            start = index[p.dim].start + coord[axis] * width
-            index[p.dim] = slice(start, start + width)
-    return stored[tuple(index)]
-
-
 def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = lambda name: False) -> int:
     """Fill every parameter and persistent buffer of ``root`` (already laid out and allocated)
     from the dense model's stored tensors, each rank reading only its blocks; returns how
@@ -90,7 +76,7 @@ def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = 
                 continue
             with torch.no_grad():
                 if isinstance(t, DTensor):
-                    t.to_local().copy_(_block(stored, t.shape, t.device_mesh, t.placements))
+                    t.to_local().copy_(stored[shard_index(t.shape, t.device_mesh, t.placements)])
                 else:
                     t.copy_(stored[tuple(slice(0, n) for n in t.shape)] if t.dim() else stored[()])
             count += 1

@@ -75,19 +75,26 @@ def ungroup_rows(w: torch.Tensor, parts: int, n: int) -> torch.Tensor:
     return w.reshape(n, parts, w.shape[0] // (parts * n), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
-def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
-    """This rank's block of ``full`` under ``placements`` on the (d1, d2) ``mesh``."""
+def shard_index(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> Tuple[slice, ...]:
+    """The index of this rank's block of a tensor of ``shape`` under ``placements`` on the
+    (d1, d2) ``mesh`` (usable on a tensor or on a lazily read one, e.g. a safetensors slice)."""
     sub = tp_mesh(mesh)
     coord = tp_coordinate(mesh)
-    out = full
+    index = [slice(0, int(n)) for n in shape]
     for i, p in enumerate(placements):
         if isinstance(p, Shard):
-            n = sub.size(i)
-            if out.shape[p.dim] % n:
-                raise ConfigError(f"dimension {p.dim} of size {out.shape[p.dim]} does not split "
+            n, size = sub.size(i), index[p.dim].stop - index[p.dim].start
+            if size % n:
+                raise ConfigError(f"dimension {p.dim} of size {size} does not split "
                                   f"over mesh dimension d{i + 1} of size {n}")
-            out = out.chunk(n, dim=p.dim)[coord[i]]
-    return out.contiguous()
+            start = index[p.dim].start + coord[i] * (size // n)
+            index[p.dim] = slice(start, start + size // n)
+    return tuple(index)
+
+
+def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's block of ``full`` under ``placements`` on the (d1, d2) ``mesh``."""
+    return full[shard_index(full.shape, mesh, placements)].contiguous()
 
 
 def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> nn.Parameter:
