@@ -142,21 +142,62 @@ def test_lightning_trains_an_hf_llama_with_the_planned_mesh():
     assert tuple(runs[packages[0]]["dims"]) == (1, *plan.selected)
 
 
+_PLAN_RUN = r"""
+import runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+try:
+    runpy.run_path(TRAIN, run_name="__main__")
+finally:
+    print("TRANSFORMERS=" + str("transformers" in sys.modules))
+"""
+
+
 def test_stage_plan_of_a_real_size_llama_on_the_meta_device(tmp_path):
     """``python train.py stage=plan model=llama3_8b topology=ic4``: the shape read from the
-    HF config (GQA, gated MLP), the candidate table and a per-device memory estimate."""
+    HF config (GQA, gated MLP), the candidate table and a per-device memory estimate; the
+    preset spells out every field the shape reads, so transformers is never imported (most
+    of the run's CPU time otherwise)."""
     import json
+    import subprocess
+    import sys
 
-    from .conftest import run_train
+    from .conftest import ROOT
 
-    out = run_train(["stage=plan", "model=llama3_8b", "topology=ic4", f"hydra.run.dir={tmp_path / 'run'}"],
-                    cwd=tmp_path, timeout=300)
+    code = _PLAN_RUN.replace("TRAIN", repr(str(ROOT / "train.py")))
+    out = subprocess.run([sys.executable, "-c", code, "stage=plan", "model=llama3_8b", "topology=ic4",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert "heads=32 (kv 8, head dim 128), FFN 14336 gated, rmsnorm" in out.stdout
     assert "memory per device on " in out.stdout
+    assert "TRANSFORMERS=False" in out.stdout.splitlines()
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["model"]["kv_heads"], plan["model"]["comm_layout"]) == (8, "module_styles")
     assert plan["memory_per_device"]["total_bytes"] < 80e9
+
+
+def test_presets_read_without_transformers_agree_with_its_config():
+    """Every HF model option's shape: read from its ``hf`` fields alone (the real-size presets,
+    which give every field) equals the shape of transformers' config of the same fields."""
+    from omegaconf import OmegaConf
+
+    from atp_pipeline.models.hf.adapter import GivenFields, HFCausalLMAdapter, NotGiven, shape_of_config
+
+    from .conftest import ROOT
+
+    complete = set()
+    for path in sorted((ROOT / "conf" / "model").glob("*.yaml")):
+        cfg = OmegaConf.load(path)
+        if cfg.get("family") != "hf" or not cfg.get("hf"):
+            continue
+        fields = OmegaConf.to_container(cfg.hf)
+        try:
+            fast = shape_of_config(GivenFields(fields), cfg.name)
+        except NotGiven:
+            continue
+        complete.add(cfg.name)
+        assert fast == shape_of_config(HFCausalLMAdapter.hf_config(cfg), cfg.name), cfg.name
+    assert {"llama3_8b", "mistral_7b", "qwen2_7b"} <= complete, complete
 
 
 def test_infeasible_hf_mesh_is_one_line(tmp_path):

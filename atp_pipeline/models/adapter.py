@@ -53,6 +53,12 @@ class ModelAdapter(ABC):
     def build(self, cfg: Any) -> nn.Module:
         """The dense model of ``cfg``, built on the current default device."""
 
+    def build_outline(self, cfg: Any) -> nn.Module:
+        """A model of ``cfg`` with the same modules per block but possibly fewer repeated
+        blocks, for checking the family's own plan before launch (built on the meta device;
+        default: :meth:`build`)."""
+        return self.build(cfg)
+
     @abstractmethod
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
         """``{relative module-name pattern: style}`` laying the module out on a (d1, d2) mesh."""

@@ -344,39 +344,33 @@ def write_topology(cfg: Dict[str, Any], path: Path, header: str = "") -> None:
 def plot_fit(samples: Sequence[Sample], ab: AlphaBeta, heldout: Sequence[int], path: Path,
              title: str) -> None:
     """Predicted vs measured time per point (log-log), held-out points ringed, ±25 % band."""
-    import matplotlib
+    from atp_pipeline.figures import axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.6, 4.8))
-    marks = {"all_reduce": "o", "all_gather": "s", "reduce_scatter": "^", "all_to_all": "D"}
-    ho = set(heldout)
-    for c in COLLECTIVES:
-        idx = [i for i, s in enumerate(samples) if s.collective is c]
-        if not idx:
-            continue
-        m = np.array([samples[i].seconds for i in idx]) * 1e3
-        p = np.array([predict(ab, samples[i]) for i in idx]) * 1e3
-        ax.scatter(m, p, marker=marks[c.value], s=22, label=c.value, alpha=0.8)
-        h = [k for k, i in enumerate(idx) if i in ho]
-        if h:
-            ax.scatter(m[h], p[h], marker="o", s=90, facecolors="none", edgecolors="k", lw=0.8)
-    lo = min(s.seconds for s in samples) * 1e3 / 2
-    hi = max(s.seconds for s in samples) * 1e3 * 2
-    xs = np.array([lo, hi])
-    ax.plot(xs, xs, "k-", lw=0.8)
-    ax.fill_between(xs, xs * 0.75, xs * 1.25, color="gray", alpha=0.15, label="±25 %")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured (ms)")
-    ax.set_ylabel("predicted, fitted alpha-beta model (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with axes(path, (5.6, 4.8)) as ax:
+        marks = {"all_reduce": "o", "all_gather": "s", "reduce_scatter": "^", "all_to_all": "D"}
+        ho = set(heldout)
+        for c in COLLECTIVES:
+            idx = [i for i, s in enumerate(samples) if s.collective is c]
+            if not idx:
+                continue
+            m = np.array([samples[i].seconds for i in idx]) * 1e3
+            p = np.array([predict(ab, samples[i]) for i in idx]) * 1e3
+            ax.scatter(m, p, marker=marks[c.value], s=22, label=c.value, alpha=0.8)
+            h = [k for k, i in enumerate(idx) if i in ho]
+            if h:
+                ax.scatter(m[h], p[h], marker="o", s=90, facecolors="none", edgecolors="k", lw=0.8)
+        lo = min(s.seconds for s in samples) * 1e3 / 2
+        hi = max(s.seconds for s in samples) * 1e3 * 2
+        xs = np.array([lo, hi])
+        ax.plot(xs, xs, "k-", lw=0.8)
+        ax.fill_between(xs, xs * 0.75, xs * 1.25, color="gray", alpha=0.15, label="±25 %")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured (ms)")
+        ax.set_ylabel("predicted, fitted alpha-beta model (ms)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        path.parent.mkdir(parents=True, exist_ok=True)
 
 
 @dataclass

@@ -194,10 +194,7 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
 
 def plot_plan(plan: MeshPlan, path: Path) -> None:
     """Bar chart of every candidate's T_comm; the selection and (N,1) are marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from atp_pipeline.figures import axes
 
     labels = [f"{c.mesh[0]}x{c.mesh[1]}" for c in plan.candidates]
     times = [c.t_comm_s * 1e3 for c in plan.candidates]
@@ -211,20 +208,17 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             colors.append("tab:orange")
         else:
             colors.append("tab:blue")
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(labels) + 2), 3.6))
-    bars = ax.bar(labels, times, color=colors)
-    for bar, c in zip(bars, plan.candidates):
-        if c.source == "calibrated":
-            bar.set_hatch("//")
-    ax.set_xlabel("DeviceMesh(d1, d2)")
-    ax.set_ylabel("T_comm per step (ms, Eq. 2)")
-    ax.set_title(f"{plan.topology.name}, {plan.model.name}: selected "
-                 f"{plan.selected[0]}x{plan.selected[1]} (green), (N,1) orange, hatched = calibrated",
-                 fontsize=9)
-    if len(times) > 1 and min(t for t in times if t > 0) * 50 < max(times):
-        ax.set_yscale("log")
-    if len(labels) > 8:
-        ax.tick_params(axis="x", labelrotation=60)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with axes(path, (max(4.0, 0.7 * len(labels) + 2), 3.6)) as ax:
+        bars = ax.bar(labels, times, color=colors)
+        for bar, c in zip(bars, plan.candidates):
+            if c.source == "calibrated":
+                bar.set_hatch("//")
+        ax.set_xlabel("DeviceMesh(d1, d2)")
+        ax.set_ylabel("T_comm per step (ms, Eq. 2)")
+        ax.set_title(f"{plan.topology.name}, {plan.model.name}: selected "
+                     f"{plan.selected[0]}x{plan.selected[1]} (green), (N,1) orange, hatched = calibrated",
+                     fontsize=9)
+        if len(times) > 1 and min(t for t in times if t > 0) * 50 < max(times):
+            ax.set_yscale("log")
+        if len(labels) > 8:
+            ax.tick_params(axis="x", labelrotation=60)

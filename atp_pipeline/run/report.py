@@ -72,21 +72,15 @@ def read_metrics(path: Path) -> List[Dict[str, float]]:
 
 
 def plot_loss(rows: List[Dict[str, float]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from atp_pipeline.figures import axes
 
     pts = [(r["step"] + 1, r["loss"]) for r in rows if "loss" in r]
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy, nats)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with axes(path, (5.5, 3.4)) as ax:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (cross-entropy, nats)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
 
 
 def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:

@@ -25,7 +25,6 @@ from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, Data
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
-from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.planning.interface import PlanResult, plan
 from atp_pipeline.planning.memory import MemoryEstimate, per_device_memory
 from atp_pipeline.planning.shape import ModelShape
@@ -228,9 +227,12 @@ def resolve(cfg: DictConfig) -> RunSpec:
         raise ConfigError(f"data.source=corpus is byte-level and needs model.vocab_size >= 256, got "
                           f"{shape.vocab_size}")
     user_plan = dict(cfg.model.parallel_plan) if cfg.model.parallel_plan is not None else None
-    with torch.device("meta"):
-        model = adapter.build(cfg.model)
-    match_plan(model, user_plan or adapter.parallel_plan(model))  # patterns name real modules
+    if fitting or user_plan:  # the plan's patterns name real modules (stage=plan: only a user's plan)
+        from atp_pipeline.parallel.apply import match_plan
+
+        with torch.device("meta"):  # a user's plan may name any block; the family's is per block
+            model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
+        match_plan(model, user_plan or adapter.parallel_plan(model))
     capacity = topo.device.get("memory_GB")
     mem = per_device_memory(shape, (d1, d2), dp) if result.kind == "atp" else None  # sbp: the search's own limit
     if mem is not None and capacity:

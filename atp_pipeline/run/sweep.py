@@ -58,24 +58,18 @@ def _fmt(v: Any) -> str:
 def plot_summary(rows: List[Dict[str, Any]], path: Path) -> None:
     """One bar per run, like the paper's Figure 11: achieved TFLOP/s per device for training
     runs, the planner's T_comm for plan-only sweeps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from atp_pipeline.figures import axes
 
     key, label = (("tflops_per_device", "achieved TFLOP/s per device (median step)")
                   if any(r.get("tflops_per_device") is not None for r in rows)
                   else ("t_comm_s", "T_comm per step (s, planner)"))
     names = [str(r.get("overrides") or r.get("job_num")) for r in rows]
     values = [float(r.get(key) or 0.0) for r in rows]
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(rows) + 2), 4.0))
-    ax.bar(range(len(rows)), values, color="tab:blue")
-    ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel(label)
-    ax.set_title(f"sweep: {len(rows)} runs", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with axes(path, (max(5.0, 0.6 * len(rows) + 2), 4.0), dpi=110) as ax:
+        ax.bar(range(len(rows)), values, color="tab:blue")
+        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(label)
+        ax.set_title(f"sweep: {len(rows)} runs", fontsize=9)
 
 
 class SweepSummaryCallback(Callback):

@@ -26,7 +26,9 @@ same masks).
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +164,50 @@ def _pattern(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
+_CONFIGS: Dict[tuple, Any] = {}
+
+
+class NotGiven(Exception):
+    """A config field the shape reads that a model config's ``hf`` block does not give."""
+
+
+class GivenFields:
+    """A model config's ``hf`` block read as a transformers config, with no defaults: a field
+    it does not give raises :class:`NotGiven` (not ``AttributeError``, so a ``getattr``
+    default cannot stand in for transformers' own)."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        self._fields = dict(fields)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._fields[key]
+        except KeyError:
+            raise NotGiven(key) from None
+
+
+def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> Any:
+    """:meth:`HFCausalLMAdapter.hf_config`, uncached; refusals are one line."""
+    from transformers import AutoConfig
+
+    if pretrained and not (Path(pretrained) / "config.json").exists():
+        raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
+    kind = fields.pop("model_type", None)
+    if not pretrained and kind is None:
+        raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
+                          f"model.hf.model_type (supported: {', '.join(SUPPORTED)})")
+    if not pretrained and kind not in SUPPORTED:
+        raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
+                          f"(supported: {', '.join(SUPPORTED)})")
+    try:
+        config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
+            AutoConfig.for_model(kind, **fields)
+    except (TypeError, ValueError, OSError) as exc:
+        raise ConfigError(f"model '{name}': model.hf: {str(exc).splitlines()[0]}") from None
+    family_of(config)
+    return config
+
+
 class HFCausalLMAdapter(ModelAdapter):
     """``*ForCausalLM`` of transformers (families in :data:`SUPPORTED`)."""
 
@@ -178,34 +224,34 @@ class HFCausalLMAdapter(ModelAdapter):
     def hf_config(cfg: Any) -> Any:
         """The transformers config of a model config: read from ``pretrained`` (a local HF
         checkpoint directory) if set, else from ``model_type``; the ``hf`` block's fields set
-        on top."""
-        from transformers import AutoConfig
-
+        on top. A copy of one cached per (name, checkpoint, fields): the run reads the shape
+        and then builds from the same config."""
         get = (lambda k: cfg.get(k, None)) if hasattr(cfg, "get") else (lambda k: getattr(cfg, k, None))
-        name = get("name") or "?"
+        name = str(get("name") or "?")
         fields = dict(get("hf") or {})
         pretrained = _pretrained(cfg)
-        if pretrained and not (Path(pretrained) / "config.json").exists():
-            raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
-        kind = fields.pop("model_type", None)
-        if not pretrained and kind is None:
-            raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
-                              f"model.hf.model_type (supported: {', '.join(SUPPORTED)})")
-        if not pretrained and kind not in SUPPORTED:
-            raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
-                              f"(supported: {', '.join(SUPPORTED)})")
-        try:
-            config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
-                AutoConfig.for_model(kind, **fields)
-        except (TypeError, ValueError, OSError) as exc:
-            raise ConfigError(f"model '{name}': model.hf: {str(exc).splitlines()[0]}") from None
-        family_of(config)
-        return config
+        stamp = (Path(pretrained) / "config.json").stat().st_mtime_ns if pretrained and \
+            (Path(pretrained) / "config.json").exists() else None
+        key = (name, pretrained, stamp, json.dumps(fields, sort_keys=True, default=str))
+        if key not in _CONFIGS:
+            _CONFIGS[key] = _hf_config(name, fields, pretrained)
+        return copy.deepcopy(_CONFIGS[key])
 
     def shape_from_config(self, cfg: Any) -> ModelShape:
+        """The shape of a model config. One whose ``hf`` block spells out every field the shape
+        reads (the real-size presets) is read without transformers, which ``stage=plan`` then
+        never imports; any other goes through :meth:`hf_config` (transformers' defaults)."""
         get = (lambda k, d: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
         dtype = get("dtype", "fp32")
-        return shape_of_config(self.hf_config(cfg), str(get("name", ""))).with_step(
+        name = str(get("name", ""))
+        fields = dict(get("hf", None) or {})
+        shape = None
+        if not _pretrained(cfg) and fields.get("model_type") in SUPPORTED:
+            try:
+                shape = shape_of_config(GivenFields(fields), name)
+            except NotGiven:
+                pass
+        return (shape or shape_of_config(self.hf_config(cfg), name)).with_step(
             batch_size=int(get("batch_size", 1)), seq_len=int(get("seq_len", 0)) or None,
             dtype=str(getattr(dtype, "value", dtype)))
 
@@ -219,6 +265,14 @@ class HFCausalLMAdapter(ModelAdapter):
         if not pretrained:
             return AutoModelForCausalLM.from_config(config)
         return load_pretrained(pretrained, config)
+
+    def build_outline(self, cfg: Any) -> nn.Module:
+        """:meth:`build` with at most two decoder layers (the family's plan is per layer)."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.hf_config(cfg)
+        config.num_hidden_layers = min(int(config.num_hidden_layers), 2)
+        return AutoModelForCausalLM.from_config(config)
 
     def weights(self, module: nn.Module) -> Optional[Any]:
         path = getattr(module, PRETRAINED, None)

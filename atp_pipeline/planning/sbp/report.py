@@ -197,27 +197,21 @@ class SBPPlan:
     def plot(self, path: Path) -> bool:
         """``plan.png``: predicted communication per layer (tie group), stacked by collective
         (all-to-all between layers charged to the consumer, as in the table)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from atp_pipeline.figures import axes
 
         per = self._layer_comm()
         names = [row["tie"] for row in per]
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.8 * len(names) + 2), 3.6))
-        bottom = [0.0] * len(names)
-        for c in COLLECTIVES:
-            vals = [row["comm"][c] * 1e3 for row in per]
-            ax.bar(names, vals, bottom=bottom, label=SHORT[c])
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xlabel("layer (tie group)")
-        ax.set_ylabel("predicted communication per step (ms)")
-        ax.set_title(f"{self.topology.name}, {self.model.name}: SBP plan on DeviceMesh{self.mesh_shape}, "
-                     f"total {fmt_seconds(self.cost_s)}", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        with axes(path, (max(4.0, 0.8 * len(names) + 2), 3.6)) as ax:
+            bottom = [0.0] * len(names)
+            for c in COLLECTIVES:
+                vals = [row["comm"][c] * 1e3 for row in per]
+                ax.bar(names, vals, bottom=bottom, label=SHORT[c])
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_xlabel("layer (tie group)")
+            ax.set_ylabel("predicted communication per step (ms)")
+            ax.set_title(f"{self.topology.name}, {self.model.name}: SBP plan on DeviceMesh{self.mesh_shape}, "
+                         f"total {fmt_seconds(self.cost_s)}", fontsize=9)
+            ax.legend(fontsize=8)
         return True
 
     def write(self, out_dir: Path, extra_summary: Optional[Dict[str, Any]] = None) -> Dict[str, Path]:
