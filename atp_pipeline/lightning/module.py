@@ -38,4 +38,5 @@ class LMModuleMixin:
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams  # type: ignore[attr-defined]
-        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)  # type: ignore[attr-defined]
+        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,  # type: ignore[attr-defined]
+                                 foreach=True)  # DTensor parameters: one dispatch per op, not per tensor
