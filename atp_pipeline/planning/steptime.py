@@ -146,6 +146,8 @@ class ComputeProfile:
                 points[(str(kind), dims)] = us * 1e-6
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9)
+        except ConfigError:
+            raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"{where}: not a compute profile ({type(exc).__name__}: {exc})") from None
 
