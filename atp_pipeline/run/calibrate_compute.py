@@ -14,8 +14,8 @@ tensors); the distinct ones are measured.
 the same kernel at the same time; so the kernels are timed the same way: ``--world``
 processes (:func:`atp_pipeline.launch.spawn`, one thread each, as in training), a barrier,
 then every rank runs the kernel ``k`` times back to back (``k`` chosen from a warm-up so
-a batch lasts about ``--batch-ms``); a kernel's time is the median over ranks of the mean
-per call, and the median over ``--passes`` passes interleaved over all kernels (a burst of
+a batch lasts about ``--batch-ms``); a kernel's time is the slowest rank's mean per call
+(a step's ranks meet at every collective, so the slowest one sets the pace), and the median over ``--passes`` passes interleaved over all kernels (a burst of
 load from elsewhere hits every kernel alike). Kernels run as the runtime runs them: under
 autograd (forward kernels record their backward; backward kernels by ``torch.autograd``
 where the runtime uses it), parameters of the optimizer as DTensors with AdamW.
@@ -149,14 +149,14 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
             mine = torch.tensor([(time.perf_counter() - t0) / reps[i]], dtype=torch.float64)
             every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
-            out[i].append(statistics.median(float(t) for t in every))
+            out[i].append(max(float(t) for t in every))
     return out
 
 
 def measure(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float = 10.0,
             timeout: float = 1800.0) -> List[float]:
     """Seconds per call of each kernel on ``world`` concurrent processes (median over passes
-    of the median over ranks)."""
+    of the slowest rank)."""
     from atp_pipeline.launch import spawn
 
     runs = spawn(_worker, world, kernels, passes, batch_ms, timeout=timeout)[0]
