@@ -13,14 +13,15 @@ from typing import Any, Iterator, Tuple, Union
 
 
 @contextmanager
-def axes(path: Union[str, Path], figsize: Tuple[float, float], dpi: int = 120) -> Iterator[Any]:
-    """One-axes figure written to ``path`` (after ``tight_layout``) when the block ends."""
+def axes(path: Union[str, Path], figsize: Tuple[float, float], dpi: int = 120, ncols: int = 1) -> Iterator[Any]:
+    """One-axes figure (``ncols > 1``: a row of that many axes) written to ``path`` (after
+    ``tight_layout``) when the block ends."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot() if ncols == 1 else fig.subplots(1, ncols)
     yield ax
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

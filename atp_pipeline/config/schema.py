@@ -75,6 +75,13 @@ class DataSource(str, Enum):
     synthetic = "synthetic"  # seeded random tokens (paper-size models)
 
 
+class Objective(str, Enum):
+    """What ATP's mesh search minimizes (issue 15)."""
+
+    step = "step"  # the predicted step time: compute + exposed communication (planning/steptime.py)
+    comm = "comm"  # the communication time of Eq. 2-4 alone (the paper's Eq. 4 selection)
+
+
 class CostModel(str, Enum):
     eq2 = "eq2"  # the paper's Eq. 2 (four conjugate all-reduces, forward size counted twice)
     runtime = "runtime"  # every collective atp_pipeline.parallel sends, each with its own size
@@ -112,9 +119,16 @@ class CalibratedMeshConfig:
 
 @dataclass
 class DeviceConfig:
+    """A device: its memory, its datasheet peak (the step-time model's compute where it has
+    no calibration: :meth:`~atp_pipeline.planning.steptime.ComputeProfile.from_spec`) and
+    ``compute``, a measured compute profile written by ``python -m
+    atp_pipeline.run.calibrate_compute`` (read by :mod:`atp_pipeline.planning.steptime`)."""
+
     name: str = "unknown"
     memory_GB: Optional[float] = None
     peak_TFLOPs: Optional[float] = None
+    memory_GBps: Optional[float] = None
+    compute: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -254,6 +268,10 @@ class PlannerConfig:
 
     name: PlannerKind = PlannerKind.atp
     cost_model: CostModel = CostModel.eq2
+    # step: select by predicted step time (compute + exposed communication, planning/steptime.py;
+    # where the topology's device has neither a compute profile nor a peak_TFLOPs, by
+    # communication, with a note); comm: by Eq. 2-4's communication time (the paper's).
+    objective: Objective = Objective.step
     # Only meshes the runtime can execute (heads divisible by d1*d2) may be selected.
     # Off for pure interconnect studies (the paper's Figure 12 goes past the head count).
     require_divisible: bool = True

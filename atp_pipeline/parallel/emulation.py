@@ -15,29 +15,16 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.bandwidth import dimension_bandwidth
-from atp_pipeline.planning.cost import collective_seconds
+from atp_pipeline.planning.steptime import EmulatedLinks
 from atp_pipeline.topology.model import Topology
 
 
-class TopologyEmulator:
-    def __init__(self, topology: Topology, mesh: Tuple[int, int], slowdown: float = 1.0) -> None:
-        d1, d2 = mesh
-        if d1 * d2 != topology.world_size:
-            raise ConfigError(f"emulating mesh {d1}x{d2} needs a topology of {d1 * d2} devices; "
-                              f"'{topology.name}' has {topology.world_size}")
-        if not slowdown > 0:
-            raise ConfigError(f"emulation slowdown must be > 0, got {slowdown}")
-        self.topology, self.mesh, self.slowdown = topology, mesh, slowdown
-        self.dims = {"d1": dimension_bandwidth(topology, mesh, 1),
-                     "d2": dimension_bandwidth(topology, mesh, 2)}
+class TopologyEmulator(EmulatedLinks):
+    """The modeled time of each collective (:class:`~atp_pipeline.planning.steptime.EmulatedLinks`,
+    the formula the step-time model predicts emulated steps with), for :class:`~.comm.Comm`."""
 
-    def seconds(self, kind: str, axis: str, nbytes: int) -> float:
-        dim = self.dims.get(axis)
-        if dim is None or dim.size == 1:
-            return 0.0
-        return self.slowdown * collective_seconds(kind, dim.size, nbytes, dim.B_GBps, dim.B_prime_GBps)
+    def __init__(self, topology: Topology, mesh: Tuple[int, int], slowdown: float = 1.0) -> None:
+        super().__init__(topology, mesh, slowdown)
 
     def describe(self) -> dict:
         return {"emulated": True, "topology": self.topology.name, "mesh": list(self.mesh),

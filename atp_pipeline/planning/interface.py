@@ -64,18 +64,20 @@ class PlanResult(Protocol):
     def plot(self, path: Path) -> bool: ...
 
 
-def plan(topology: Topology, shape: ModelShape, planner: Any, mesh: Any) -> PlanResult:
+def plan(topology: Topology, shape: ModelShape, planner: Any, mesh: Any, setting: Any = None) -> PlanResult:
     """Run the planner ``planner.name`` (``atp`` | ``sbp``) for ``shape`` on ``topology``.
 
     ``planner``: a :class:`~atp_pipeline.config.schema.PlannerConfig` (or its DictConfig);
     ``mesh``: a :class:`~atp_pipeline.config.schema.MeshConfig` — ATP searches or fixes the
-    2D mesh by it; SBP decides its own mesh and accepts only ``mesh=auto``.
+    2D mesh by it; SBP decides its own mesh and accepts only ``mesh=auto``. ``setting``: the
+    step's :class:`~atp_pipeline.planning.steptime.StepSetting` (chunks, dp, aggregation),
+    which ATP's step-time objective predicts.
     """
     kind = PlannerKind(getattr(planner.name, "value", planner.name))
     if kind == PlannerKind.atp:
         from atp_pipeline.planning.search import make_plan
 
-        return make_plan(topology, shape, mesh, planner)
+        return make_plan(topology, shape, mesh, planner, setting)
     strategy = getattr(mesh.strategy, "value", mesh.strategy)
     if strategy != "auto" or mesh.d1 is not None or mesh.d2 is not None:
         raise ConfigError(f"planner=sbp decides the device mesh per layer itself: it needs mesh=auto, got "

@@ -15,13 +15,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rich.console import Console
 from rich.table import Table
 
-from atp_pipeline.config.schema import CostModel, MeshStrategy
+from atp_pipeline.config.schema import CostModel, MeshStrategy, Objective
 from atp_pipeline.planning.bandwidth import DimBandwidth
 from atp_pipeline.planning.cost import TermCost
 from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.gradsync import GradBucket, dp_bucket
 from atp_pipeline.planning.memory import per_device_memory
 from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]
@@ -35,6 +36,7 @@ class Candidate:
     t_comm_s: float
     terms: Tuple[TermCost, ...]
     infeasible: Optional[str] = None
+    step: Optional[StepEstimate] = None  # the predicted step (planning/steptime.py)
 
     @property
     def source(self) -> str:
@@ -55,6 +57,7 @@ class Candidate:
             "infeasible_reason": self.infeasible,
             "dims": [self.dim1.to_dict(), self.dim2.to_dict()],
             "terms": [t.to_dict() for t in self.terms],
+            "step": None if self.step is None else self.step.to_dict(),
         }
 
 
@@ -71,6 +74,9 @@ class MeshPlan:
     candidates: Tuple[Candidate, ...]
     selected: Mesh
     notes: Tuple[str, ...] = field(default_factory=tuple)
+    objective: Objective = Objective.comm
+    setting: StepSetting = field(default_factory=StepSetting)
+    profile: Optional[ComputeProfile] = None
 
     @property
     def world_size(self) -> int:
@@ -123,10 +129,18 @@ class MeshPlan:
     def summary_row(self) -> Dict[str, Any]:
         sel = self.candidate(self.selected)
         mt = self.megatron.t_comm_s
+        st = sel.step
         return {"topology": self.topology.name, "model": self.model.name, "world_size": self.world_size,
                 "strategy": self.strategy.value, "selected": self.label, "t_comm_s": sel.t_comm_s,
                 "megatron_t_comm_s": mt, "ratio_to_megatron": sel.t_comm_s / mt if mt > 0 else None,
-                "B1_GBps": sel.dim1.B_GBps, "B2_GBps": sel.dim2.B_GBps, "source": sel.source}
+                "B1_GBps": sel.dim1.B_GBps, "B2_GBps": sel.dim2.B_GBps, "source": sel.source,
+                "objective": self.objective.value,
+                "predicted_step_s": None if st is None else st.step_s,
+                "predicted_compute_s": None if st is None else st.compute_s,
+                "predicted_exposed_comm_s": None if st is None else st.exposed_comm_s,
+                "predicted_tokens_per_s": None if st is None else st.tokens_per_s,
+                "predicted_mfu": None if st is None else st.mfu,
+                "compute_profile": None if self.profile is None else self.profile.name}
 
     def to_dict(self) -> dict:
         mt = self.megatron.t_comm_s
@@ -138,6 +152,12 @@ class MeshPlan:
             "model": self.model.to_dict(),
             "strategy": self.strategy.value,
             "cost_model": self.cost_model.value,
+            "objective": self.objective.value,
+            "step_setting": {"chunks": self.setting.chunks, "dp": self.setting.dp,
+                             "aggregation": self.setting.aggregation},
+            "compute_profile": None if self.profile is None else {
+                "name": self.profile.name, "source": self.profile.source, "processes": self.profile.processes,
+                "peak_GFLOPs": self.profile.peak_flops / 1e9},
             "candidates": [c.to_dict(mt) for c in self.candidates],
             "selected": list(self.selected),
             "selected_t_comm_s": sel.t_comm_s,
@@ -155,18 +175,22 @@ def plan_table(plan: MeshPlan) -> Table:
     title = (f"ATP plan: topology '{topo.name}' ({topo.world_size} devices), model "
              f"'{plan.model.name}' (h={plan.model.hidden}, L={plan.model.layers}, "
              f"b={plan.model.batch_size}, s={plan.model.seq_len}, {plan.model.dtype}), "
-             f"mesh={plan.strategy.value}")
+             f"mesh={plan.strategy.value}, objective={plan.objective.value}")
     table = Table(title=title, title_justify="left")
     for col in ("", "d1 x d2", "B1' GB/s", "B2' GB/s", "B1 GB/s", "B2 GB/s", "T_comm", "vs (N,1)",
-                "source"):
+                "step", "compute", "exposed", "tokens/s", "MFU", "source"):
         table.add_column(col, justify="right" if col not in ("", "source") else "left")
     mt = plan.megatron.t_comm_s
     for c in plan.candidates:
         mark = "*" if c.mesh == plan.selected else ""
         source = c.source + ("" if c.infeasible is None else ", infeasible")
+        st = c.step
+        step_cols = ["-"] * 5 if st is None else [
+            fmt_seconds(st.step_s), fmt_seconds(st.compute_s), fmt_seconds(st.exposed_comm_s),
+            f"{st.tokens_per_s:,.0f}", "-" if st.mfu is None else f"{st.mfu:.1%}"]
         table.add_row(mark, f"{c.mesh[0]} x {c.mesh[1]}", _gbps(c.dim1.B_prime_GBps),
                       _gbps(c.dim2.B_prime_GBps), _gbps(c.dim1.B_GBps), _gbps(c.dim2.B_GBps),
-                      fmt_seconds(c.t_comm_s), f"{c.t_comm_s / mt:.3f}" if mt > 0 else "-", source,
+                      fmt_seconds(c.t_comm_s), f"{c.t_comm_s / mt:.3f}" if mt > 0 else "-", *step_cols, source,
                       style="bold green" if mark else None)
     return table
 
@@ -185,6 +209,17 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
                 f"group(s) share a unit, {c.GBps:.4g} GB/s (limited by {c.limited_by})"
                 for c in dim.crossings)
             console.print(f"  {label} (size {dim.size}, {dim.source}): {crossed}")
+    if plan.profile is not None and sel.step is not None:
+        st = sel.step
+        console.print(f"predicted step {fmt_seconds(st.step_s)} = compute {fmt_seconds(st.compute_s)} + exposed "
+                      f"communication {fmt_seconds(st.exposed_comm_s)} (of {fmt_seconds(st.total_comm_s)}; §4.1 chunks "
+                      f"{plan.setting.chunks}, §4.2 backward overlap)"
+                      + (f" + gradient sync {fmt_seconds(st.gradsync_s)} ({plan.setting.aggregation}, "
+                         f"dp={plan.setting.dp})" if st.gradsync_s else "")
+                      + f"; {st.tokens_per_s:,.0f} tokens/s"
+                      + ("" if st.mfu is None else f", MFU {st.mfu:.1%}"))
+        console.print(f"  compute profile '{plan.profile.name}': {plan.profile.source}; communication: "
+                      f"{st.comm_source}")
     for note in plan.notes:
         console.print(f"note: {note}")
     for c in plan.candidates:
@@ -193,7 +228,8 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
 
 
 def plot_plan(plan: MeshPlan, path: Path) -> None:
-    """Bar chart of every candidate's T_comm; the selection and (N,1) are marked."""
+    """Every candidate's T_comm (left) and predicted step time split into compute and exposed
+    communication (right, when predicted); the selection and (N,1) are marked."""
     from atp_pipeline.figures import axes
 
     labels = [f"{c.mesh[0]}x{c.mesh[1]}" for c in plan.candidates]
@@ -208,7 +244,10 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             colors.append("tab:orange")
         else:
             colors.append("tab:blue")
-    with axes(path, (max(4.0, 0.7 * len(labels) + 2), 3.6)) as ax:
+    stepped = any(c.step is not None for c in plan.candidates)
+    width = max(4.0, 0.7 * len(labels) + 2)
+    with axes(path, (2 * width if stepped else width, 3.6), ncols=2 if stepped else 1) as ax_all:
+        ax = ax_all[0] if stepped else ax_all
         bars = ax.bar(labels, times, color=colors)
         for bar, c in zip(bars, plan.candidates):
             if c.source == "calibrated":
@@ -218,7 +257,25 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
         ax.set_title(f"{plan.topology.name}, {plan.model.name}: selected "
                      f"{plan.selected[0]}x{plan.selected[1]} (green), (N,1) orange, hatched = calibrated",
                      fontsize=9)
-        if len(times) > 1 and min(t for t in times if t > 0) * 50 < max(times):
+        if len(times) > 1 and min((t for t in times if t > 0), default=1) * 50 < max(times):
             ax.set_yscale("log")
         if len(labels) > 8:
             ax.tick_params(axis="x", labelrotation=60)
+        if stepped:
+            ax2 = ax_all[1]
+            comp = [c.step.compute_s * 1e3 if c.step else 0.0 for c in plan.candidates]
+            expo = [c.step.exposed_comm_s * 1e3 + c.step.gradsync_s * 1e3 if c.step else 0.0
+                    for c in plan.candidates]
+            ax2.bar(labels, comp, color="tab:gray", label="compute")
+            ax2.bar(labels, expo, bottom=comp, color=colors, label="exposed communication")
+            for i, c in enumerate(plan.candidates):
+                if c.step is not None:
+                    txt = f"{c.step.tokens_per_s:,.0f} tok/s" + ("" if c.step.mfu is None else f"\n{c.step.mfu:.0%} MFU")
+                    ax2.text(i, comp[i] + expo[i], txt, ha="center", va="bottom", fontsize=6)
+            ax2.set_xlabel("DeviceMesh(d1, d2)")
+            ax2.set_ylabel("predicted step (ms)")
+            ax2.set_title(f"predicted step: compute (gray) + exposed communication; objective="
+                          f"{plan.objective.value}, chunks {plan.setting.chunks}", fontsize=9)
+            ax2.legend(fontsize=7)
+            if len(labels) > 8:
+                ax2.tick_params(axis="x", labelrotation=60)

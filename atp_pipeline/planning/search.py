@@ -17,13 +17,14 @@ from typing import List, Optional, Tuple
 
 from typing import Any
 
-from atp_pipeline.config.schema import CostModel, MeshStrategy
+from atp_pipeline.config.schema import CostModel, MeshStrategy, Objective
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.shape import mesh_infeasibility as _shape_infeasibility
 from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
+from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting, estimate_step, profile_of
 from atp_pipeline.topology.model import Topology
 
 
@@ -49,9 +50,33 @@ def mesh_infeasibility(model: ModelShape, mesh: Mesh) -> Optional[str]:
     return _shape_infeasibility(model, *mesh)
 
 
+def step_estimate(topo: Topology, model: ModelShape, mesh: Mesh, setting: StepSetting,
+                  profile: Optional[ComputeProfile]) -> Optional[StepEstimate]:
+    """The predicted step of one feasible mesh (None without a compute profile), with the
+    data-parallel gradient sync of ``setting.dp`` replicas under its aggregation mode added
+    (:mod:`.gradsync`, on ``setting.world``, the topology of all replicas)."""
+    if profile is None or mesh_infeasibility(model, mesh) is not None:
+        return None
+    local = model.batch_size // setting.dp
+    if model.batch_size % setting.dp or local % setting.chunks or (
+            setting.chunks > 1 and model.comm_layout == "module_styles"):
+        return None  # a step the runtime does not run (the run's checks name why)
+    sync = 0.0
+    if setting.dp > 1 and setting.world is not None:
+        from atp_pipeline.planning.gradsync import dp_bucket, estimate
+        from atp_pipeline.planning.memory import per_device_memory
+
+        bucket = dp_bucket(per_device_memory(model, mesh, setting.dp).params, setting.dp, mesh[0] * mesh[1])
+        mode = setting.aggregation if setting.aggregation in ("ring", "ps", "atp", "switchml") else "ring"
+        sync = estimate(setting.world, [bucket], model.bytes_per_element, configured=mode).mode(mode).seconds
+    return estimate_step(topo, model, mesh, setting, profile, gradsync_s=sync)
+
+
 def evaluate(topo: Topology, model: ModelShape, mesh: Mesh,
-             cost_model: CostModel = CostModel.eq2) -> Candidate:
-    """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh."""
+             cost_model: CostModel = CostModel.eq2, setting: Optional[StepSetting] = None,
+             profile: Optional[ComputeProfile] = None) -> Candidate:
+    """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh, and its predicted
+    step (:mod:`.steptime`) when a compute ``profile`` is given."""
     dim1 = dimension_bandwidth(topo, mesh, 1)
     dim2 = dimension_bandwidth(topo, mesh, 2)
     terms = comm_terms(cost_model, model, mesh)
@@ -60,23 +85,30 @@ def evaluate(topo: Topology, model: ModelShape, mesh: Mesh,
                               B={1: dim1.B_GBps, 2: dim2.B_GBps},
                               B_prime={1: dim1.B_prime_GBps, 2: dim2.B_prime_GBps})
     return Candidate(mesh=mesh, dim1=dim1, dim2=dim2, t_comm_s=t, terms=tuple(costs),
-                     infeasible=mesh_infeasibility(model, mesh))
+                     infeasible=mesh_infeasibility(model, mesh),
+                     step=step_estimate(topo, model, mesh, setting or StepSetting(), profile))
 
 
 def _mesh_cfg(mesh: Any) -> Tuple[MeshStrategy, Optional[int], Optional[int]]:
     return MeshStrategy(mesh.strategy), mesh.d1, mesh.d2
 
 
-def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any) -> MeshPlan:
+def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
+              setting: Optional[StepSetting] = None) -> MeshPlan:
     """Evaluate every candidate mesh and select one according to ``mesh.strategy``
     (``mesh``: a :class:`~atp_pipeline.config.schema.MeshConfig`, ``planner`` a
-    :class:`~atp_pipeline.config.schema.PlannerConfig`, or their DictConfigs)."""
+    :class:`~atp_pipeline.config.schema.PlannerConfig`, or their DictConfigs): by predicted
+    step time (``planner.objective=step``, :mod:`.steptime`) or by Eq. 2-4's communication
+    time (``comm``). ``setting``: the step's chunks, dp and aggregation (default: 1, 1, ring)."""
     strategy, fd1, fd2 = _mesh_cfg(mesh)
     n = topo.world_size
     cost_model = CostModel(planner.cost_model)
+    objective = Objective(getattr(planner, "objective", Objective.step))
+    setting = setting or StepSetting()
     notes: List[str] = []
     if topo.note:
         notes.append(topo.note)
+    profile = profile_of(topo)
     if strategy == MeshStrategy.fixed:
         if fd1 is None or fd2 is None or fd1 < 1 or fd2 < 1:
             raise ConfigError(f"mesh.strategy=fixed needs positive mesh.d1 and mesh.d2, got "
@@ -87,7 +119,12 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any) -> Mes
     elif fd1 is not None or fd2 is not None:
         raise ConfigError(f"mesh.d1/mesh.d2 apply to strategy 'fixed' only, not '{strategy.value}'")
 
-    candidates = tuple(evaluate(topo, model, m, cost_model) for m in candidate_meshes(n))
+    candidates = tuple(evaluate(topo, model, m, cost_model, setting, profile) for m in candidate_meshes(n))
+    if objective == Objective.step and profile is None:
+        notes.append(f"planner.objective=step: topology '{topo.name}' has no compute profile (device.compute; "
+                     f"python -m atp_pipeline.run.calibrate_compute) and its device no peak_TFLOPs, so no step "
+                     f"time is predicted; selected by communication (Eq. 2-4)")
+        objective = Objective.comm
     by_mesh = {c.mesh: c for c in candidates}
 
     if strategy == MeshStrategy.fixed:
@@ -111,10 +148,15 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any) -> Mes
                         f"have only matrix estimates and are listed but not selected "
                         f"(planner.select_uncalibrated=true to allow)")
                 eligible = calibrated
-        best = min(eligible, key=lambda c: (c.t_comm_s, -c.mesh[0]))
+        timed = [c for c in eligible if c.step is not None]
+        if objective == Objective.step and timed:
+            best = min(timed, key=lambda c: (c.step.step_s, -c.mesh[0]))  # type: ignore[union-attr]
+        else:
+            best = min(eligible, key=lambda c: (c.t_comm_s, -c.mesh[0]))
         selected = best.mesh
     chosen = by_mesh[selected]
     if chosen.infeasible and planner.require_divisible:
         raise ConfigError(f"mesh {selected[0]}x{selected[1]}: {chosen.infeasible}")
     return MeshPlan(topology=topo, model=model, strategy=strategy, cost_model=cost_model,
-                candidates=candidates, selected=selected, notes=tuple(notes))
+                    candidates=candidates, selected=selected, notes=tuple(notes), objective=objective,
+                    setting=setting, profile=profile)

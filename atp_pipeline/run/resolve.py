@@ -191,7 +191,11 @@ def resolve_plan(cfg: DictConfig) -> Planned:
     if kind == PlannerKind.sbp and (dp != 1 or cfg.overlap.chunks != 1):
         raise ConfigError(f"planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1 (got {dp}), "
                           f"aggregation=ring and overlap=chunk1 (got chunks={cfg.overlap.chunks})")
-    result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh)
+    from atp_pipeline.planning.steptime import StepSetting
+
+    setting = StepSetting(chunks=int(cfg.overlap.chunks), dp=dp, aggregation=AggregationMode(cfg.aggregation.mode).value,
+                          world=occupied)
+    result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh, setting)
     notes = list(result.notes)
     if devices < topo.world_size:
         notes.insert(0, f"{devices} of {topo.world_size} devices of '{topo.name}' are used: planned and "

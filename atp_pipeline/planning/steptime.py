@@ -1,0 +1,681 @@
+"""The step a user pays: compute + exposed communication per candidate plan (issue 15).
+
+Eq. 2–4 rank meshes by communication alone; this model predicts the whole training step
+of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
+
+* **Compute**: every local kernel of the step at its *local* shape — the GEMMs of the
+  column-/row-first linears (forward, input gradient, weight gradient), the attention core
+  on ``heads/(d1·d2)`` heads, the norms and the elementwise kernels between them, the
+  optimizer — each timed by a :class:`ComputeProfile`: a measured time where the
+  calibration measured that very shape, else the kind's fitted ``t = α + work·γ`` (work =
+  FLOPs for GEMM and attention, elements otherwise). A profile is calibrated on the device
+  (``python -m atp_pipeline.run.calibrate_compute``, under the concurrency of training) or
+  derived from the device's spec (``peak_TFLOPs`` with an efficiency curve, stated as such).
+* **Communication**: exactly the collectives of the runtime cost model
+  (:func:`atp_pipeline.planning.cost.comm_terms` with ``cost_model=runtime``), each placed
+  where the runtime sends it — the schedule is built *from* those terms, and every term is
+  placed once (a test sums the schedule by kind and dimension against the cost model).
+  A collective's duration is the topology's fitted α-β for its kind and level
+  (AutoDDL §3.2) where it has one, else Eq. 3–4's bandwidths (:func:`collective_seconds`).
+  Collectives on one mesh dimension run one after another (one group, one link), as in
+  the runtime's :class:`~atp_pipeline.parallel.comm.Comm`.
+* **Overlap as the runtime does it**: the forward pass of a block runs ``chunks`` pieces
+  of the batch as a wavefront over its stages (§4.1, Figure 8): a stage launches its
+  collective and the chunk waits for it only when it starts its next stage, so one
+  chunk's collective is hidden behind the next chunk's compute. In the backward pass
+  (reverse order of the forward's kernels, as autograd runs them) each linear's
+  input-gradient all-reduce runs while its weight-gradient GEMM computes (§4.2); the other
+  backward collectives block. Then the optimizer step and, with ``dp > 1``, the
+  data-parallel gradient sync under the configured aggregation mode
+  (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
+
+The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
+clock, a wait moves it to the collective's end. ``exposed = step - compute`` is the
+communication the user pays; ``total_comm`` is what Eq. 2-style sums would charge.
+Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
+over step time × devices × the profile's peak) follow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from atp_pipeline.config.schema import CostModel
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.bandwidth import dimension_bandwidth
+from atp_pipeline.planning.cost import ALL_GATHER, ALL_REDUCE, CommTerm, collective_seconds, comm_terms
+from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective
+from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_layout
+from atp_pipeline.topology.model import Topology
+
+Mesh = Tuple[int, int]
+
+# ----------------------------------------------------------------------------- kernels
+GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER = (
+    "gemm", "attention_fwd", "attention_bwd", "norm_fwd", "norm_bwd", "pointwise", "optimizer")
+KINDS = (GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One local kernel: ``gemm`` dims ``(M, K, N)`` (``[M,K] @ [K,N]``); attention
+    ``(batch, heads, seq, head_dim)``; norms, pointwise ``(elements,)``; optimizer
+    ``(tensors, elements)``."""
+
+    kind: str
+    dims: Tuple[int, ...]
+
+    @property
+    def work(self) -> float:
+        """FLOPs (GEMM: ``2MKN``; attention forward ``4·b·a·s²·d``, backward twice that),
+        else elements."""
+        if self.kind == GEMM:
+            m, k, n = self.dims
+            return 2.0 * m * k * n
+        if self.kind in (ATTN_FWD, ATTN_BWD):
+            b, a, s, d = self.dims
+            return (4.0 if self.kind == ATTN_FWD else 8.0) * b * a * s * s * d
+        return float(self.dims[-1])
+
+    @property
+    def flops(self) -> float:
+        return self.work if self.kind in (GEMM, ATTN_FWD, ATTN_BWD) else 0.0
+
+
+@dataclass(frozen=True)
+class KindFit:
+    """``t = alpha_s + work * per_unit_s`` (plus ``per_tensor_s`` per tensor for the optimizer)."""
+
+    alpha_s: float
+    per_unit_s: float
+    per_tensor_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How long a device's kernels take: fitted per kind, and measured points by exact shape.
+
+    ``name``/``source`` say which calibration a prediction used; ``processes`` how many
+    processes shared the host while it was measured (training's concurrency); ``peak_flops``
+    is the per-device FLOP/s MFU is quoted against."""
+
+    name: str
+    source: str
+    fits: Mapping[str, KindFit]
+    points: Mapping[Tuple[str, Tuple[int, ...]], float] = field(default_factory=dict)
+    processes: int = 1
+    peak_flops: float = 0.0
+
+    def seconds(self, k: Kernel) -> float:
+        hit = self.points.get((k.kind, tuple(k.dims)))
+        if hit is not None:
+            return hit
+        fit = self.fits.get(k.kind)
+        if fit is None:
+            raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
+        if k.kind == OPTIMIZER:
+            return fit.alpha_s + k.dims[0] * fit.per_tensor_s + k.work * fit.per_unit_s
+        return fit.alpha_s + k.work * fit.per_unit_s
+
+    # ------------------------------------------------------------------ topology yaml
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any], where: str = "device.compute") -> "ComputeProfile":
+        """From a topology's ``device.compute`` (written by the compute calibration)."""
+        try:
+            fits = {}
+            for kind, f in dict(data["fits"]).items():
+                if kind not in KINDS:
+                    raise ConfigError(f"{where}.fits: unknown kernel kind '{kind}' (one of {', '.join(KINDS)})")
+                fit = KindFit(float(f["alpha_us"]) * 1e-6, float(f["ns_per_unit"]) * 1e-9,
+                              float(f.get("per_tensor_us", 0.0)) * 1e-6)
+                if min(fit.alpha_s, fit.per_unit_s, fit.per_tensor_s) < 0 or not all(
+                        math.isfinite(x) for x in (fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
+                    raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
+                fits[kind] = fit
+            missing = [k for k in KINDS if k not in fits]
+            if missing:
+                raise ConfigError(f"{where}.fits: missing kernel kinds {', '.join(missing)}")
+            points = {}
+            for p in data.get("points") or []:
+                kind, dims, us = p[0], tuple(int(x) for x in p[1]), float(p[2])
+                if kind not in KINDS or not us > 0:
+                    raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
+                points[(str(kind), dims)] = us * 1e-6
+            return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
+                       processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ConfigError(f"{where}: not a compute profile ({type(exc).__name__}: {exc})") from None
+
+    def to_config(self) -> Dict[str, Any]:
+        g = lambda x: float(f"{x:.6g}")  # noqa: E731
+        return {"name": self.name, "source": self.source, "processes": self.processes,
+                "peak_GFLOPs": g(self.peak_flops / 1e9),
+                "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
+                             **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
+                         for k, f in self.fits.items()},
+                "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
+
+    @classmethod
+    def from_spec(cls, device: Mapping[str, Any]) -> Optional["ComputeProfile"]:
+        """From a device's datasheet: GEMM and attention at ``peak_TFLOPs`` times an
+        efficiency curve ``e(F) = 0.7·F/(F + 2 GFLOP)`` (large GEMMs reach 70 % of peak,
+        a 2-GFLOP GEMM half of that; an assumption, not a measurement), memory-bound kernels
+        at ``memory_GBps`` (default 2000) over 3 accesses of 2 bytes, 5 µs per launch."""
+        peak = device.get("peak_TFLOPs")
+        if not peak:
+            return None
+        peak_flops = float(peak) * 1e12
+        mem = float(device.get("memory_GBps") or 2000.0) * 1e9
+        launch = 5e-6
+        # e(F) folded into alpha: F/(0.7 peak F/(F+F0)) = (F + F0)/(0.7 peak) = F0/(0.7 peak) + F/(0.7 peak)
+        f0 = 2e9
+        gemm = KindFit(launch + f0 / (0.7 * peak_flops), 1 / (0.7 * peak_flops))
+        elem = KindFit(launch, 6.0 / mem)
+        fits = {GEMM: gemm, ATTN_FWD: gemm, ATTN_BWD: gemm, NORM_FWD: elem, NORM_BWD: elem,
+                POINTWISE: elem, OPTIMIZER: KindFit(0.0, 16.0 / mem, launch)}
+        return cls(name=f"spec:{device.get('name', 'device')}",
+                   source=f"datasheet {peak:g} TFLOP/s x efficiency curve 0.7*F/(F+2 GFLOP) (assumed, not measured)",
+                   fits=fits, processes=1, peak_flops=peak_flops)
+
+
+def profile_of(topo: Topology) -> Optional[ComputeProfile]:
+    """The topology's compute profile: its calibrated ``device.compute``, else its spec."""
+    compute = topo.device.get("compute")
+    if compute:
+        return ComputeProfile.from_config(compute, f"topology '{topo.name}': device.compute")
+    return ComputeProfile.from_spec(topo.device)
+
+
+# ----------------------------------------------------------------------------- schedule
+# An item of one rank's program: ("k", Kernel) computes; ("sync", Coll) blocks on a
+# collective; ("async", Coll) launches one the chunk waits for at its next stage;
+# ("linear", Coll) launches one the program waits for at the next ("join",) (§4.2).
+Item = Tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Coll:
+    """A placed collective: ``share`` of a cost-model term, for ``tokens`` tokens."""
+
+    term: CommTerm
+    share: Fraction
+    tokens: int
+
+    @property
+    def elements(self) -> Fraction:
+        return self.term.elements_per_token * self.tokens * self.share
+
+
+class Terms:
+    """The cost model's terms, handed out by ``(op, phase)`` in order; every share of every
+    term must be placed exactly once per block and chunk (:meth:`check_done`)."""
+
+    def __init__(self, terms: Sequence[CommTerm]) -> None:
+        self.terms = list(terms)
+        self.placed: Dict[int, Fraction] = {i: Fraction(0) for i in range(len(self.terms))}
+
+    def take(self, op: str, phase: str, tokens: int, share: Fraction = Fraction(1), nth: int = 0,
+             count: Fraction = Fraction(1)) -> Optional[Coll]:
+        """The ``nth`` term ``(op, phase)`` (None where the mesh has none: a size-1 dimension);
+        ``count`` is the weight of this placement towards the term's total (1 per block
+        placement; ``1/chunks`` per chunk)."""
+        hits = [i for i, t in enumerate(self.terms) if t.op == op and t.phase == phase]
+        if nth >= len(hits):
+            return None
+        i = hits[nth]
+        self.placed[i] += share * count
+        return Coll(self.terms[i], share, tokens)
+
+    def check_done(self) -> None:
+        wrong = [f"{t.op}/{t.phase}/d{t.dim} ({self.placed[i]} placed)" for i, t in enumerate(self.terms)
+                 if self.placed[i] != 1]
+        if wrong:
+            raise ValueError(f"step model: cost-model terms not placed exactly once: {', '.join(wrong)}")
+
+
+def _k(kind: str, *dims: int) -> Item:
+    return ("k", Kernel(kind, tuple(int(d) for d in dims)))
+
+
+def _c(mode: str, coll: Optional[Coll]) -> List[Item]:
+    return [] if coll is None else [(mode, coll)]
+
+
+def _linear_bwd(m: int, k: int, n: int, coll: Optional[Coll]) -> List[Item]:
+    """A linear's backward (``mappings.LinearAllReduce``): input-gradient GEMM, its all-reduce
+    launched, weight-gradient GEMM while it runs, then wait (§4.2)."""
+    if coll is None:
+        return [_k(GEMM, m, n, k), _k(GEMM, n, m, k)]
+    return [_k(GEMM, m, n, k), ("linear", coll), _k(GEMM, n, m, k), ("join",)]
+
+
+@dataclass
+class Program:
+    """One rank's step: forward stages per chunk of each block, the rest in order."""
+
+    pre: List[Item]  # embeddings, before the blocks
+    stages: List[List[List[Item]]]  # per layer: stages; each stage's items per chunk come from ``stage_items``
+    stage_items: List[List[List[List[Item]]]]  # [layer][stage][chunk] -> forward items
+    stage_bwd: List[List[List[List[Item]]]]  # [layer][stage][chunk] -> backward items (run reversed)
+    post_fwd: List[Item]  # final norm, head, loss
+    post_bwd: List[Item]  # their backward, in execution order
+    pre_bwd: List[Item]  # embeddings' backward
+    tail: List[Item]  # optimizer
+    chunks: int
+
+
+def _fused_block_program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int,
+                         terms: Terms) -> Program:
+    """ATP's fused layer (``models/gpt/parallel.py`` ParallelBlock): stages _qkv, _attention,
+    _proj, _attn_out, _fc1, _fc2, _mlp_out per chunk; final LayerNorm, column-first head and
+    vocabulary-parallel loss once."""
+    d1, d2 = mesh
+    h, f, V, s, hd = shape.hidden, shape.ffn, shape.vocab_size, shape.seq_len, shape.head_dim
+    heads_local = shape.heads // (d1 * d2)
+    T = tokens // chunks
+    bc = batch // chunks
+    per_chunk = Fraction(1, chunks * 1)
+    L = shape.layers
+    stage_items, stage_bwd = [], []
+    for _ in range(L):
+        fw: List[List[List[Item]]] = [[] for _ in range(7)]
+        bw: List[List[List[Item]]] = [[] for _ in range(7)]
+        for _c_ in range(chunks):
+            def tk(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
+                return terms.take(op, phase, T, nth=nth, count=per_chunk / L)
+            ln1f, ln1b = tk("ln1", "fwd"), tk("ln1", "bwd")
+            f1f, f1b = tk("f1", "fwd"), tk("f1", "bwd")
+            scb, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
+            f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
+            ln2f, ln2b = tk("ln2", "fwd"), tk("ln2", "bwd")
+            f3f, f3b = tk("f3", "fwd"), tk("f3", "bwd")
+            f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
+            hs, q1, ff1 = h // d2, 3 * h // d1, f // d1
+            # _qkv: LayerNorm (stats all-reduced over d2), QKV GEMM, all-reduce left in flight
+            fw[0].append([_k(NORM_FWD, T * hs), *_c("sync", ln1f), _k(GEMM, T, hs, q1), *_c("async", f1f)])
+            bw[0].append([*_linear_bwd(T, hs, q1, f1b), _k(NORM_BWD, T * hs), *_c("sync", ln1b)])
+            # _attention: bias, heads scattered over d2, core, output gathered over d2 (in flight)
+            fw[1].append([_k(POINTWISE, T * q1), _k(POINTWISE, T * q1 // d2),
+                          _k(ATTN_FWD, bc, heads_local, s, hd), _k(POINTWISE, T * h // (d1 * d2)),
+                          *_c("async", gaf)])
+            bw[1].append([_k(POINTWISE, T * h // (d1 * d2)), _k(ATTN_BWD, bc, heads_local, s, hd),
+                          *_c("sync", scb), _k(POINTWISE, T * q1)])
+            # _proj: row-first output projection, all-reduce over d1 in flight
+            fw[2].append([_k(POINTWISE, T * h // d1), _k(GEMM, T, h // d1, hs), *_c("async", f2f)])
+            bw[2].append([*_linear_bwd(T, h // d1, hs, f2b), _k(POINTWISE, T * h // d1)])
+            # _attn_out: bias + residual
+            fw[3].append([_k(POINTWISE, T * hs), _k(POINTWISE, T * hs)])
+            bw[3].append([_k(POINTWISE, T * hs)])
+            # _fc1
+            fw[4].append([_k(NORM_FWD, T * hs), *_c("sync", ln2f), _k(GEMM, T, hs, ff1), *_c("async", f3f)])
+            bw[4].append([*_linear_bwd(T, hs, ff1, f3b), _k(NORM_BWD, T * hs), *_c("sync", ln2b)])
+            # _fc2: bias, GeLU, row-first GEMM
+            fw[5].append([_k(POINTWISE, T * ff1), _k(POINTWISE, T * ff1), _k(GEMM, T, ff1, hs), *_c("async", f4f)])
+            bw[5].append([*_linear_bwd(T, ff1, hs, f4b), _k(POINTWISE, T * ff1), _k(POINTWISE, T * ff1)])
+            # _mlp_out
+            fw[6].append([_k(POINTWISE, T * hs), _k(POINTWISE, T * hs)])
+            bw[6].append([_k(POINTWISE, T * hs)])
+        stage_items.append(fw)
+        stage_bwd.append(bw)
+    N, hs, Vl = tokens, h // d2, V // d1
+    one = Fraction(1)
+
+    def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
+        return terms.take(op, phase, N, nth=nth, count=one)
+    lnf, lnfb = tm("ln_f", "fwd"), tm("ln_f", "bwd")
+    headf, headb = tm("head", "fwd"), tm("head", "bwd")
+    lmax, lsum = tm("loss", "fwd", 0), tm("loss", "fwd", 1)
+    embeds = 2 if shape.position == "learned" else 1
+    pre = [_k(POINTWISE, N * hs) for _ in range(embeds)] + [_k(POINTWISE, N * hs)] * (embeds - 1)
+    post_fwd = [_k(NORM_FWD, N * hs), *_c("sync", lnf), _k(GEMM, N, hs, Vl), *_c("sync", headf),
+                _k(POINTWISE, N * Vl), *_c("sync", lmax), _k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl),
+                _k(POINTWISE, N * Vl), *_c("sync", lsum)]
+    post_bwd = [_k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl),
+                *_linear_bwd(N, hs, Vl, headb), _k(NORM_BWD, N * hs), *_c("sync", lnfb)]
+    pre_bwd = [_k(POINTWISE, N * hs) for _ in range(embeds)]
+    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
+
+
+def _module_styles_program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, terms: Terms) -> Program:
+    """A decoder laid out module by module (``models/hf``): norms run whole on the hidden
+    gathered over d2, q/k/v column-first and o row-first with the heads scattered over d2
+    for the core, the MLP's column-first up (and gate) and row-first down; every forward
+    collective blocks (no chunked execution)."""
+    d1, d2 = mesh
+    h, f, V, s, hd = shape.hidden, shape.ffn, shape.vocab_size, shape.seq_len, shape.head_dim
+    q, kv = shape.q_width, shape.kv_width
+    T, hs = tokens, h // d2
+    L = shape.layers
+    heads_local = shape.heads // (d1 * d2)
+    up = shape.ffn_matrices - 1
+    layout = kv_layout(shape.kv_heads, d1, d2)
+    stage_items, stage_bwd = [], []
+    rot = 2 if shape.position == "rotary" else 0
+    for _ in range(L):
+        per = Fraction(1, L)
+
+        def tk(op: str, phase: str, share: Fraction = Fraction(1), nth: int = 0) -> Optional[Coll]:
+            return terms.take(op, phase, T, share=share, nth=nth, count=per)
+        fw: List[Item] = []
+        bw: List[Item] = []  # built in forward order, run reversed piece by piece
+        pieces: List[Tuple[List[Item], List[Item]]] = []
+
+        def norm() -> None:
+            g, gb = tk("norm", "fwd", Fraction(1, 2)), tk("norm", "bwd", Fraction(1, 2))
+            pieces.append(([*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)],
+                           [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]))
+        norm()
+        widths = [q + 2 * kv] if shape.qkv_fused else [q, kv, kv]
+        f1f_total = q + 2 * kv
+        for w in widths:
+            cf = tk("f1", "fwd", Fraction(w, f1f_total))
+            cb = tk("f1", "bwd", Fraction(1, len(widths)))
+            pieces.append(([_k(GEMM, T, hs, w // d1), *_c("sync", cf), _k(POINTWISE, T * w // d1)],
+                           _linear_bwd(T, hs, w // d1, cb)))
+        kvf = tk("kv", "fwd") if layout == KV_GATHERED else None
+        kv_pick = [tk("pick", "bwd", nth=i) for i in range(2)] if layout in (KV_PICK, KV_GATHERED) else []
+        kv_scatter = tk("scatter", "bwd", nth=1) if layout == KV_SCATTER else None
+        scq, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
+        pieces.append(([*([_k(POINTWISE, T * (q + kv) // d1)] * rot), *_c("sync", kvf),
+                        _k(ATTN_FWD, batch, heads_local, s, hd), *_c("sync", gaf)],
+                       [_k(ATTN_BWD, batch, heads_local, s, hd), *_c("sync", scq), *_c("sync", kv_scatter),
+                        *[x for c in kv_pick for x in _c("sync", c)],
+                        *([_k(POINTWISE, T * (q + kv) // d1)] * rot)]))
+        f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
+        pieces.append(([_k(GEMM, T, q // d1, hs), *_c("sync", f2f), _k(POINTWISE, T * hs)],
+                       [*_linear_bwd(T, q // d1, hs, f2b), _k(POINTWISE, T * hs)]))
+        norm()
+        for i in range(up):
+            cf, cb = tk("f3", "fwd", Fraction(1, up)), tk("f3", "bwd", Fraction(1, up))
+            pieces.append(([_k(GEMM, T, hs, f // d1), *_c("sync", cf)], _linear_bwd(T, hs, f // d1, cb)))
+        pieces.append(([_k(POINTWISE, T * f // d1)] * up, [_k(POINTWISE, T * f // d1)] * up))
+        f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
+        pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
+                       [*_linear_bwd(T, f // d1, hs, f4b), _k(POINTWISE, T * hs)]))
+        for a, b in pieces:
+            fw += a
+        for a, b in reversed(pieces):
+            bw += b
+        stage_items.append([[fw]])
+        stage_bwd.append([[bw]])
+    one = Fraction(1)
+
+    def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
+        return terms.take(op, phase, T, nth=nth, count=one)
+    Vl = V if shape.tied_embeddings else V // d1
+    post_fwd: List[Item] = []
+    post_bwd: List[Item] = []
+    if shape.final_norm:
+        g, gb = tm("norm_f", "fwd"), tm("norm_f", "bwd")
+        post_fwd += [*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)]
+        post_bwd_norm = [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]
+    else:
+        post_bwd_norm = []
+    if shape.tied_embeddings:
+        hf_ = tm("head", "fwd")
+        post_fwd += [_k(GEMM, T, hs, V), *_c("sync", hf_)]
+        head_bwd = [_k(GEMM, T, V, hs), _k(GEMM, V, T, hs)]
+    else:
+        hf_, hg, hb = tm("head", "fwd", 0), tm("head", "fwd", 1), tm("head", "bwd")
+        post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", hf_), *_c("sync", hg)]
+        head_bwd = [_k(POINTWISE, T * Vl), *_linear_bwd(T, hs, Vl, hb)]
+    post_fwd += [_k(POINTWISE, T * V)] * 3  # the model's own cross-entropy on whole logits
+    post_bwd = [_k(POINTWISE, T * V)] * 2 + head_bwd + post_bwd_norm
+    emb = tm("embed", "bwd") if shape.gathered_embeddings else None
+    pre = [_k(POINTWISE, T * hs)] * (1 + shape.gathered_embeddings)
+    pre_bwd = [_k(POINTWISE, T * hs), *_c("sync", emb)]
+    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], 1)
+
+
+def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
+    """The optimizer step over this rank's parameter tensors (elements per device of
+    :func:`~atp_pipeline.planning.memory.per_device_memory`)."""
+    from atp_pipeline.planning.memory import per_device_memory
+
+    params = per_device_memory(shape, mesh).params
+    linears = (1 if shape.comm_layout == "fused_block" or shape.qkv_fused else 3) + 1 + shape.ffn_matrices
+    norm_tensors = 2 if shape.norm == "layernorm" else 1
+    per_layer = linears * (2 if shape.bias else 1) + 2 * norm_tensors
+    tensors = (shape.layers * per_layer + 1 + (1 if shape.position == "learned" else 0)
+               + (norm_tensors if shape.final_norm else 0) + (0 if shape.tied_embeddings else 1))
+    return Kernel(OPTIMIZER, (tensors, int(params)))
+
+
+def build_program(shape: ModelShape, mesh: Mesh, batch: int, chunks: int,
+                  terms: Optional[Sequence[CommTerm]] = None) -> Tuple[Program, Terms]:
+    """One rank's program for ``batch`` sequences on ``mesh`` in ``chunks`` pieces, its
+    collectives placed from the runtime cost model's terms (all of them, exactly once)."""
+    if terms is None:
+        terms = comm_terms(CostModel.runtime, shape, mesh)
+    t = Terms(terms)
+    tokens = batch * shape.seq_len
+    if shape.comm_layout == "module_styles":
+        if chunks != 1:
+            raise ConfigError(f"step model: model '{shape.name}' is laid out module by module, which has no "
+                              f"chunked execution (chunks={chunks})")
+        prog = _module_styles_program(shape, mesh, tokens, batch, t)
+    else:
+        if batch % chunks:
+            raise ConfigError(f"step model: chunks={chunks} does not divide the local batch {batch}")
+        prog = _fused_block_program(shape, mesh, tokens, batch, chunks, t)
+    prog.tail = [("k", optimizer_kernel(shape, mesh))]
+    t.check_done()
+    return prog, t
+
+
+def placed_elements(prog: Program) -> Dict[Tuple[str, str], int]:
+    """Elements per step by ``(collective, "d1"|"d2")`` of the program's collectives (to be
+    equal to :func:`~atp_pipeline.planning.cost.predicted_elements` of the same terms)."""
+    out: Dict[Tuple[str, str], Fraction] = {}
+    for item in _all_items(prog):
+        if item[0] in ("sync", "async", "linear"):
+            c: Coll = item[1]
+            key = (c.term.collective, f"d{c.term.dim}")
+            out[key] = out.get(key, Fraction(0)) + c.elements
+    return {k: int(v) for k, v in out.items()}
+
+
+def _all_items(prog: Program) -> Iterable[Item]:
+    yield from prog.pre
+    for layer in prog.stage_items:
+        for stage in layer:
+            for chunk in stage:
+                yield from chunk
+    yield from prog.post_fwd
+    yield from prog.post_bwd
+    for layer in prog.stage_bwd:
+        for stage in layer:
+            for chunk in stage:
+                yield from chunk
+    yield from prog.pre_bwd
+    yield from prog.tail
+
+
+# ----------------------------------------------------------------------------- timing
+class CommClock:
+    """Duration of a placed collective on ``mesh``: the topology's fitted α-β per kind and
+    level (AutoDDL §3.2) where it has ``alpha_beta``, else Eq. 3–4 (:func:`collective_seconds`).
+    ``emulated`` (a topology and a slowdown) adds the emulated interconnect of
+    :mod:`atp_pipeline.parallel.emulation`: a collective ends no earlier than its modeled
+    time there (:func:`emulated_seconds`)."""
+
+    def __init__(self, topo: Topology, mesh: Mesh, bytes_per_element: int,
+                 emulated: Optional[Tuple[Topology, float]] = None) -> None:
+        self.mesh, self.q = mesh, bytes_per_element
+        self.ab = AlphaBeta.from_topology(topo) if topo.alpha_beta else None
+        self.dims = {1: dimension_bandwidth(topo, mesh, 1), 2: dimension_bandwidth(topo, mesh, 2)}
+        self.emulated = None if emulated is None else EmulatedLinks(emulated[0], mesh, emulated[1])
+        self.source = "alpha-beta (fitted)" if self.ab is not None else "Eq. 3-4 bandwidths"
+
+    def seconds(self, collective: str, dim: int, nbytes: float) -> float:
+        d1, d2 = self.mesh
+        size, stride = (d1, d2) if dim == 1 else (d2, 1)
+        if size == 1:
+            return 0.0
+        if self.ab is not None:
+            t = self.ab.cost(Collective(collective), size, nbytes, stride)
+        else:
+            bw = self.dims[dim]
+            t = collective_seconds(collective, size, nbytes, bw.B_GBps, bw.B_prime_GBps)
+        if self.emulated is not None:
+            t = max(t, self.emulated.seconds(collective, f"d{dim}", nbytes))
+        return t
+
+
+class EmulatedLinks:
+    """The emulated interconnect's modeled time of a collective (Eq. 3–4 bandwidths of the
+    mesh on ``topology``, :func:`collective_seconds`, times ``slowdown``): one formula for
+    the emulator (:class:`~atp_pipeline.parallel.emulation.TopologyEmulator`) and the
+    step model."""
+
+    def __init__(self, topology: Topology, mesh: Mesh, slowdown: float = 1.0) -> None:
+        d1, d2 = mesh
+        if d1 * d2 != topology.world_size:
+            raise ConfigError(f"emulating mesh {d1}x{d2} needs a topology of {d1 * d2} devices; "
+                              f"'{topology.name}' has {topology.world_size}")
+        if not slowdown > 0:
+            raise ConfigError(f"emulation slowdown must be > 0, got {slowdown}")
+        self.topology, self.mesh, self.slowdown = topology, mesh, slowdown
+        self.dims = {"d1": dimension_bandwidth(topology, mesh, 1), "d2": dimension_bandwidth(topology, mesh, 2)}
+
+    def seconds(self, kind: str, axis: str, nbytes: float) -> float:
+        dim = self.dims.get(axis)
+        if dim is None or dim.size == 1:
+            return 0.0
+        return self.slowdown * collective_seconds(kind, dim.size, nbytes, dim.B_GBps, dim.B_prime_GBps)
+
+
+@dataclass
+class _Timeline:
+    clock: CommClock
+    profile: ComputeProfile
+    q: int
+    now: float = 0.0
+    compute: float = 0.0
+    comm_total: float = 0.0
+    link_free: Dict[int, float] = field(default_factory=dict)
+
+    def launch(self, c: Coll) -> float:
+        """Start a collective now (after the ones in flight on its dimension); its end."""
+        dur = self.clock.seconds(c.term.collective, c.term.dim, float(c.elements) * self.q)
+        start = max(self.now, self.link_free.get(c.term.dim, 0.0))
+        end = start + dur
+        self.link_free[c.term.dim] = end
+        self.comm_total += dur
+        return end
+
+    def run(self, items: Sequence[Item], pending: List[float]) -> None:
+        joined: List[float] = []
+        for item in items:
+            tag = item[0]
+            if tag == "k":
+                dt = self.profile.seconds(item[1])
+                self.now += dt
+                self.compute += dt
+            elif tag == "sync":
+                self.now = max(self.now, self.launch(item[1]))
+            elif tag == "async":
+                pending.append(self.launch(item[1]))
+            elif tag == "linear":
+                joined.append(self.launch(item[1]))
+            elif tag == "join":
+                self.now = max([self.now, *joined])
+                joined.clear()
+            else:  # pragma: no cover - the builders emit only the tags above
+                raise ValueError(f"unknown schedule item {tag!r}")
+
+    def wait(self, pending: List[float]) -> None:
+        if pending:
+            self.now = max(self.now, *pending)
+            pending.clear()
+
+
+def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int
+             ) -> Tuple[float, float, float]:
+    """``(step, compute, total communication)`` seconds of one rank's program: the forward
+    wavefront of each block as ``ParallelBlock.forward`` runs it (at step ``t`` chunk ``c``
+    runs stage ``t - c`` after waiting for its own collectives), the backward in reverse
+    order of the forward's (stage, chunk) steps."""
+    tl = _Timeline(clock, profile, bytes_per_element)
+    tl.run(prog.pre, [])
+    order_all: List[Tuple[int, int, int]] = []
+    for li, layer in enumerate(prog.stage_items):
+        n = len(layer)
+        k = len(layer[0])
+        pending: List[List[float]] = [[] for _ in range(k)]
+        for t in range(n + k - 1):
+            for c in range(k):
+                st = t - c
+                if 0 <= st < n:
+                    tl.wait(pending[c])
+                    tl.run(layer[st][c], pending[c])
+                    order_all.append((li, st, c))
+        for p in pending:
+            tl.wait(p)
+    tl.run(prog.post_fwd, [])
+    tl.run(prog.post_bwd, [])
+    for li, st, c in reversed(order_all):
+        tl.run(prog.stage_bwd[li][st][c], [])
+    tl.run(prog.pre_bwd, [])
+    tl.run(prog.tail, [])
+    return tl.now, tl.compute, tl.comm_total
+
+
+# ----------------------------------------------------------------------------- estimate
+@dataclass(frozen=True)
+class StepSetting:
+    """What the step runs besides the mesh: §4.1 chunks, data-parallel replicas and the
+    aggregation mode of their gradient sync."""
+
+    chunks: int = 1
+    dp: int = 1
+    aggregation: str = "ring"
+    world: Optional[Topology] = None  # the topology of all dp replicas (their gradient sync)
+
+    def __post_init__(self) -> None:
+        if self.chunks < 1 or self.dp < 1:
+            raise ConfigError(f"step model: chunks and dp must be >= 1, got chunks={self.chunks}, dp={self.dp}")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted step of one candidate: ``step_s = compute_s + exposed_comm_s + gradsync_s``."""
+
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float  # tensor-parallel communication not hidden behind compute
+    total_comm_s: float  # every tensor-parallel collective's duration, summed
+    gradsync_s: float
+    tokens_per_s: float
+    mfu: Optional[float]
+    profile: str  # which compute calibration
+    comm_source: str
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
+                "total_comm_s": self.total_comm_s, "gradsync_s": self.gradsync_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "profile": self.profile,
+                "comm_source": self.comm_source}
+
+
+def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSetting,
+                  profile: ComputeProfile, emulated: Optional[Tuple[Topology, float]] = None,
+                  gradsync_s: float = 0.0) -> StepEstimate:
+    """The predicted step of ``shape`` on ``mesh`` of ``topo`` (one replica of ``setting.dp``;
+    its local batch is ``batch_size / dp``); ``gradsync_s`` is the data-parallel sync to add."""
+    if shape.batch_size % setting.dp:
+        raise ConfigError(f"step model: batch {shape.batch_size} does not split over dp={setting.dp}")
+    batch = shape.batch_size // setting.dp
+    prog, _ = build_program(shape, mesh, batch, setting.chunks)
+    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated)
+    step, compute, comm_total = simulate(prog, clock, profile, shape.bytes_per_element)
+    step += gradsync_s
+    devices = mesh[0] * mesh[1] * setting.dp
+    mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
+    return StepEstimate(step, compute, step - compute - gradsync_s, comm_total, gradsync_s,
+                        shape.tokens_per_step / step, mfu, profile.name, clock.source)

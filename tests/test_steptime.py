@@ -1,0 +1,214 @@
+"""The step-time model (issue 15): its collectives are the runtime cost model's, its overlap
+is the runtime's, objective=comm keeps today's selections, calibration round trip, report."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from atp_pipeline.config.schema import CostModel, MeshConfig, ModelConfig, PlannerConfig
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning import steptime as st
+from atp_pipeline.planning.cost import ALL_REDUCE, CommTerm, comm_terms, predicted_elements
+from atp_pipeline.planning.search import make_plan
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.topology.model import Topology
+
+from .conftest import CONF, run_train
+
+GPT = ModelShape(name="gpt", hidden=64, heads=8, layers=2, seq_len=16, vocab_size=256, ffn=256, batch_size=4)
+LLAMA = ModelShape(name="llama", hidden=64, heads=8, kv_heads=2, layers=2, seq_len=16, vocab_size=256, ffn=96,
+                   gated=True, norm="rmsnorm", bias=False, position="rotary", comm_layout="module_styles",
+                   batch_size=4)
+TIED_OPT = ModelShape(name="opt", hidden=64, heads=8, layers=1, seq_len=16, vocab_size=256, ffn=256,
+                      tied_embeddings=True, comm_layout="module_styles", qkv_fused=True, gathered_embeddings=1,
+                      batch_size=2)
+
+
+def _flat(us: float) -> st.ComputeProfile:
+    """Every kernel ``us`` microseconds, whatever its size."""
+    fit = st.KindFit(us * 1e-6, 0.0)
+    return st.ComputeProfile("flat", "test", {k: fit for k in st.KINDS}, peak_flops=1e9)
+
+
+@pytest.mark.parametrize("shape, meshes, chunks", [
+    (GPT, [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2)], [1, 2, 4]),
+    (LLAMA, [(4, 1), (2, 2), (1, 4), (2, 1), (8, 1)], [1]),  # kv heads scattered, picked, gathered
+    (TIED_OPT, [(4, 1), (2, 2), (1, 4)], [1]),
+])
+def test_schedule_sends_exactly_the_runtime_cost_models_collectives(shape, meshes, chunks):
+    for mesh in meshes:
+        terms = comm_terms(CostModel.runtime, shape, mesh)
+        want = predicted_elements(terms, shape.tokens_per_step, shape.layers)
+        for c in chunks:
+            prog, _ = st.build_program(shape, mesh, shape.batch_size, c)
+            assert st.placed_elements(prog) == want, (shape.name, mesh, c)
+
+
+def test_a_term_the_schedule_does_not_place_is_an_error():
+    extra = CommTerm("f9", "a collective the runtime does not send", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
+    terms = comm_terms(CostModel.runtime, GPT, (2, 2)) + [extra]
+    with pytest.raises(ValueError, match="not placed exactly once: f9/fwd/d1"):
+        st.build_program(GPT, (2, 2), GPT.batch_size, 1, terms)
+
+
+def test_backward_all_reduce_hides_behind_the_weight_gradient_gemm():
+    """§4.2: dgrad GEMM, all-reduce launched, wgrad GEMM, join — exposed only past the wgrad."""
+    topo = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1,
+                                                          "group_GBps": 1}]})
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
+    gemm = st.Kernel(st.GEMM, (10, 10, 10))
+    # 4000 B (4 us at 1 GB/s) hides behind the 5-us wgrad; 32000 B (32 us) shows 27 us of it
+    for elements, want in ((1000, 10e-6), (8000, 5e-6 + 32e-6)):
+        tl = st._Timeline(st.CommClock(topo, (2, 1), 4), _flat(5.0), 4)
+        tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
+        assert tl.now == pytest.approx(want)
+        assert tl.compute == pytest.approx(10e-6)
+
+
+def test_chunks_hide_forward_collectives_behind_the_next_chunks_compute():
+    """§4.1: with compute free, the step is the collectives one after another on their links;
+    with communication free, it is the compute; chunks hide part of a mixed step."""
+    topo = Topology.from_config(OmegaConf.load(CONF / "topology" / "local.yaml"))
+    free = st.ComputeProfile("free", "test", {k: st.KindFit(0.0, 0.0) for k in st.KINDS})
+    one = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=1), free)
+    assert one.step_s == pytest.approx(one.total_comm_s) and one.compute_s == 0
+    fast = topo.to_dict()
+    fast["levels"][0].update(p2p_GBps=1e12, group_GBps=1e12)
+    quick = st.estimate_step(Topology.from_config(fast), GPT, (2, 2), st.StepSetting(chunks=1), _flat(10.0))
+    assert quick.step_s == pytest.approx(quick.compute_s, rel=1e-6)
+    prog, _ = st.build_program(GPT, (2, 2), GPT.batch_size, 1)
+    kernels = sum(1 for i in st._all_items(prog) if i[0] == "k")
+    assert quick.compute_s == pytest.approx(kernels * 10e-6)
+    c1 = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=1), _flat(200.0))
+    c2 = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=2), _flat(100.0))
+    # block kernels at half the time each in twice the chunks, the same bytes in twice the
+    # collectives: chunking hides a larger share of the communication
+    assert c2.exposed_comm_s < c2.total_comm_s and c1.exposed_comm_s < c1.total_comm_s
+    assert c2.exposed_comm_s / c2.total_comm_s < c1.exposed_comm_s / c1.total_comm_s
+
+
+# today's selections (objective=comm = Eq. 4, the paper's), for every preset and cost model
+TODAY = {
+    "fig7a": {"m1": "4x4", "m2": "4x4", "m3": "4x4", "m4": "4x4"},
+    "fig7b": {"m1": "8x2", "m2": "8x2", "m3": "8x2", "m4": "8x2"},
+    "ic1": {m: "2x4" for m in ("m1", "m2", "m3", "m4", "tiny", "small")},
+    "ic2": {m: "4x2" for m in ("m1", "m2", "m3", "m4", "tiny", "small")},
+    "ic3": {m: "4x2" for m in ("m1", "m2", "m3", "m4", "tiny", "small")},
+    "ic4": {"m1": "4x4", "m2": "4x4", "m3": "4x4", "m4": "4x4"},
+    "ic5": {"m1": "32x8", "m4": "32x8"},  # 256 devices: planned past the head count
+    "ic6": {"m1": "32x8", "m4": "32x8"},
+    "local": {m: "4x1" for m in ("m1", "m2", "m3", "m4", "tiny", "small")},
+}
+
+
+def _shape(name: str) -> ModelShape:
+    return ModelShape.of(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                         OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+
+
+def test_objective_comm_reproduces_todays_selections_on_every_preset():
+    presets = sorted(p.stem for p in (CONF / "topology").glob("*.yaml"))
+    assert presets == sorted(TODAY)
+    for name in presets:
+        topo = Topology.from_config(OmegaConf.load(CONF / "topology" / f"{name}.yaml"))
+        for model, want in TODAY[name].items():
+            for cost in ("eq2", "runtime"):
+                planner = PlannerConfig(cost_model=cost, objective="comm",
+                                        require_divisible=name not in ("ic5", "ic6"))
+                plan = make_plan(topo, _shape(model), MeshConfig(), planner)
+                assert plan.label == want, (name, model, cost)
+                assert plan.objective.value == "comm"
+
+
+def _calibrated_topology(tmp_path: Path) -> Path:
+    from atp_pipeline.planning.calibrate import write_topology
+    from atp_pipeline.run.calibrate_compute import make_profile, plan_kernels
+
+    kernels = plan_kernels([GPT], 4, [1, 2])
+    # a made-up device: 1 us per call plus 1 ns per unit of work (optimizer: 3 us per tensor)
+    seconds = [3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
+               for k in kernels]
+    profile = make_profile("fake4", kernels, seconds, 4)
+    cfg = {"name": "fake4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
+           "device": {"name": "cpu", "compute": profile.to_config()}}
+    path = tmp_path / "topology" / "fake4.yaml"
+    write_topology(cfg, path)
+    return path
+
+
+def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
+    path = _calibrated_topology(tmp_path)
+    topo = Topology.from_config(OmegaConf.load(path))
+    prof = st.profile_of(topo)
+    assert prof is not None and prof.name == "fake4" and prof.processes == 4
+    gemm = prof.fits[st.GEMM]
+    assert gemm.alpha_s == pytest.approx(1e-6, rel=1e-3) and gemm.per_unit_s == pytest.approx(1e-9, rel=1e-3)
+    assert prof.fits[st.OPTIMIZER].per_tensor_s == pytest.approx(3e-6, rel=1e-3)
+    k = st.Kernel(st.GEMM, (GPT.tokens_per_step, 32, 96))  # a measured point: its own time
+    assert prof.seconds(k) == pytest.approx(1e-6 + 1e-9 * k.work, rel=1e-5)
+    unseen = st.Kernel(st.GEMM, (7, 7, 7))  # not measured: the fit
+    assert prof.seconds(unseen) == pytest.approx(1e-6 + 1e-9 * 686, rel=1e-3)
+    plan = make_plan(topo, GPT, MeshConfig(), PlannerConfig())
+    assert plan.objective.value == "step"
+    assert all(c.step is not None and c.step.profile == "fake4" for c in plan.candidates)
+    best = min(plan.candidates, key=lambda c: c.step.step_s)
+    assert plan.selected == best.mesh
+    data = plan.to_dict()
+    assert data["compute_profile"]["name"] == "fake4" and "4 processes" in data["compute_profile"]["source"]
+    assert plan.summary_row()["compute_profile"] == "fake4"
+
+
+def test_report_shows_step_time_tokens_and_mfu(compose_cfg, tmp_path):
+    from atp_pipeline.run.resolve import plan_from_config
+
+    plan = plan_from_config(compose_cfg("topology=ic4", "model=m3"))
+    console = Console(record=True, width=220, file=open(tmp_path / "plan.txt", "w"))
+    plan.print(console)
+    text = console.export_text()
+    for column in ("step", "compute", "exposed", "tokens/s", "MFU", "objective=step"):
+        assert column in text
+    assert "compute profile 'spec:A100-80GB'" in text
+    sel = plan.candidate(plan.selected)
+    assert sel.step.step_s == pytest.approx(sel.step.compute_s + sel.step.exposed_comm_s)
+    assert 0 < sel.step.exposed_comm_s <= sel.step.total_comm_s
+    assert sel.step.tokens_per_s == pytest.approx(4 * 2048 / sel.step.step_s)
+    assert sel.step.mfu == pytest.approx(plan.model.flops_per_step / (sel.step.step_s * 16 * 312e12))
+    row = plan.summary_row()
+    assert row["predicted_step_s"] == sel.step.step_s and row["objective"] == "step"
+    cand = json.loads(json.dumps(plan.to_dict()))["candidates"][0]
+    assert set(cand["step"]) >= {"step_s", "compute_s", "exposed_comm_s", "tokens_per_s", "mfu", "profile"}
+    plan.plot(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_compute_profile_falls_back_to_communication_with_a_note(compose_cfg):
+    from atp_pipeline.run.resolve import plan_from_config
+
+    plan = plan_from_config(compose_cfg("topology=local", "model=tiny"))
+    assert plan.objective.value == "comm" and plan.label == "4x1"
+    assert any("no compute profile" in n for n in plan.notes)
+
+
+def test_bad_values_are_one_clear_line(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"^topology 't': device.compute.fits.gemm: alpha_us, ns_per_unit"):
+        st.profile_of(Topology.from_config({
+            "name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1, "group_GBps": 1}],
+            "device": {"compute": {"name": "x", "fits": {k: {"alpha_us": -1 if k == "gemm" else 1,
+                                                             "ns_per_unit": 1} for k in st.KINDS}}}}))
+    with pytest.raises(ConfigError, match="missing kernel kinds"):
+        st.ComputeProfile.from_config({"name": "x", "fits": {"gemm": {"alpha_us": 1, "ns_per_unit": 1}}})
+    from atp_pipeline.run import calibrate_compute
+
+    assert calibrate_compute.main(["--world", "4", "--topology", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: calibrate_compute: --topology nosuch: no such topology")
+    out = run_train(["stage=plan", "planner.objective=fast", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: planner.objective: Invalid value 'fast', expected one of [step, comm]"]
