@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -51,6 +52,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "pytorch_li
 
 
 def _context() -> Any:
+    import torch.multiprocessing as mp  # here: prestart() runs before the launcher imports torch
+
     method = os.environ.get("ATP_START_METHOD", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
@@ -60,16 +63,36 @@ def _context() -> Any:
 
 def prestart() -> None:
     """Start the fork server now (it imports :data:`PRELOAD` in the background), so the
-    launcher's own work overlaps with it; :func:`spawn` then finds it running."""
-    if _context().get_start_method() == "forkserver" and not os.environ.get("TORCHELASTIC_RUN_ID"):
+    launcher's own work (resolving the run: imports, the plan) overlaps with it;
+    :func:`spawn` then finds it running. Needs no torch in this process: the server is the
+    standard library's, which ``torch.multiprocessing`` re-exports."""
+    if os.environ.get("ATP_START_METHOD", "forkserver") == "forkserver" and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        import multiprocessing
         from multiprocessing import forkserver
 
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
+
+
+def stop_prestarted() -> None:
+    """Stop a fork server :func:`prestart` started when the run turned out not to need it
+    (bad input): its preload would otherwise go on for seconds after this process exits."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the standard library's singleton (no public stop)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server._stop()
 
 
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
            args: tuple, results: "mp.Queue", init: bool = True, env: Optional[dict] = None) -> None:
     import torch
+    import torch.distributed as dist
 
     if env is not None:  # the launcher's environment now, not the fork server's at its start
         os.environ.clear()

@@ -112,3 +112,20 @@ def test_stage_plan_imports_no_training_module(tmp_path, planner):
     assert (tmp_path / "run" / "plan.json").exists()
     heavy = [line for line in out.stdout.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], heavy
+
+
+def test_fork_server_started_for_a_run_is_gone_when_the_run_is_refused():
+    """``stage=fit`` starts the ranks' fork server before resolving (its imports overlap);
+    bad input found meanwhile stops it at once, instead of leaving it importing on."""
+    import subprocess
+    import sys
+
+    code = ("import os, time\nfrom multiprocessing import forkserver\n"
+            "from atp_pipeline.launch import prestart, stop_prestarted\n"
+            "prestart(); pid = forkserver._forkserver._forkserver_pid; assert pid\n"
+            "stop_prestarted(); time.sleep(0.2)\n"
+            "try:\n    os.kill(pid, 0); print('ALIVE')\nexcept ProcessLookupError:\n    print('GONE')\n"
+            "assert 'torch' not in __import__('sys').modules, 'prestart imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["GONE"]

@@ -15,17 +15,26 @@ from omegaconf import DictConfig
 
 def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
     """Run the composed config; returns the run's summary row."""
-    from atp_pipeline.run.resolve import resolve
+    fitting = str(getattr(cfg.stage, "value", cfg.stage)) == "fit"
+    if fitting:
+        from atp_pipeline.launch import prestart
 
+        prestart()  # the ranks' fork server imports torch and Lightning while the run is resolved
     out = Path(output_dir if output_dir is not None else cfg.paths.output_dir)
-    spec = resolve(cfg)
+    try:
+        from atp_pipeline.run.resolve import resolve
+
+        spec = resolve(cfg)
+    except BaseException:
+        if fitting:
+            from atp_pipeline.launch import stop_prestarted
+
+            stop_prestarted()
+        raise
     if spec.stage == "plan":
         from atp_pipeline.run.report import report_plan
 
         return report_plan(spec, out, extra=spec.job)
-    from atp_pipeline.launch import prestart
-
-    prestart()  # the ranks' fork server imports torch and Lightning while the plan is reported
     from atp_pipeline.run.fit import fit
 
     row = fit(spec, out)
