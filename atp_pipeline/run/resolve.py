@@ -115,8 +115,9 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
     for key in ("loss", "duplicate"):
         if not 0.0 <= agg[key] < 1.0:
             raise ConfigError(f"aggregation.{key}={agg[key]} must be in [0, 1)")
-    if agg.aggregators < 0:
-        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be >= 0")
+    if agg.aggregators < 0 or agg.aggregators & (agg.aggregators - 1):
+        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be 0 or a power of two "
+                          f"(the switch indexes aggregators with a hash bit mask, as P4 targets do)")
     if not 1 <= agg.n_ps <= 4:
         raise ConfigError(f"aggregation.n_ps={agg.n_ps} must be 1..4 (2-bit PS index)")
     if dp > PacketFormat().bitmap_bits:

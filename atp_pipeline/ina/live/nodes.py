@@ -53,7 +53,7 @@ from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
-from atp_pipeline.ina.switch import SwitchState, agg_hash, allocated, ecn_mark, live_aggregators, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
 SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
 SO_MEMINFO = 55  # Linux: u32[9] = rmem_alloc, rcvbuf, wmem_alloc, sndbuf, fwd_alloc, wmem_queued,
@@ -227,7 +227,7 @@ class SwitchNode(_Node):
         st = self.state
         if not st.n:
             return None
-        i = agg_hash(job, seq) % st.n
+        i = agg_slot(agg_hash(job, seq), st.n)
         return st.bitmap[i] if st.key[i] == (job << 32 | seq) else None
 
     def op_stats(self) -> Dict[str, Any]:

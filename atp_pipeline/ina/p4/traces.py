@@ -36,7 +36,7 @@ import numpy as np
 from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
 from atp_pipeline.ina.packet import ATP_UDP_PORT
 from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.ina.switch import SwitchState, agg_hash, ecn_mark, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, ecn_mark, process_bytes
 
 DEFAULT_TRACE_FILE = Path("p4") / "traces" / "atp.jsonl"  # CLI default, relative to the current directory
 WORKER_MAC, PS_MAC = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
@@ -85,9 +85,9 @@ class Scenario:
 def _colliding_seq(job: int, seq: int, n: int, other_job: Optional[int] = None) -> int:
     """A sequence number of ``other_job`` (default ``job``) hashing to ``seq``'s aggregator."""
     oj = job if other_job is None else other_job
-    target = agg_hash(job, seq) % n
+    target = agg_slot(agg_hash(job, seq), n)
     s = seq + 1
-    while agg_hash(oj, s) % n != target:
+    while agg_slot(agg_hash(oj, s), n) != target:
         s += 1
     return s
 
@@ -116,6 +116,8 @@ def scenarios() -> List[Scenario]:
     udp_other = frame(b"not atp", dport=53)
     tcp = frame(bytes(20) + b"tcp bytes", proto=6)
     raw = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
+    good = FMT.encode(FMT.packet(job=1, seq=17, fan_in0=1, bitmap0=1,
+                                 payload=rng.integers(-1000, 1000, FMT.payload_k, dtype=np.int32)))
     return [
         Scenario("aggregate_complete_dealloc", "allocation, ① hit + ④ merge, ⑤⑥ completion at fan-in 2 "
                  "(level 0), ② deallocation and multicast by the parameter packet",
@@ -162,6 +164,12 @@ def scenarios() -> List[Scenario]:
                  [g(seq=13, fan_in0=2, bitmap0=1, edge=1), g(seq=13, fan_in0=2, bitmap0=4, edge=1),
                   g(seq=14, bitmap0=3), g(seq=14, fan_in0=0, bitmap0=1, fan_in1=2, bitmap1=1, edge=1),
                   g(job=9, seq=15, bitmap0=1)]),
+        Scenario("malformed_frames", "frames to the ATP port that are not well-formed ATP packets are "
+                 "dropped (wrong app type, reserved bits set, truncated, oversized); the aggregator "
+                 "they hash to is untouched, so a valid packet of the same sequence then completes",
+                 [frame(b"\xa6" + good[1:]), frame(good[:FMT.header_bytes - 1] + bytes([good[FMT.header_bytes - 1] | 1])
+                                                    + good[FMT.header_bytes:]),
+                  frame(good[:-4]), frame(good + bytes(4)), frame(good)]),
         Scenario("non_atp", "non-ATP traffic (other UDP port, TCP, ARP) passes untouched",
                  [udp_other, tcp, raw]),
         Scenario("no_aggregators", "a switch with zero aggregators treats every gradient as a collision",
@@ -191,8 +199,7 @@ def run_step(st: SwitchState, buf: bytes, egress: Optional[Dict[str, int]]) -> L
     atp = atp_payload(buf)
     if atp is None:
         return [buf]  # non-ATP traffic is forwarded untouched
-    p = FMT.decode(atp)
-    _, outs = process(st, p)
+    _, outs = process_bytes(st, FMT, atp)  # a malformed ATP payload is dropped (and counted)
     res = []
     for o in outs:
         if egress is not None:
