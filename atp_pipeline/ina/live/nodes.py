@@ -31,8 +31,12 @@ emulator is dropped with probability ``loss`` and delivered twice with probabili
 Run standalone (e.g. one switch shared by several training runs)::
 
     python -m atp_pipeline.ina.live.nodes switch --aggregators 4096 --payload-k 1024 --control-port 47000
+    python -m atp_pipeline.ina.live.nodes switch --impl bmv2 --aggregators 4096 --p4 p4/v1model/atp.p4
 
 It prints one JSON line with its addresses and serves until ``shutdown`` or a signal.
+``--impl bmv2`` runs BMv2 with the compiled v1model program as the data plane instead of the
+emulator (:mod:`.bmv2_node`; root and the P4 toolchain needed); on ``shutdown``, SIGTERM,
+SIGINT or SIGHUP it stops the switch, whose namespace and veth pairs then go away.
 """
 
 from __future__ import annotations
@@ -118,10 +122,10 @@ class _Node:
     def serve(self) -> None:
         sock = self.sock
         sock.settimeout(0.25)
-        recv, handle, lock = sock.recv, self.handle, self.lock
+        recv, handle, lock = sock.recvfrom, self.handle, self.lock
         while not self.stop_event.is_set():
             try:
-                buf = recv(65536)
+                buf, addr = recv(65536)
             except socket.timeout:
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     break  # the process that started us is gone: never outlive it
@@ -129,12 +133,15 @@ class _Node:
             except OSError:
                 break
             with lock:
-                handle(buf)
+                handle(buf, addr)
         self.control.close()
         sock.close()
 
-    def handle(self, buf: bytes) -> None:  # pragma: no cover - abstract
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the role holds beyond its sockets (nothing, except the BMv2 switch)."""
 
     def send(self, data: bytes, addr: Addr) -> None:
         try:
@@ -164,7 +171,7 @@ class SwitchNode(_Node):
         self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
         self.ecn_threshold, self.backlog, self.ecn_marked, self._tick = ecn_threshold, 0, 0, 0
 
-    def handle(self, buf: bytes) -> None:
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         self._tick += 1
         if not self._tick & 7:
             self.backlog = meminfo(self.sock)[0]
@@ -258,7 +265,7 @@ class PSNode(_Node):
         self.retain = retain
         self.routes: Dict[int, Tuple[List[Addr], Addr]] = {}  # job -> (workers, switch)
 
-    def handle(self, buf: bytes) -> None:
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         for p in self.ps.on_bytes(buf):
             route = self.routes.get(p.job)
             if route is None:
@@ -312,22 +319,47 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
     ap.add_argument("--control-port", type=int, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
+    ap.add_argument("--impl", choices=("python", "bmv2"), default="python",
+                    help="switch: the emulator (python) or BMv2 running the compiled P4 program (bmv2)")
+    ap.add_argument("--p4", default="p4/v1model/atp.p4", help="switch --impl bmv2: the v1model program")
+    ap.add_argument("--json", help="switch --impl bmv2: an already compiled BMv2 JSON (with --aggregators "
+                                   "registers); default: compile --p4 (cached)")
     a = ap.parse_args(argv)
     parent = os.getppid() if a.die_with_parent else None
     if a.die_with_parent:
         _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    node: Optional[_Node] = None
     try:
-        fmt = PacketFormat(a.payload_k, a.bitmap_bits)
-        common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
-        node: _Node = (SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common) if a.role == "switch"
-                       else PSNode(fmt, shard=a.shard, **common))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(node.info()), flush=True)
-    node.serve()
+        try:
+            fmt = PacketFormat(a.payload_k, a.bitmap_bits)
+            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
+            if a.role == "ps":
+                node = PSNode(fmt, shard=a.shard, **common)
+            elif a.impl == "bmv2":
+                node = _bmv2_node(a, fmt, common)
+            else:
+                node = SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(node.info()), flush=True)
+        node.serve()
+    finally:
+        if node is not None:
+            node.close()
     return 0
+
+
+def _bmv2_node(a: argparse.Namespace, fmt: PacketFormat, common: Dict[str, Any]) -> _Node:
+    from pathlib import Path
+
+    from atp_pipeline.ina.live.bmv2_node import BMv2SwitchNode
+    from atp_pipeline.ina.p4.toolchain import cached_v1model_json, n_agg_defines
+
+    json_path = Path(a.json) if a.json else cached_v1model_json(Path(a.p4), n_agg_defines(a.aggregators))
+    return BMv2SwitchNode(fmt, a.aggregators, json_path, a.loss, a.duplicate, a.seed, **common)
 
 
 if __name__ == "__main__":
