@@ -2,7 +2,6 @@
 tests that need it skip with the reason where it is missing. The v1model program is compiled
 once per session."""
 
-import os
 from pathlib import Path
 from typing import Tuple
 
@@ -11,16 +10,6 @@ import pytest
 from atp_pipeline.ina.p4 import toolchain as tc
 
 from . import V1MODEL_P4
-
-
-def bmv2_missing() -> str:
-    """Why BMv2 cannot run here, or ``""``."""
-    why = tc.why_missing()
-    if why:
-        return why
-    if os.geteuid() != 0:
-        return "simple_switch runs in a network namespace of its own: needs root"
-    return ""
 
 
 @pytest.fixture(scope="session")

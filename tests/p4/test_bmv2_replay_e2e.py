@@ -10,8 +10,7 @@ import pytest
 from atp_pipeline.ina.p4 import bmv2 as br
 from atp_pipeline.ina.p4 import traces
 
-from . import TRACE_FILE
-from .conftest import bmv2_missing
+from . import TRACE_FILE, bmv2_missing
 
 pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
 

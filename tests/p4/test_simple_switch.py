@@ -13,7 +13,7 @@ import pytest
 
 from atp_pipeline.ina.p4.simple_switch import SimpleSwitch, netns_users
 
-from .conftest import bmv2_missing
+from . import bmv2_missing
 
 pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
 
