@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from atp_pipeline.ina.live.nodes import _Node, meminfo
+from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.p4 import control as cp
 from atp_pipeline.ina.p4.codegen import STATS
@@ -78,7 +78,7 @@ class _Job:
     node_handle: int
 
 
-class BMv2SwitchNode(_Node):
+class BMv2SwitchNode(Role):
     """The ``switch`` role, with BMv2 running the v1model program as its data plane."""
 
     role = "switch"

@@ -47,112 +47,17 @@ import json
 import os
 import random
 import signal
-import socket
-import struct
 import sys
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.rpc import Addr, ControlServer
+from atp_pipeline.ina.live.rpc import Addr
+from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
 from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
-SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
-SO_MEMINFO = 55  # Linux: u32[9] = rmem_alloc, rcvbuf, wmem_alloc, sndbuf, fwd_alloc, wmem_queued,
-#                  optmem, backlog, drops
-
-
-def meminfo(sock: socket.socket) -> Tuple[int, int]:
-    """(bytes queued in the receive buffer, datagrams dropped on a full buffer); (0, 0)
-    where the kernel does not report them."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 36)
-    except OSError:
-        return 0, 0
-    v = struct.unpack("9I", raw[:36]) if len(raw) >= 36 else (0,) * 9
-    return v[0], v[8]
-
-
-def udp_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A bound UDP socket with large buffers (a full window of every worker fits)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        try:
-            s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
-    s.bind((host, port))
-    return s
-
-
-class _Node:
-    """Common loop: UDP socket, control server, parent watch, ``stop``."""
-
-    role = "role"
-
-    def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
-                 parent_pid: Optional[int] = None) -> None:
-        self.fmt = fmt
-        self.sock = udp_socket(host, port)
-        self.data_addr: Addr = self.sock.getsockname()
-        self.lock = threading.Lock()
-        self.stop_event = threading.Event()
-        self.parent_pid = parent_pid
-        self.malformed = 0
-        self.control = ControlServer(self._control, host, control_port)
-
-    def info(self) -> Dict[str, Any]:
-        return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
-                "pid": os.getpid(), "payload_k": self.fmt.payload_k}
-
-    def _control(self, op: str, kw: Dict[str, Any]) -> Any:
-        if op == "info":
-            return self.info()
-        if op == "shutdown":
-            self.stop_event.set()
-            return True
-        fn = getattr(self, f"op_{op}", None)
-        if fn is None:
-            raise ValueError(f"unknown control operation {op!r}")
-        with self.lock:
-            return fn(**kw)
-
-    def serve(self) -> None:
-        sock = self.sock
-        sock.settimeout(0.25)
-        recv, handle, lock = sock.recvfrom, self.handle, self.lock
-        while not self.stop_event.is_set():
-            try:
-                buf, addr = recv(65536)
-            except socket.timeout:
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    break  # the process that started us is gone: never outlive it
-                continue
-            except OSError:
-                break
-            with lock:
-                handle(buf, addr)
-        self.control.close()
-        sock.close()
-
-    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release what the role holds beyond its sockets (nothing, except the BMv2 switch)."""
-
-    def send(self, data: bytes, addr: Addr) -> None:
-        try:
-            self.sock.sendto(data, addr)
-        except OSError:  # a peer that went away (ICMP unreachable): the protocol recovers
-            self.send_errors += 1
-
-    send_errors = 0
-
-
-class SwitchNode(_Node):
+class SwitchNode(Role):
     """The emulated programmable switch: :func:`process` plus per-job routes."""
 
     role = "switch"
@@ -254,7 +159,7 @@ class SwitchNode(_Node):
                          for j in jobs}}
 
 
-class PSNode(_Node):
+class PSNode(Role):
     """One parameter-server shard (§5.4) serving any number of jobs."""
 
     role = "ps"
@@ -330,7 +235,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
-    node: Optional[_Node] = None
+    node: Optional[Role] = None
     try:
         try:
             fmt = PacketFormat(a.payload_k, a.bitmap_bits)
@@ -352,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _bmv2_node(a: argparse.Namespace, fmt: PacketFormat, common: Dict[str, Any]) -> _Node:
+def _bmv2_node(a: argparse.Namespace, fmt: PacketFormat, common: Dict[str, Any]) -> Role:
     from pathlib import Path
 
     from atp_pipeline.ina.live.bmv2_node import BMv2SwitchNode
