@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.ina.live import bmv2_node
 from atp_pipeline.ina.live.services import Services
 from atp_pipeline.ina.p4.simple_switch import CLI, netns_users, parse_counter
 from atp_pipeline.launch import spawn
@@ -379,6 +380,30 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path):
             cli.close()
         if proc.poll() is None or _session(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_bmv2
+def test_killed_bmv2_switch_role_leaves_only_files_the_next_one_sweeps(tmp_path):
+    """SIGKILL to the switch role itself (no cleanup code runs): ``simple_switch`` dies with it,
+    the kernel frees the namespace; the next BMv2 switch role removes the dead one's files."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "atp_pipeline.ina.live.nodes", "switch", "--impl", "bmv2", "--aggregators", "4096",
+            "--p4", str(ROOT / "p4" / "v1model" / "atp.p4")]
+    node = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        info = json.loads(node.stdout.readline() or "{}")
+        assert info.get("impl") == "bmv2", node.stderr.read() if node.poll() is not None else info
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait(10)
+        end = time.monotonic() + 10
+        while (_alive(info["bmv2_pid"]) or netns_users(info["netns_inode"])) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _alive(info["bmv2_pid"]) and netns_users(info["netns_inode"]) == []
+        (left,) = tmp_path.glob(f"{bmv2_node.WORKDIR_PREFIX}{node.pid}-*")  # the sockets and log of the dead one
+        assert bmv2_node.sweep_stale_workdirs(tmp_path) == [left] and not left.exists()
+    finally:
+        if node.poll() is None:
+            node.kill()
 
 
 def test_bmv2_switch_bad_values_are_one_line(compose_cfg, monkeypatch):

@@ -34,6 +34,7 @@ still allocated. Loss and duplication are injected before the switch, as the emu
 from __future__ import annotations
 
 import ipaddress
+import os
 import random
 import re
 import select
@@ -61,6 +62,7 @@ MAX_HOSTS = 254  # one /24: the control plane's address plan for one rack
 L2L4 = 42
 AGG_REGISTERS = ("agg_key", "agg_shard", "agg_bitmap", "agg_count", "agg_flags")
 QUEUE_DEPTH = 1024  # packets per egress queue (BMv2's default is 64)
+WORKDIR_PREFIX = "atp-bmv2-switch-"  # + owner pid: <tmp>/atp-bmv2-switch-<pid>-<random>
 
 
 def _topology(hosts: int) -> Dict[str, Any]:
@@ -97,7 +99,10 @@ class BMv2SwitchNode(Role):
         self.n = n_aggregators
         self.json_path = Path(json_path)
         self._own_workdir = workdir is None
-        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="atp-bmv2-switch-"))
+        if workdir is None:
+            sweep_stale_workdirs(Path(tempfile.gettempdir()))
+            workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+        self.workdir = Path(workdir)
         self.loss, self.duplicate = loss, duplicate
         self.rng = random.Random(seed)
         self.injected_loss = self.injected_dup = self.unroutable = self.delivered = self.ecn_out = 0
@@ -336,6 +341,19 @@ class BMv2SwitchNode(Role):
                 "jobs": {j: {"allocs": allocs.get(j, 0), "held": per_job.get(j, 0),
                              "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
                              "complete": complete.get(j, 0), "params": params.get(j, 0)} for j in jobs}}
+
+
+def sweep_stale_workdirs(base: Path) -> List[Path]:
+    """Remove the work directories (the switch's IPC sockets and log) of BMv2 switch roles that
+    were killed before they could clean up (SIGKILL): those whose process is gone. Their
+    ``simple_switch`` died with them and the kernel freed its namespace; only these files stay."""
+    gone = []
+    for d in base.glob(f"{WORKDIR_PREFIX}*"):
+        pid = d.name[len(WORKDIR_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 def _mac(text: str) -> bytes:

@@ -5,8 +5,9 @@ The switch runs the compiled v1model program of ATP's switch logic (§5.3, ``p4/
 simple_switch --packet-in ipc://<workdir>/packets.ipc ...'``: the process gets a fresh network
 namespace holding only its loopback, so its Thrift control port is reachable from nowhere
 else and no address or interface of the machine is touched. Frames travel on BMv2's
-nanomsg packet interface (:mod:`.nanomsg`; a Unix-domain socket in ``workdir``): a frame is
-sent to a port number and received with the port it left on. (veth pairs, the other way
+nanomsg packet interface (:mod:`.nanomsg`; a Unix-domain socket in ``workdir``, the
+switch's working directory): a frame is sent to a port number and received with the port
+it left on. (veth pairs, the other way
 in, lose every frame of a burst beyond a few dozen in BMv2's libpcap capture ring here; the
 nanomsg send waits instead.) The persistent :class:`CLI` (``simple_switch_CLI``) is started
 inside the namespace (``setns`` before ``exec``).
@@ -221,8 +222,10 @@ class SimpleSwitch:
     # ------------------------------------------------------------------ lifecycle
     def _start(self, log_file: Optional[Path], timeout: float) -> None:
         ss, unshare = require("simple_switch"), _which("unshare")
-        argv = [ss, "--thrift-port", str(THRIFT_PORT), "--packet-in", f"ipc://{self.packets_ipc}",
-                "--notifications-addr", f"ipc://{self.notify_ipc}"]
+        # IPC paths relative to the switch's working directory: a Unix socket path has at most
+        # 107 bytes, which a deep work directory (a test's tmp_path) exceeds
+        argv = [ss, "--thrift-port", str(THRIFT_PORT), "--packet-in", f"ipc://{self.packets_ipc.name}",
+                "--notifications-addr", f"ipc://{self.notify_ipc.name}"]
         if log_file is not None:
             argv += ["--log-file", str(log_file), "--log-flush"]
         else:
@@ -231,7 +234,8 @@ class SimpleSwitch:
         script = "set -e\nip link set lo up\nexec " + " ".join(_sh_quote(a) for a in argv) + "\n"
         self._log = open(self.workdir / "simple_switch.out", "wb")
         self.proc = subprocess.Popen([unshare, "--net", "--", "sh", "-c", script], stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -243,7 +247,8 @@ class SimpleSwitch:
                                   f"{self._log_tail()}")
             time.sleep(0.05)
         self.inode = netns_inode(self.proc.pid)
-        self.sock = PacketSocket(f"ipc://{self.packets_ipc}", buffer_bytes=PACKET_BUFFER)
+        # (through the switch's cwd link: short whatever the work directory)
+        self.sock = PacketSocket(f"ipc:///proc/{self.proc.pid}/cwd/{self.packets_ipc.name}", buffer_bytes=PACKET_BUFFER)
         self.cli = CLI(self.proc.pid)
 
     def _thrift_up(self) -> bool:
