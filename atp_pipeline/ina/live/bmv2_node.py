@@ -34,6 +34,7 @@ still allocated. Loss and duplication are injected before the switch, as the emu
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import random
 import re
@@ -95,6 +96,9 @@ class BMv2SwitchNode(Role):
             raise ValueError("the P4 program needs at least one aggregator per register")
         if not (0.0 <= loss < 1.0 and 0.0 <= duplicate < 1.0):
             raise ValueError(f"loss and duplicate must be in [0, 1), got {loss}, {duplicate}")
+        compiled = program_aggregators(Path(json_path))
+        if compiled != n_aggregators:
+            raise ValueError(f"{json_path} was compiled with ATP_N_AGG={compiled}, not {n_aggregators} aggregators")
         super().__init__(fmt, **kw)
         self.n = n_aggregators
         self.json_path = Path(json_path)
@@ -131,7 +135,7 @@ class BMv2SwitchNode(Role):
                 "aggregators": self.n, "json": str(self.json_path)}
 
     def close(self) -> None:
-        """Stop the switch: its namespace, veth pairs and processes go with it."""
+        """Stop the switch: its namespace and processes go with it; remove its work directory."""
         self.stop_event.set()
         self.ss.close()
         if self._own_workdir:
@@ -341,6 +345,12 @@ class BMv2SwitchNode(Role):
                 "jobs": {j: {"allocs": allocs.get(j, 0), "held": per_job.get(j, 0),
                              "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
                              "complete": complete.get(j, 0), "params": params.get(j, 0)} for j in jobs}}
+
+
+def program_aggregators(json_path: Path) -> int:
+    """The register size a compiled program has (``AtpIngress.agg_key`` in its BMv2 JSON)."""
+    prog = json.loads(Path(json_path).read_text())
+    return next(r["size"] for r in prog["register_arrays"] if r["name"] == f"{cp.INGRESS}.agg_key")
 
 
 def sweep_stale_workdirs(base: Path) -> List[Path]:
