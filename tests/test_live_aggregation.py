@@ -8,7 +8,12 @@
   sequences aggregated in the switch, and a lossy run ends with the very same weights;
 * two training runs sharing one switch process (two tenants);
 * a worker killed mid-run: the others fail naming it, nothing is left running, the shared
-  switch holds no aggregator.
+  switch holds no aggregator;
+* ``aggregation.switch_impl=bmv2`` (issue 16): the gradients summed by the compiled v1model
+  program on BMv2 — the same final loss as ring, the switch's own counters show the
+  sequences it completed, and nothing is left behind, also when the run is killed; bad
+  values are one line before anything starts. Skipped with the reason without the P4
+  toolchain (or root).
 """
 
 from __future__ import annotations
@@ -24,15 +29,21 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.ina.live import bmv2_node
 from atp_pipeline.ina.live.services import Services
+from atp_pipeline.ina.p4.simple_switch import CLI, netns_users, parse_counter
 from atp_pipeline.launch import spawn
 from atp_pipeline.run.report import read_metrics
+from atp_pipeline.run.resolve import check_aggregation
 
 from .conftest import ROOT, run_train
+from .p4 import bmv2_missing
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
@@ -269,3 +280,170 @@ def test_strategy_in_plain_lightning_code_one_job_per_tensor_parallel_coordinate
     while not set(_live_role_pids()) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert set(_live_role_pids()) <= before  # the roles rank 0 started are gone
+
+
+# -- issue 16: the P4 program on BMv2 as the live switch ------------------------------------------
+BMV2 = ["aggregation=atp", "aggregation.switch_impl=bmv2"]
+# ~200 packets per step: BMv2 forwards a few thousand frames per second on this machine
+SMALL = ["model.hidden=16", "model.heads=2", "model.layers=1"]
+needs_bmv2 = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+
+
+def _session(sid: int) -> List[int]:
+    """Live processes of session ``sid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+@needs_bmv2
+def test_train_through_the_p4_program_on_bmv2(tmp_path):
+    """Must-show: 2 workers, 20 steps, gradients summed by p4/v1model/atp.p4 on BMv2: final loss
+    within 1e-3 of ring; the program's counters (read with simple_switch_CLI) show the
+    sequences completed in the switch; no process, namespace or socket left afterwards."""
+    common = [*FAST, *SMALL, "trainer.max_steps=20", "trainer.devices=2"]
+    runs = {"ring": ["mesh.dp=2"], "bmv2": BMV2}
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, *extra,
+                                     f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, extra in runs.items()}  # side by side: most of a run is starting up
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=400)
+        assert p.returncode == 0, (name, err[-3000:])
+    ring, bm = _summary(tmp_path / "ring"), _summary(tmp_path / "bmv2")
+    assert bm["dp"] == 2 and bm["aggregation"] == "atp"
+    assert abs(bm["final_loss"] - ring["final_loss"]) < 1e-3, (bm["final_loss"], ring["final_loss"])
+    roles = bm["aggregation_roles"]
+    sw = roles["bmv2"]
+    stats = sw["stats"]  # the program's stats[] counter, named as switch.SwitchStats
+    assert sw["sequences"] > 0 and sw["completed_in_switch"] == stats["complete"] <= sw["sequences"]
+    assert sw["in_switch_frac"] >= 0.9, sw
+    assert stats["alloc"] > 0 and stats["merged"] > 0 and stats["malformed"] == stats["unknown_job"] == 0
+    # the PS's view, step by step: sequences it completed from one switch-aggregated packet
+    rows = [r for r in read_metrics(tmp_path / "bmv2" / "metrics.csv") if "atp_in_switch_frac" in r]
+    assert len(rows) == 20 and min(r["atp_in_switch_frac"] for r in rows) >= 0.9
+    assert roles["switch_allocated_after"] == 0
+    assert not _alive(sw["pid"]) and netns_users(sw["netns_inode"]) == []
+    assert not [p for p in _live_role_pids() if b"--impl" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+@needs_bmv2
+def test_killed_bmv2_run_leaves_nothing(tmp_path):
+    """SIGKILL to ``train.py`` while the P4 program aggregates: every process of the run exits,
+    the switch's namespace is freed and its sockets are removed."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FAST, *SMALL, *BMV2, "trainer.devices=2",
+                             "trainer.max_steps=100000", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                            stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"),
+                            start_new_session=True)
+    cli = None
+    try:
+        deadline = time.monotonic() + 240
+        switch = None
+        while switch is None and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            switch = next((p for p in _session(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip()
+                           == "simple_switch"), None)
+            time.sleep(0.2)
+        assert switch is not None
+        inode = os.stat(f"/proc/{switch}/ns/net").st_ino
+        ipc = [a for a in Path(f"/proc/{switch}/cmdline").read_bytes().decode().split("\0") if a.startswith("ipc://")]
+        cli = CLI(switch)  # the program's own counter: gradients are being aggregated
+        while time.monotonic() < deadline:
+            if parse_counter(cli.run(["counter_read AtpIngress.stats 2"])).get(2, 0) > 100:  # merged
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no aggregation in the switch")
+        cli.close()
+        cli = None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        end = time.monotonic() + 30
+        while _session(proc.pid) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert _session(proc.pid) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in _session(proc.pid)]
+        assert not _alive(switch) and netns_users(inode) == []
+        assert ipc and not [a for a in ipc if Path(a[len("ipc://"):]).exists()]
+    finally:
+        if cli is not None:
+            cli.close()
+        if proc.poll() is None or _session(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_bmv2
+def test_killed_bmv2_switch_role_leaves_only_files_the_next_one_sweeps(tmp_path):
+    """SIGKILL to the switch role itself (no cleanup code runs): ``simple_switch`` dies with it,
+    the kernel frees the namespace; the next BMv2 switch role removes the dead one's files."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "atp_pipeline.ina.live.nodes", "switch", "--impl", "bmv2", "--aggregators", "4096",
+            "--p4", str(ROOT / "p4" / "v1model" / "atp.p4")]
+    node = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        info = json.loads(node.stdout.readline() or "{}")
+        assert info.get("impl") == "bmv2", node.stderr.read() if node.poll() is not None else info
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait(10)
+        end = time.monotonic() + 10
+        while (_alive(info["bmv2_pid"]) or netns_users(info["netns_inode"])) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _alive(info["bmv2_pid"]) and netns_users(info["netns_inode"]) == []
+        (left,) = tmp_path.glob(f"{bmv2_node.WORKDIR_PREFIX}{node.pid}-*")  # the sockets and log of the dead one
+        assert bmv2_node.sweep_stale_workdirs(tmp_path) == [left] and not left.exists()
+    finally:
+        if node.poll() is None:
+            node.kill()
+
+
+def test_bmv2_switch_bad_values_are_one_line(compose_cfg, monkeypatch):
+    base = compose_cfg(*BMV2).aggregation  # the typed aggregation group (schema AggregationConfig)
+
+    def err(dp: int = 2, **values: Any) -> str:
+        agg = base.copy()
+        for k, v in values.items():
+            setattr(agg, k, v)
+        with pytest.raises(ConfigError) as e:
+            check_aggregation(agg, dp)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert err(mode=AggregationMode.ps).startswith(
+        "aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not ps")
+    assert err(dp=1, mode=AggregationMode.ring).endswith(
+        "not ring (with ps, a switch without aggregators, there is no P4 equivalent)")
+    assert err(aggregators=3000).startswith("aggregation.aggregators=3000 must be 0 or a power of two")
+    assert err(payload_k=256).startswith(
+        "aggregation.payload_k=256: the P4 program's header carries 62 values per packet")
+    assert err(aggregators=0).startswith("aggregation.aggregators=0: a P4 register array")
+    assert err(switch="127.0.0.1:1").startswith("aggregation.switch_impl=bmv2 starts its own")
+    if not bmv2_missing():
+        assert err(p4_program="/nonexistent.p4").startswith("aggregation.switch_impl=bmv2: no P4 program at "
+                                                            "/nonexistent.p4")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("ATP_P4TOOLS", "/nonexistent")
+    assert err().startswith("aggregation.switch_impl=bmv2: P4 toolchain not found: p4c-bm2-ss, simple_switch, "
+                            "simple_switch_CLI (neither on PATH nor in /nonexistent/bin;")
+
+
+def test_bmv2_switch_bad_value_exits_before_anything_starts(tmp_path):
+    out = run_train([*FAST, "aggregation=ps", "aggregation.switch_impl=bmv2", "trainer.devices=2",
+                     f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("error: aggregation.switch_impl=bmv2 runs the ATP program")
+    assert not (tmp_path / "run" / "plan.json").exists()

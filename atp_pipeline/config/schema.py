@@ -65,6 +65,13 @@ class AggregationMode(str, Enum):
     atp = "atp"  # ATP best-effort in-network aggregation
 
 
+class SwitchImpl(str, Enum):
+    """What runs the switch of the live ``atp`` backend (the ``aggregation.switch_impl`` key)."""
+
+    python = "python"  # the emulator: atp_pipeline.ina.switch.process in a Python process
+    bmv2 = "bmv2"  # BMv2 simple_switch running the compiled p4/v1model/atp.p4 (veth pairs, own netns)
+
+
 class Stage(str, Enum):
     plan = "plan"  # compose -> plan -> report (no process is started)
     fit = "fit"  # compose -> plan -> build -> fit -> report
@@ -246,7 +253,10 @@ class AggregationConfig:
     aggregation backend (:mod:`atp_pipeline.ina.live`: a switch emulator — or the shared
     switch at ``switch`` — and ``n_ps`` parameter-server shards, real UDP packets); ``ps``
     is the same stack with a switch that has no aggregators (a plain N-to-1 PS). The other
-    fields only apply to those two modes.
+    fields only apply to those two modes. ``switch_impl=bmv2`` (``atp`` only) replaces the
+    emulator by BMv2 ``simple_switch`` running the compiled v1model program (``p4_program``,
+    default the checkout's ``p4/v1model/atp.p4``, with ``aggregators`` registers): the
+    gradients are summed by the P4 program (needs root and the P4 toolchain).
     """
 
     mode: AggregationMode = AggregationMode.ring
@@ -259,6 +269,8 @@ class AggregationConfig:
     switch: Optional[str] = None  # control address host:port of a running (shared) switch
     stall_timeout_s: float = 10.0  # no progress this long: fail naming the missing workers
     rto_s: float = 0.2  # worker retransmission timeout (§5.4)
+    switch_impl: SwitchImpl = SwitchImpl.python  # the started switch: emulator or BMv2 + P4 program
+    p4_program: Optional[str] = None  # switch_impl=bmv2: v1model source (default: <checkout>/p4/v1model/atp.p4)
 
 
 @dataclass

@@ -36,6 +36,13 @@ def _role_report(services: Any) -> Dict[str, Any]:
     print(f"aggregation: switch allocated {sum(j['allocs'] for j in sw['jobs'].values())} aggregators over "
           f"{len(sw['jobs'])} job(s), {sw['allocated']} still allocated after teardown; injected loss "
           f"{sw['injected_loss']}, duplicates {sw['injected_dup']}, socket drops {rep['socket_drops']}")
+    if "bmv2" in sw:  # the P4 program's own counters, read with simple_switch_CLI
+        done = sum(j["complete"] for j in sw["jobs"].values())
+        seqs = sum(j["params"] for j in sw["jobs"].values())
+        rep["bmv2"] = {**sw["bmv2"], "stats": sw["switch"], "sequences": seqs, "completed_in_switch": done,
+                       "in_switch_frac": done / seqs if seqs else 0.0}
+        print(f"aggregation: BMv2 running {sw['bmv2']['json']}: {done} of {seqs} sequences completed in the switch "
+              f"({rep['bmv2']['in_switch_frac']:.2%}; counters job_complete / job_params)")
     return rep
 
 

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, DataSource, MeshStrategy, PlannerKind,
-                                        Stage)
+                                        Stage, SwitchImpl)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
@@ -104,6 +104,9 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
                           "benchmarks.ina_experiments); training supports ring, atp and ps")
     cfg = OmegaConf.to_object(agg)
     assert isinstance(cfg, AggregationConfig)
+    if agg.switch_impl == SwitchImpl.bmv2 and mode != AggregationMode.atp:
+        raise ConfigError(f"aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not "
+                          f"{mode.value} (with ps, a switch without aggregators, there is no P4 equivalent)")
     if mode == AggregationMode.ring or dp == 1:
         return cfg
     from atp_pipeline.ina.live.engine import MAX_DATAGRAM
@@ -114,8 +117,9 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
     for key in ("loss", "duplicate"):
         if not 0.0 <= agg[key] < 1.0:
             raise ConfigError(f"aggregation.{key}={agg[key]} must be in [0, 1)")
-    if agg.aggregators < 0:
-        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be >= 0")
+    if agg.aggregators < 0 or agg.aggregators & (agg.aggregators - 1):
+        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be 0 or a power of two "
+                          f"(the switch indexes aggregators with a hash bit mask, as P4 targets do)")
     if not 1 <= agg.n_ps <= 4:
         raise ConfigError(f"aggregation.n_ps={agg.n_ps} must be 1..4 (2-bit PS index)")
     if dp > PacketFormat().bitmap_bits:
@@ -133,7 +137,37 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
         if agg.loss or agg.duplicate:
             raise ConfigError("aggregation.loss/duplicate are set when the switch is started; a shared "
                               "switch (aggregation.switch) keeps its own")
+    if agg.switch_impl == SwitchImpl.bmv2:
+        check_bmv2_switch(cfg)
     return cfg
+
+
+def check_bmv2_switch(cfg: AggregationConfig) -> None:
+    """``aggregation.switch_impl=bmv2``: what the BMv2 switch needs, each in one line, before
+    any process starts (the program's header is generated for K = 62 and 32-bit bitmaps)."""
+    from atp_pipeline.ina.live.services import p4_program
+    from atp_pipeline.ina.p4.toolchain import why_missing
+
+    if cfg.switch is not None:
+        raise ConfigError("aggregation.switch_impl=bmv2 starts its own switch; aggregation.switch names a running "
+                          "one: set only one of them")
+    fmt = PacketFormat()
+    if cfg.payload_k != fmt.payload_k:
+        raise ConfigError(f"aggregation.payload_k={cfg.payload_k}: the P4 program's header carries "
+                          f"{fmt.payload_k} values per packet (p4/generated); use aggregation.payload_k="
+                          f"{fmt.payload_k} with switch_impl=bmv2")
+    if cfg.aggregators < 1:
+        raise ConfigError("aggregation.aggregators=0: a P4 register array needs at least one entry "
+                          "(switch_impl=bmv2)")
+    why = why_missing()
+    if why:
+        raise ConfigError(f"aggregation.switch_impl=bmv2: {why}")
+    if os.geteuid() != 0:
+        raise ConfigError("aggregation.switch_impl=bmv2 runs simple_switch on veth pairs in a network namespace "
+                          "of its own: it needs root")
+    if not Path(p4_program(cfg)).is_file():
+        raise ConfigError(f"aggregation.switch_impl=bmv2: no P4 program at {p4_program(cfg)} "
+                          "(set aggregation.p4_program to p4/v1model/atp.p4 of a checkout)")
 
 
 def model_shape(cfg: DictConfig) -> ModelShape:

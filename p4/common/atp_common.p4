@@ -24,7 +24,7 @@ struct headers_t {
 }
 
 struct atp_meta_t {
-    bit<32> idx;        // aggregator index = CRC32(job, seq) % ATP_N_AGG (§5.3)
+    bit<32> idx;        // aggregator index = CRC32(job, seq) & (ATP_N_AGG - 1) (§5.3, switch.agg_slot)
     bit<32> h;          // CRC32(job, seq) -> atp.agg_index
     bit<16> mcast_grp;  // the job's multicast group (§5.1 job setup)
     atp_fan_t fan_in;   // ③ this level's fan-in

@@ -9,7 +9,14 @@
 #define ATP_FAN_BITS 8
 #define ATP_HEADER_BYTES 29
 #define ATP_PAYLOAD_BYTES 248
-#define ATP_N_AGG 40000
+
+// aggregators per register; the index is CRC32(job, seq) & (ATP_N_AGG - 1) (switch.agg_slot)
+#ifndef ATP_N_AGG
+#define ATP_N_AGG 32768
+#endif
+#if ATP_N_AGG < 1 || (ATP_N_AGG & (ATP_N_AGG - 1)) != 0
+#error ATP_N_AGG must be a power of two: the aggregator index is a bit mask of the hash
+#endif
 
 const bit<8> ATP_APP_TYPE = 8w0xa7;
 const bit<16> ATP_UDP_PORT = 16w42919;
@@ -36,6 +43,25 @@ const bit<2> ATP_FLAG_OVF = 2w2;  // (switch.FLAG_OVF)
 #define ATP_BITOFF_ECN 223  // 1 bit(s)
 #define ATP_BITOFF_OVERFLOW 224  // 1 bit(s)
 #define ATP_BITOFF_RESERVED 225  // 7 bit(s)
+
+// indices of the v1model `stats` counter: the fields of atp_pipeline.ina.switch.SwitchStats
+#define ATP_N_STATS 16
+const bit<32> ATP_STAT_PARAM = 0;
+const bit<32> ATP_STAT_ALLOC = 1;
+const bit<32> ATP_STAT_MERGED = 2;
+const bit<32> ATP_STAT_COLLISION = 3;
+const bit<32> ATP_STAT_DUP_DROPPED = 4;
+const bit<32> ATP_STAT_RESEND_FLUSH = 5;
+const bit<32> ATP_STAT_RESEND_FORWARD = 6;
+const bit<32> ATP_STAT_L1_FLUSH = 7;
+const bit<32> ATP_STAT_STALE_FORWARD = 8;
+const bit<32> ATP_STAT_NO_SERVICE = 9;
+const bit<32> ATP_STAT_UNKNOWN_JOB = 10;
+const bit<32> ATP_STAT_MALFORMED = 11;
+const bit<32> ATP_STAT_COMPLETE = 12;
+const bit<32> ATP_STAT_DEALLOC_PARAM = 13;
+const bit<32> ATP_STAT_RESEND_MERGED = 14;
+const bit<32> ATP_STAT_STALE_RECLAIMED = 15;
 
 typedef bit<32> atp_bitmap_t;
 typedef bit<8> atp_fan_t;

@@ -23,7 +23,11 @@ struct ig_meta_t { atp_meta_t atp; bit<32> key_hi; bit<8> kst; bit<1> flush_pass
 struct eg_meta_t { }
 
 parser IgParser(packet_in pkt, out headers_t hdr, out ig_meta_t meta, out ingress_intrinsic_metadata_t ig_md) {
-    state start { pkt.extract(ig_md); pkt.advance(PORT_METADATA_SIZE); transition ethernet; }
+    state start {
+        pkt.extract(ig_md); pkt.advance(PORT_METADATA_SIZE);
+        // every metadata field starts at 0 (an `out` parameter is undefined until written)
+        meta.atp = { 0, 0, 0, 0, 0, 0, 0 }; meta.key_hi = 0; meta.kst = 0; meta.flush_pass = 0; meta.session = 0;
+        transition ethernet; }
     state ethernet { pkt.extract(hdr.ethernet);
         transition select(hdr.ethernet.ether_type) { ETHERTYPE_IPV4: ipv4; default: accept; } }
     state ipv4 { pkt.extract(hdr.ipv4);
@@ -78,9 +82,9 @@ control Ig(inout headers_t hdr, inout ig_meta_t meta, in ingress_intrinsic_metad
         if (hdr.atp.watermark > v) { v = hdr.atp.watermark; } r = v; } };
     RegisterAction<bit<32>, bit<18>, bit<32>>(wm) wm_read = { void apply(inout bit<32> v, out bit<32> r) { r = v; } };
 
-    atp_bitmap_t b;
-    atp_fan_t cnt;
-    bit<8> f;
+    atp_bitmap_t b = 0;
+    atp_fan_t cnt = 0;
+    bit<8> f = 0;
 
     action drop() { ig_dprsr_md.drop_ctl = 1; meta.atp.forward = 0; }
     action set_port(PortId_t port) { ig_tm_md.ucast_egress_port = port; }
@@ -96,7 +100,7 @@ control Ig(inout headers_t hdr, inout ig_meta_t meta, in ingress_intrinsic_metad
         if (hdr.atp.isValid()) {
             if (!atp_job.apply().hit) { drop(); exit; }
             meta.atp.h = crc.get({ hdr.atp.job, hdr.atp.seq });
-            meta.atp.idx = meta.atp.h % ATP_N_AGG;  // bf-p4c: replace by a Hash range if % is rejected
+            meta.atp.idx = meta.atp.h & (ATP_N_AGG - 1);  // switch.agg_slot: a power-of-two mask, no modulo
             meta.key_hi = 32w0x40000 | (14w0 ++ hdr.atp.ps_index ++ hdr.atp.job);
             if (hdr.atp.edge == 0) { meta.atp.fan_in = hdr.atp.fan_in0; meta.atp.bm = hdr.atp.bitmap0; }  // ③
             else { meta.atp.fan_in = hdr.atp.fan_in1; meta.atp.bm = hdr.atp.bitmap1; }

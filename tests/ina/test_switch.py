@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from atp_pipeline.ina.packet import Packet, PacketFormat
-from atp_pipeline.ina.switch import SwitchState, agg_hash, allocated, ecn_mark, live_aggregators, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
 K = 4
 FMT = PacketFormat(payload_k=K)
@@ -126,7 +126,7 @@ def test_watermark_refuses_stale_allocation_and_sweeps_stale_aggregators():
     process(s, grad(0, seq=3))  # will be left behind (e.g. a late duplicate)
     process(s, param(seq=5, wm=5))  # PS: every seq < 5 of shard 0 is complete
     # the watermark crossed seq 3: its aggregator is swept although the packet hashes elsewhere
-    assert agg_hash(JOB, 5) % 2 != agg_hash(JOB, 3) % 2
+    assert agg_slot(agg_hash(JOB, 5), 2) != agg_slot(agg_hash(JOB, 3), 2)
     assert allocated(s) == 0 and s.stats.stale_reclaimed == 1 and s.wm(JOB, 0) == 5
     g = grad(1, seq=4)
     assert process(s, g)[1] == (g,) and g.resend and s.stats.stale_forward == 1 and allocated(s) == 0

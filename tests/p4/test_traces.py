@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from atp_pipeline.ina import switch
+from atp_pipeline.ina.packet import DecodeError
 from atp_pipeline.ina.p4 import traces
 
 from . import TRACE_FILE
@@ -74,6 +75,14 @@ def test_ecn_and_non_atp_records(records):
                for r in ecn for o in r["out"])
     non_atp = [r for r in steps if traces.atp_payload(bytes.fromhex(r["in"])) is None]
     assert len(non_atp) >= 3 and all(r["out"] == [r["in"]] for r in non_atp)
-    multicast = [r for r in steps if r["in"] and traces.atp_payload(bytes.fromhex(r["in"])) is not None
-                 and fmt.decode(traces.atp_payload(bytes.fromhex(r["in"]))).is_param]
+    def decoded(r):
+        try:
+            return fmt.decode(traces.atp_payload(bytes.fromhex(r["in"])))
+        except DecodeError:
+            return None
+
+    atp = [r for r in steps if traces.atp_payload(bytes.fromhex(r["in"])) is not None]
+    multicast = [r for r in atp if decoded(r) is not None and decoded(r).is_param]
     assert multicast and all(len(r["out"]) == 1 for r in multicast)
+    malformed = [r for r in atp if decoded(r) is None]  # bad app type, reserved bits, truncated, oversized
+    assert len(malformed) == 4 and all(r["out"] == [] for r in malformed)

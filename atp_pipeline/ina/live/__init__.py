@@ -4,7 +4,9 @@
 module                 what it holds
 =====================  ========================================================================
 :mod:`.rpc`            the roles' control channel (job setup/teardown §5.1, stats, shutdown)
+:mod:`.role`           what every role process has: UDP socket, control server, data-plane loop
 :mod:`.nodes`          the switch emulator and parameter-server processes (UDP data plane)
+:mod:`.bmv2_node`      the switch role on BMv2: the compiled P4 program as its data plane
 :mod:`.engine`         the worker end-host stack in a training rank (thread, Future API)
 :mod:`.services`       starting/connecting/stopping roles, installing and removing jobs
 :mod:`.sync`           one data-parallel group's ATP job; the DDP communication hook

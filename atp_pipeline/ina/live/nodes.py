@@ -31,8 +31,12 @@ emulator is dropped with probability ``loss`` and delivered twice with probabili
 Run standalone (e.g. one switch shared by several training runs)::
 
     python -m atp_pipeline.ina.live.nodes switch --aggregators 4096 --payload-k 1024 --control-port 47000
+    python -m atp_pipeline.ina.live.nodes switch --impl bmv2 --aggregators 4096 --p4 p4/v1model/atp.p4
 
 It prints one JSON line with its addresses and serves until ``shutdown`` or a signal.
+``--impl bmv2`` runs BMv2 with the compiled v1model program as the data plane instead of the
+emulator (:mod:`.bmv2_node`; root and the P4 toolchain needed); on ``shutdown``, SIGTERM,
+SIGINT or SIGHUP it stops the switch, whose namespace and veth pairs then go away.
 """
 
 from __future__ import annotations
@@ -43,109 +47,17 @@ import json
 import os
 import random
 import signal
-import socket
-import struct
 import sys
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.rpc import Addr, ControlServer
+from atp_pipeline.ina.live.rpc import Addr
+from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
-from atp_pipeline.ina.switch import SwitchState, agg_hash, allocated, ecn_mark, live_aggregators, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
-SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
-SO_MEMINFO = 55  # Linux: u32[9] = rmem_alloc, rcvbuf, wmem_alloc, sndbuf, fwd_alloc, wmem_queued,
-#                  optmem, backlog, drops
-
-
-def meminfo(sock: socket.socket) -> Tuple[int, int]:
-    """(bytes queued in the receive buffer, datagrams dropped on a full buffer); (0, 0)
-    where the kernel does not report them."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 36)
-    except OSError:
-        return 0, 0
-    v = struct.unpack("9I", raw[:36]) if len(raw) >= 36 else (0,) * 9
-    return v[0], v[8]
-
-
-def udp_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A bound UDP socket with large buffers (a full window of every worker fits)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        try:
-            s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
-    s.bind((host, port))
-    return s
-
-
-class _Node:
-    """Common loop: UDP socket, control server, parent watch, ``stop``."""
-
-    role = "role"
-
-    def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
-                 parent_pid: Optional[int] = None) -> None:
-        self.fmt = fmt
-        self.sock = udp_socket(host, port)
-        self.data_addr: Addr = self.sock.getsockname()
-        self.lock = threading.Lock()
-        self.stop_event = threading.Event()
-        self.parent_pid = parent_pid
-        self.malformed = 0
-        self.control = ControlServer(self._control, host, control_port)
-
-    def info(self) -> Dict[str, Any]:
-        return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
-                "pid": os.getpid(), "payload_k": self.fmt.payload_k}
-
-    def _control(self, op: str, kw: Dict[str, Any]) -> Any:
-        if op == "info":
-            return self.info()
-        if op == "shutdown":
-            self.stop_event.set()
-            return True
-        fn = getattr(self, f"op_{op}", None)
-        if fn is None:
-            raise ValueError(f"unknown control operation {op!r}")
-        with self.lock:
-            return fn(**kw)
-
-    def serve(self) -> None:
-        sock = self.sock
-        sock.settimeout(0.25)
-        recv, handle, lock = sock.recv, self.handle, self.lock
-        while not self.stop_event.is_set():
-            try:
-                buf = recv(65536)
-            except socket.timeout:
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    break  # the process that started us is gone: never outlive it
-                continue
-            except OSError:
-                break
-            with lock:
-                handle(buf)
-        self.control.close()
-        sock.close()
-
-    def handle(self, buf: bytes) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def send(self, data: bytes, addr: Addr) -> None:
-        try:
-            self.sock.sendto(data, addr)
-        except OSError:  # a peer that went away (ICMP unreachable): the protocol recovers
-            self.send_errors += 1
-
-    send_errors = 0
-
-
-class SwitchNode(_Node):
+class SwitchNode(Role):
     """The emulated programmable switch: :func:`process` plus per-job routes."""
 
     role = "switch"
@@ -164,7 +76,7 @@ class SwitchNode(_Node):
         self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
         self.ecn_threshold, self.backlog, self.ecn_marked, self._tick = ecn_threshold, 0, 0, 0
 
-    def handle(self, buf: bytes) -> None:
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         self._tick += 1
         if not self._tick & 7:
             self.backlog = meminfo(self.sock)[0]
@@ -227,7 +139,7 @@ class SwitchNode(_Node):
         st = self.state
         if not st.n:
             return None
-        i = agg_hash(job, seq) % st.n
+        i = agg_slot(agg_hash(job, seq), st.n)
         return st.bitmap[i] if st.key[i] == (job << 32 | seq) else None
 
     def op_stats(self) -> Dict[str, Any]:
@@ -247,7 +159,7 @@ class SwitchNode(_Node):
                          for j in jobs}}
 
 
-class PSNode(_Node):
+class PSNode(Role):
     """One parameter-server shard (§5.4) serving any number of jobs."""
 
     role = "ps"
@@ -258,7 +170,7 @@ class PSNode(_Node):
         self.retain = retain
         self.routes: Dict[int, Tuple[List[Addr], Addr]] = {}  # job -> (workers, switch)
 
-    def handle(self, buf: bytes) -> None:
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         for p in self.ps.on_bytes(buf):
             route = self.routes.get(p.job)
             if route is None:
@@ -312,22 +224,47 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
     ap.add_argument("--control-port", type=int, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
+    ap.add_argument("--impl", choices=("python", "bmv2"), default="python",
+                    help="switch: the emulator (python) or BMv2 running the compiled P4 program (bmv2)")
+    ap.add_argument("--p4", default="p4/v1model/atp.p4", help="switch --impl bmv2: the v1model program")
+    ap.add_argument("--json", help="switch --impl bmv2: an already compiled BMv2 JSON (with --aggregators "
+                                   "registers); default: compile --p4 (cached)")
     a = ap.parse_args(argv)
     parent = os.getppid() if a.die_with_parent else None
     if a.die_with_parent:
         _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    node: Optional[Role] = None
     try:
-        fmt = PacketFormat(a.payload_k, a.bitmap_bits)
-        common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
-        node: _Node = (SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common) if a.role == "switch"
-                       else PSNode(fmt, shard=a.shard, **common))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(node.info()), flush=True)
-    node.serve()
+        try:
+            fmt = PacketFormat(a.payload_k, a.bitmap_bits)
+            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
+            if a.role == "ps":
+                node = PSNode(fmt, shard=a.shard, **common)
+            elif a.impl == "bmv2":
+                node = _bmv2_node(a, fmt, common)
+            else:
+                node = SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(node.info()), flush=True)
+        node.serve()
+    finally:
+        if node is not None:
+            node.close()
     return 0
+
+
+def _bmv2_node(a: argparse.Namespace, fmt: PacketFormat, common: Dict[str, Any]) -> Role:
+    from pathlib import Path
+
+    from atp_pipeline.ina.live.bmv2_node import BMv2SwitchNode
+    from atp_pipeline.ina.p4.toolchain import cached_v1model_json, n_agg_defines
+
+    json_path = Path(a.json) if a.json else cached_v1model_json(Path(a.p4), n_agg_defines(a.aggregators))
+    return BMv2SwitchNode(fmt, a.aggregators, json_path, a.loss, a.duplicate, a.seed, **common)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from atp_pipeline.config.schema import AggregationConfig
+from atp_pipeline.config.schema import AggregationConfig, SwitchImpl
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call, parse_addr
 
 
@@ -58,8 +59,10 @@ class Services:
         try:
             if shared is None:
                 aggs = cfg.aggregators if cfg.mode == "atp" else 0  # ps: every packet to the PS
+                impl = ["--impl", "bmv2", "--p4", p4_program(cfg)] if cfg.switch_impl == SwitchImpl.bmv2 else []
                 procs.append(_launch(["switch", "--aggregators", str(aggs), "--loss", str(cfg.loss),
-                                      "--duplicate", str(cfg.duplicate), "--seed", str(cfg.seed)], cfg.payload_k))
+                                      "--duplicate", str(cfg.duplicate), "--seed", str(cfg.seed), *impl],
+                                     cfg.payload_k))
             for shard in range(cfg.n_ps):
                 procs.append(_launch(["ps", "--shard", str(shard)], cfg.payload_k))
             infos = [_read_info(p, timeout) for p in procs]
@@ -105,6 +108,14 @@ class Services:
     def stats(self) -> Dict[str, Any]:
         return {"switch": call(self.switch.control, "stats", what="switch"),
                 "ps": [call(e.control, "stats", what="parameter server") for e in self.ps]}
+
+
+def p4_program(cfg: AggregationConfig) -> str:
+    """The v1model program a ``switch_impl=bmv2`` switch compiles: ``cfg.p4_program``, else
+    ``p4/v1model/atp.p4`` of the checkout this package is imported from (an editable install)."""
+    if cfg.p4_program:
+        return str(Path(cfg.p4_program).expanduser().resolve())
+    return str(Path(__file__).resolve().parents[3] / "p4" / "v1model" / "atp.p4")
 
 
 def _launch(args: List[str], payload_k: int) -> subprocess.Popen:

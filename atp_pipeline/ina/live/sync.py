@@ -25,7 +25,7 @@ from atp_pipeline.ina.live.engine import Engine, EngineConfig
 from atp_pipeline.ina.live.rpc import AggregationError, call
 from atp_pipeline.config.schema import AggregationConfig
 from atp_pipeline.ina.live.services import Services, add_job, remove_job
-from atp_pipeline.ina.live.nodes import udp_socket
+from atp_pipeline.ina.live.role import udp_socket
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.worker import WorkerConfig
 

@@ -1,4 +1,4 @@
-"""P4 tooling for the ATP switch programs in the checkout's ``p4/`` (issue 7).
+"""P4 tooling for the ATP switch programs in the checkout's ``p4/`` (issues 7, 16).
 
 =========================  ==================================================================
 module                     what it holds
@@ -7,6 +7,9 @@ module                     what it holds
                            table (:mod:`atp_pipeline.ina.packet`)
 :mod:`.traces`             the packet-trace corpus of :func:`atp_pipeline.ina.switch.process`
 :mod:`.control`            the control plane: table entries, multicast groups, registers
+:mod:`.toolchain`          the shipped P4 tools (PATH or /opt/p4tools/bin), compiling both programs
+:mod:`.simple_switch`      BMv2 ``simple_switch`` in a namespace of its own; its CLI session
+:mod:`.nanomsg`            BMv2's nanomsg packet interface (frames to and from its ports)
 :mod:`.bmv2`               the BMv2 replay harness: the trace corpus through the v1model program
 =========================  ==================================================================
 

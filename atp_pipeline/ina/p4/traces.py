@@ -9,12 +9,13 @@ outputs are written as whole Ethernet/IPv4/UDP frames in hex to a JSON-lines fil
 checkout's ``p4/traces/atp.jsonl``) so that a BMv2 run can inject the inputs and compare its outputs packet by packet.
 
 Format (JSON lines): a scenario line ``{"scenario", "n_aggregators", "jobs",
-"payload_k", "bitmap_bits", "p4_replay", "doc"}`` followed by its step lines
+"payload_k", "bitmap_bits", "p4_replay", "p4_replay_reason", "doc"}`` followed by its step lines
 ``{"scenario", "step", "in", "out", "egress"}``; ``in`` is one frame, ``out`` the list of
 frames the switch emits in order, ``egress`` (or null) the queue state
 ``{"backlog_bytes", "threshold_bytes"}`` under which :func:`ecn_mark` ran on each output.
-Each scenario starts from an empty switch. ``p4_replay`` is false where the Python state
-has no P4 equivalent (a switch with zero aggregators).
+Each scenario starts from an empty switch. ``p4_replay`` is false, with the reason in
+``p4_replay_reason``, where the Python state has no P4 equivalent (a switch with zero
+aggregators); every other scenario is replayed on BMv2 (:mod:`atp_pipeline.ina.p4.bmv2`).
 
 Usage, from the repository root: ``python -m atp_pipeline.ina.p4.traces`` (rewrite) /
 ``--check`` (exit 1 if stale); ``--out FILE`` (default ``p4/traces/atp.jsonl`` under the
@@ -36,7 +37,7 @@ import numpy as np
 from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
 from atp_pipeline.ina.packet import ATP_UDP_PORT
 from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.ina.switch import SwitchState, agg_hash, ecn_mark, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, ecn_mark, process_bytes
 
 DEFAULT_TRACE_FILE = Path("p4") / "traces" / "atp.jsonl"  # CLI default, relative to the current directory
 WORKER_MAC, PS_MAC = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
@@ -51,15 +52,21 @@ def _ip_checksum(hdr: bytes) -> int:
     return ~s & 0xFFFF
 
 
-def frame(payload: bytes, dport: int = ATP_UDP_PORT, to_ps: bool = True, proto: int = 17) -> bytes:
-    """Ethernet/IPv4/UDP encapsulation (UDP checksum 0); gradients go worker → PS,
-    parameter packets PS → workers. ``proto`` != 17 carries ``payload`` directly."""
-    smac, dmac = (WORKER_MAC, PS_MAC) if to_ps else (PS_MAC, WORKER_MAC)
-    sip, dip = (WORKER_IP, PS_IP) if to_ps else (PS_IP, WORKER_IP)
+def udp_frame(payload: bytes, smac: bytes, dmac: bytes, sip: bytes, dip: bytes, dport: int = ATP_UDP_PORT,
+              proto: int = 17) -> bytes:
+    """Ethernet/IPv4/UDP encapsulation of ``payload`` as a host's NIC sends it (source port
+    ``ATP_UDP_PORT``, UDP checksum 0); ``proto`` != 17 carries ``payload`` directly."""
     l4 = struct.pack("!HHHH", ATP_UDP_PORT, dport, 8 + len(payload), 0) + payload if proto == 17 else payload
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 0, 0, 64, proto, 0, sip, dip)
     ip = ip[:10] + struct.pack("!H", _ip_checksum(ip)) + ip[12:]
     return dmac + smac + b"\x08\x00" + ip + l4
+
+
+def frame(payload: bytes, dport: int = ATP_UDP_PORT, to_ps: bool = True, proto: int = 17) -> bytes:
+    """A trace frame: gradients go worker → PS, parameter packets PS → workers."""
+    smac, dmac = (WORKER_MAC, PS_MAC) if to_ps else (PS_MAC, WORKER_MAC)
+    sip, dip = (WORKER_IP, PS_IP) if to_ps else (PS_IP, WORKER_IP)
+    return udp_frame(payload, smac, dmac, sip, dip, dport, proto)
 
 
 def atp_payload(buf: bytes) -> Optional[bytes]:
@@ -79,15 +86,15 @@ class Scenario:
     n_aggregators: int = N_AGGREGATORS
     jobs: Tuple[int, ...] = (1,)
     egress: List[Optional[Dict[str, int]]] = field(default_factory=list)
-    p4_replay: bool = True
+    p4_replay_reason: Optional[str] = None  # why BMv2 cannot replay it (None: it can)
 
 
 def _colliding_seq(job: int, seq: int, n: int, other_job: Optional[int] = None) -> int:
     """A sequence number of ``other_job`` (default ``job``) hashing to ``seq``'s aggregator."""
     oj = job if other_job is None else other_job
-    target = agg_hash(job, seq) % n
+    target = agg_slot(agg_hash(job, seq), n)
     s = seq + 1
-    while agg_hash(oj, s) % n != target:
+    while agg_slot(agg_hash(oj, s), n) != target:
         s += 1
     return s
 
@@ -116,6 +123,8 @@ def scenarios() -> List[Scenario]:
     udp_other = frame(b"not atp", dport=53)
     tcp = frame(bytes(20) + b"tcp bytes", proto=6)
     raw = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
+    good = FMT.encode(FMT.packet(job=1, seq=17, fan_in0=1, bitmap0=1,
+                                 payload=rng.integers(-1000, 1000, FMT.payload_k, dtype=np.int32)))
     return [
         Scenario("aggregate_complete_dealloc", "allocation, ① hit + ④ merge, ⑤⑥ completion at fan-in 2 "
                  "(level 0), ② deallocation and multicast by the parameter packet",
@@ -162,10 +171,19 @@ def scenarios() -> List[Scenario]:
                  [g(seq=13, fan_in0=2, bitmap0=1, edge=1), g(seq=13, fan_in0=2, bitmap0=4, edge=1),
                   g(seq=14, bitmap0=3), g(seq=14, fan_in0=0, bitmap0=1, fan_in1=2, bitmap1=1, edge=1),
                   g(job=9, seq=15, bitmap0=1)]),
+        Scenario("malformed_frames", "frames to the ATP port that are not well-formed ATP packets are "
+                 "dropped (wrong app type, reserved bits set, truncated, oversized); the aggregator "
+                 "they hash to is untouched, so a valid packet of the same sequence then completes",
+                 [frame(b"\xa6" + good[1:]), frame(good[:FMT.header_bytes - 1] + bytes([good[FMT.header_bytes - 1] | 1])
+                                                    + good[FMT.header_bytes:]),
+                  frame(good[:-4]), frame(good + bytes(4)), frame(good)]),
         Scenario("non_atp", "non-ATP traffic (other UDP port, TCP, ARP) passes untouched",
                  [udp_other, tcp, raw]),
         Scenario("no_aggregators", "a switch with zero aggregators treats every gradient as a collision",
-                 [g(seq=16, bitmap0=1)], n_aggregators=0, p4_replay=False),
+                 [g(seq=16, bitmap0=1)], n_aggregators=0,
+                 p4_replay_reason="a switch with zero aggregators has no P4 equivalent: a P4 register array "
+                                  "has at least one entry (ATP_N_AGG >= 1), so the program always has an "
+                                  "aggregator to hash to"),
         Scenario("watermark_sweep", "a parameter packet that raises the watermark frees its ⟨job, shard⟩'s "
                  "aggregators below it wherever they hash (here: another job then allocates the slot "
                  "instead of colliding), and a jump longer than the array walks the array. The v1model "
@@ -191,8 +209,7 @@ def run_step(st: SwitchState, buf: bytes, egress: Optional[Dict[str, int]]) -> L
     atp = atp_payload(buf)
     if atp is None:
         return [buf]  # non-ATP traffic is forwarded untouched
-    p = FMT.decode(atp)
-    _, outs = process(st, p)
+    _, outs = process_bytes(st, FMT, atp)  # a malformed ATP payload is dropped (and counted)
     res = []
     for o in outs:
         if egress is not None:
@@ -205,8 +222,8 @@ def generate() -> Iterator[dict]:
     """The corpus records (scenario line, then its steps), outputs from :func:`process`."""
     for sc in scenarios():
         yield {"scenario": sc.name, "n_aggregators": sc.n_aggregators, "jobs": list(sc.jobs),
-               "payload_k": FMT.payload_k, "bitmap_bits": FMT.bitmap_bits, "p4_replay": sc.p4_replay,
-               "doc": sc.doc}
+               "payload_k": FMT.payload_k, "bitmap_bits": FMT.bitmap_bits,
+               "p4_replay": sc.p4_replay_reason is None, "p4_replay_reason": sc.p4_replay_reason, "doc": sc.doc}
         st = SwitchState(sc.n_aggregators, FMT.payload_k, FMT.bitmap_bits, jobs=sc.jobs)
         eg = sc.egress or [None] * len(sc.frames)
         for i, (buf, e) in enumerate(zip(sc.frames, eg)):

@@ -1,0 +1,109 @@
+"""What every live role process has (:mod:`.nodes`, :mod:`.bmv2_node`): one UDP socket for ATP
+packets (the ATP header and payload as the UDP payload, §5.2), a control server (:mod:`.rpc`:
+job setup and teardown §5.1, statistics, shutdown), a data-plane loop that hands every
+datagram to the role, and a watch on the process that started it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+from atp_pipeline.ina.live.rpc import Addr, ControlServer
+from atp_pipeline.ina.packet import PacketFormat
+
+SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
+SO_MEMINFO = 55  # Linux: u32[9] = rmem_alloc, rcvbuf, wmem_alloc, sndbuf, fwd_alloc, wmem_queued,
+#                  optmem, backlog, drops
+
+
+def meminfo(sock: socket.socket) -> Tuple[int, int]:
+    """(bytes queued in the receive buffer, datagrams dropped on a full buffer); (0, 0)
+    where the kernel does not report them."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 36)
+    except OSError:
+        return 0, 0
+    v = struct.unpack("9I", raw[:36]) if len(raw) >= 36 else (0,) * 9
+    return v[0], v[8]
+
+
+def udp_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound UDP socket with large buffers (a full window of every worker fits)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    s.bind((host, port))
+    return s
+
+
+class Role:
+    """Common loop: UDP socket, control server, parent watch, ``stop``."""
+
+    role = "role"
+
+    def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
+                 parent_pid: Optional[int] = None) -> None:
+        self.fmt = fmt
+        self.sock = udp_socket(host, port)
+        self.data_addr: Addr = self.sock.getsockname()
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.parent_pid = parent_pid
+        self.malformed = 0
+        self.control = ControlServer(self._control, host, control_port)
+
+    def info(self) -> Dict[str, Any]:
+        return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
+                "pid": os.getpid(), "payload_k": self.fmt.payload_k}
+
+    def _control(self, op: str, kw: Dict[str, Any]) -> Any:
+        if op == "info":
+            return self.info()
+        if op == "shutdown":
+            self.stop_event.set()
+            return True
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise ValueError(f"unknown control operation {op!r}")
+        with self.lock:
+            return fn(**kw)
+
+    def serve(self) -> None:
+        sock = self.sock
+        sock.settimeout(0.25)
+        recv, handle, lock = sock.recvfrom, self.handle, self.lock
+        while not self.stop_event.is_set():
+            try:
+                buf, addr = recv(65536)
+            except socket.timeout:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    break  # the process that started us is gone: never outlive it
+                continue
+            except OSError:
+                break
+            with lock:
+                handle(buf, addr)
+        self.control.close()
+        sock.close()
+
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the role holds beyond its sockets (nothing, except the BMv2 switch)."""
+
+    def send(self, data: bytes, addr: Addr) -> None:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:  # a peer that went away (ICMP unreachable): the protocol recovers
+            self.send_errors += 1
+
+    send_errors = 0
+
+

@@ -1,0 +1,68 @@
+"""BMv2 ``simple_switch`` in a namespace of its own (issue 16): frames in and out through its
+nanomsg port interface, and nothing left behind — after ``close`` and after its owner is
+killed with SIGKILL (the switch dies with it, the kernel frees the namespace)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from atp_pipeline.ina.p4.simple_switch import SimpleSwitch, netns_users
+
+from . import bmv2_missing
+
+pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
+
+ARP = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _gone(pid: int, inode: int, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not _alive(pid) and not netns_users(inode):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_frames_cross_the_switch_and_close_leaves_nothing(v1model_json, tmp_path):
+    with SimpleSwitch(v1model_json, tmp_path) as ss:
+        pid, inode = ss.pid, ss.inode
+        assert ss.cli is not None
+        assert set(netns_users(inode)) == {pid, ss.cli.proc.pid}  # the switch and its CLI session only
+        assert inode != os.stat("/proc/self/ns/net").st_ino
+        ss.cli.run(["table_add AtpIngress.l2_forward AtpIngress.set_port ff:ff:ff:ff:ff:ff => 7"])
+        ss.send(3, ARP)
+        assert ss.recv(5.0) == (7, ARP)  # non-ATP frames pass untouched, out of the port the table names
+        assert ss.recv(0.2) is None
+    assert _gone(pid, inode)
+    assert not list(tmp_path.glob("*.ipc"))
+
+
+def test_killed_owner_takes_the_switch_and_its_namespace_along(v1model_json, tmp_path):
+    code = ("import sys, time; from pathlib import Path; from atp_pipeline.ina.p4.simple_switch import SimpleSwitch; "
+            "ss = SimpleSwitch(Path(sys.argv[1]), Path(sys.argv[2])); print(ss.pid, ss.inode, flush=True); "
+            "time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(v1model_json), str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        pid, inode = map(int, owner.stdout.readline().split())
+        assert _alive(pid) and pid in netns_users(inode)
+        os.kill(owner.pid, signal.SIGKILL)  # no cleanup code runs in the owner
+        owner.wait(10)
+        assert _gone(pid, inode), (pid, netns_users(inode))
+    finally:
+        if owner.poll() is None:
+            owner.kill()
