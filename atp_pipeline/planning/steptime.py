@@ -117,6 +117,7 @@ class SyncFit:
 
     alpha_s: float
     per_compute: float = 0.0
+    hidden: float = 1.0  # share of an in-flight collective's overlap with compute that is really hidden
 
     def seconds(self, compute_since: float) -> float:
         return self.alpha_s + self.per_compute * compute_since
@@ -153,6 +154,12 @@ class ComputeProfile:
     def sync_seconds(self, compute_since: float) -> float:
         return 0.0 if self.sync is None else self.sync.seconds(compute_since)
 
+    @property
+    def hidden(self) -> float:
+        """Share of the time a collective in flight overlaps compute that the compute really
+        hides (1: all; on CPU the transfer takes cycles from the ranks' compute)."""
+        return 1.0 if self.sync is None else self.sync.hidden
+
     def describe(self, layout: str) -> str:
         """Which calibrations a prediction for ``layout`` uses, in one line."""
         parts = [f"kernels '{self.name}'"]
@@ -161,7 +168,7 @@ class ComputeProfile:
             parts.append(f"dispatch[{layout}] {d.per_kernel_s * 1e6:.1f} us/kernel + {d.kernel_factor:.1%}")
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
-                         f"per collective")
+                         f"per collective, {self.sync.hidden:.0%} of overlap hidden")
         if self.optimizer:
             parts.append(f"optimizer {self.optimizer}")
         return "; ".join(parts)
@@ -211,10 +218,11 @@ class ComputeProfile:
             sync = None
             if data.get("sync"):
                 sd = data["sync"]
-                sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute", 0.0)))
+                sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute", 0.0)),
+                               float(sd.get("hidden", 1.0)))
                 if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
-                        and math.isfinite(sync.per_compute)):
-                    raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0")
+                        and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
+                    raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        dispatch=dispatch, sync=sync, optimizer=str(data.get("optimizer", "")))
@@ -233,7 +241,8 @@ class ComputeProfile:
                 **({"optimizer": self.optimizer} if self.optimizer else {}),
                 **({"dispatch": {k: {"per_kernel_us": g(d.per_kernel_s * 1e6), "kernel_factor": g(d.kernel_factor)}
                                  for k, d in sorted(self.dispatch.items())}} if self.dispatch else {}),
-                **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute)}}
+                **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
+                             "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 
@@ -645,8 +654,8 @@ class _Timeline:
     since: float = 0.0  # compute since this rank's previous collective
     link_free: Dict[int, float] = field(default_factory=dict)
 
-    def launch(self, c: Coll) -> float:
-        """Start a collective now (after the ones in flight on its dimension); its end."""
+    def launch(self, c: Coll) -> Tuple[float, float]:
+        """Start a collective now (after the ones in flight on its dimension); ``(start, end)``."""
         nbytes = float(c.elements) * self.q
         bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
         dur = bare
@@ -658,10 +667,10 @@ class _Timeline:
         end = start + dur
         self.link_free[c.term.dim] = end
         self.comm_total += dur
-        return end
+        return start, end
 
-    def run(self, items: Sequence[Item], pending: List[float]) -> None:
-        joined: List[float] = []
+    def run(self, items: Sequence[Item], pending: List[Tuple[float, float]]) -> None:
+        joined: List[Tuple[float, float]] = []
         for item in items:
             tag = item[0]
             if tag == "k":
@@ -675,20 +684,24 @@ class _Timeline:
                 self.compute += dt
                 self.since += dt
             elif tag == "sync":
-                self.now = max(self.now, self.launch(item[1]))
+                self.now = max(self.now, self.launch(item[1])[1])
             elif tag == "async":
                 pending.append(self.launch(item[1]))
             elif tag == "linear":
                 joined.append(self.launch(item[1]))
             elif tag == "join":
-                self.now = max([self.now, *joined])
-                joined.clear()
+                self.wait(joined)
             else:  # pragma: no cover - the builders emit only the tags above
                 raise ValueError(f"unknown schedule item {tag!r}")
 
-    def wait(self, pending: List[float]) -> None:
+    def wait(self, pending: List[Tuple[float, float]]) -> None:
+        """Wait for collectives in flight ``(start, end)``: the clock moves to the last end,
+        plus the share ``1 - hidden`` of the time each overlapped this rank's compute."""
         if pending:
-            self.now = max(self.now, *pending)
+            steal = (1.0 - self.profile.hidden) * sum(max(0.0, min(self.now, e) - i) for i, e in pending)
+            self.now = max(self.now, *(e for _, e in pending)) + steal
+            self.sync += steal
+            self.comm_total += steal
             pending.clear()
 
 
@@ -711,7 +724,7 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
     for li, layer in enumerate(prog.stage_items):
         n = len(layer)
         k = len(layer[0])
-        pending: List[List[float]] = [[] for _ in range(k)]
+        pending: List[List[Tuple[float, float]]] = [[] for _ in range(k)]
         for t in range(n + k - 1):
             for c in range(k):
                 st = t - c

@@ -53,6 +53,7 @@ SYNC_GEMM = Kernel(GEMM, (64, 256, 256))  # the compute of the compute-then-coll
 SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
+SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
 
 
 # ------------------------------------------------------------------------ which kernels
@@ -79,7 +80,7 @@ def plan_kernels(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> Li
 
 
 Plan = Tuple[int, int, int, int]  # (model index, d1, d2, chunks)
-Pattern = Tuple[int, int, int, str, int, int]  # (d1, d2, dim, collective, bytes, SYNC_GEMMs before it)
+Pattern = Tuple[int, int, int, str, int, int, str]  # (d1, d2, dim, collective, bytes, SYNC_GEMMs, SYNC|ASYNC)
 
 
 def plan_points(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> List[Plan]:
@@ -93,8 +94,9 @@ def plan_points(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> Lis
 
 
 def sync_patterns(world: int) -> List[Pattern]:
-    """Compute-then-collective loops on every distinct group layout (size, stride) of the
-    candidate meshes' dimensions (:class:`SyncFit`)."""
+    """Compute-then-collective loops (and collective-during-compute loops: launched, the
+    GEMMs, waited) on every distinct group layout (size, stride) of the candidate meshes'
+    dimensions (:class:`SyncFit`)."""
     from atp_pipeline.planning.search import candidate_meshes
 
     seen, out = set(), []
@@ -103,7 +105,8 @@ def sync_patterns(world: int) -> List[Pattern]:
             if layout[0] == 1 or layout in seen:
                 continue
             seen.add(layout)
-            out += [(d1, d2, dim, coll, b, m) for coll in SYNC_COLLECTIVES for b in SYNC_BYTES for m in SYNC_COMPUTE]
+            out += [(d1, d2, dim, coll, b, m, mode) for coll in SYNC_COLLECTIVES for b in SYNC_BYTES
+                    for mode in (SYNC, ASYNC) for m in SYNC_COMPUTE if m or mode == SYNC]
     return out
 
 
@@ -217,14 +220,15 @@ def _plan_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
 
 def _pattern_runner(pat: Pattern, rank: int) -> Any:
     """``m`` SYNC_GEMMs then one blocking collective on the mesh dimension's group (plain
-    ``torch.distributed``, as the collective calibration times them)."""
+    ``torch.distributed``, as the collective calibration times them); ``ASYNC``: the
+    collective launched first, the GEMMs while it is in flight, then its wait."""
     import torch
     import torch.distributed as dist
 
     from atp_pipeline.parallel import comm_for, init_mesh
     from atp_pipeline.parallel.comm import _all_gather
 
-    d1, d2, dim, coll, nbytes, m = pat
+    d1, d2, dim, coll, nbytes, m, mode = pat
     key = ("mesh", d1, d2)
     if key not in _MESHES:
         _MESHES[key] = comm_for(init_mesh((d1, d2)))
@@ -237,15 +241,19 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
     elements = nbytes // 4
     if coll == "all_reduce":
         buf = torch.randn(elements, generator=g)
-        send = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+        send = lambda: dist.all_reduce(buf, group=group, async_op=True)  # noqa: E731
     else:
         mine, out = torch.randn(elements // size, generator=g), torch.empty(elements)
-        send = lambda: _all_gather(out, mine, group=group)  # noqa: E731
+        send = lambda: _all_gather(out, mine, group=group, async_op=True)  # noqa: E731
 
     def run() -> None:
+        if mode == ASYNC:
+            work = send()
         for _ in range(m):
             torch.matmul(a, b)
-        send()
+        if mode != ASYNC:
+            work = send()
+        work.wait()
     return run
 
 
@@ -356,20 +364,36 @@ def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence
 
 def pattern_prediction(profile: ComputeProfile, topo: Any, pat: Pattern) -> Tuple[float, float]:
     """(compute, collective) seconds the model gives a pattern without the sync term."""
-    d1, d2, dim, coll, nbytes, m = pat
+    d1, d2, dim, coll, nbytes, m, _ = pat
     return m * profile.seconds(SYNC_GEMM), CommClock(topo, (d1, d2), 4).seconds(coll, dim, float(nbytes))
 
 
 def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], seconds: Sequence[float]) -> SyncFit:
-    """``extra = α + r·compute`` where extra is a pattern's measured time over the profile's
-    compute plus the topology's collective time; relative least squares, non-negative."""
+    """From the compute-then-collective loops, ``extra = α + r·compute`` (extra: a loop's
+    measured time over the profile's compute plus the topology's collective time); then from
+    the collective-during-compute loops, the hidden share ``h`` of the step model's
+    ``max(c, d) + (1 - h)·min(c, d)`` (``d`` the collective with its extra, the compute since
+    the previous launch being the previous iteration's). Relative least squares, α, r >= 0,
+    h in [0, 1]."""
     rows, ys = [], []
     for pat, t in zip(patterns, seconds):
+        if pat[6] != SYNC:
+            continue
         comp, coll = pattern_prediction(profile, topo, pat)
         rows.append([1.0 / t, comp / t])
         ys.append((t - comp - coll) / t)
     a, r = nnls(np.array(rows), np.array(ys))
-    return SyncFit(float(a), float(r))
+    num = den = 0.0
+    for pat, t in zip(patterns, seconds):
+        if pat[6] != ASYNC:
+            continue
+        comp, coll = pattern_prediction(profile, topo, pat)
+        d = coll + a + r * comp
+        x = min(comp, d) / t
+        num += x * (t - max(comp, d)) / t
+        den += x * x
+    hidden = 1.0 if den == 0 else min(1.0, max(0.0, 1.0 - num / den))
+    return SyncFit(float(a), float(r), hidden)
 
 
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
@@ -506,11 +530,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  dispatch[{layout}]: {d.per_kernel_s * 1e6:.1f} us per kernel + {d.kernel_factor:.1%} of its time")
     for pat, t in zip(patterns, pattern_s):
         comp, coll = pattern_prediction(profile, topo, pat)
-        print(f"  loop {pat[0]}x{pat[1]} d{pat[2]} {pat[3]:<10} {pat[4]:>7} B after {pat[5]:>2} GEMMs: "
+        print(f"  loop {pat[0]}x{pat[1]} d{pat[2]} {pat[3]:<10} {pat[4]:>7} B {pat[6]:<5} {pat[5]:>2} GEMMs: "
               f"{t * 1e6:8.0f} us = compute {comp * 1e6:6.0f} + collective {coll * 1e6:6.0f} "
               f"+ extra {(t - comp - coll) * 1e6:6.0f}")
     if profile.sync is not None:
-        print(f"  sync: {profile.sync.alpha_s * 1e6:.1f} us + {profile.sync.per_compute:.3f} x compute per collective")
+        print(f"  sync: {profile.sync.alpha_s * 1e6:.1f} us + {profile.sync.per_compute:.3f} x compute per collective;"
+              f" {profile.sync.hidden:.1%} of a collective's overlap with compute hidden")
     out_cfg = dict(base)
     out_cfg["name"] = name
     out_cfg["device"] = {**(base.get("device") or {}), "compute": profile.to_config()}
