@@ -29,6 +29,17 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   data-parallel gradient sync under the configured aggregation mode
   (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
 
+* **What the runtime pays beyond kernels and α-β** — three calibrated terms of the profile,
+  each measured in the compute calibration's own run and named in every prediction
+  (:meth:`ComputeProfile.describe`): :class:`Dispatch`, the framework cost around each
+  kernel (per layout: ``seconds·(1 + kernel_factor) + per_kernel_s``; from the runtime's own
+  forward and backward with its collectives skipped); :class:`SyncFit`, what a collective
+  costs in a step when processes share the cores (``alpha + per_compute × compute since the
+  rank's previous collective``, from compute-then-collective loops) and the share ``hidden``
+  of a collective's overlap with compute that compute really hides (from
+  collective-during-compute loops; on CPU the transfer takes cycles from compute); and the
+  optimizer kernel timed as training runs it (foreach AdamW over DTensor parameters).
+
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
 clock, a wait moves it to the collective's end. ``exposed = step - compute`` is the
 communication the user pays; ``total_comm`` is what Eq. 2-style sums would charge.

@@ -18,7 +18,24 @@ a batch lasts about ``--batch-ms``); a kernel's time is the slowest rank's mean 
 (a step's ranks meet at every collective, so the slowest one sets the pace), and the median over ``--passes`` passes interleaved over all kernels (a burst of
 load from elsewhere hits every kernel alike). Kernels run as the runtime runs them: under
 autograd (forward kernels record their backward; backward kernels by ``torch.autograd``
-where the runtime uses it), parameters of the optimizer as DTensors with AdamW.
+where the runtime uses it), parameters of the optimizer as DTensors with training's AdamW.
+
+**What the runtime pays beyond the kernels** (skipped with ``--kernels-only``), measured in
+the same launch, interleaved with the kernels:
+
+* *dispatch* — every candidate plan's parallel model, built as training builds it, runs its
+  forward and backward with every collective skipped (``Comm`` still books it); per layout,
+  ``T = K·(1 + f) + n·o`` is fitted over the plans (``K`` the profile's time of the plan's
+  ``n`` kernels): ``o`` per kernel (Python, autograd Functions, DTensor ``to_local``,
+  views, module calls), ``f`` of the kernels' own time;
+* *sync* — on every group layout of the candidate meshes' dimensions, ``m`` GEMMs then a
+  blocking all-reduce / all-gather (``m`` = 0, 1, 4, 16; 16 KiB and 256 KiB) under the same
+  concurrency: what a loop takes over the profile's compute plus the topology's α-β is
+  fitted as ``α + r·compute``; the same loops with the collective launched before the GEMMs
+  and waited after give the share of that overlap compute really hides;
+* *optimizer* — foreach AdamW (training's, ``lightning.module.adamw``) over DTensor
+  parameters on a (d1, d2) mesh, at each plan's tensor count and elements and at half and
+  twice the tensors (``α + tensors·τ + elements·γ``).
 
 **Output.** The topology ``--topology`` (a config name under ``--conf`` or
 ``outputs/conf``, or a YAML path: e.g. the one the collective calibration
