@@ -260,16 +260,24 @@ def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_em
 
 
 def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_compute():
-    """hidden = 0.25: of the time a collective overlaps compute, 75 % is added back."""
+    """hidden = 0.25: the compute that overlapped a collective's real transfer is late by 75 %
+    of that overlap; an emulated link's sleep takes nothing from it."""
     prof = st.ComputeProfile("p", "test", _flat(5.0).fits, sync=st.SyncFit(0.0, 0.0, 0.25))
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
     gemm = st.Kernel(st.GEMM, (10, 10, 10))
     for elements, want in ((1000, 10e-6 + 0.75 * 4e-6),  # 4 us hidden behind the 5-us wgrad: 3 us back
-                           (8000, 5e-6 + 32e-6 + 0.75 * 5e-6)):  # 32 us, 5 of them overlapped
+                           (8000, 5e-6 + 32e-6)):  # 32 us, its 5-us overlap (+3.75 us) still inside
         tl = st._Timeline(st.CommClock(_two(), (2, 1), 4), prof, 4)
         tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
         assert tl.now == pytest.approx(want)
         assert tl.compute == pytest.approx(10e-6)
+    emu = st.CommClock(_two(), (2, 1), 4, emulated=(_two(), 10.0))  # 4 us real, 40 us emulated
+    tl = st._Timeline(emu, prof, 4)
+    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000)), ("k", gemm), ("k", gemm), ("join",)], [])
+    assert tl.now == pytest.approx(5e-6 + 40e-6) and tl.sync == 0
+    tl = st._Timeline(emu, prof, 4)
+    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000))] + [("k", gemm)] * 9 + [("join",)], [])
+    assert tl.now == pytest.approx(50e-6 + 0.75 * 4e-6)  # only the 4-us transfer took CPU
 
 
 def test_profile_with_runtime_terms_round_trips_and_names_them():
@@ -319,7 +327,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     for p in patterns:  # 100 us + 0.3 x compute per collective; 40 % of an overlap hidden
         comp, coll = cc.pattern_prediction(base, topo, p)
         d = coll + 100e-6 + 0.3 * comp
-        pat_s.append(comp + d if p[6] == cc.SYNC else max(comp, d) + 0.6 * min(comp, d))
+        pat_s.append(comp + d if p[6] == cc.SYNC else max(comp + 0.6 * min(comp, d), d))
     prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s)
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
     for layout, (o, f) in want.items():

@@ -612,6 +612,16 @@ class CommClock:
     def seconds(self, collective: str, dim: int, nbytes: float, extra: float = 0.0) -> float:
         """The collective's time; ``extra`` (the host's synchronization cost, :class:`SyncFit`)
         adds to the real transfer, which the emulated link's time bounds from below."""
+        t = self.unemulated_seconds(collective, dim, nbytes)
+        if t == 0.0:
+            return 0.0
+        t += extra
+        if self.emulated is not None:
+            t = max(t, self.emulated.seconds(collective, f"d{dim}", nbytes))
+        return t
+
+    def unemulated_seconds(self, collective: str, dim: int, nbytes: float) -> float:
+        """The real transfer's time (α-β or Eq. 3–4), 0 on a size-1 dimension."""
         d1, d2 = self.mesh
         size, stride = (d1, d2) if dim == 1 else (d2, 1)
         if size == 1:
@@ -621,9 +631,6 @@ class CommClock:
         else:
             bw = self.dims[dim]
             t = collective_seconds(collective, size, nbytes, bw.B_GBps, bw.B_prime_GBps)
-        t += extra
-        if self.emulated is not None:
-            t = max(t, self.emulated.seconds(collective, f"d{dim}", nbytes))
         return t
 
 
@@ -665,23 +672,27 @@ class _Timeline:
     since: float = 0.0  # compute since this rank's previous collective
     link_free: Dict[int, float] = field(default_factory=dict)
 
-    def launch(self, c: Coll) -> Tuple[float, float]:
-        """Start a collective now (after the ones in flight on its dimension); ``(start, end)``."""
+    def launch(self, c: Coll) -> Tuple[float, float, float]:
+        """Start a collective now (after the ones in flight on its dimension); ``(start, end,
+        end of its real transfer)`` (an emulated link's remaining time is a sleep)."""
         nbytes = float(c.elements) * self.q
         bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
-        dur = bare
+        dur = real = bare
         if bare > 0:
-            dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, self.profile.sync_seconds(self.since))
+            extra = self.profile.sync_seconds(self.since)
+            dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
+            real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
+                    if self.clock.emulated is not None else dur)
             self.sync += dur - bare
             self.since = 0.0
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur
         self.link_free[c.term.dim] = end
         self.comm_total += dur
-        return start, end
+        return start, end, start + real
 
-    def run(self, items: Sequence[Item], pending: List[Tuple[float, float]]) -> None:
-        joined: List[Tuple[float, float]] = []
+    def run(self, items: Sequence[Item], pending: List[Tuple[float, float, float]]) -> None:
+        joined: List[Tuple[float, float, float]] = []
         for item in items:
             tag = item[0]
             if tag == "k":
@@ -705,14 +716,17 @@ class _Timeline:
             else:  # pragma: no cover - the builders emit only the tags above
                 raise ValueError(f"unknown schedule item {tag!r}")
 
-    def wait(self, pending: List[Tuple[float, float]]) -> None:
-        """Wait for collectives in flight ``(start, end)``: the clock moves to the last end,
-        plus the share ``1 - hidden`` of the time each overlapped this rank's compute."""
+    def wait(self, pending: List[Tuple[float, float, float]]) -> None:
+        """Wait for collectives in flight ``(start, end, end of the real transfer)``: the
+        compute that ran during a real transfer is late by the share ``1 - hidden`` of that
+        overlap (the transfer took CPU from it); the clock moves to that or the last end."""
         if pending:
-            steal = (1.0 - self.profile.hidden) * sum(max(0.0, min(self.now, e) - i) for i, e in pending)
-            self.now = max(self.now, *(e for _, e in pending)) + steal
-            self.sync += steal
-            self.comm_total += steal
+            steal = (1.0 - self.profile.hidden) * sum(max(0.0, min(self.now, r) - i) for i, _, r in pending)
+            last = max(self.now, *(e for _, e, _ in pending))
+            now = max(self.now + steal, last)
+            self.sync += now - last
+            self.comm_total += now - last
+            self.now = now
             pending.clear()
 
 
@@ -735,7 +749,7 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
     for li, layer in enumerate(prog.stage_items):
         n = len(layer)
         k = len(layer[0])
-        pending: List[List[Tuple[float, float]]] = [[] for _ in range(k)]
+        pending: List[List[Tuple[float, float, float]]] = [[] for _ in range(k)]
         for t in range(n + k - 1):
             for c in range(k):
                 st = t - c

@@ -389,9 +389,9 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
     """From the compute-then-collective loops, ``extra = α + r·compute`` (extra: a loop's
     measured time over the profile's compute plus the topology's collective time); then from
     the collective-during-compute loops, the hidden share ``h`` of the step model's
-    ``max(c, d) + (1 - h)·min(c, d)`` (``d`` the collective with its extra, the compute since
+    ``max(c + (1 - h)·min(c, d), d)`` (``d`` the collective with its extra, the compute since
     the previous launch being the previous iteration's). Relative least squares, α, r >= 0,
-    h in [0, 1]."""
+    h in [0, 1] (to 0.001)."""
     rows, ys = [], []
     for pat, t in zip(patterns, seconds):
         if pat[6] != SYNC:
@@ -400,16 +400,17 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
         rows.append([1.0 / t, comp / t])
         ys.append((t - comp - coll) / t)
     a, r = nnls(np.array(rows), np.array(ys))
-    num = den = 0.0
+    pts = []
     for pat, t in zip(patterns, seconds):
-        if pat[6] != ASYNC:
-            continue
-        comp, coll = pattern_prediction(profile, topo, pat)
-        d = coll + a + r * comp
-        x = min(comp, d) / t
-        num += x * (t - max(comp, d)) / t
-        den += x * x
-    hidden = 1.0 if den == 0 else min(1.0, max(0.0, 1.0 - num / den))
+        if pat[6] == ASYNC:
+            comp, coll = pattern_prediction(profile, topo, pat)
+            d = coll + a + r * comp
+            pts.append((comp, d, t))
+    hidden = 1.0
+    if pts:
+        grid = np.linspace(0.0, 1.0, 1001)
+        err = [sum(((max(c + (1 - h) * min(c, d), d) - t) / t) ** 2 for c, d, t in pts) for h in grid]
+        hidden = float(grid[int(np.argmin(err))])
     return SyncFit(float(a), float(r), hidden)
 
 
