@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
     import torch
     import torch.distributed as dist
 
+    from atp_pipeline.lightning.module import adamw
     from atp_pipeline.models.adapter import get_adapter
     from atp_pipeline.parallel import comm_for, init_mesh
     from atp_pipeline.parallel.apply import apply_plan
@@ -73,7 +74,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
         model = copy.deepcopy(dense)
         apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
         comm_for(mesh, TopologyEmulator(emu_topo, (d1, d2), spec["slowdown"]) if emulated else None)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = adamw(model.parameters(), lr=1e-4)  # training's optimizer (foreach AdamW)
         runners.append((json.dumps(key), model, opt, comm_for(mesh)))
 
     def step(model: Any, opt: Any) -> None:
@@ -103,6 +104,15 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
             times[k] += timed(model, opt, spec["steps"])
             waits[k].append(sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"])
     return {"times": times, "waits": waits} if rank == 0 else None
+
+
+def _loadavg() -> Optional[List[float]]:
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def _load_topology(ref: str, conf: Path) -> Any:
@@ -184,7 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.search import mesh_infeasibility
     from atp_pipeline.planning.steptime import StepSetting, estimate_step, profile_of
-    from atp_pipeline.run.calibrate_compute import model_shapes
+    from atp_pipeline.run.calibrate_compute import model_shapes, model_spec
 
     try:
         topo = _load_topology(args.topology, args.conf)
@@ -207,21 +217,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_BAD_INPUT
-    from omegaconf import OmegaConf
-
     rows: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
+    load_start = _loadavg()
     for name, shape in zip(names, shapes):
-        model_cfg = OmegaConf.to_container(OmegaConf.load(args.conf / "model" / f"{name}.yaml"), resolve=True)
-        from atp_pipeline.config.schema import ModelConfig
-
-        typed = OmegaConf.merge(OmegaConf.structured(ModelConfig), model_cfg)
         points = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
                   for (d1, d2) in meshes for c in chunk_list
                   if mesh_infeasibility(shape, (d1, d2)) is None
                   and not (c > 1 and shape.comm_layout == "module_styles") and shape.batch_size % c == 0]
-        spec = {"family": str(typed.family), "model_config": typed, "batch": shape.batch_size,
-                "seq_len": shape.seq_len, "vocab": shape.vocab_size, "points": points,
+        spec = {**model_spec(name, shape, args.conf), "points": points,
                 "emulate": emu.to_dict() if emu is not None else None, "slowdown": args.slowdown,
                 "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{name}: measuring {len(points)} points on {args.world} processes ...", flush=True)
@@ -235,10 +239,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, "predicted_s": est.step_s, "rel_error": rel_error(est.step_s, meas),
                          "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
-                         "predicted_total_comm_s": est.total_comm_s, "samples": len(times[json.dumps([d1, d2, c, e])]),
+                         "predicted_total_comm_s": est.total_comm_s, "predicted_dispatch_s": est.dispatch_s,
+                         "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
+                         "samples": len(times[json.dumps([d1, d2, c, e])]),
                          "measured_comm_wait_s": statistics.median(waits[json.dumps([d1, d2, c, e])])})
     summary = summarize(rows)
     meta = {"topology": topo.name, "profile": profile.name, "profile_source": profile.source,
+            "calibration": {n: profile.describe(sh.comm_layout) for n, sh in zip(names, shapes)},
+            "load_average": {"start": load_start, "end": _loadavg()},
             "world": args.world, "emulate": args.emulate, "slowdown": args.slowdown, "steps": args.steps,
             "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
@@ -262,6 +270,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  {g}: predicted best {v['predicted_best']}, measured best {v['measured_best']} "
               f"({'agree' if v['agree'] else 'DISAGREE'}; runner-up {v['measured_margin']:.1%} slower; "
               f"rho {v['spearman']:.2f})")
+    for n, c in meta["calibration"].items():
+        print(f"  {n}: {c}")
+    print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
     print(f"wrote {out / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
     return 0
 

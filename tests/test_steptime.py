@@ -212,3 +212,156 @@ def test_bad_values_are_one_clear_line(tmp_path, capsys):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: planner.objective: Invalid value 'fast', expected one of [step, comm]"]
+
+
+# ----------------------------------------------------------------------------- runtime terms
+def _two() -> Topology:
+    return Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1,
+                                                         "group_GBps": 1}]})
+
+
+def test_dispatch_adds_the_runtimes_cost_around_each_kernel_but_the_optimizer():
+    """A kernel's time in the step is seconds·(1 + kernel_factor) + per_kernel_s, per layout."""
+    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, dispatch={"fused_block": st.Dispatch(4e-6, 0.5)})
+    gemm, opt = st.Kernel(st.GEMM, (8, 8, 8)), st.Kernel(st.OPTIMIZER, (3, 100))
+    assert prof.step_kernel_seconds(gemm, "fused_block") == pytest.approx(10e-6 * 1.5 + 4e-6)
+    assert prof.step_kernel_seconds(gemm, "module_styles") == pytest.approx(10e-6)  # not calibrated: bare
+    assert prof.step_kernel_seconds(opt, "fused_block") == pytest.approx(10e-6)  # timed as the runtime runs it
+    free = Topology.from_config({"name": "f", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1e12,
+                                                         "group_GBps": 1e12}]})
+    est = st.estimate_step(free, GPT, (2, 2), st.StepSetting(chunks=2), prof)
+    prog, _ = st.build_program(GPT, (2, 2), GPT.batch_size, 2)
+    n = sum(1 for i in st._all_items(prog) if i[0] == "k" and i[1].kind != st.OPTIMIZER)
+    assert est.dispatch_s == pytest.approx(n * (5e-6 + 4e-6))
+    assert est.optimizer_s == pytest.approx(10e-6)
+    assert est.compute_s == pytest.approx(n * 19e-6 + 10e-6)
+    assert "dispatch[fused_block] 4.0 us/kernel + 50.0%" in est.calibration
+
+
+def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_emulation():
+    """extra = alpha + per_compute x (compute since the rank's previous collective), added to
+    the real transfer; the emulated link's time bounds it from below."""
+    prof = st.ComputeProfile("p", "test", _flat(5.0).fits, sync=st.SyncFit(3e-6, 0.2))
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
+    gemm = st.Kernel(st.GEMM, (10, 10, 10))
+    coll = st.Coll(term, Fraction(1), 1000)  # 4000 B at 1 GB/s: 4 us
+    tl = st._Timeline(st.CommClock(_two(), (2, 1), 4), prof, 4)
+    tl.run([("k", gemm), ("k", gemm), ("sync", coll), ("k", gemm), ("sync", coll)], [])
+    # 10 us compute, 4 + 3 + 2 us; 5 us compute, 4 + 3 + 1 us
+    assert tl.now == pytest.approx(10e-6 + 9e-6 + 5e-6 + 8e-6)
+    assert tl.sync == pytest.approx(5e-6 + 4e-6) and tl.comm_total == pytest.approx(17e-6)
+    slow = st.CommClock(_two(), (2, 1), 4, emulated=(_two(), 5.0))  # 20 us emulated
+    tl = st._Timeline(slow, prof, 4)
+    tl.run([("k", gemm), ("k", gemm), ("sync", coll)], [])
+    assert tl.now == pytest.approx(10e-6 + 20e-6) and tl.sync == 0
+    none = st._Timeline(st.CommClock(_two(), (1, 2), 4), prof, 4)  # size-1 dimension: no collective, no sync
+    none.run([("k", gemm), ("sync", coll)], [])
+    assert none.now == pytest.approx(5e-6)
+
+
+def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_compute():
+    """hidden = 0.25: the compute that overlapped a collective's real transfer is late by 75 %
+    of that overlap; an emulated link's sleep takes nothing from it."""
+    prof = st.ComputeProfile("p", "test", _flat(5.0).fits, sync=st.SyncFit(0.0, 0.0, 0.25))
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
+    gemm = st.Kernel(st.GEMM, (10, 10, 10))
+    for elements, want in ((1000, 10e-6 + 0.75 * 4e-6),  # 4 us hidden behind the 5-us wgrad: 3 us back
+                           (8000, 5e-6 + 32e-6)):  # 32 us, its 5-us overlap (+3.75 us) still inside
+        tl = st._Timeline(st.CommClock(_two(), (2, 1), 4), prof, 4)
+        tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
+        assert tl.now == pytest.approx(want)
+        assert tl.compute == pytest.approx(10e-6)
+    emu = st.CommClock(_two(), (2, 1), 4, emulated=(_two(), 10.0))  # 4 us real, 40 us emulated
+    tl = st._Timeline(emu, prof, 4)
+    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000)), ("k", gemm), ("k", gemm), ("join",)], [])
+    assert tl.now == pytest.approx(5e-6 + 40e-6) and tl.sync == 0
+    tl = st._Timeline(emu, prof, 4)
+    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000))] + [("k", gemm)] * 9 + [("join",)], [])
+    assert tl.now == pytest.approx(50e-6 + 0.75 * 4e-6)  # only the 4-us transfer took CPU
+
+
+def test_profile_with_runtime_terms_round_trips_and_names_them():
+    prof = st.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(st.GEMM, (2, 3, 4)): 7e-6},
+                             dispatch={"fused_block": st.Dispatch(12e-6, 0.25), "module_styles": st.Dispatch(30e-6)},
+                             sync=st.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True")
+    back = st.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
+    assert back.to_config() == prof.to_config()
+    assert back.dispatch["module_styles"].per_kernel_s == pytest.approx(30e-6)
+    assert (back.sync.alpha_s, back.sync.per_compute, back.sync.hidden) == pytest.approx((150e-6, 0.125, 0.75))
+    line = back.describe("module_styles")
+    assert line == ("kernels 'cal'; dispatch[module_styles] 30.0 us/kernel + 0.0%; sync 150 us + 0.125 x compute "
+                    "per collective, 75% of overlap hidden; optimizer AdamW foreach=True")
+    with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
+        st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
+    with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
+        st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
+    with pytest.raises(ConfigError, match=r"dispatch.fused_block: per_kernel_us, kernel_factor"):
+        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"fused_block": {"per_kernel_us": "nan"}}})
+
+
+def test_calibration_fits_recover_the_runtime_terms_exactly():
+    from atp_pipeline.run import calibrate_compute as cc
+
+    kernels = cc.plan_kernels([GPT, LLAMA], 4, [1, 2])
+    # optimizer: 40 us + 3 us per tensor + 1 ns per element (foreach: a per-step constant)
+    seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
+               for k in kernels]
+    base = cc.make_profile("x", kernels, seconds, 4)
+    opt = base.fits[st.OPTIMIZER]
+    assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
+    plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
+    assert len(plans) == 3 * 2 + 3  # GPT: 3 meshes x 2 chunk counts; the module-by-module llama: chunks 1
+    want = {"fused_block": (20e-6, 0.25), "module_styles": (35e-6, 0.0)}
+    plan_s = []
+    for mi, d1, d2, c in plans:
+        shape = (GPT, LLAMA)[mi]
+        k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
+        o, f = want[shape.comm_layout]
+        plan_s.append(k * (1 + f) + n * o)
+    topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
+                                                          "group_GBps": 1}]})
+    patterns = cc.sync_patterns(4)
+    assert {(p[0], p[1], p[2]) for p in patterns} == {(4, 1, 1), (2, 2, 1), (2, 2, 2)}  # 1x4's d2 = 4x1's d1
+    assert {p[6] for p in patterns} == {cc.SYNC, cc.ASYNC}
+    pat_s = []
+    for p in patterns:  # 100 us + 0.3 x compute per collective; 40 % of an overlap hidden
+        comp, coll = cc.pattern_prediction(base, topo, p)
+        d = coll + 100e-6 + 0.3 * comp
+        pat_s.append(comp + d if p[6] == cc.SYNC else max(comp + 0.6 * min(comp, d), d))
+    prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s)
+    assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
+    for layout, (o, f) in want.items():
+        assert (prof.dispatch[layout].per_kernel_s, prof.dispatch[layout].kernel_factor) == pytest.approx(
+            (o, f), rel=1e-6, abs=1e-12)
+    assert (prof.sync.alpha_s, prof.sync.per_compute) == pytest.approx((100e-6, 0.3), rel=1e-6)
+    assert "9 collective-free plan steps" in prof.source and prof.optimizer.startswith("AdamW foreach=True")
+
+
+def test_training_and_its_calibration_and_validation_step_one_optimizer():
+    """foreach AdamW (one dispatch per op for all DTensor parameters) in training, in the
+    optimizer the calibration times and in the validation's steps."""
+    import torch
+
+    from atp_pipeline.lightning.module import LMModuleMixin, adamw
+
+    opt = adamw([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    assert opt.defaults["foreach"] is True
+    root = Path(__file__).resolve().parents[1]
+    for src in (root / "benchmarks" / "step_validation.py", root / "atp_pipeline" / "run" / "calibrate_compute.py"):
+        text = src.read_text()
+        assert "adamw(" in text and "torch.optim.AdamW(" not in text, src
+    assert "adamw(" in Path(LMModuleMixin.configure_optimizers.__code__.co_filename).read_text()
+
+
+def test_calibration_times_the_runtime_terms_on_processes():
+    """The measuring half on 2 real processes: foreach AdamW over DTensors on a mesh, the
+    runtime's collective-free forward and backward of a plan, a compute-then-collective loop."""
+    from atp_pipeline.run import calibrate_compute as cc
+
+    tiny = _shape("tiny")
+    plans = [p for p in cc.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
+    patterns = [p for p in cc.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
+    kernels = [st.Kernel(st.OPTIMIZER, (4, 1000))]
+    got = cc.measure(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
+                     models=[cc.model_spec("tiny", tiny, CONF)], patterns=patterns)
+    assert len(got) == 4 and all(0 < t < 5 for t in got)

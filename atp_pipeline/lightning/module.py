@@ -38,5 +38,11 @@ class LMModuleMixin:
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams  # type: ignore[attr-defined]
-        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,  # type: ignore[attr-defined]
-                                 foreach=True)  # DTensor parameters: one dispatch per op, not per tensor
+        return adamw(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)  # type: ignore[attr-defined]
+
+
+def adamw(params: Any, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimizer training runs (also what the compute calibration times and the step
+    validation steps with): AdamW with ``foreach=True`` — DTensor parameters take one
+    dispatch per op for all tensors, not one per tensor."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)

@@ -29,6 +29,17 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   data-parallel gradient sync under the configured aggregation mode
   (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
 
+* **What the runtime pays beyond kernels and α-β** — three calibrated terms of the profile,
+  each measured in the compute calibration's own run and named in every prediction
+  (:meth:`ComputeProfile.describe`): :class:`Dispatch`, the framework cost around each
+  kernel (per layout: ``seconds·(1 + kernel_factor) + per_kernel_s``; from the runtime's own
+  forward and backward with its collectives skipped); :class:`SyncFit`, what a collective
+  costs in a step when processes share the cores (``alpha + per_compute × compute since the
+  rank's previous collective``, from compute-then-collective loops) and the share ``hidden``
+  of a collective's overlap with compute that compute really hides (from
+  collective-during-compute loops; on CPU the transfer takes cycles from compute); and the
+  optimizer kernel timed as training runs it (foreach AdamW over DTensor parameters).
+
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
 clock, a wait moves it to the collective's end. ``exposed = step - compute`` is the
 communication the user pays; ``total_comm`` is what Eq. 2-style sums would charge.
@@ -95,6 +106,35 @@ class KindFit:
 
 
 @dataclass(frozen=True)
+class Dispatch:
+    """What the runtime pays around its kernels, per layout (``fused_block``, ``module_styles``):
+    ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``s, DTensor
+    ``to_local``, views, module calls, ``Comm`` bookkeeping) and ``kernel_factor``, the extra
+    fraction of the kernels' own time they take in the step (cache, allocator). A kernel's
+    time in the step is ``seconds·(1 + kernel_factor) + per_kernel_s``. Calibrated from the
+    runtime's own forward and backward with its collectives skipped."""
+
+    per_kernel_s: float
+    kernel_factor: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncFit:
+    """What a collective costs in a step beyond the collective calibration's α-β when the
+    processes share the host's cores: ``alpha_s`` per collective plus ``per_compute`` seconds
+    per second of compute the rank did since its previous collective (ranks reach a
+    collective apart by a share of the compute before it). Calibrated from a
+    compute-then-collective loop under training's concurrency."""
+
+    alpha_s: float
+    per_compute: float = 0.0
+    hidden: float = 1.0  # share of an in-flight collective's overlap with compute that is really hidden
+
+    def seconds(self, compute_since: float) -> float:
+        return self.alpha_s + self.per_compute * compute_since
+
+
+@dataclass(frozen=True)
 class ComputeProfile:
     """How long a device's kernels take: fitted per kind, and measured points by exact shape.
 
@@ -108,6 +148,41 @@ class ComputeProfile:
     points: Mapping[Tuple[str, Tuple[int, ...]], float] = field(default_factory=dict)
     processes: int = 1
     peak_flops: float = 0.0
+    dispatch: Mapping[str, Dispatch] = field(default_factory=dict)  # by layout
+    sync: Optional[SyncFit] = None
+    optimizer: str = ""  # how the optimizer kernel was run (the runtime's)
+
+    def step_kernel_seconds(self, k: Kernel, layout: str) -> float:
+        """A kernel's time in a step of a model laid out ``layout``: the kernel's time with
+        the runtime's framework cost around it (:class:`Dispatch`; the optimizer is
+        calibrated as the runtime runs it, whole)."""
+        t = self.seconds(k)
+        d = self.dispatch.get(layout)
+        if d is None or k.kind == OPTIMIZER:
+            return t
+        return t * (1.0 + d.kernel_factor) + d.per_kernel_s
+
+    def sync_seconds(self, compute_since: float) -> float:
+        return 0.0 if self.sync is None else self.sync.seconds(compute_since)
+
+    @property
+    def hidden(self) -> float:
+        """Share of the time a collective in flight overlaps compute that the compute really
+        hides (1: all; on CPU the transfer takes cycles from the ranks' compute)."""
+        return 1.0 if self.sync is None else self.sync.hidden
+
+    def describe(self, layout: str) -> str:
+        """Which calibrations a prediction for ``layout`` uses, in one line."""
+        parts = [f"kernels '{self.name}'"]
+        d = self.dispatch.get(layout)
+        if d is not None:
+            parts.append(f"dispatch[{layout}] {d.per_kernel_s * 1e6:.1f} us/kernel + {d.kernel_factor:.1%}")
+        if self.sync is not None:
+            parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
+                         f"per collective, {self.sync.hidden:.0%} of overlap hidden")
+        if self.optimizer:
+            parts.append(f"optimizer {self.optimizer}")
+        return "; ".join(parts)
 
     def seconds(self, k: Kernel) -> float:
         hit = self.points.get((k.kind, tuple(k.dims)))
@@ -144,8 +219,24 @@ class ComputeProfile:
                 if kind not in KINDS or not us > 0:
                     raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
                 points[(str(kind), dims)] = us * 1e-6
+            dispatch = {}
+            for layout, d in dict(data.get("dispatch") or {}).items():
+                dd = Dispatch(float(d["per_kernel_us"]) * 1e-6, float(d.get("kernel_factor", 0.0)))
+                if not (dd.per_kernel_s >= 0 and dd.kernel_factor >= 0 and math.isfinite(dd.per_kernel_s)
+                        and math.isfinite(dd.kernel_factor)):
+                    raise ConfigError(f"{where}.dispatch.{layout}: per_kernel_us, kernel_factor must be finite >= 0")
+                dispatch[str(layout)] = dd
+            sync = None
+            if data.get("sync"):
+                sd = data["sync"]
+                sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute", 0.0)),
+                               float(sd.get("hidden", 1.0)))
+                if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
+                        and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
+                    raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
-                       processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9)
+                       processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
+                       dispatch=dispatch, sync=sync, optimizer=str(data.get("optimizer", "")))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -158,6 +249,12 @@ class ComputeProfile:
                 "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
                              **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
                          for k, f in self.fits.items()},
+                **({"optimizer": self.optimizer} if self.optimizer else {}),
+                **({"dispatch": {k: {"per_kernel_us": g(d.per_kernel_s * 1e6), "kernel_factor": g(d.kernel_factor)}
+                                 for k, d in sorted(self.dispatch.items())}} if self.dispatch else {}),
+                **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
+                             "hidden": g(self.sync.hidden)}}
+                   if self.sync is not None else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 
     @classmethod
@@ -512,7 +609,19 @@ class CommClock:
         self.emulated = None if emulated is None else EmulatedLinks(emulated[0], mesh, emulated[1])
         self.source = "alpha-beta (fitted)" if self.ab is not None else "Eq. 3-4 bandwidths"
 
-    def seconds(self, collective: str, dim: int, nbytes: float) -> float:
+    def seconds(self, collective: str, dim: int, nbytes: float, extra: float = 0.0) -> float:
+        """The collective's time; ``extra`` (the host's synchronization cost, :class:`SyncFit`)
+        adds to the real transfer, which the emulated link's time bounds from below."""
+        t = self.unemulated_seconds(collective, dim, nbytes)
+        if t == 0.0:
+            return 0.0
+        t += extra
+        if self.emulated is not None:
+            t = max(t, self.emulated.seconds(collective, f"d{dim}", nbytes))
+        return t
+
+    def unemulated_seconds(self, collective: str, dim: int, nbytes: float) -> float:
+        """The real transfer's time (α-β or Eq. 3–4), 0 on a size-1 dimension."""
         d1, d2 = self.mesh
         size, stride = (d1, d2) if dim == 1 else (d2, 1)
         if size == 1:
@@ -522,8 +631,6 @@ class CommClock:
         else:
             bw = self.dims[dim]
             t = collective_seconds(collective, size, nbytes, bw.B_GBps, bw.B_prime_GBps)
-        if self.emulated is not None:
-            t = max(t, self.emulated.seconds(collective, f"d{dim}", nbytes))
         return t
 
 
@@ -555,59 +662,94 @@ class _Timeline:
     clock: CommClock
     profile: ComputeProfile
     q: int
+    layout: str = ""
     now: float = 0.0
     compute: float = 0.0
     comm_total: float = 0.0
+    dispatch: float = 0.0  # framework cost around the kernels (in ``compute``)
+    sync: float = 0.0  # the host's synchronization cost added to collectives (in ``comm_total``)
+    optimizer: float = 0.0  # (in ``compute``)
+    since: float = 0.0  # compute since this rank's previous collective
     link_free: Dict[int, float] = field(default_factory=dict)
 
-    def launch(self, c: Coll) -> float:
-        """Start a collective now (after the ones in flight on its dimension); its end."""
-        dur = self.clock.seconds(c.term.collective, c.term.dim, float(c.elements) * self.q)
+    def launch(self, c: Coll) -> Tuple[float, float, float]:
+        """Start a collective now (after the ones in flight on its dimension); ``(start, end,
+        end of its real transfer)`` (an emulated link's remaining time is a sleep)."""
+        nbytes = float(c.elements) * self.q
+        bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
+        dur = real = bare
+        if bare > 0:
+            extra = self.profile.sync_seconds(self.since)
+            dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
+            real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
+                    if self.clock.emulated is not None else dur)
+            self.sync += dur - bare
+            self.since = 0.0
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur
         self.link_free[c.term.dim] = end
         self.comm_total += dur
-        return end
+        return start, end, start + real
 
-    def run(self, items: Sequence[Item], pending: List[float]) -> None:
-        joined: List[float] = []
+    def run(self, items: Sequence[Item], pending: List[Tuple[float, float, float]]) -> None:
+        joined: List[Tuple[float, float, float]] = []
         for item in items:
             tag = item[0]
             if tag == "k":
-                dt = self.profile.seconds(item[1])
+                k: Kernel = item[1]
+                dt = self.profile.step_kernel_seconds(k, self.layout)
+                if k.kind == OPTIMIZER:
+                    self.optimizer += dt
+                else:
+                    self.dispatch += dt - self.profile.seconds(k)
                 self.now += dt
                 self.compute += dt
+                self.since += dt
             elif tag == "sync":
-                self.now = max(self.now, self.launch(item[1]))
+                self.now = max(self.now, self.launch(item[1])[1])
             elif tag == "async":
                 pending.append(self.launch(item[1]))
             elif tag == "linear":
                 joined.append(self.launch(item[1]))
             elif tag == "join":
-                self.now = max([self.now, *joined])
-                joined.clear()
+                self.wait(joined)
             else:  # pragma: no cover - the builders emit only the tags above
                 raise ValueError(f"unknown schedule item {tag!r}")
 
-    def wait(self, pending: List[float]) -> None:
+    def wait(self, pending: List[Tuple[float, float, float]]) -> None:
+        """Wait for collectives in flight ``(start, end, end of the real transfer)``: the
+        compute that ran during a real transfer is late by the share ``1 - hidden`` of that
+        overlap (the transfer took CPU from it); the clock moves to that or the last end."""
         if pending:
-            self.now = max(self.now, *pending)
+            steal = (1.0 - self.profile.hidden) * sum(max(0.0, min(self.now, r) - i) for i, _, r in pending)
+            last = max(self.now, *(e for _, e, _ in pending))
+            now = max(self.now + steal, last)
+            self.sync += now - last
+            self.comm_total += now - last
+            self.now = now
             pending.clear()
 
 
-def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int
-             ) -> Tuple[float, float, float]:
+def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
+             layout: str = "") -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
     wavefront of each block as ``ParallelBlock.forward`` runs it (at step ``t`` chunk ``c``
     runs stage ``t - c`` after waiting for its own collectives), the backward in reverse
-    order of the forward's (stage, chunk) steps."""
-    tl = _Timeline(clock, profile, bytes_per_element)
+    order of the forward's (stage, chunk) steps. ``layout`` picks the profile's framework
+    cost (:class:`Dispatch`)."""
+    tl = _run(prog, clock, profile, bytes_per_element, layout)
+    return tl.now, tl.compute, tl.comm_total
+
+
+def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
+         layout: str) -> "_Timeline":
+    tl = _Timeline(clock, profile, bytes_per_element, layout)
     tl.run(prog.pre, [])
     order_all: List[Tuple[int, int, int]] = []
     for li, layer in enumerate(prog.stage_items):
         n = len(layer)
         k = len(layer[0])
-        pending: List[List[float]] = [[] for _ in range(k)]
+        pending: List[List[Tuple[float, float, float]]] = [[] for _ in range(k)]
         for t in range(n + k - 1):
             for c in range(k):
                 st = t - c
@@ -623,7 +765,7 @@ def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per
         tl.run(prog.stage_bwd[li][st][c], [])
     tl.run(prog.pre_bwd, [])
     tl.run(prog.tail, [])
-    return tl.now, tl.compute, tl.comm_total
+    return tl
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -655,12 +797,17 @@ class StepEstimate:
     mfu: Optional[float]
     profile: str  # which compute calibration
     comm_source: str
+    dispatch_s: float = 0.0  # of compute_s: the runtime's framework cost around the kernels
+    optimizer_s: float = 0.0  # of compute_s
+    sync_s: float = 0.0  # of total_comm_s: the host's synchronization cost of the collectives
+    calibration: str = ""  # which calibrated terms the prediction used
 
     def to_dict(self) -> Dict[str, Any]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "total_comm_s": self.total_comm_s, "gradsync_s": self.gradsync_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "profile": self.profile,
-                "comm_source": self.comm_source}
+                "comm_source": self.comm_source, "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
+                "sync_s": self.sync_s, "calibration": self.calibration}
 
 
 def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSetting,
@@ -673,9 +820,10 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated)
-    step, compute, comm_total = simulate(prog, clock, profile, shape.bytes_per_element)
-    step += gradsync_s
+    tl = _run(prog, clock, profile, shape.bytes_per_element, shape.comm_layout)
+    step, compute = tl.now + gradsync_s, tl.compute
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
-    return StepEstimate(step, compute, step - compute - gradsync_s, comm_total, gradsync_s,
-                        shape.tokens_per_step / step, mfu, profile.name, clock.source)
+    return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
+                        shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
+                        tl.sync, profile.describe(shape.comm_layout))
