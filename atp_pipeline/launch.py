@@ -21,6 +21,7 @@ interpreter per rank.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -97,6 +98,7 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
     if env is not None:  # the launcher's environment now, not the fork server's at its start
         os.environ.clear()
         os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # spawn() asks a hung rank for its stacks
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
@@ -118,6 +120,18 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dump_stacks(procs: List[Any]) -> None:
+    """Ask hung ranks to print every thread's Python stack to their stderr (the launcher's),
+    so a report of ranks that gave no result says where they were blocked."""
+    for p in procs:
+        if p.is_alive() and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", threads: int = 1,
@@ -164,7 +178,9 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
                 missing = [r for r in range(world) if r not in done]
                 failures.append(f"ranks {missing} gave no result within "
                                 + (f"{failure_grace:.0f} s of the first failure; terminated" if first_failure
-                                   else f"{timeout:.0f} s"))
+                                   else f"{timeout:.0f} s")
+                                + " (their Python stacks are on stderr above)")
+                _dump_stacks([procs[r] for r in missing])
                 break
         if failures:
             raise RuntimeError("\n".join(failures))
