@@ -74,11 +74,20 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--engines", default="simpy,heap")
     a = ap.parse_args(argv)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core
+        os.sched_setaffinity(0, {sorted(before)[-1]})  # one core, for this benchmark only
         pinned = True
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):
         pinned = False
+    try:
+        return _measure_all(a, pinned)
+    finally:  # the caller (a test session, a script) gets its cores back
+        if pinned:
+            os.sched_setaffinity(0, before)
+
+
+def _measure_all(a: argparse.Namespace, pinned: bool) -> int:
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: List[Dict[str, Any]] = []
     by: Dict[str, List[Dict[str, Any]]] = {}

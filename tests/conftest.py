@@ -43,3 +43,17 @@ def run_train(args: List[str], cwd: Optional[Path] = None, timeout: float = 120
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _cores_are_given_back():
+    """A test (or the benchmark it calls) that pins this process to fewer cores must give
+    them back: every later rank would inherit the pinning and the suite would run on one core."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    if before is not None:
+        after = os.sched_getaffinity(0)
+        if after != before:
+            os.sched_setaffinity(0, before)
+            pytest.fail(f"this test left the test process pinned to CPUs {sorted(after)} "
+                        f"(it had {sorted(before)})")

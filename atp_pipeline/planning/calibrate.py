@@ -111,6 +111,28 @@ def design_row(s: Sample) -> Tuple[float, float]:
     return float(steps(s.collective, s.size)), float(volume(s.collective, s.size, s.nbytes))
 
 
+def nnls(A: Any, y: Any) -> Any:
+    """``x >= 0`` minimizing ``|A x - y|`` (few columns: the best unconstrained least squares
+    over the column subsets whose coefficients are all non-negative)."""
+    A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    p = A.shape[1]
+    best: Optional[Tuple[Any, float]] = None
+    for mask in range(1, 2 ** p):
+        cols = [j for j in range(p) if mask >> j & 1]
+        sub = A[:, cols]
+        if np.linalg.matrix_rank(sub) < len(cols):
+            continue
+        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if (coef < 0).any():
+            continue
+        x = np.zeros(p)
+        x[cols] = coef
+        r = float(np.sum((A @ x - y) ** 2))
+        if best is None or r < best[1]:
+            best = (x, r)
+    return np.zeros(p) if best is None else best[0]
+
+
 def fit_pair(samples: Sequence[Sample]) -> Tuple[float, float]:
     """Least-squares ``(α, β) >= 0`` of ``t = α·steps + β·volume`` on relative residuals."""
     if not samples:
@@ -119,27 +141,8 @@ def fit_pair(samples: Sequence[Sample]) -> Tuple[float, float]:
     t = np.array([s.seconds for s in samples], dtype=np.float64)
     if np.any(t <= 0) or not np.all(np.isfinite(t)):
         raise ConfigError("calibrate: measured times must be positive and finite")
-    Aw, tw = A / t[:, None], np.ones_like(t)
-    best: Optional[Tuple[float, float, float]] = None
-    # unconstrained, then the two one-parameter fits: the best feasible of the three is
-    # the non-negative least-squares solution of a 2-variable problem
-    cands = []
-    if np.linalg.matrix_rank(Aw) == 2:
-        coef, *_ = np.linalg.lstsq(Aw, tw, rcond=None)
-        cands.append((float(coef[0]), float(coef[1])))
-    for j in (0, 1):
-        col = Aw[:, j]
-        den = float(col @ col)
-        x = float(col @ tw) / den if den > 0 else 0.0
-        cands.append((x, 0.0) if j == 0 else (0.0, x))
-    for a, b in cands:
-        if a < 0 or b < 0:
-            continue
-        r = float(np.sum((Aw @ np.array([a, b]) - tw) ** 2))
-        if best is None or r < best[2] - 1e-15:
-            best = (a, b, r)
-    assert best is not None
-    return best[0], best[1]
+    a, b = nnls(A / t[:, None], np.ones_like(t))
+    return float(a), float(b)
 
 
 @dataclass(frozen=True)

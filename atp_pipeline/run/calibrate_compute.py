@@ -60,6 +60,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.calibrate import nnls
 from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
                                             POINTWISE, CommClock, ComputeProfile, Dispatch, Kernel, KindFit, SyncFit,
                                             _all_items, build_program)
@@ -319,28 +320,6 @@ def measure(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float 
 
 
 # ------------------------------------------------------------------------ fitting
-def nnls(A: Any, y: Any) -> Any:
-    """``x >= 0`` minimizing ``|A x - y|`` (few columns: the best unconstrained least squares
-    over the column subsets whose coefficients are all non-negative)."""
-    A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    p = A.shape[1]
-    best: Optional[Tuple[Any, float]] = None
-    for mask in range(1, 2 ** p):
-        cols = [j for j in range(p) if mask >> j & 1]
-        sub = A[:, cols]
-        if np.linalg.matrix_rank(sub) < len(cols):
-            continue
-        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        if (coef < 0).any():
-            continue
-        x = np.zeros(p)
-        x[cols] = coef
-        r = float(np.sum((A @ x - y) ** 2))
-        if best is None or r < best[1]:
-            best = (x, r)
-    return np.zeros(p) if best is None else best[0]
-
-
 def fit_kind(kernels: Sequence[Kernel], seconds: Sequence[float]) -> KindFit:
     """``t = α + work·γ`` (optimizer: ``t = α + tensors·τ + work·γ``), least squares on
     relative residuals, non-negative."""
