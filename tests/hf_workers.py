@@ -101,10 +101,11 @@ def _round_trip(family: str, idx: torch.Tensor, sub: torch.nn.Module, adapter: A
 
 
 def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int, int]],
-              workdir: str = "") -> List[Dict[str, Any]]:
+              workdir: str = "", device: str = "cpu") -> List[Dict[str, Any]]:
     """Float64, one forward + backward: loss and every full gradient vs the single process,
     with the counted collectives per (collective, axis); with ``workdir``, the HF checkpoint
-    round trip (:func:`_round_trip`)."""
+    round trip (:func:`_round_trip`). ``device="cuda"``: models, batch and mesh on this
+    rank's GPU (ranks may share one GPU over gloo, which carries CUDA tensors)."""
     import torch.distributed as dist
 
     from atp_pipeline.models.adapter import find_adapters, prefixed
@@ -113,10 +114,11 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
     from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
 
-    idx = batch()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    idx = batch().to(dev)
     out = []
     for family in families:
-        dense = build(family)
+        dense = build(family).to(dev)
         ref = dense(input_ids=idx, labels=idx).loss
         ref.backward()
         ref_grads = {n: p.grad.clone() for n, p in dense.named_parameters()}
@@ -127,7 +129,7 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
         if workdir:
             dist.barrier()
         for d1, d2 in meshes:
-            mesh = init_mesh((d1, d2))
+            mesh = init_mesh((d1, d2), device_type=dev.type)
             model = copy.deepcopy(dense)
             (name, adapter, sub), = find_adapters(model)
             plan = prefixed(name, adapter.parallel_plan(sub))

@@ -309,6 +309,9 @@ class HFCausalLMAdapter(ModelAdapter):
             full = f"{base}.{pattern}"
             if any(fnmatch.fnmatchcase(full, a + ".*") for a in attention):
                 continue  # laid out by the attention style
+            matched = [m for n, m in names.items() if fnmatch.fnmatchcase(n, full)]
+            if kind.startswith("embedding") and matched and all(isinstance(m, nn.Embedding) for m in matched):
+                continue  # an embedding (e.g. GPT-NeoX's 'embedding_rowwise' since transformers 5.24): below
             if kind not in ("colwise", "rowwise"):
                 raise ConfigError(f"transformers model_type '{config.model_type}': '{pattern}' is declared "
                                   f"'{kind}', which ATP's layout does not cover; pass a plan")
