@@ -365,3 +365,50 @@ def test_calibration_times_the_runtime_terms_on_processes():
     got = cc.measure(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
                      models=[cc.model_spec("tiny", tiny, CONF)], patterns=patterns)
     assert len(got) == 4 and all(0 < t < 5 for t in got)
+
+
+def test_bounded_least_squares_is_the_constrained_optimum():
+    """One fit routine (planning.calibrate.bounded_lstsq) for every calibration: free
+    coefficients where the data put them inside their bounds, at the bound otherwise."""
+    import numpy as np
+
+    from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
+
+    rng = np.random.default_rng(0)
+    A = rng.uniform(0.5, 2.0, (40, 2))
+    y = A @ np.array([-0.4, 3.0])
+    assert bounded_lstsq(A, y, [-0.95, 0.0]) == pytest.approx([-0.4, 3.0], rel=1e-9)
+    clamped = bounded_lstsq(A, y, [0.0, 0.0])  # the non-negative fit: first at its bound, second refitted
+    assert clamped[0] == 0.0 and clamped == pytest.approx(nnls(A, y))
+    x2, *_ = np.linalg.lstsq(A[:, 1:], y, rcond=None)
+    assert clamped[1] == pytest.approx(x2[0], rel=1e-12)
+    with pytest.raises(ValueError, match="2 columns but 1 lower bounds"):
+        bounded_lstsq(A, y, [0.0])
+
+
+def test_dispatch_fit_recovers_a_kernel_factor_below_zero():
+    """Kernels that run faster in a plan's sequence than each timed alone (f < 0): the fit
+    finds f and o instead of clamping f at 0 and pushing the difference into o."""
+    from atp_pipeline.run import calibrate_compute as cc
+
+    kernels = cc.plan_kernels([GPT, LLAMA], 4, [1, 2])
+    seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
+               for k in kernels]
+    base = cc.make_profile("x", kernels, seconds, 4)
+    plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
+    want = {"fused_block": (200e-6, -0.3), "module_styles": (150e-6, -0.45)}
+    plan_s = []
+    for mi, d1, d2, c in plans:
+        shape = (GPT, LLAMA)[mi]
+        k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
+        o, f = want[shape.comm_layout]
+        plan_s.append(k * (1 + f) + n * o)
+    dispatch = cc.fit_dispatch(base, [GPT, LLAMA], plans, plan_s)
+    for layout, (o, f) in want.items():
+        assert (dispatch[layout].per_kernel_s, dispatch[layout].kernel_factor) == pytest.approx((o, f), rel=1e-6)
+    prof = st.ComputeProfile.from_config({**base.to_config(), "dispatch": {
+        k: {"per_kernel_us": d.per_kernel_s * 1e6, "kernel_factor": d.kernel_factor} for k, d in dispatch.items()}})
+    assert prof.dispatch["fused_block"].kernel_factor == pytest.approx(-0.3)
+    with pytest.raises(ConfigError, match=r"kernel_factor > -1"):
+        st.ComputeProfile.from_config({**base.to_config(), "dispatch": {"fused_block": {"per_kernel_us": 1,
+                                                                                          "kernel_factor": -1}}})

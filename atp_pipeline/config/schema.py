@@ -308,6 +308,9 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 0  # 0: only the last step
     progress_bar: bool = True
     export: bool = True  # at the end, the model in its family's own format (HF: <run>/hf), if it has one
+    # a collective of the process group that makes no progress this long fails the rank (torch's
+    # default); a failing rank closes its connections, so its peers fail at once after it
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -316,8 +316,18 @@ class ATPStrategyMixin:
         return self._sync.step_metrics(with_roles=self.global_rank == 0)  # type: ignore[attr-defined]
 
     def on_exception(self, exception: BaseException) -> None:
+        """A failing rank closes its process groups at once: a peer blocked in a collective
+        with it then fails with gloo's "Connection closed by peer" instead of waiting forever
+        (after a peer died, the survivors otherwise sat in mismatched collectives, e.g. one in
+        Lightning's per-step broadcast and another in its logging's all-reduce)."""
         self._failed = True
         super().on_exception(exception)  # type: ignore[misc]
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already torn down; the original error is what counts
+                pass
 
     def teardown(self) -> None:
         """Close the gradient sync: after a barrier on success (no rank still collecting its

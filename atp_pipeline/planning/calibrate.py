@@ -111,26 +111,38 @@ def design_row(s: Sample) -> Tuple[float, float]:
     return float(steps(s.collective, s.size)), float(volume(s.collective, s.size, s.nbytes))
 
 
-def nnls(A: Any, y: Any) -> Any:
-    """``x >= 0`` minimizing ``|A x - y|`` (few columns: the best unconstrained least squares
-    over the column subsets whose coefficients are all non-negative)."""
+def bounded_lstsq(A: Any, y: Any, lower: Sequence[float]) -> Any:
+    """``x >= lower`` (elementwise) minimizing ``|A x - y|``. Few columns: every active set
+    (each coefficient free or at its bound) is solved exactly and the best feasible one kept,
+    so the result is the constrained optimum, not an approximation."""
     A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    lo = np.asarray(lower, dtype=np.float64)
     p = A.shape[1]
+    if lo.shape != (p,):
+        raise ValueError(f"bounded_lstsq: {p} columns but {lo.size} lower bounds")
     best: Optional[Tuple[Any, float]] = None
-    for mask in range(1, 2 ** p):
-        cols = [j for j in range(p) if mask >> j & 1]
-        sub = A[:, cols]
-        if np.linalg.matrix_rank(sub) < len(cols):
-            continue
-        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        if (coef < 0).any():
-            continue
-        x = np.zeros(p)
-        x[cols] = coef
+    for mask in range(2 ** p):
+        cols = [j for j in range(p) if mask >> j & 1]  # free; the others sit at their bound
+        x = lo.copy()
+        if cols:
+            sub = A[:, cols]
+            if np.linalg.matrix_rank(sub) < len(cols):
+                continue
+            rest = y - A @ np.where([j in cols for j in range(p)], 0.0, lo)
+            coef, *_ = np.linalg.lstsq(sub, rest, rcond=None)
+            if (coef < lo[cols]).any():
+                continue
+            x[cols] = coef
         r = float(np.sum((A @ x - y) ** 2))
         if best is None or r < best[1]:
             best = (x, r)
-    return np.zeros(p) if best is None else best[0]
+    assert best is not None  # the all-at-bound set is always feasible
+    return best[0]
+
+
+def nnls(A: Any, y: Any) -> Any:
+    """``x >= 0`` minimizing ``|A x - y|`` (:func:`bounded_lstsq` with zero bounds)."""
+    return bounded_lstsq(A, y, np.zeros(np.asarray(A).shape[1]))
 
 
 def fit_pair(samples: Sequence[Sample]) -> Tuple[float, float]:

@@ -110,7 +110,8 @@ class Dispatch:
     """What the runtime pays around its kernels, per layout (``fused_block``, ``module_styles``):
     ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``s, DTensor
     ``to_local``, views, module calls, ``Comm`` bookkeeping) and ``kernel_factor``, the extra
-    fraction of the kernels' own time they take in the step (cache, allocator). A kernel's
+    fraction of the kernels' own time they take in the step (cache, allocator; negative where
+    the kernels run faster in the step's sequence than each timed alone with every rank at it). A kernel's
     time in the step is ``seconds·(1 + kernel_factor) + per_kernel_s``. Calibrated from the
     runtime's own forward and backward with its collectives skipped."""
 
@@ -222,9 +223,10 @@ class ComputeProfile:
             dispatch = {}
             for layout, d in dict(data.get("dispatch") or {}).items():
                 dd = Dispatch(float(d["per_kernel_us"]) * 1e-6, float(d.get("kernel_factor", 0.0)))
-                if not (dd.per_kernel_s >= 0 and dd.kernel_factor >= 0 and math.isfinite(dd.per_kernel_s)
+                if not (dd.per_kernel_s >= 0 and dd.kernel_factor > -1 and math.isfinite(dd.per_kernel_s)
                         and math.isfinite(dd.kernel_factor)):
-                    raise ConfigError(f"{where}.dispatch.{layout}: per_kernel_us, kernel_factor must be finite >= 0")
+                    raise ConfigError(f"{where}.dispatch.{layout}: per_kernel_us, kernel_factor must be finite "
+                                      f"(per_kernel_us >= 0, kernel_factor > -1)")
                 dispatch[str(layout)] = dd
             sync = None
             if data.get("sync"):

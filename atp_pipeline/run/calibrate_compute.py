@@ -60,7 +60,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.calibrate import nnls
+from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
 from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
                                             POINTWISE, CommClock, ComputeProfile, Dispatch, Kernel, KindFit, SyncFit,
                                             _all_items, build_program)
@@ -72,6 +72,7 @@ SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
+MIN_FACTOR = -0.95  # the least dispatch's kernel_factor may be: a kernel never takes 0 s
 
 
 # ------------------------------------------------------------------------ which kernels
@@ -343,7 +344,11 @@ def plan_kernel_sum(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], 
 def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
                  seconds: Sequence[float]) -> Dict[str, Dispatch]:
     """Per layout, ``T = K·(1 + f) + n·o`` over the plans (T measured collective-free forward
-    and backward, K the profile's sum of its n kernels), relative least squares, non-negative."""
+    and backward, K the profile's sum of its n kernels), relative least squares, ``o >= 0``
+    and ``f >= -0.95``: ``f`` may be negative, since the kernels were timed each on its own
+    with every rank at it at once, and a sequence of them can run faster than that (ranks
+    drift out of phase and take more than their share of the cores, caches stay warm); a
+    non-negative ``f`` would push that into ``o`` and over-predict the larger plans."""
     out: Dict[str, Dispatch] = {}
     for layout in sorted({shapes[p[0]].comm_layout for p in plans}):
         rows, ys = [], []
@@ -353,7 +358,7 @@ def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence
             k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
             rows.append([k / t, n / t])
             ys.append((t - k) / t)
-        f, o = nnls(np.array(rows), np.array(ys))
+        f, o = bounded_lstsq(np.array(rows), np.array(ys), [MIN_FACTOR, 0.0])
         out[layout] = Dispatch(float(o), float(f))
     return out
 

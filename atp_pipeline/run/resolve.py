@@ -40,6 +40,7 @@ class TrainerSpec:
     checkpoint_every_n_steps: int = 0
     progress_bar: bool = True
     export: bool = True
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -293,12 +294,14 @@ def resolve(cfg: DictConfig) -> RunSpec:
     if cfg.resume and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
     t = cfg.trainer
+    if not t.collective_timeout_s > 0:
+        raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
     return RunSpec(
         stage=Stage(cfg.stage).value, topology=topo, occupied=occupied, devices=devices, dp=dp,
         family=str(cfg.model.family), model_config=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
         shape=shape, plan=result, parallel_plan=user_plan, chunks=int(cfg.overlap.chunks),
         aggregation=aggregation, trainer=TrainerSpec(accel, int(t.max_steps), float(t.lr), float(t.weight_decay),
                                                      int(t.checkpoint_every_n_steps), bool(t.progress_bar),
-                                                     bool(t.export)),
+                                                     bool(t.export), float(t.collective_timeout_s)),
         data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
         plot=bool(cfg.planner.plot), memory=mem, job=_job_info())
