@@ -386,9 +386,12 @@ def test_bounded_least_squares_is_the_constrained_optimum():
         bounded_lstsq(A, y, [0.0])
 
 
-def test_dispatch_fit_recovers_a_kernel_factor_below_zero():
-    """Kernels that run faster in a plan's sequence than each timed alone (f < 0): the fit
-    finds f and o instead of clamping f at 0 and pushing the difference into o."""
+def test_dispatch_is_fitted_per_mesh_with_a_kernel_factor_below_zero():
+    """The runtime's work around a kernel differs by mesh (d2 > 1 splits and gathers
+    activations): the calibration fits it per layout and mesh, where kernels that run faster
+    in a plan's sequence than each timed alone (f < 0) are found as such, and a layout whose
+    plans cannot tell f from o (one plan per mesh) gets o alone; the layout-wide fit stays the
+    fallback for meshes not calibrated."""
     from atp_pipeline.run import calibrate_compute as cc
 
     kernels = cc.plan_kernels([GPT, LLAMA], 4, [1, 2])
@@ -396,19 +399,27 @@ def test_dispatch_fit_recovers_a_kernel_factor_below_zero():
                for k in kernels]
     base = cc.make_profile("x", kernels, seconds, 4)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
-    want = {"fused_block": (200e-6, -0.3), "module_styles": (150e-6, -0.45)}
+    truth = {("fused_block", (4, 1)): (200e-6, -0.3), ("fused_block", (2, 2)): (300e-6, -0.2),
+             ("fused_block", (1, 4)): (320e-6, 0.1), ("module_styles", (4, 1)): (150e-6, 0.0),
+             ("module_styles", (2, 2)): (250e-6, 0.0), ("module_styles", (1, 4)): (260e-6, 0.0)}
     plan_s = []
     for mi, d1, d2, c in plans:
         shape = (GPT, LLAMA)[mi]
         k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
-        o, f = want[shape.comm_layout]
+        o, f = truth[(shape.comm_layout, (d1, d2))]
         plan_s.append(k * (1 + f) + n * o)
     dispatch = cc.fit_dispatch(base, [GPT, LLAMA], plans, plan_s)
-    for layout, (o, f) in want.items():
-        assert (dispatch[layout].per_kernel_s, dispatch[layout].kernel_factor) == pytest.approx((o, f), rel=1e-6)
+    for (layout, mesh), (o, f) in truth.items():
+        d = dispatch[st.dispatch_key(layout, mesh)]
+        assert (d.per_kernel_s, d.kernel_factor) == pytest.approx((o, f), rel=1e-6, abs=1e-12), (layout, mesh)
+    assert dispatch["fused_block"].kernel_factor >= 0 and dispatch["module_styles"].kernel_factor >= 0
     prof = st.ComputeProfile.from_config({**base.to_config(), "dispatch": {
         k: {"per_kernel_us": d.per_kernel_s * 1e6, "kernel_factor": d.kernel_factor} for k, d in dispatch.items()}})
-    assert prof.dispatch["fused_block"].kernel_factor == pytest.approx(-0.3)
+    assert prof.dispatch_of("fused_block", (2, 2)) == ("fused_block@2x2", prof.dispatch["fused_block@2x2"])
+    assert prof.dispatch_of("fused_block", (8, 1)) == ("fused_block", prof.dispatch["fused_block"])  # fallback
+    k = next(k for k in kernels if k.kind == st.GEMM)
+    assert prof.step_kernel_seconds(k, "fused_block", (4, 1)) == pytest.approx(prof.seconds(k) * 0.7 + 200e-6)
+    assert "dispatch[fused_block@4x1] 200.0 us/kernel + -30.0%" in prof.describe("fused_block", (4, 1))
     with pytest.raises(ConfigError, match=r"kernel_factor > -1"):
         st.ComputeProfile.from_config({**base.to_config(), "dispatch": {"fused_block": {"per_kernel_us": 1,
                                                                                           "kernel_factor": -1}}})

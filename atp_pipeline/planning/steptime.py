@@ -105,6 +105,11 @@ class KindFit:
     per_tensor_s: float = 0.0
 
 
+def dispatch_key(layout: str, mesh: Mesh) -> str:
+    """The profile's key of a layout's framework cost calibrated on one mesh: ``layout@d1xd2``."""
+    return f"{layout}@{mesh[0]}x{mesh[1]}"
+
+
 @dataclass(frozen=True)
 class Dispatch:
     """What the runtime pays around its kernels, per layout (``fused_block``, ``module_styles``):
@@ -149,16 +154,25 @@ class ComputeProfile:
     points: Mapping[Tuple[str, Tuple[int, ...]], float] = field(default_factory=dict)
     processes: int = 1
     peak_flops: float = 0.0
-    dispatch: Mapping[str, Dispatch] = field(default_factory=dict)  # by layout
+    dispatch: Mapping[str, Dispatch] = field(default_factory=dict)  # by dispatch_key(layout[, mesh])
     sync: Optional[SyncFit] = None
     optimizer: str = ""  # how the optimizer kernel was run (the runtime's)
 
-    def step_kernel_seconds(self, k: Kernel, layout: str) -> float:
-        """A kernel's time in a step of a model laid out ``layout``: the kernel's time with
-        the runtime's framework cost around it (:class:`Dispatch`; the optimizer is
+    def dispatch_of(self, layout: str, mesh: Optional[Mesh] = None) -> Tuple[str, Optional[Dispatch]]:
+        """The framework cost of ``layout`` on ``mesh``: the one calibrated on that mesh where
+        there is one (the runtime's work around a kernel differs by mesh: a d2 > 1 mesh splits
+        and gathers activations over d2), else the layout's fit over every mesh."""
+        for key in ((dispatch_key(layout, mesh),) if mesh is not None else ()) + (layout,):
+            if key in self.dispatch:
+                return key, self.dispatch[key]
+        return layout, None
+
+    def step_kernel_seconds(self, k: Kernel, layout: str, mesh: Optional[Mesh] = None) -> float:
+        """A kernel's time in a step of a model laid out ``layout`` on ``mesh``: the kernel's
+        time with the runtime's framework cost around it (:class:`Dispatch`; the optimizer is
         calibrated as the runtime runs it, whole)."""
         t = self.seconds(k)
-        d = self.dispatch.get(layout)
+        d = self.dispatch_of(layout, mesh)[1]
         if d is None or k.kind == OPTIMIZER:
             return t
         return t * (1.0 + d.kernel_factor) + d.per_kernel_s
@@ -172,12 +186,12 @@ class ComputeProfile:
         hides (1: all; on CPU the transfer takes cycles from the ranks' compute)."""
         return 1.0 if self.sync is None else self.sync.hidden
 
-    def describe(self, layout: str) -> str:
-        """Which calibrations a prediction for ``layout`` uses, in one line."""
+    def describe(self, layout: str, mesh: Optional[Mesh] = None) -> str:
+        """Which calibrations a prediction for ``layout`` (on ``mesh``) uses, in one line."""
         parts = [f"kernels '{self.name}'"]
-        d = self.dispatch.get(layout)
+        key, d = self.dispatch_of(layout, mesh)
         if d is not None:
-            parts.append(f"dispatch[{layout}] {d.per_kernel_s * 1e6:.1f} us/kernel + {d.kernel_factor:.1%}")
+            parts.append(f"dispatch[{key}] {d.per_kernel_s * 1e6:.1f} us/kernel + {d.kernel_factor:.1%}")
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
                          f"per collective, {self.sync.hidden:.0%} of overlap hidden")
@@ -665,6 +679,7 @@ class _Timeline:
     profile: ComputeProfile
     q: int
     layout: str = ""
+    mesh: Optional[Mesh] = None
     now: float = 0.0
     compute: float = 0.0
     comm_total: float = 0.0
@@ -699,7 +714,7 @@ class _Timeline:
             tag = item[0]
             if tag == "k":
                 k: Kernel = item[1]
-                dt = self.profile.step_kernel_seconds(k, self.layout)
+                dt = self.profile.step_kernel_seconds(k, self.layout, self.mesh)
                 if k.kind == OPTIMIZER:
                     self.optimizer += dt
                 else:
@@ -745,7 +760,7 @@ def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per
 
 def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
          layout: str) -> "_Timeline":
-    tl = _Timeline(clock, profile, bytes_per_element, layout)
+    tl = _Timeline(clock, profile, bytes_per_element, layout, clock.mesh)
     tl.run(prog.pre, [])
     order_all: List[Tuple[int, int, int]] = []
     for li, layer in enumerate(prog.stage_items):
@@ -828,4 +843,4 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(shape.comm_layout))
+                        tl.sync, profile.describe(shape.comm_layout, mesh))

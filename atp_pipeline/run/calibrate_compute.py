@@ -63,7 +63,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
 from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
                                             POINTWISE, CommClock, ComputeProfile, Dispatch, Kernel, KindFit, SyncFit,
-                                            _all_items, build_program)
+                                            _all_items, build_program, dispatch_key)
 
 CONF = Path("conf")
 OPTIMIZER_DESC = "AdamW foreach=True over DTensor parameters (lightning.module.adamw)"
@@ -72,7 +72,7 @@ SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
-MIN_FACTOR = -0.95  # the least dispatch's kernel_factor may be: a kernel never takes 0 s
+MIN_FACTOR = -0.95  # the least a mesh's dispatch kernel_factor may be: a kernel never takes 0 s
 
 
 # ------------------------------------------------------------------------ which kernels
@@ -343,24 +343,37 @@ def plan_kernel_sum(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], 
 
 def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
                  seconds: Sequence[float]) -> Dict[str, Dispatch]:
-    """Per layout, ``T = K·(1 + f) + n·o`` over the plans (T measured collective-free forward
-    and backward, K the profile's sum of its n kernels), relative least squares, ``o >= 0``
-    and ``f >= -0.95``: ``f`` may be negative, since the kernels were timed each on its own
-    with every rank at it at once, and a sequence of them can run faster than that (ranks
-    drift out of phase and take more than their share of the cores, caches stay warm); a
-    non-negative ``f`` would push that into ``o`` and over-predict the larger plans."""
+    """``T = K·(1 + f) + n·o`` (T a plan's measured collective-free forward and backward, K the
+    profile's sum of its n kernels), relative least squares, per layout over every plan
+    (``o, f >= 0``: the fallback for a mesh not calibrated) and per layout and mesh
+    (:func:`~atp_pipeline.planning.steptime.dispatch_key`): the runtime's work around a
+    kernel differs by mesh (on d2 > 1 it splits and gathers activations over d2). On one
+    mesh ``f >= -0.95`` (kernels timed each on its own with every rank at it at once can run
+    faster in a plan's sequence: warm caches, ranks out of phase) where the plans there
+    tell ``f`` from ``o`` (kernels of different mean times); else ``o`` alone."""
     out: Dict[str, Dispatch] = {}
     for layout in sorted({shapes[p[0]].comm_layout for p in plans}):
-        rows, ys = [], []
-        for (mi, d1, d2, c), t in zip(plans, seconds):
-            if shapes[mi].comm_layout != layout:
-                continue
-            k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
-            rows.append([k / t, n / t])
-            ys.append((t - k) / t)
-        f, o = bounded_lstsq(np.array(rows), np.array(ys), [MIN_FACTOR, 0.0])
-        out[layout] = Dispatch(float(o), float(f))
+        ours = [(p, t) for p, t in zip(plans, seconds) if shapes[p[0]].comm_layout == layout]
+        out[layout] = _fit_o_f(profile, shapes, ours, 0.0)
+        for mesh in sorted({(d1, d2) for (_, d1, d2, _), _ in ours}):
+            on = [(p, t) for p, t in ours if (p[1], p[2]) == mesh]
+            out[dispatch_key(layout, mesh)] = _fit_o_f(profile, shapes, on, MIN_FACTOR)
     return out
+
+
+def _fit_o_f(profile: ComputeProfile, shapes: Sequence[Any], points: Sequence[Tuple[Plan, float]],
+             min_factor: float) -> Dispatch:
+    rows, ys, per_kernel = [], [], []
+    for (mi, d1, d2, c), t in points:
+        k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
+        rows.append([k / t, n / t])
+        ys.append((t - k) / t)
+        per_kernel.append(k / n)
+    if max(per_kernel) < 1.1 * min(per_kernel):  # f and o not told apart: o alone
+        o = max(0.0, float(np.dot(np.array(rows)[:, 1], ys) / np.dot(np.array(rows)[:, 1], np.array(rows)[:, 1])))
+        return Dispatch(o, 0.0)
+    f, o = bounded_lstsq(np.array(rows), np.array(ys), [min_factor, 0.0])
+    return Dispatch(float(o), float(f))
 
 
 def pattern_prediction(profile: ComputeProfile, topo: Any, pat: Pattern) -> Tuple[float, float]:
@@ -525,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"  peak GEMM throughput {profile.peak_flops / 1e9:.2f} GFLOP/s per process")
     for (mi, d1, d2, c), t in zip(plans, plan_s):
         k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
-        d = profile.dispatch[shapes[mi].comm_layout]
+        d = profile.dispatch_of(shapes[mi].comm_layout, (d1, d2))[1]
         print(f"  plan {names[mi]:<11} {d1}x{d2}/c{c}: fwd+bwd {t * 1e3:7.1f} ms, kernels {k * 1e3:7.1f} ms "
               f"({n} kernels), model {(k * (1 + d.kernel_factor) + n * d.per_kernel_s) * 1e3:7.1f} ms")
     for layout, d in profile.dispatch.items():
