@@ -74,14 +74,10 @@ def atp_layout(model: torch.nn.Module, device: torch.device) -> Dict[str, str]:
     return apply_plan(model, prefixed(name, adapter.parallel_plan(sub)), init_mesh((1, 1), device_type=device.type))
 
 
-def stepper(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], float]:
-    def step(x: torch.Tensor) -> float:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
+def stepper(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor]:
+    from benchmarks.hf_tp import lm_step
+
+    return lambda x: lm_step(model, opt, x)
 
 
 def sync() -> None:

@@ -139,17 +139,18 @@ class Runner:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+def lm_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """One training step of a causal LM on transformers' own loss; the loss, detached."""
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def sgd_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-
-    def step() -> torch.Tensor:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return lambda: lm_step(model, opt, x)
 
 
 def atp_runners(dense: torch.nn.Module, x: torch.Tensor, spec: Dict[str, Any]) -> List[Runner]:

@@ -102,6 +102,7 @@ class ATPStrategyMixin:
         self._plan, self._topology = plan, topology
         self.aggregation = self.aggregation_config.mode.value
         self._services, self._sync, self._failed = services, None, False
+        self._training = False  # set up and fitting: a failure now may leave peers in a collective
         self.mesh_shape: Optional[Mesh3] = None
         self.applied_plan: Dict[str, str] = {}
         self.notes: List[str] = []
@@ -292,6 +293,7 @@ class ATPStrategyMixin:
         dp = self.device_mesh[Axis.dp.value]  # type: ignore[attr-defined]
         if fitting and self._sync is None and dp.size() > 1:
             self._sync = self._grad_sync(dp)
+        self._training = fitting
 
     def _grad_sync(self, dp_mesh: Any) -> GradSync:
         if self.aggregation == "ring":
@@ -316,14 +318,17 @@ class ATPStrategyMixin:
         return self._sync.step_metrics(with_roles=self.global_rank == 0)  # type: ignore[attr-defined]
 
     def on_exception(self, exception: BaseException) -> None:
-        """A failing rank closes its process groups at once: a peer blocked in a collective
-        with it then fails with gloo's "Connection closed by peer" instead of waiting forever
-        (after a peer died, the survivors otherwise sat in mismatched collectives, e.g. one in
-        Lightning's per-step broadcast and another in its logging's all-reduce)."""
+        """A rank that fails while training closes its process groups at once: a peer blocked
+        in a collective with it then fails with gloo's "Connection closed by peer" instead of
+        waiting forever (after a peer died, the survivors otherwise sat in mismatched
+        collectives, e.g. one in Lightning's per-step broadcast and another in its logging's
+        all-reduce). A refusal (:class:`ConfigError`, every rank alike, before any step) keeps
+        them: the user may catch it and fit again on the same processes."""
         self._failed = True
         super().on_exception(exception)  # type: ignore[misc]
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if (self._training and not isinstance(exception, ConfigError) and dist.is_available()
+                and dist.is_initialized() and dist.get_world_size() > 1):
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - already torn down; the original error is what counts
