@@ -352,27 +352,25 @@ def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence
     faster in a plan's sequence: warm caches, ranks out of phase) where the plans there
     tell ``f`` from ``o`` (kernels of different mean times); else ``o`` alone."""
     out: Dict[str, Dispatch] = {}
+    sums = [plan_kernel_sum(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]  # (K, n) per plan
     for layout in sorted({shapes[p[0]].comm_layout for p in plans}):
-        ours = [(p, t) for p, t in zip(plans, seconds) if shapes[p[0]].comm_layout == layout]
-        out[layout] = _fit_o_f(profile, shapes, ours, 0.0)
-        for mesh in sorted({(d1, d2) for (_, d1, d2, _), _ in ours}):
-            on = [(p, t) for p, t in ours if (p[1], p[2]) == mesh]
-            out[dispatch_key(layout, mesh)] = _fit_o_f(profile, shapes, on, MIN_FACTOR)
+        ours = [(p, kn, t) for p, kn, t in zip(plans, sums, seconds) if shapes[p[0]].comm_layout == layout]
+        out[layout] = _fit_o_f([(kn, t) for _, kn, t in ours], 0.0)
+        for mesh in sorted({(p[1], p[2]) for p, _, _ in ours}):
+            out[dispatch_key(layout, mesh)] = _fit_o_f([(kn, t) for p, kn, t in ours if (p[1], p[2]) == mesh],
+                                                       MIN_FACTOR)
     return out
 
 
-def _fit_o_f(profile: ComputeProfile, shapes: Sequence[Any], points: Sequence[Tuple[Plan, float]],
-             min_factor: float) -> Dispatch:
-    rows, ys, per_kernel = [], [], []
-    for (mi, d1, d2, c), t in points:
-        k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
-        rows.append([k / t, n / t])
-        ys.append((t - k) / t)
-        per_kernel.append(k / n)
-    if max(per_kernel) < 1.1 * min(per_kernel):  # f and o not told apart: o alone
-        o = max(0.0, float(np.dot(np.array(rows)[:, 1], ys) / np.dot(np.array(rows)[:, 1], np.array(rows)[:, 1])))
-        return Dispatch(o, 0.0)
-    f, o = bounded_lstsq(np.array(rows), np.array(ys), [min_factor, 0.0])
+def _fit_o_f(points: Sequence[Tuple[Tuple[float, int], float]], min_factor: float) -> Dispatch:
+    """``(o, f)`` of ``T = K·(1 + f) + n·o`` over ``((K, n), T)`` points, ``f >= min_factor``,
+    ``o >= 0``; ``o`` alone where the points' kernels have about one mean time."""
+    A = np.array([[k / t, n / t] for (k, n), t in points])
+    y = np.array([(t - k) / t for (k, _), t in points])
+    per_kernel = [k / n for (k, n), _ in points]
+    if max(per_kernel) < 1.1 * min(per_kernel):  # f and o not told apart
+        return Dispatch(float(nnls(A[:, 1:], y)[0]), 0.0)
+    f, o = bounded_lstsq(A, y, [min_factor, 0.0])
     return Dispatch(float(o), float(f))
 
 
