@@ -230,12 +230,15 @@ class MeshConfig:
     data-parallel size: the world is dp x d1 x d2. ``dp: null`` (default) is resolved by
     :func:`atp_pipeline.run.resolve.resolve_dp`: what a fixed mesh leaves of the devices;
     otherwise 1 under ``aggregation=ring`` (tensor parallelism over every device) and every
-    device under ``atp``/``ps`` (those modes aggregate data-parallel gradients)."""
+    device under ``atp``/``ps`` (those modes aggregate data-parallel gradients). ``fsdp``
+    shards parameters, gradients and optimizer state over the ``dp`` replicas (FSDP2,
+    composed with the (d1, d2) tensor parallelism; :mod:`atp_pipeline.parallel.fsdp`)."""
 
     strategy: MeshStrategy = MeshStrategy.auto
     d1: Optional[int] = None
     d2: Optional[int] = None
     dp: Optional[int] = None
+    fsdp: bool = False
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from atp_pipeline.data import CORPUS
 from atp_pipeline.errors import ConfigError
@@ -57,13 +57,24 @@ class SyntheticTokens(Dataset):
         return w[:-1], w[1:]
 
 
-class RunSampler(Sampler):
+class RunSampler(DistributedSampler):
     """This replica's sample indices of a run's batches ``first_batch..`` of ``batch`` samples
-    (strided over ``replicas``); its length counts the whole run from batch 0, which is how
-    Lightning numbers the batches of the one epoch a run is, including restored ones."""
+    (strided over ``replicas``, as a non-shuffling ``DistributedSampler`` splits a batch); its
+    length counts the whole run from batch 0, which is how Lightning numbers the batches of
+    the one epoch a run is, including restored ones.
+
+    It is a ``DistributedSampler`` because it already gives each replica its share: Lightning
+    (both packages) leaves a loader's ``DistributedSampler`` alone, where it would wrap any
+    other sampler in a shuffling ``DistributedSamplerWrapper`` that splits the replica's
+    share again (../shared/NOTES.md) — each replica would see 1/dp of its share, reshuffled,
+    and the run would end its "epoch" dp times early."""
 
     def __init__(self, first_batch: int, batches: int, batch: int, replicas: int = 1, rank: int = 0) -> None:
-        self.first, self.total, self.replicas, self.rank = first_batch * batch, batches * batch, replicas, rank
+        if batch % replicas or not 0 <= rank < replicas:
+            raise ConfigError(f"global batch {batch} does not split over {replicas} data-parallel replicas "
+                              f"(rank {rank})")
+        super().__init__(range(batches * batch), num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
+        self.first, self.total, self.replicas = first_batch * batch, batches * batch, replicas
 
     def __iter__(self):
         return iter(range(self.first + self.rank, self.total, self.replicas))

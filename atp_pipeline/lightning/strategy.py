@@ -82,6 +82,9 @@ class ATPStrategyMixin:
         topology: a topology config (dict/DictConfig) for ``mesh="auto"``/``"sbp"``.
         aggregation: ``"ring"``, ``"atp"``, ``"ps"``, or an ``AggregationConfig`` (mapping).
         services: the running ATP roles (``Services.to_dict()``); default: start them.
+        fsdp: shard parameters, gradients and optimizer state over the data-parallel
+            replicas with FSDP2, composed with the (d1, d2) tensor parallelism
+            (:mod:`atp_pipeline.parallel.fsdp`); needs dp > 1 and ``aggregation="ring"``.
     """
 
     strategy_name = "atp"
@@ -89,7 +92,8 @@ class ATPStrategyMixin:
     def __init__(self, mesh: MeshSpec = "auto", dp: Union[int, str] = "auto", chunks: int = 1,
                  plan: Optional[Mapping[str, Any]] = None, topology: Any = None,
                  aggregation: Union[str, AggregationConfig, Mapping[str, Any]] = "ring",
-                 services: Optional[Mapping[str, Any]] = None, save_distributed_checkpoint: bool = True,
+                 services: Optional[Mapping[str, Any]] = None, fsdp: bool = False,
+                 save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = timedelta(seconds=1800)) -> None:
         super().__init__(data_parallel_size=1, tensor_parallel_size=1,  # type: ignore[call-arg]
@@ -102,6 +106,11 @@ class ATPStrategyMixin:
         self._plan, self._topology = plan, topology
         self.aggregation = self.aggregation_config.mode.value
         self._services, self._sync, self._failed = services, None, False
+        if fsdp and self.aggregation_config.mode != AggregationMode.ring:
+            raise ConfigError(f"strategy 'atp': fsdp=True reduce-scatters gradients with torch.distributed; "
+                              f"aggregation '{self.aggregation}' all-reduces whole buckets in the network and "
+                              f"has no reduce-scatter: use aggregation='ring' with fsdp")
+        self.fsdp = bool(fsdp)
         self._training = False  # set up and fitting: a failure now may leave peers in a collective
         self.mesh_shape: Optional[Mesh3] = None
         self.applied_plan: Dict[str, str] = {}
@@ -179,6 +188,9 @@ class ATPStrategyMixin:
     def _sbp_mesh(self, world: int) -> Mesh3:
         """SBP plans split rows themselves: every rank loads the whole batch, so the
         bookkeeping mesh is ``(1, world, 1)``."""
+        if self.fsdp:
+            raise ConfigError("strategy 'atp': fsdp=True shards over the data-parallel dimension, which an SBP plan "
+                              "lays out per layer itself; use a (d1, d2) mesh with dp > 1")
         if self._dp_spec not in ("auto", 1) or self._chunks != 1:
             raise ConfigError("strategy 'atp': an SBP plan includes data parallelism and has no chunk overlap; "
                               "leave dp='auto' and chunks=1")
@@ -286,12 +298,18 @@ class ATPStrategyMixin:
             materialize(module, device, loaded=[sub for sub, _ in sources])
         for sub, read in sources:  # a family's checkpoint: each rank reads only its shards
             load_dense(sub, read)
+        if self.fsdp:  # sharded data parallelism: FSDP2 over the dp axis, after the TP layout
+            from atp_pipeline.parallel.fsdp import shard_data_parallel
+
+            units = shard_data_parallel(module, self.device_mesh)  # type: ignore[attr-defined]
+            self._say(f"FSDP over dp={self.mesh_shape[0]}: {len(units)} units "  # type: ignore[index]
+                      f"({len(units) - 1} blocks + root); parameters, gradients and optimizer state sharded")
         # Lightning's Strategy.setup: precision, device, optimizers (ModelParallelStrategy's own
         # would insist on configure_model and re-materialize).
         super(self._lightning_base(), self).setup(trainer)  # type: ignore[misc]
         fitting = trainer.state.fn == "fit"
         dp = self.device_mesh[Axis.dp.value]  # type: ignore[attr-defined]
-        if fitting and self._sync is None and dp.size() > 1:
+        if fitting and self._sync is None and dp.size() > 1 and not self.fsdp:  # FSDP reduce-scatters itself
             self._sync = self._grad_sync(dp)
         self._training = fitting
 

@@ -7,7 +7,10 @@ to the embedding); weights and gradients in the model's dtype, AdamW's two
 moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
-local batch ``b/dp``. An estimate, reported as such.
+local batch ``b/dp``. With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
+weights, gradients and optimizer state are further divided over the ``dp`` replicas
+(activations are not), plus the largest block's gathered weights, which FSDP holds whole
+while that block runs. An estimate, reported as such.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class MemoryEstimate:
         return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> MemoryEstimate:
+def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: bool = False) -> MemoryEstimate:
     d1, d2 = mesh
     tp = d1 * d2
     h, L, V, s = m.hidden, m.layers, m.vocab_size, m.seq_len
@@ -42,7 +45,11 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> Memo
     head = 0 if m.tied_embeddings else V * h / tp
     params = L * per_layer + (V + positions) * h / d2 + final_norm / norm_split + head
     q = m.bytes_per_element
+    gathered = 0.0
+    if fsdp and dp > 1:  # every state is split over the replicas; one block is gathered at a time
+        gathered = per_layer * q
+        params /= dp
     optimizer = params * (8 + (4 if q == 2 else 0))
     b = m.batch_size / dp
     activations = L * s * b * h * (34 + 5 * m.heads * s / h) * (q / 2) / tp
-    return MemoryEstimate(params, params * 2 * q, optimizer, activations)
+    return MemoryEstimate(params, params * 2 * q + gathered, optimizer, activations)

@@ -160,6 +160,7 @@ class MeshPlan:
                 "peak_GFLOPs": self.profile.peak_flops / 1e9},
             "candidates": [c.to_dict(mt) for c in self.candidates],
             "selected": list(self.selected),
+            "selected_runnable": sel.infeasible is None,  # False only with planner.require_divisible=false
             "selected_t_comm_s": sel.t_comm_s,
             "megatron_t_comm_s": mt,
             "notes": list(self.notes),

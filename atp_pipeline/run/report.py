@@ -44,16 +44,22 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     per-device memory estimate); the summary row."""
     gs = gradsync_estimate(spec)
     mem = spec.memory
-    extra_plan = None if mem is None else {"memory_per_device": {
-        "params": mem.params, "weights_grads_bytes": mem.weights_grads_bytes, "optimizer_bytes": mem.optimizer_bytes,
-        "activation_bytes": mem.activation_bytes, "total_bytes": mem.total_bytes}}
+
+    def memory_dict(m: Any) -> Dict[str, float]:
+        return {"params": m.params, "weights_grads_bytes": m.weights_grads_bytes, "optimizer_bytes": m.optimizer_bytes,
+                "activation_bytes": m.activation_bytes, "total_bytes": m.total_bytes}
+
+    extra_plan = None if mem is None else {"memory_per_device": {**memory_dict(mem), "fsdp": spec.fsdp}}
+    if extra_plan is not None and spec.memory_unsharded is not None:  # the same run without FSDP, beside it
+        extra_plan["memory_per_device_without_fsdp"] = memory_dict(spec.memory_unsharded)
     paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
     s = spec.shape
     print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
           f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "
           f"{'tied' if s.tied_embeddings else 'untied'} head")
     if mem is not None:
-        print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}): "
+        print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}"
+              f"{', FSDP' if spec.fsdp else ''}): "
               f"~{mem.total_bytes / 1e9:.1f} GB = weights+grads {mem.weights_grads_bytes / 1e9:.1f} + optimizer "
               f"{mem.optimizer_bytes / 1e9:.1f} + activations {mem.activation_bytes / 1e9:.1f}")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -65,6 +65,8 @@ class RunSpec:
     resume: Optional[str]
     plot: bool = True
     memory: Optional[MemoryEstimate] = None  # per device, ATP plans (planning/memory.py)
+    fsdp: bool = False  # parameters, gradients, optimizer state sharded over dp (FSDP2)
+    memory_unsharded: Optional[MemoryEstimate] = None  # with fsdp: the same run without it
     services: Optional[Dict[str, Any]] = None  # the live roles, once started
     job: Dict[str, Any] = field(default_factory=dict)
 
@@ -95,6 +97,16 @@ def resolve_dp(cfg: DictConfig, devices: int) -> int:
         tp = int(cfg.mesh.d1) * int(cfg.mesh.d2)
         return devices // tp if devices % tp == 0 else 1  # 1: the planner names the mismatch
     return devices if cfg.aggregation.mode in (AggregationMode.atp, AggregationMode.ps) else 1
+
+
+def needed_devices(cfg: DictConfig) -> Optional[int]:
+    """The devices a fixed mesh with a given data-parallel size occupies (dp x d1 x d2), when
+    ``trainer.devices`` is not set: ``mesh=1x1 mesh.dp=2`` runs on 2 of the topology's
+    devices, the sub-topology they occupy, as ``mesh=2x1 mesh.dp=1`` does."""
+    m = cfg.mesh
+    if m.dp is None or m.strategy != MeshStrategy.fixed or not m.d1 or not m.d2:
+        return None
+    return int(m.dp) * int(m.d1) * int(m.d2)
 
 
 def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
@@ -171,6 +183,21 @@ def check_bmv2_switch(cfg: AggregationConfig) -> None:
                           "(set aggregation.p4_program to p4/v1model/atp.p4 of a checkout)")
 
 
+def check_fsdp(cfg: DictConfig, dp: int, planner: str) -> None:
+    """``mesh.fsdp=true``: what sharded data parallelism needs, each in one line."""
+    if planner == "sbp":
+        raise ConfigError("mesh.fsdp=true shards over the data-parallel dimension, which planner=sbp lays out per "
+                          "layer itself: use planner=atp")
+    if dp < 2:
+        raise ConfigError(f"mesh.fsdp=true shards over data-parallel replicas, but mesh.dp={dp}: set mesh.dp > 1 "
+                          f"(the world is dp x d1 x d2)")
+    mode = AggregationMode(cfg.aggregation.mode)
+    if mode != AggregationMode.ring:
+        raise ConfigError(f"mesh.fsdp=true reduce-scatters gradients with torch.distributed; aggregation={mode.value} "
+                          f"all-reduces whole buckets in the network and has no reduce-scatter: use "
+                          f"aggregation=ring with mesh.fsdp=true")
+
+
 def model_shape(cfg: DictConfig) -> ModelShape:
     """The model's shape from its family's adapter, checked (sizes, chunks)."""
     m = cfg.model
@@ -214,10 +241,11 @@ def resolve_plan(cfg: DictConfig) -> Planned:
     """Shape, devices, dp and the plan (on the devices of one data-parallel replica)."""
     shape = model_shape(cfg)
     topo = Topology.from_config(cfg.topology)
-    devices = cfg.trainer.devices or topo.world_size
+    devices = cfg.trainer.devices or needed_devices(cfg) or topo.world_size
     if devices > topo.world_size:
-        raise ConfigError(f"trainer.devices={devices} but topology '{topo.name}' has only "
-                          f"{topo.world_size} devices")
+        asked = (f"trainer.devices={devices}" if cfg.trainer.devices else
+                 f"mesh {cfg.mesh.d1}x{cfg.mesh.d2} with mesh.dp={cfg.mesh.dp} needs {devices} devices")
+        raise ConfigError(f"{asked} but topology '{topo.name}' has only {topo.world_size} devices")
     dp = resolve_dp(cfg, devices)
     if dp < 1 or devices % dp:
         raise ConfigError(f"mesh.dp={dp} does not divide trainer.devices={devices}")
@@ -232,6 +260,10 @@ def resolve_plan(cfg: DictConfig) -> Planned:
                           world=occupied)
     result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh, setting)
     notes = list(result.notes)
+    chosen = next((c for c in getattr(result, "candidates", ()) if c.mesh == getattr(result, "selected", None)), None)
+    if chosen is not None and chosen.infeasible:  # only with planner.require_divisible=false
+        notes.append(f"selected mesh {chosen.mesh[0]}x{chosen.mesh[1]} is NOT RUNNABLE ({chosen.infeasible}): "
+                     f"planned for an interconnect study (planner.require_divisible=false); stage=fit refuses it")
     if devices < topo.world_size:
         notes.insert(0, f"{devices} of {topo.world_size} devices of '{topo.name}' are used: planned and "
                         f"run on that sub-topology")
@@ -251,11 +283,17 @@ def resolve(cfg: DictConfig) -> RunSpec:
     fitting = cfg.stage == Stage.fit
     aggregation = check_aggregation(cfg.aggregation, dp) if fitting else OmegaConf.to_object(cfg.aggregation)
     adapter = get_adapter(cfg.model.family)
+    fsdp = bool(cfg.mesh.fsdp)
+    if fsdp:
+        check_fsdp(cfg, dp, result.kind)
     if result.kind == "atp":
         d1, d2 = result.mesh_shape
         why = adapter.mesh_infeasibility(shape, d1, d2)
-        if why:
-            raise ConfigError(f"model '{shape.name}' on mesh {d1}x{d2}: {why}")
+        if why and (fitting or cfg.planner.require_divisible):
+            raise ConfigError(f"model '{shape.name}' on mesh {d1}x{d2}: {why}"
+                              + (" (planned with planner.require_divisible=false for an interconnect study: "
+                                 "the selected mesh is not runnable)" if fitting and not cfg.planner.require_divisible
+                                 else ""))
     else:
         d1, d2 = devices, 1
     local_batch = shape.batch_size // dp
@@ -273,12 +311,13 @@ def resolve(cfg: DictConfig) -> RunSpec:
             model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
         match_plan(model, user_plan or adapter.parallel_plan(model))
     capacity = topo.device.get("memory_GB")
-    mem = per_device_memory(shape, (d1, d2), dp) if result.kind == "atp" else None  # sbp: the search's own limit
+    mem = per_device_memory(shape, (d1, d2), dp, fsdp) if result.kind == "atp" else None  # sbp: its own limit
+    unsharded = per_device_memory(shape, (d1, d2), dp) if mem is not None and fsdp else None
     if mem is not None and capacity:
         if mem.total_bytes > capacity * 1e9:
             raise ConfigError(
                 f"model '{shape.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {d1}x{d2} "
-                f"(dp={dp}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, optimizer "
+                f"(dp={dp}{', fsdp' if fsdp else ''}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, optimizer "
                 f"{mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
                 f"'{topo.name}' devices have {capacity:g} GB")
     accel = str(cfg.trainer.accelerator)
@@ -304,4 +343,4 @@ def resolve(cfg: DictConfig) -> RunSpec:
                                                      int(t.checkpoint_every_n_steps), bool(t.progress_bar),
                                                      bool(t.export), float(t.collective_timeout_s)),
         data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
-        plot=bool(cfg.planner.plot), memory=mem, job=_job_info())
+        plot=bool(cfg.planner.plot), memory=mem, fsdp=fsdp, memory_unsharded=unsharded, job=_job_info())

@@ -44,7 +44,7 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
                            seed=spec.seed)
     mesh = spec.plan if spec.plan.kind == "sbp" else tuple(spec.plan.mesh_shape)
     strategy = ATPStrategy(mesh=mesh, dp=spec.dp if spec.plan.kind == "atp" else "auto", chunks=spec.chunks,
-                           plan=spec.parallel_plan, aggregation=spec.aggregation, services=spec.services,
+                           plan=spec.parallel_plan, aggregation=spec.aggregation, services=spec.services, fsdp=spec.fsdp,
                            timeout=timedelta(seconds=spec.trainer.collective_timeout_s))
     t = spec.trainer
     every = t.checkpoint_every_n_steps or t.max_steps
