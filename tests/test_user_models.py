@@ -61,6 +61,19 @@ def test_user_mlp_plan_on_every_mesh_matches_single_process(runs_name, request):
         assert got[-1] < got[0]
 
 
+@pytest.mark.parametrize("runs_name", ["pl_runs", "unified_runs"])
+def test_user_mlp_with_fsdp_over_dp_matches_single_process(runs_name, request):
+    """(2, 1) x dp 2 with ``fsdp=True``: each TP shard is split again over the 2 replicas
+    (a DTensor on (dp, d1, d2)); the losses are the single-process ones fed by DDP's samplers."""
+    runs = [r["runs"][4] for r in request.getfixturevalue(runs_name)]
+    assert runs[0]["kind"] == "fsdp" and runs[0]["dims"] == (2, 2, 1)
+    # net.0 weight 32x16 column-first over d1=2 -> 16x16, then over dp=2 -> 8x16
+    assert runs[0]["sharded"][0] == (uw.HID // 4, uw.IN), runs[0]["sharded"]
+    assert all("Shard(dim=0)" in p.split(",")[0] or "_StridedShard" in p for p in runs[0]["placements"]), runs[0]
+    got, want = _mean_over_replicas(runs), uw.reference_losses(2)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, (got[:3], want[:3])
+
+
 def test_dataloader_keeps_single_process_order_with_one_replica(pl_runs):
     """dp = 1 on (2, 2): every rank sees the user's unshuffled batches, in order."""
     ds = uw.dataset()

@@ -97,21 +97,25 @@ def _strategy(package: str, **kwargs: Any) -> Any:
 
 
 def meshes_case(rank: int, world: int, package: str) -> Dict[str, Any]:
-    """The MLP with a column/row plan on (2,1), (1,2), (2,2) (dp = what is left) and with
-    Megatron's split boundaries on (2,2); plain Lightning code with strategy "atp"."""
+    """The MLP with a column/row plan on (2,1), (1,2), (2,2) (dp = what is left), with
+    Megatron's split boundaries on (2,2), and on (2,1) with FSDP over its dp = 2 replicas;
+    plain Lightning code with strategy "atp"."""
     Regressor = _module_class(package)
     out: Dict[str, Any] = {"runs": []}
     plans = {"full": {"net.0": "column", "net.2": "row"},
              "split": {"net.0": "column(output=split)", "net.2": "row(input=split)"}}
-    for mesh, kind in (((2, 1), "full"), ((1, 2), "full"), ((2, 2), "full"), ((2, 2), "split")):
+    plans["fsdp"] = plans["full"]
+    for mesh, kind in (((2, 1), "full"), ((1, 2), "full"), ((2, 2), "full"), ((2, 2), "split"), ((2, 1), "fsdp")):
         module = Regressor(plans[kind])
-        strategy = _strategy(package, mesh=mesh)
+        strategy = _strategy(package, mesh=mesh, fsdp=kind == "fsdp")
         trainer = _trainer(package, strategy, world)
         trainer.fit(module)
         sharded = [tuple(p.to_local().shape) for p in module.net.parameters() if hasattr(p, "to_local")]
+        placements = [str(p.placements) for p in module.net.parameters() if hasattr(p, "placements")]
         out["runs"].append({"mesh": mesh, "kind": kind, "dims": strategy.mesh_shape,
                             "coord": list(strategy.device_mesh.get_coordinate()), "losses": module.losses,
-                            "first_x": module.first_x, "applied": strategy.applied_plan, "sharded": sharded})
+                            "first_x": module.first_x, "applied": strategy.applied_plan, "sharded": sharded,
+                            "placements": placements})
     return out
 
 

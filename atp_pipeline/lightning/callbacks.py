@@ -13,7 +13,8 @@ class StepMetricsMixin:
     """Logs, every step: step time, tokens/s, achieved TFLOP/s per device (the model's FLOPs
     per step by the paper's §5 formula over step time and device count), and the bytes and
     blocked time of the collectives on each mesh dimension (the strategy's Comm counters),
-    and with ``aggregation=atp``/``ps`` the backend's sync time, GB/s per worker, packets,
+    this rank's bytes of parameters, gradients and optimizer state (before the update;
+    optimizer state exists from the second step on), and with ``aggregation=atp``/``ps`` the backend's sync time, GB/s per worker, packets,
     retransmissions, window and the fractions aggregated in the switch / sent to the PS.
     """
 
@@ -21,6 +22,15 @@ class StepMetricsMixin:
         self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
         self._t0 = 0.0
         self.last: Dict[str, float] = {}
+        self.state: Dict[str, float] = {}  # this rank's parameter/gradient/optimizer bytes
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """This rank's bytes of parameters, gradients and optimizer state just before the
+        update (what sharded data parallelism divides over the replicas)."""
+        from atp_pipeline.parallel.fsdp import state_bytes
+
+        params, grads, opt = state_bytes(pl_module, optimizer)
+        self.state = {"param_bytes": float(params), "grad_bytes": float(grads), "optimizer_bytes": float(opt)}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -44,6 +54,7 @@ class StepMetricsMixin:
                 c = by_axis.get(axis)
                 m[f"comm_{axis}_bytes"] = float(c.bytes) if c else 0.0
                 m[f"comm_{axis}_wait_s"] = c.wait_s if c else 0.0
+        m.update(self.state)
         metrics = getattr(trainer.strategy, "aggregation_metrics", None)
         if metrics is not None:
             m.update(metrics())  # the ATP backend's per-step counters (sync time, switch share...)

@@ -100,6 +100,8 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
     plot_loss(rows, out / "loss.png", f"{spec.shape.name} on {spec.topology.name}, mesh {dp}x{d1}x{d2}, "
                                       f"chunks {spec.chunks}")
 
+    last = next((r for r in reversed(rows) if "param_bytes" in r), {})  # rank 0's state, last step
+
     def med(key: str) -> Optional[float]:
         vals = [r[key] for r in steps if key in r]
         return statistics.median(vals) if vals else None
@@ -118,6 +120,7 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
         **{k: med(k) for k in ("atp_sync_s", "atp_gbps", "atp_in_switch_frac", "atp_fallback_frac",
                                "atp_retransmits", "atp_window_pkts") if any(k in r for r in steps)},
         "predicted_t_comm_s": spec.plan.predicted_comm_s, "atp_linears": first["atp_linears"],
+        "fsdp": spec.fsdp, **{k: last.get(k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
         **spec.job, **extra,
     }
     (out / "summary.json").write_text(json.dumps(row, indent=2) + "\n")
@@ -127,4 +130,9 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
           f"({100 * (row['loss_drop'] or 0):.1f}% lower) in {first['global_step']} steps; "
           f"median step {1e3 * (row['step_time_s'] or math.nan):.1f} ms, "
           f"{row['tokens_per_s'] or math.nan:.0f} tokens/s; wrote {out}")
+    if last:
+        state = last["param_bytes"] + last["grad_bytes"] + last["optimizer_bytes"]
+        print(f"rank 0 holds {state / 1e6:.3f} MB of training state{' (FSDP-sharded)' if spec.fsdp else ''}: "
+              f"parameters {last['param_bytes'] / 1e6:.3f} + gradients {last['grad_bytes'] / 1e6:.3f} + "
+              f"optimizer {last['optimizer_bytes'] / 1e6:.3f} MB")
     return row

@@ -251,6 +251,8 @@ def resolve_plan(cfg: DictConfig) -> Planned:
         raise ConfigError(f"mesh.dp={dp} does not divide trainer.devices={devices}")
     occupied = topo.restrict(devices)
     kind = PlannerKind(cfg.planner.name)
+    if cfg.mesh.fsdp:
+        check_fsdp(cfg, dp, kind.value)
     if kind == PlannerKind.sbp and (dp != 1 or cfg.overlap.chunks != 1):
         raise ConfigError(f"planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1 (got {dp}), "
                           f"aggregation=ring and overlap=chunk1 (got chunks={cfg.overlap.chunks})")
@@ -283,9 +285,7 @@ def resolve(cfg: DictConfig) -> RunSpec:
     fitting = cfg.stage == Stage.fit
     aggregation = check_aggregation(cfg.aggregation, dp) if fitting else OmegaConf.to_object(cfg.aggregation)
     adapter = get_adapter(cfg.model.family)
-    fsdp = bool(cfg.mesh.fsdp)
-    if fsdp:
-        check_fsdp(cfg, dp, result.kind)
+    fsdp = bool(cfg.mesh.fsdp)  # checked in resolve_plan
     if result.kind == "atp":
         d1, d2 = result.mesh_shape
         why = adapter.mesh_infeasibility(shape, d1, d2)
