@@ -85,7 +85,10 @@ class RunSpec:
 
     @property
     def precision(self) -> str:
-        return "64-true" if self.shape.dtype == "fp64" else "32-true"
+        """Lightning's precision plugin: ``32-true`` (no casting) for every dtype the worker
+        builds in itself — an fp64 model is cast before fit; Lightning's ``64-true`` is refused
+        by ``ModelParallelStrategy``, the base of strategy "atp"."""
+        return "32-true"
 
 
 def resolve_dp(cfg: DictConfig, devices: int) -> int:
