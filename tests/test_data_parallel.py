@@ -69,6 +69,21 @@ def test_data_parallel_reproduces_single_process_in_one_epoch_and_resumes(compos
     assert all(again[s] == first[s] for s in again), [(first[s], again[s]) for s in sorted(again)]
 
 
+def test_float64_data_parallel_is_exact_and_atp_within_its_quantization(compose_cfg, tmp_path):
+    """float64 removes float32's summation-order noise: ring data parallelism (with and
+    without TP) equals one process to round-off; the in-network backends (integer sums of
+    quantized gradients, ``aggregation=atp``/``ps``) stay within their quantization error."""
+    steps, f64 = 8, ["model.dtype=fp64", "trainer.max_steps=8"]
+    _fit(compose_cfg, tmp_path / "single", *f64, "mesh=1x1", "trainer.devices=1")
+    want = _losses(tmp_path / "single")
+    for name, overrides, tol in (("dp4", ["mesh=1x1", "mesh.dp=4"], 1e-12),
+                                 ("tp2_dp2", ["mesh=2x1", "mesh.dp=2"], 1e-12),
+                                 ("atp_dp4", ["mesh=1x1", "mesh.dp=4", "aggregation=atp"], 1e-6)):
+        _fit(compose_cfg, tmp_path / name, *f64, *overrides)
+        got = _losses(tmp_path / name)
+        assert len(got) == steps and _worst(got, want) <= tol, (name, _worst(got, want))
+
+
 FSDP_MESHES = {"tp2_dp2": ["mesh=2x1", "mesh.dp=2"], "dp4": ["mesh=1x1", "mesh.dp=4"]}
 
 
