@@ -16,14 +16,18 @@ groups and sharded ``torch.distributed.checkpoint`` checkpoints):
    (``ModelAdapter.weights``) fills the shards, each rank reading only its own;
 3. **gradient sync** (``post_backward``): every gradient averaged over the data-parallel
    replicas through one :class:`~atp_pipeline.parallel.grad_sync.GradSync` (``ring``, or the
-   in-network aggregation backend for ``atp``/``ps``).
+   in-network aggregation backend for ``atp``/``ps``) — or, with ``fsdp=True``, **sharded
+   data parallelism**: FSDP2 over the ``dp`` axis after the layout
+   (:mod:`atp_pipeline.parallel.fsdp`), whose reduce-scatter averages the gradients.
 
 With no plan and no adapter, the model stays whole: replicated over the tensor-parallel
 ranks, data parallel over the rest (``mesh="auto"`` then uses every device for data
 parallelism), and the strategy says so in one line. Data: with one data-parallel replica
 a user's DataLoader keeps its single-device order (Lightning would inject a shuffling
 ``DistributedSampler``, ../shared/NOTES.md); a shuffling loader gets a sampler seeded alike
-on every rank; with ``dp > 1`` Lightning's DDP behaviour applies.
+on every rank; with ``dp > 1`` Lightning's DDP behaviour applies (a ``DistributedSampler``
+the loader already has — the data modules' ``RunSampler`` — is kept, sized by
+:attr:`distributed_sampler_kwargs`: the replica's rank on the ``dp`` axis).
 
 Pitfalls handled (../shared/NOTES.md): ``pytorch_lightning`` and ``lightning.pytorch`` are
 separate hierarchies — this mixin is joined with each in :mod:`.flavor`; the stock DDP
