@@ -154,3 +154,30 @@ def test_figure12_interconnect_study_plans_past_the_head_count(compose_cfg):
     assert any("NOT RUNNABLE" in n for n in d["notes"])
     with pytest.raises(ConfigError, match="the selected mesh is not runnable"):
         resolve(compose_cfg("stage=fit", "topology=ic5", "model=m1", "planner.require_divisible=false"))
+
+
+def test_fsdp_units_come_from_the_module_tree_and_unwrappable_models_are_named():
+    """Units: each element of the outermost ModuleLists (a model's blocks); a block's own
+    lists stay inside it. A parameter FSDP2 cannot shard is named, before any process."""
+    import torch
+    from torch import nn
+
+    from atp_pipeline.parallel.fsdp import block_units, fsdp_infeasibility
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([Block(), Block(), nn.ReLU()])
+
+    net = Net()
+    assert [name for name, _ in block_units(net)] == ["layers.0", "layers.1"]
+    assert fsdp_infeasibility(net) is None
+    net.embed.weight = nn.Parameter(torch.randn(4, 8).t())
+    assert fsdp_infeasibility(net) == "parameter 'embed.weight' is not contiguous (FSDP2 shards contiguous " \
+                                      "parameters only)"

@@ -46,14 +46,16 @@ def block_units(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     return units
 
 
-def fsdp_infeasibility(root: nn.Module, mesh: DeviceMesh) -> Optional[str]:
-    """Why FSDP cannot shard ``root`` over ``mesh``'s dp axis (None if it can)."""
-    names = mesh.mesh_dim_names or ()
-    if Axis.dp.value not in names:
+def fsdp_infeasibility(root: nn.Module, mesh: Optional[DeviceMesh] = None) -> Optional[str]:
+    """Why FSDP cannot shard ``root`` over ``mesh``'s dp axis (None if it can); without a
+    mesh (a model built on the meta device, before any process starts), what its
+    parameters alone tell."""
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else (Axis.d1.value, Axis.d2.value)
+    if mesh is not None and Axis.dp.value not in names:
         return f"the mesh has no '{Axis.dp.value}' dimension (dims {names})"
-    if mesh[Axis.dp.value].size() < 2:
+    if mesh is not None and mesh[Axis.dp.value].size() < 2:
         return "one data-parallel replica: there is nothing to shard over (dp = 1)"
-    tp = ({"d1", "d2"} & set(names))
+    tp = {Axis.d1.value, Axis.d2.value} & set(names)
     for name, p in root.named_parameters():
         if isinstance(p, DTensor):
             pnames = set(p.device_mesh.mesh_dim_names or ())

@@ -313,6 +313,12 @@ def resolve(cfg: DictConfig) -> RunSpec:
         with torch.device("meta"):  # a user's plan may name any block; the family's is per block
             model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
         match_plan(model, user_plan or adapter.parallel_plan(model))
+        if fsdp:  # what FSDP2 cannot shard, named before any process starts
+            from atp_pipeline.parallel.fsdp import fsdp_infeasibility
+
+            why = fsdp_infeasibility(model)
+            if why:
+                raise ConfigError(f"mesh.fsdp=true: model '{shape.name}': {why}")
     capacity = topo.device.get("memory_GB")
     mem = per_device_memory(shape, (d1, d2), dp, fsdp) if result.kind == "atp" else None  # sbp: its own limit
     unsharded = per_device_memory(shape, (d1, d2), dp) if mem is not None and fsdp else None
