@@ -114,6 +114,11 @@ def test_fsdp_matches_single_process_and_shards_the_state(compose_cfg, tmp_path,
     print(f"FSDP state per rank on 2x1 x dp 2: {ratio:.4f} of the unsharded run's")
     assert 0.5 <= ratio <= 0.51, ratio
     assert all(plain[k] > 0 for k in keys) and plain["fsdp"] is False
+    # FSDP's collectives pass through the counted Comm (dp axis): per step each unit's
+    # parameters are gathered for forward and again for backward, and its gradients
+    # reduce-scattered; the unsharded run all-reduces the gradients once
+    assert plain["comm_dp_bytes"] == plain["param_bytes"]
+    assert rows["tp2_dp2"]["comm_dp_bytes"] == 3 * plain["comm_dp_bytes"]
 
     # sharded (torch.distributed.checkpoint) checkpoint of FSDP x TP: resume is exact
     ckpt = tmp_path / "tp2_dp2" / "checkpoints" / "step3.ckpt"

@@ -305,7 +305,7 @@ class ATPStrategyMixin:
         if self.fsdp:  # sharded data parallelism: FSDP2 over the dp axis, after the TP layout
             from atp_pipeline.parallel.fsdp import shard_data_parallel
 
-            units = shard_data_parallel(module, self.device_mesh)  # type: ignore[attr-defined]
+            units = shard_data_parallel(module, self.device_mesh, comm=self.comm)  # type: ignore[attr-defined]
             self._say(f"FSDP over dp={self.mesh_shape[0]}: {len(units)} units "  # type: ignore[index]
                       f"({len(units) - 1} blocks + root); parameters, gradients and optimizer state sharded")
         # Lightning's Strategy.setup: precision, device, optimizers (ModelParallelStrategy's own

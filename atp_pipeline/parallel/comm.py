@@ -156,15 +156,37 @@ class Comm:
             return t, DONE
         t = t.contiguous()
         out = torch.empty((t.shape[0] * n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return out, self.all_gather_into(out, t, axis, async_op)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
+        """All-gather ``t`` from every rank of ``axis`` into ``out`` (``size`` times ``t``'s
+        elements, rank order)."""
+        if self.size(axis) == 1:
+            out.copy_(t.reshape(out.shape))
+            return DONE
         h = self._launch("all_gather", axis, out.numel(), out.numel() * out.element_size(),
                          lambda: _all_gather(out, t, group=self._groups[axis], async_op=True))
         if not async_op:
             h.wait()
-        return out, h
+        return h
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, axis: str,
+                       op: "dist.ReduceOp.RedOpType" = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """Reduce ``t`` over ``axis`` and give each rank its block of the result in ``out``
+        (rank order); elements counted: the input's (nccl-tests' convention)."""
+        if self.size(axis) == 1:
+            out.copy_(t.reshape(out.shape))
+            return DONE
+        h = self._launch("reduce_scatter", axis, t.numel(), t.numel() * t.element_size(),
+                         lambda: _reduce_scatter(out, t, op=op, group=self._groups[axis], async_op=True))
+        if not async_op:
+            h.wait()
+        return h
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REGISTRY: Dict[int, Comm] = {}
 

@@ -18,7 +18,7 @@ parameters are gathered when the step starts, whatever submodule or method uses 
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.comm import Comm
 from atp_pipeline.parallel.mesh import Axis
 
 ROOT_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -67,11 +68,14 @@ def fsdp_infeasibility(root: nn.Module, mesh: Optional[DeviceMesh] = None) -> Op
     return None
 
 
-def shard_data_parallel(root: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-                        methods: Sequence[str] = ROOT_METHODS) -> List[str]:
+def shard_data_parallel(root: nn.Module, mesh: DeviceMesh, *, comm: Optional[Comm] = None,
+                        reshard_after_forward: bool = True, methods: Sequence[str] = ROOT_METHODS) -> List[str]:
     """Apply FSDP2 over ``mesh['dp']``: one unit per block (:func:`block_units`), then the
-    root; ``methods`` of the root that exist run FSDP's forward hooks. Returns the units'
-    names (``""`` is the root). Refuses (:class:`ConfigError`) what FSDP cannot shard."""
+    root; ``methods`` of the root that exist run FSDP's forward hooks; with ``comm`` (the
+    mesh's counted :class:`~atp_pipeline.parallel.comm.Comm`) FSDP's all-gathers and
+    reduce-scatters pass through it and are counted on the ``dp`` axis like every other
+    collective. Returns the units' names (``""`` is the root). Refuses
+    (:class:`ConfigError`) what FSDP cannot shard."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     why = fsdp_infeasibility(root, mesh)
@@ -79,13 +83,45 @@ def shard_data_parallel(root: nn.Module, mesh: DeviceMesh, *, reshard_after_forw
         raise ConfigError(f"mesh.fsdp: {why}")
     dp_mesh = mesh[Axis.dp.value]
     units = block_units(root)
-    for _, unit in units:
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    modules = [unit for _, unit in units] + [root]
+    for module in modules:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    if comm is not None:
+        gather, scatter = counted_collectives(comm, Axis.dp.value)
+        for module in modules:
+            module.set_custom_all_gather(gather)  # type: ignore[operator]
+            module.set_custom_reduce_scatter(scatter)  # type: ignore[operator]
     for method in methods:
         if callable(getattr(root, method, None)):
             register_fsdp_forward_method(root, method)
     return [name for name, _ in units] + [""]
+
+
+def counted_collectives(comm: Comm, axis: str) -> Tuple[Any, Any]:
+    """FSDP2's all-gather and reduce-scatter as calls of ``comm`` on ``axis`` (its
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` seam). Each completes before
+    it returns: FSDP waits only on c10d ``Work`` objects, and on CPU it has no side stream to
+    overlap with anyway; on CUDA a wait only orders the streams."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    def same_group(group: Any) -> None:
+        if group is not None and group.size() != comm.size(axis):
+            raise RuntimeError(f"FSDP collective on a group of {group.size()} ranks, not the '{axis}' axis "
+                               f"({comm.size(axis)})")
+
+    class CountedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> None:
+            same_group(group)
+            comm.all_gather_into(output_tensor, input_tensor, axis)
+
+    class CountedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> None:
+            same_group(group)
+            comm.reduce_scatter(output_tensor, input_tensor, axis, op=op)
+
+    return CountedAllGather(), CountedReduceScatter()
 
 
 def is_sharded(module: nn.Module) -> bool:
