@@ -147,6 +147,12 @@ def test_fsdp_memory_estimate_divides_the_state_over_dp(compose_cfg):
     assert mem.optimizer_bytes == pytest.approx(whole.optimizer_bytes / 4)
     assert mem.activation_bytes == whole.activation_bytes
     assert mem.total_bytes < whole.total_bytes
+    # the run's memory check uses the sharded estimate: 24 layers of m4 on 4x1 x dp 4 fit
+    # 80 GB devices only with FSDP (~204 GB per device without it, ~65 GB with)
+    big = ("stage=plan", "topology=ic4", "model=m4", "model.layers=24", "mesh=4x1", "mesh.dp=4")
+    with pytest.raises(ConfigError, match=r"needs ~204\.0 GB per device on mesh 4x1 \(dp=4\)"):
+        resolve(compose_cfg(*big))
+    assert resolve(compose_cfg(*big, "mesh.fsdp=true")).memory.total_bytes < 80e9
 
 
 def test_figure12_interconnect_study_plans_past_the_head_count(compose_cfg):
