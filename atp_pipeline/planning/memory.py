@@ -16,7 +16,7 @@ while that block runs. An estimate, reported as such.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from atp_pipeline.planning.shape import ModelShape
 
@@ -53,3 +53,18 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     b = m.batch_size / dp
     activations = L * s * b * h * (34 + 5 * m.heads * s / h) * (q / 2) / tp
     return MemoryEstimate(params, params * 2 * q + gathered, optimizer, activations)
+
+
+def memory_infeasibility(m: ModelShape, mesh: Tuple[int, int], dp: int, fsdp: bool,
+                         capacity_GB: Optional[float], where: str = "the devices") -> Optional[str]:
+    """Why ``m`` does not fit ``capacity_GB`` per device on ``mesh`` x ``dp`` (None if it
+    does, or if the capacity is unknown): the planner's feasibility and the run's check."""
+    if not capacity_GB:
+        return None
+    mem = per_device_memory(m, mesh, dp, fsdp)
+    if mem.total_bytes <= capacity_GB * 1e9:
+        return None
+    return (f"model '{m.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {mesh[0]}x{mesh[1]} "
+            f"(dp={dp}{', fsdp' if fsdp and dp > 1 else ''}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, "
+            f"optimizer {mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
+            f"{where} have {capacity_GB:g} GB")

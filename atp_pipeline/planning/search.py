@@ -23,6 +23,7 @@ from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.shape import mesh_infeasibility as _shape_infeasibility
+from atp_pipeline.planning.memory import memory_infeasibility
 from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
 from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting, estimate_step, profile_of
 from atp_pipeline.topology.model import Topology
@@ -45,9 +46,17 @@ def candidate_meshes(n: int) -> List[Mesh]:
     return [(n // d2, d2) for d2 in divisors(n)]
 
 
-def mesh_infeasibility(model: ModelShape, mesh: Mesh) -> Optional[str]:
-    """Why the runtime cannot run ``model`` on ``mesh`` (None if it can)."""
-    return _shape_infeasibility(model, *mesh)
+def mesh_infeasibility(model: ModelShape, mesh: Mesh, topo: Optional[Topology] = None,
+                       setting: Optional[StepSetting] = None) -> Optional[str]:
+    """Why the runtime cannot run ``model`` on ``mesh`` (None if it can): the heads must
+    split over it, and with ``topo``'s device memory known, the per-device estimate of
+    ``setting``'s dp replicas (sharded by FSDP when it says so) must fit it."""
+    why = _shape_infeasibility(model, *mesh)
+    if why or topo is None:
+        return why
+    s = setting or StepSetting()
+    return memory_infeasibility(model, mesh, s.dp, s.fsdp, topo.device.get("memory_GB"),
+                                f"'{topo.name}' devices")
 
 
 def step_estimate(topo: Topology, model: ModelShape, mesh: Mesh, setting: StepSetting,
@@ -85,7 +94,7 @@ def evaluate(topo: Topology, model: ModelShape, mesh: Mesh,
                               B={1: dim1.B_GBps, 2: dim2.B_GBps},
                               B_prime={1: dim1.B_prime_GBps, 2: dim2.B_prime_GBps})
     return Candidate(mesh=mesh, dim1=dim1, dim2=dim2, t_comm_s=t, terms=tuple(costs),
-                     infeasible=mesh_infeasibility(model, mesh),
+                     infeasible=mesh_infeasibility(model, mesh, topo, setting),
                      step=step_estimate(topo, model, mesh, setting or StepSetting(), profile))
 
 
@@ -136,8 +145,11 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
         if planner.require_divisible:
             eligible = [c for c in eligible if c.infeasible is None]
             if not eligible:
-                raise ConfigError(f"no 2D mesh of {n} devices splits the {model.heads} heads of "
-                                  f"model '{model.name}' evenly (need heads % (d1*d2) == 0)")
+                if all(_shape_infeasibility(model, *c.mesh) for c in candidates):
+                    raise ConfigError(f"no 2D mesh of {n} devices splits the {model.heads} heads of "
+                                      f"model '{model.name}' evenly (need heads % (d1*d2) == 0)")
+                raise ConfigError(f"no 2D mesh of {n} devices can run model '{model.name}': "
+                                  + min((c.infeasible for c in candidates if c.infeasible), key=len))
         if topo.calibrated and not planner.select_uncalibrated:
             calibrated = [c for c in eligible if c.source == "calibrated"]
             skipped = [f"{c.mesh[0]}x{c.mesh[1]}" for c in eligible if c.source != "calibrated"]

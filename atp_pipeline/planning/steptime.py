@@ -795,6 +795,7 @@ class StepSetting:
     dp: int = 1
     aggregation: str = "ring"
     world: Optional[Topology] = None  # the topology of all dp replicas (their gradient sync)
+    fsdp: bool = False  # parameters, gradients, optimizer state sharded over dp (memory)
 
     def __post_init__(self) -> None:
         if self.chunks < 1 or self.dp < 1:

@@ -26,7 +26,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
 from atp_pipeline.planning.interface import PlanResult, plan
-from atp_pipeline.planning.memory import MemoryEstimate, per_device_memory
+from atp_pipeline.planning.memory import MemoryEstimate, memory_infeasibility, per_device_memory
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -262,7 +262,7 @@ def resolve_plan(cfg: DictConfig) -> Planned:
     from atp_pipeline.planning.steptime import StepSetting
 
     setting = StepSetting(chunks=int(cfg.overlap.chunks), dp=dp, aggregation=AggregationMode(cfg.aggregation.mode).value,
-                          world=occupied)
+                          world=occupied, fsdp=bool(cfg.mesh.fsdp))
     result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh, setting)
     notes = list(result.notes)
     chosen = next((c for c in getattr(result, "candidates", ()) if c.mesh == getattr(result, "selected", None)), None)
@@ -322,13 +322,10 @@ def resolve(cfg: DictConfig) -> RunSpec:
     capacity = topo.device.get("memory_GB")
     mem = per_device_memory(shape, (d1, d2), dp, fsdp) if result.kind == "atp" else None  # sbp: its own limit
     unsharded = per_device_memory(shape, (d1, d2), dp) if mem is not None and fsdp else None
-    if mem is not None and capacity:
-        if mem.total_bytes > capacity * 1e9:
-            raise ConfigError(
-                f"model '{shape.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {d1}x{d2} "
-                f"(dp={dp}{', fsdp' if fsdp else ''}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, optimizer "
-                f"{mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
-                f"'{topo.name}' devices have {capacity:g} GB")
+    if mem is not None:
+        why = memory_infeasibility(shape, (d1, d2), dp, fsdp, capacity, f"'{topo.name}' devices")
+        if why:
+            raise ConfigError(why)
     accel = str(cfg.trainer.accelerator)
     device_name = str(topo.device.get("name") or "unknown")
     if fitting and accel == "cpu" and device_name not in ("cpu", "unknown"):
