@@ -80,7 +80,7 @@ def shard_data_parallel(root: nn.Module, mesh: DeviceMesh, *, comm: Optional[Com
 
     why = fsdp_infeasibility(root, mesh)
     if why:
-        raise ConfigError(f"mesh.fsdp: {why}")
+        raise ConfigError(f"strategy 'atp': fsdp=True: {why}")
     dp_mesh = mesh[Axis.dp.value]
     units = block_units(root)
     modules = [unit for _, unit in units] + [root]
