@@ -136,7 +136,7 @@ def test_six_run_sweep_leaves_one_sweep_dir(tmp_path):
     (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
     (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
-    (["topology=ic4", "model=m4", "model.layers=96"], "error: model 'm4' needs ~"),
+    (["topology=ic4", "model=m4", "model.layers=96"], "error: no 2D mesh of 16 devices can run model 'm4'; the least memory: model 'm4' needs ~"),
     (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
     (["model=llama_tiny", "overlap=chunk2"], "error: overlap.chunks=2: model 'llama_tiny' is laid out module by module"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),

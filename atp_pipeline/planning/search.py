@@ -23,7 +23,7 @@ from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.shape import mesh_infeasibility as _shape_infeasibility
-from atp_pipeline.planning.memory import memory_infeasibility
+from atp_pipeline.planning.memory import memory_infeasibility, per_device_memory
 from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
 from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting, estimate_step, profile_of
 from atp_pipeline.topology.model import Topology
@@ -148,8 +148,10 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
                 if all(_shape_infeasibility(model, *c.mesh) for c in candidates):
                     raise ConfigError(f"no 2D mesh of {n} devices splits the {model.heads} heads of "
                                       f"model '{model.name}' evenly (need heads % (d1*d2) == 0)")
-                raise ConfigError(f"no 2D mesh of {n} devices can run model '{model.name}': "
-                                  + min((c.infeasible for c in candidates if c.infeasible), key=len))
+                fits = [c for c in candidates if not _shape_infeasibility(model, *c.mesh)]  # memory-bound
+                least = min(fits, key=lambda c: per_device_memory(model, c.mesh, setting.dp, setting.fsdp).total_bytes)
+                raise ConfigError(f"no 2D mesh of {n} devices can run model '{model.name}'; the least memory: "
+                                  f"{least.infeasible}")
         if topo.calibrated and not planner.select_uncalibrated:
             calibrated = [c for c in eligible if c.source == "calibrated"]
             skipped = [f"{c.mesh[0]}x{c.mesh[1]}" for c in eligible if c.source != "calibrated"]
