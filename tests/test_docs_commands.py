@@ -362,6 +362,19 @@ def _out(text: str, default_rel: str) -> str:
     return text if _has_opt(text, "--out") else set_opt(text, "--out", f"{TMP}/outputs/{default_rel}")
 
 
+def _docs_commands(t: str) -> Tuple[str, str]:
+    return t, "as documented (--list builds the table; nothing runs)"
+
+
+def _dp_exactness(t: str) -> Tuple[str, str]:
+    t = re.sub(r"(?<!\S)--bmv2(?!\S)", "", t)
+    for flag, v in (("--steps", "2"), ("--dtypes", "fp32"), ("--cases", "'dp2 ring'"), ("--fsdp-models", "tiny"),
+                    ("--fsdp-steps", "2"), ("--out", f"{TMP}/outputs/dp_exactness")):
+        t = set_opt(t, flag, v)
+    return " ".join(t.split()), ("2 float32 steps: one data-parallel case (with its resume) and FSDP on the tiny "
+                                 "GPT; no BMv2 (tests/test_live_aggregation.py trains through BMv2)")
+
+
 def _ina_experiments(t: str) -> Tuple[str, str]:
     note = "--quick"
     if re.search(r"(?<!\S)all(?!\S)", t):
@@ -491,6 +504,8 @@ def _live_nodes(t: str) -> Tuple[str, str]:
 
 
 MODULE_RULES: Dict[str, ModuleRule] = {
+    "benchmarks.dp_exactness": _dp_exactness,
+    "tests.test_docs_commands": _docs_commands,
     "benchmarks.ina_experiments": _ina_experiments,
     "benchmarks.ina_sim_speed": _ina_sim_speed,
     "benchmarks.live_sync": _live_sync,
