@@ -27,6 +27,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
@@ -134,13 +135,35 @@ def _dump_stacks(procs: List[Any]) -> None:
     time.sleep(1.0)
 
 
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", threads: int = 1,
-          timeout: float = 600.0, init: bool = True, failure_grace: float = 30.0) -> List[Any]:
+          timeout: float = 600.0, init: bool = True, failure_grace: float = 30.0, port_retries: int = 2
+          ) -> List[Any]:
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed in ``world`` processes.
 
     A rank that raises or dies (e.g. killed) is reported with the others' errors: after the
     first failure the remaining ranks get ``failure_grace`` seconds to finish or fail on
-    their own (so their own diagnosis is reported) before they are terminated."""
+    their own (so their own diagnosis is reported) before they are terminated.
+
+    The rendezvous port is one the kernel had free a moment before; a process starting
+    beside this one (another launch, or a client connection given it as its ephemeral
+    port) may take it before rank 0 listens on it. Rank 0 then fails with ``EADDRINUSE``
+    before any step: the launch is repeated on a new port, ``port_retries`` times at most."""
+    for attempt in range(port_retries + 1):
+        try:
+            return _spawn_once(fn, world, args, backend, threads, timeout, init, failure_grace)
+        except RuntimeError as e:
+            if attempt == port_retries or not any(w in str(e) for w in PORT_TAKEN):
+                raise
+            print(f"launch: the rendezvous port was taken before rank 0 listened on it; launching again on "
+                  f"another port ({attempt + 1} of {port_retries})", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, threads: int, timeout: float,
+                init: bool, failure_grace: float) -> List[Any]:
     ctx = _context()
     results: "mp.Queue" = ctx.Queue()
     port = free_port()
@@ -174,13 +197,16 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
             now = time.monotonic()
             if failures and first_failure is None:
                 first_failure = now
-            if now > deadline or (first_failure is not None and now - first_failure > failure_grace):
+            # the port was taken: the others wait for a rank 0 that will never listen
+            grace = 0.0 if any(w in f for f in failures for w in PORT_TAKEN) else failure_grace
+            if now > deadline or (first_failure is not None and now - first_failure > grace):
                 missing = [r for r in range(world) if r not in done]
                 failures.append(f"ranks {missing} gave no result within "
                                 + (f"{failure_grace:.0f} s of the first failure; terminated" if first_failure
                                    else f"{timeout:.0f} s")
                                 + " (their Python stacks are on stderr above)")
-                _dump_stacks([procs[r] for r in missing])
+                if grace:
+                    _dump_stacks([procs[r] for r in missing])
                 break
         if failures:
             raise RuntimeError("\n".join(failures))

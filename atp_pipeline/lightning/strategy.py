@@ -50,6 +50,7 @@ from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.grad_sync import GradSync, RingSync, sync_gradients
 from atp_pipeline.parallel.dense import load_dense
+from atp_pipeline.parallel.fsdp import is_sharded, shard_data_parallel
 from atp_pipeline.parallel.materialize import broadcast_replicated, has_meta, materialize
 from atp_pipeline.parallel.mesh import Axis, init_mesh
 from atp_pipeline.planning.interface import PlanResult
@@ -302,9 +303,7 @@ class ATPStrategyMixin:
             materialize(module, device, loaded=[sub for sub, _ in sources])
         for sub, read in sources:  # a family's checkpoint: each rank reads only its shards
             load_dense(sub, read)
-        if self.fsdp:  # sharded data parallelism: FSDP2 over the dp axis, after the TP layout
-            from atp_pipeline.parallel.fsdp import shard_data_parallel
-
+        if self.fsdp and not is_sharded(module):  # sharded data parallelism: FSDP2 over dp, after the TP layout
             units = shard_data_parallel(module, self.device_mesh, comm=self.comm)  # type: ignore[attr-defined]
             self._say(f"FSDP over dp={self.mesh_shape[0]}: {len(units)} units "  # type: ignore[index]
                       f"({len(units) - 1} blocks + root); parameters, gradients and optimizer state sharded")
