@@ -14,8 +14,9 @@ class StepMetricsMixin:
     per step by the paper's §5 formula over step time and device count), and the bytes and
     blocked time of the collectives on each mesh dimension (the strategy's Comm counters),
     this rank's bytes of parameters, gradients and optimizer state (before the update;
-    optimizer state exists from the second step on), and with ``aggregation=atp``/``ps`` the backend's sync time, GB/s per worker, packets,
-    retransmissions, window and the fractions aggregated in the switch / sent to the PS.
+    optimizer state exists from the second step on), and with ``aggregation=atp``/``ps``
+    the backend's sync time, GB/s per worker, packets, retransmissions, window and the
+    fractions aggregated in the switch / sent to the PS.
     """
 
     def __init__(self, flops_per_step: float, tokens_per_step: int) -> None:
