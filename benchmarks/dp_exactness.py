@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] = ()) -> Dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.processor() or 'cpu'}, "
-              f"{__import__('os').cpu_count()} cores)", "steps": args.steps, "fsdp_steps": args.fsdp_steps,
+              f"{os.cpu_count()} cores)", "steps": args.steps, "fsdp_steps": args.fsdp_steps,
               "seconds": time.time() - t0, "cases": cases}
     (out / "dp_exactness.json").write_text(json.dumps(report, indent=1) + "\n")
     with (out / "dp_exactness.csv").open("w", newline="") as f:

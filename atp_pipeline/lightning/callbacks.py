@@ -27,8 +27,14 @@ class StepMetricsMixin:
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """This rank's bytes of parameters, gradients and optimizer state just before the
-        update (what sharded data parallelism divides over the replicas)."""
+        update (what sharded data parallelism divides over the replicas). Measured on the
+        first two steps of a fit only: after its first update an optimizer holds all the
+        state it will hold, so the sizes are fixed (and walking every tensor each step would
+        cost the hot path a Python call per tensor)."""
         from atp_pipeline.parallel.fsdp import state_bytes
+
+        if self.state and trainer.global_step >= 2:
+            return
 
         params, grads, opt = state_bytes(pl_module, optimizer)
         self.state = {"param_bytes": float(params), "grad_bytes": float(grads), "optimizer_bytes": float(opt)}

@@ -70,17 +70,14 @@ class RunSampler(DistributedSampler):
     and the run would end its "epoch" dp times early."""
 
     def __init__(self, first_batch: int, batches: int, batch: int, replicas: int = 1, rank: int = 0) -> None:
-        if batch % replicas or not 0 <= rank < replicas:
-            raise ConfigError(f"global batch {batch} does not split over {replicas} data-parallel replicas "
-                              f"(rank {rank})")
         super().__init__(range(batches * batch), num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
-        self.first, self.total, self.replicas = first_batch * batch, batches * batch, replicas
+        self.first, self.total = first_batch * batch, batches * batch
 
     def __iter__(self):
-        return iter(range(self.first + self.rank, self.total, self.replicas))
+        return iter(range(self.first + self.rank, self.total, self.num_replicas))
 
     def __len__(self) -> int:
-        return self.total // self.replicas
+        return self.total // self.num_replicas
 
 
 class TokenDataMixin:

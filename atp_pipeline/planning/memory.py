@@ -9,14 +9,14 @@ al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` 
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
 local batch ``b/dp``. With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
 weights, gradients and optimizer state are further divided over the ``dp`` replicas
-(activations are not), plus the largest block's gathered weights, which FSDP holds whole
-while that block runs. An estimate, reported as such.
+(activations are not), plus one block's gathered weights, which FSDP holds whole while
+that block runs. An estimate, reported as such.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from atp_pipeline.planning.shape import ModelShape
 
@@ -31,6 +31,11 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> float:
         return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def to_dict(self) -> Dict[str, float]:
+        return {"params": self.params, "weights_grads_bytes": self.weights_grads_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "activation_bytes": self.activation_bytes,
+                "total_bytes": self.total_bytes}
 
 
 def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: bool = False) -> MemoryEstimate:

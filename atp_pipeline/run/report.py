@@ -44,14 +44,9 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     per-device memory estimate); the summary row."""
     gs = gradsync_estimate(spec)
     mem = spec.memory
-
-    def memory_dict(m: Any) -> Dict[str, float]:
-        return {"params": m.params, "weights_grads_bytes": m.weights_grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-                "activation_bytes": m.activation_bytes, "total_bytes": m.total_bytes}
-
-    extra_plan = None if mem is None else {"memory_per_device": {**memory_dict(mem), "fsdp": spec.fsdp}}
+    extra_plan = None if mem is None else {"memory_per_device": {**mem.to_dict(), "fsdp": spec.fsdp}}
     if extra_plan is not None and spec.memory_unsharded is not None:  # the same run without FSDP, beside it
-        extra_plan["memory_per_device_without_fsdp"] = memory_dict(spec.memory_unsharded)
+        extra_plan["memory_per_device_without_fsdp"] = spec.memory_unsharded.to_dict()
     paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
     s = spec.shape
     print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "

@@ -265,7 +265,7 @@ def resolve_plan(cfg: DictConfig) -> Planned:
                           world=occupied, fsdp=bool(cfg.mesh.fsdp))
     result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh, setting)
     notes = list(result.notes)
-    chosen = next((c for c in getattr(result, "candidates", ()) if c.mesh == getattr(result, "selected", None)), None)
+    chosen = result.candidate(result.selected) if result.kind == "atp" else None  # type: ignore[attr-defined]
     if chosen is not None and chosen.infeasible:  # only with planner.require_divisible=false
         notes.append(f"selected mesh {chosen.mesh[0]}x{chosen.mesh[1]} is NOT RUNNABLE ({chosen.infeasible}): "
                      f"planned for an interconnect study (planner.require_divisible=false); stage=fit refuses it")
