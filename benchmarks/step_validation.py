@@ -224,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         points = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
                   for (d1, d2) in meshes for c in chunk_list
                   if mesh_infeasibility(shape, (d1, d2)) is None
-                  and not (c > 1 and shape.comm_layout == "module_styles") and shape.batch_size % c == 0]
+                  and shape.batch_size % c == 0]
         spec = {**model_spec(name, shape, args.conf), "points": points,
                 "emulate": emu.to_dict() if emu is not None else None, "slowdown": args.slowdown,
                 "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
@@ -245,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "measured_comm_wait_s": statistics.median(waits[json.dumps([d1, d2, c, e])])})
     summary = summarize(rows)
     meta = {"topology": topo.name, "profile": profile.name, "profile_source": profile.source,
-            "calibration": {n: profile.describe(sh.comm_layout) for n, sh in zip(names, shapes)},
+            "calibration": {n: profile.describe(RUNTIME) for n, sh in zip(names, shapes)},
             "load_average": {"start": load_start, "end": _loadavg()},
             "world": args.world, "emulate": args.emulate, "slowdown": args.slowdown, "steps": args.steps,
             "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0}

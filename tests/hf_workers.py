@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-VOCAB, SEQ, BATCH = 96, 8, 2
+VOCAB, SEQ, BATCH = 96, 8, 4
 
 # Tiny configs of each supported family: 8 query heads (split over d1*d2 <= 4), and key/value
 # heads that exercise every layout: split over d1*d2 (8), over d1 only (2 on 1x4 is
@@ -101,10 +101,12 @@ def _round_trip(family: str, idx: torch.Tensor, sub: torch.nn.Module, adapter: A
 
 
 def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int, int]],
-              workdir: str = "", device: str = "cpu") -> List[Dict[str, Any]]:
+              workdir: str = "", device: str = "cpu", chunk_meshes: Tuple[Tuple[int, int], ...] = (),
+              chunk_list: Tuple[int, ...] = (2, 4)) -> List[Dict[str, Any]]:
     """Float64, one forward + backward: loss and every full gradient vs the single process,
     with the counted collectives per (collective, axis); with ``workdir``, the HF checkpoint
-    round trip (:func:`_round_trip`). ``device="cuda"``: models, batch and mesh on this
+    round trip (:func:`_round_trip`); on ``chunk_meshes`` also with each of ``chunk_list``
+    chunks (§4.1 overlap). ``device="cuda"``: models, batch and mesh on this
     rank's GPU (ranks may share one GPU over gloo, which carries CUDA tensors)."""
     import torch.distributed as dist
 
@@ -128,12 +130,12 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
             dense.save_pretrained(saved)
         if workdir:
             dist.barrier()
-        for d1, d2 in meshes:
+        for (d1, d2), chunks in [(m, 1) for m in meshes] + [(m, c) for m in chunk_meshes for c in chunk_list]:
             mesh = init_mesh((d1, d2), device_type=dev.type)
             model = copy.deepcopy(dense)
             (name, adapter, sub), = find_adapters(model)
             plan = prefixed(name, adapter.parallel_plan(sub))
-            applied = apply_plan(model, plan, mesh)
+            applied = apply_plan(model, plan, mesh, chunks)
             comm = comm_for(mesh)
             comm.stats.reset()
             loss = model(input_ids=idx, labels=idx).loss
@@ -141,13 +143,13 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
             grads = dense_tensors(model, grad=True)
             floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
             err = {n: _rel(grads[n], ref_grads[n], floor) for n in ref_grads if n in grads}
-            out.append({"family": family, "mesh": (d1, d2), "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
+            out.append({"family": family, "mesh": (d1, d2), "chunks": chunks, "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
                         "grad_rel": max(err.values()), "worst": max(err, key=err.get),
                         "same_params": sorted(grads) == sorted(ref_grads), "applied": len(applied),
                         "counted": {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()},
                         "shape": adapter.shape(sub).to_dict(), "loss": loss.item(),
                         **(_round_trip(family, idx, sub, adapter, mesh, plan, saved, f"{saved}-{d1}x{d2}")
-                           if workdir else {})})
+                           if workdir and chunks == 1 else {})})
     return out
 
 

@@ -14,6 +14,8 @@ from typing import Any, Dict, List
 import pytest
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.models.gpt import GPT
+from atp_pipeline.models.gpt.adapter import GPTAdapter
 from atp_pipeline.models.gpt.parallel import check_mesh_fits
 from atp_pipeline.launch import spawn
 from atp_pipeline.planning.cost import predicted_elements, runtime_terms
@@ -46,7 +48,7 @@ def test_counted_communication_equals_the_planner(equivalence_runs):
     tokens = workers.BATCH * cfg.seq_len
     for rank_runs in equivalence_runs:
         for r in rank_runs:
-            terms = runtime_terms(cfg.hidden, cfg.ffn_mult * cfg.hidden, cfg.vocab_size, r["mesh"])
+            terms = runtime_terms(GPTAdapter().shape(GPT(cfg)), r["mesh"])
             predicted = {f"{k}/{a}": n for (k, a), n in predicted_elements(terms, tokens, cfg.layers).items()}
             assert r["counted"] == predicted, (r["mesh"], r["chunks"])
 

@@ -23,10 +23,11 @@ from .conftest import CONF, run_train
 
 GPT = ModelShape(name="gpt", hidden=64, heads=8, layers=2, seq_len=16, vocab_size=256, ffn=256, batch_size=4)
 LLAMA = ModelShape(name="llama", hidden=64, heads=8, kv_heads=2, layers=2, seq_len=16, vocab_size=256, ffn=96,
-                   gated=True, norm="rmsnorm", bias=False, position="rotary", comm_layout="module_styles",
+                   gated=True, norm="rmsnorm", bias=False, position="rotary", norm_layout="gathered",
+                   head_layout="gathered", qkv_fused=False,
                    batch_size=4)
 TIED_OPT = ModelShape(name="opt", hidden=64, heads=8, layers=1, seq_len=16, vocab_size=256, ffn=256,
-                      tied_embeddings=True, comm_layout="module_styles", qkv_fused=True, gathered_embeddings=1,
+                      tied_embeddings=True, norm_layout="gathered", qkv_fused=True, gathered_embeddings=1,
                       batch_size=2)
 
 
@@ -222,11 +223,11 @@ def _two() -> Topology:
 
 def test_dispatch_adds_the_runtimes_cost_around_each_kernel_but_the_optimizer():
     """A kernel's time in the step is seconds·(1 + kernel_factor) + per_kernel_s, per layout."""
-    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, dispatch={"fused_block": st.Dispatch(4e-6, 0.5)})
+    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, dispatch={st.RUNTIME: st.Dispatch(4e-6, 0.5)})
     gemm, opt = st.Kernel(st.GEMM, (8, 8, 8)), st.Kernel(st.OPTIMIZER, (3, 100))
-    assert prof.step_kernel_seconds(gemm, "fused_block") == pytest.approx(10e-6 * 1.5 + 4e-6)
-    assert prof.step_kernel_seconds(gemm, "module_styles") == pytest.approx(10e-6)  # not calibrated: bare
-    assert prof.step_kernel_seconds(opt, "fused_block") == pytest.approx(10e-6)  # timed as the runtime runs it
+    assert prof.step_kernel_seconds(gemm, st.RUNTIME) == pytest.approx(10e-6 * 1.5 + 4e-6)
+    assert prof.step_kernel_seconds(gemm, "other") == pytest.approx(10e-6)  # not calibrated: bare
+    assert prof.step_kernel_seconds(opt, st.RUNTIME) == pytest.approx(10e-6)  # timed as the runtime runs it
     free = Topology.from_config({"name": "f", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1e12,
                                                          "group_GBps": 1e12}]})
     est = st.estimate_step(free, GPT, (2, 2), st.StepSetting(chunks=2), prof)
@@ -235,7 +236,7 @@ def test_dispatch_adds_the_runtimes_cost_around_each_kernel_but_the_optimizer():
     assert est.dispatch_s == pytest.approx(n * (5e-6 + 4e-6))
     assert est.optimizer_s == pytest.approx(10e-6)
     assert est.compute_s == pytest.approx(n * 19e-6 + 10e-6)
-    assert "dispatch[fused_block] 4.0 us/kernel + 50.0%" in est.calibration
+    assert "dispatch[styles] 4.0 us/kernel + 50.0%" in est.calibration
 
 
 def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_emulation():
@@ -282,21 +283,21 @@ def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_com
 
 def test_profile_with_runtime_terms_round_trips_and_names_them():
     prof = st.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(st.GEMM, (2, 3, 4)): 7e-6},
-                             dispatch={"fused_block": st.Dispatch(12e-6, 0.25), "module_styles": st.Dispatch(30e-6)},
+                             dispatch={"styles@2x2": st.Dispatch(12e-6, 0.25), "styles": st.Dispatch(30e-6)},
                              sync=st.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True")
     back = st.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
     assert back.to_config() == prof.to_config()
-    assert back.dispatch["module_styles"].per_kernel_s == pytest.approx(30e-6)
+    assert back.dispatch["styles"].per_kernel_s == pytest.approx(30e-6)
     assert (back.sync.alpha_s, back.sync.per_compute, back.sync.hidden) == pytest.approx((150e-6, 0.125, 0.75))
-    line = back.describe("module_styles")
-    assert line == ("kernels 'cal'; dispatch[module_styles] 30.0 us/kernel + 0.0%; sync 150 us + 0.125 x compute "
+    line = back.describe("styles")
+    assert line == ("kernels 'cal'; dispatch[styles] 30.0 us/kernel + 0.0%; sync 150 us + 0.125 x compute "
                     "per collective, 75% of overlap hidden; optimizer AdamW foreach=True")
     with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
         st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
     with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
         st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
-    with pytest.raises(ConfigError, match=r"dispatch.fused_block: per_kernel_us, kernel_factor"):
-        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"fused_block": {"per_kernel_us": "nan"}}})
+    with pytest.raises(ConfigError, match=r"dispatch.styles: per_kernel_us, kernel_factor"):
+        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"styles": {"per_kernel_us": "nan"}}})
 
 
 def test_calibration_fits_recover_the_runtime_terms_exactly():
@@ -310,13 +311,13 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     opt = base.fits[st.OPTIMIZER]
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
-    assert len(plans) == 3 * 2 + 3  # GPT: 3 meshes x 2 chunk counts; the module-by-module llama: chunks 1
-    want = {"fused_block": (20e-6, 0.25), "module_styles": (35e-6, 0.0)}
+    assert len(plans) == 2 * 3 * 2  # each model: 3 meshes x 2 chunk counts (one runtime chunks every model)
+    want = (20e-6, 0.25)
     plan_s = []
     for mi, d1, d2, c in plans:
         shape = (GPT, LLAMA)[mi]
         k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
-        o, f = want[shape.comm_layout]
+        o, f = want
         plan_s.append(k * (1 + f) + n * o)
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
                                                           "group_GBps": 1}]})
@@ -330,11 +331,10 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
         pat_s.append(comp + d if p[6] == cc.SYNC else max(comp + 0.6 * min(comp, d), d))
     prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s)
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
-    for layout, (o, f) in want.items():
-        assert (prof.dispatch[layout].per_kernel_s, prof.dispatch[layout].kernel_factor) == pytest.approx(
-            (o, f), rel=1e-6, abs=1e-12)
+    d = prof.dispatch[st.RUNTIME]
+    assert (d.per_kernel_s, d.kernel_factor) == pytest.approx(want, rel=1e-6, abs=1e-12)
     assert (prof.sync.alpha_s, prof.sync.per_compute) == pytest.approx((100e-6, 0.3), rel=1e-6)
-    assert "9 collective-free plan steps" in prof.source and prof.optimizer.startswith("AdamW foreach=True")
+    assert "12 collective-free plan steps" in prof.source and prof.optimizer.startswith("AdamW foreach=True")
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():
@@ -399,27 +399,26 @@ def test_dispatch_is_fitted_per_mesh_with_a_kernel_factor_below_zero():
                for k in kernels]
     base = cc.make_profile("x", kernels, seconds, 4)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
-    truth = {("fused_block", (4, 1)): (200e-6, -0.3), ("fused_block", (2, 2)): (300e-6, -0.2),
-             ("fused_block", (1, 4)): (320e-6, 0.1), ("module_styles", (4, 1)): (150e-6, 0.0),
-             ("module_styles", (2, 2)): (250e-6, 0.0), ("module_styles", (1, 4)): (260e-6, 0.0)}
+    truth = {(st.RUNTIME, (4, 1)): (200e-6, -0.3), (st.RUNTIME, (2, 2)): (300e-6, -0.2),
+             (st.RUNTIME, (1, 4)): (320e-6, 0.1)}
     plan_s = []
     for mi, d1, d2, c in plans:
         shape = (GPT, LLAMA)[mi]
         k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
-        o, f = truth[(shape.comm_layout, (d1, d2))]
+        o, f = truth[(st.RUNTIME, (d1, d2))]
         plan_s.append(k * (1 + f) + n * o)
     dispatch = cc.fit_dispatch(base, [GPT, LLAMA], plans, plan_s)
     for (layout, mesh), (o, f) in truth.items():
         d = dispatch[st.dispatch_key(layout, mesh)]
         assert (d.per_kernel_s, d.kernel_factor) == pytest.approx((o, f), rel=1e-6, abs=1e-12), (layout, mesh)
-    assert dispatch["fused_block"].kernel_factor >= 0 and dispatch["module_styles"].kernel_factor >= 0
+    assert dispatch[st.RUNTIME].kernel_factor >= 0
     prof = st.ComputeProfile.from_config({**base.to_config(), "dispatch": {
         k: {"per_kernel_us": d.per_kernel_s * 1e6, "kernel_factor": d.kernel_factor} for k, d in dispatch.items()}})
-    assert prof.dispatch_of("fused_block", (2, 2)) == ("fused_block@2x2", prof.dispatch["fused_block@2x2"])
-    assert prof.dispatch_of("fused_block", (8, 1)) == ("fused_block", prof.dispatch["fused_block"])  # fallback
+    assert prof.dispatch_of(st.RUNTIME, (2, 2)) == ("styles@2x2", prof.dispatch["styles@2x2"])
+    assert prof.dispatch_of(st.RUNTIME, (8, 1)) == ("styles", prof.dispatch["styles"])  # fallback
     k = next(k for k in kernels if k.kind == st.GEMM)
-    assert prof.step_kernel_seconds(k, "fused_block", (4, 1)) == pytest.approx(prof.seconds(k) * 0.7 + 200e-6)
-    assert "dispatch[fused_block@4x1] 200.0 us/kernel + -30.0%" in prof.describe("fused_block", (4, 1))
+    assert prof.step_kernel_seconds(k, st.RUNTIME, (4, 1)) == pytest.approx(prof.seconds(k) * 0.7 + 200e-6)
+    assert "dispatch[styles@4x1] 200.0 us/kernel + -30.0%" in prof.describe(st.RUNTIME, (4, 1))
     with pytest.raises(ConfigError, match=r"kernel_factor > -1"):
-        st.ComputeProfile.from_config({**base.to_config(), "dispatch": {"fused_block": {"per_kernel_us": 1,
+        st.ComputeProfile.from_config({**base.to_config(), "dispatch": {"styles": {"per_kernel_us": 1,
                                                                                           "kernel_factor": -1}}})

@@ -138,7 +138,7 @@ def test_six_run_sweep_leaves_one_sweep_dir(tmp_path):
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
     (["topology=ic4", "model=m4", "model.layers=96"], "error: no 2D mesh of 16 devices can run model 'm4'; the least memory: model 'm4' needs ~"),
     (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
-    (["model=llama_tiny", "overlap=chunk2"], "error: overlap.chunks=2: model 'llama_tiny' is laid out module by module"),
+    (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"], "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),
 ])
 def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):

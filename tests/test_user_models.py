@@ -13,6 +13,7 @@ import sys
 from typing import Any, Dict, List
 
 import pytest
+import torch
 
 from atp_pipeline.launch import spawn
 
@@ -101,12 +102,35 @@ def test_meta_device_model_is_materialized_as_shards(light):
         assert meta["finite"]
 
 
-def test_user_block_named_like_ours_is_refused_in_one_line():
-    out = spawn(uw.refusals_case, 4, init=False, timeout=600)[0]
-    relu, separate = out[False], out[True]
-    assert relu is not None and "\n" not in relu
-    assert relu.startswith("parallel plan: 'blocks.0' (Block) computes something else than the GPT block")
-    assert separate is not None and "lacks attn.qkv" in separate and "'blocks.0'" in separate
+def test_a_gpt_with_a_users_block_is_refused_in_one_line():
+    """The GPT's plan keeps activations split between its modules, which is exact only where
+    the code between them is the GPT's own (elementwise): a block subclass overriding
+    ``forward``, or a module of another class, is refused by name, before anything is laid out."""
+    import torch.nn.functional as F
+
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.models.adapter import get_adapter
+    from atp_pipeline.models.gpt import GPT, GPTConfig
+    from atp_pipeline.models.gpt.model import MLP, Block
+
+    class ReluBlock(Block):
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp.fc2(F.relu(self.mlp.fc1(self.ln2(x))))
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=4, layers=2)
+    gpt = GPT(cfg)
+    adapter = get_adapter("gpt")
+    assert "blocks.*.attn.core" in adapter.parallel_plan(gpt)
+    gpt.blocks[1] = ReluBlock(cfg)
+    with pytest.raises(ConfigError) as exc:
+        adapter.parallel_plan(gpt)
+    assert str(exc.value).startswith("GPT layout: 'blocks.1' is a ReluBlock (a Block subclass), not the built-in GPT's")
+    assert "\n" not in str(exc.value)
+    gpt.blocks[1] = Block(cfg)
+    gpt.blocks[0].mlp = torch.nn.Sequential(MLP(cfg))
+    with pytest.raises(ConfigError, match=r"'blocks.0.mlp' is a Sequential, not the built-in GPT's"):
+        adapter.parallel_plan(gpt)
 
 
 def test_import_is_light_and_registers_in_both_lightning_packages():

@@ -1,6 +1,6 @@
 """Apply a parallel plan — module-name patterns -> styles — to a module tree, from outside.
 
-A plan is data: ``{"blocks.*": "block", "head": "column(input=split, output=split)", ...}``
+A plan is data: ``{"blocks.*.mlp.fc1": "column", "head": "column(input=split, output=split)", ...}``
 (patterns are ``fnmatch`` on dotted module names; the first pattern that matches a module
 wins, and modules inside a replaced module are not matched again). :func:`match_plan`
 checks the patterns against a module tree — every pattern must match a module and every
@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.overlap import chunk_blocks
 from atp_pipeline.parallel.styles import ParallelStyle, Replicated, StyleContext, StyleSpec, parse_style
 
 
@@ -45,15 +46,14 @@ def match_plan(root: nn.Module, plan: Mapping[str, StyleSpec], check: bool = Tru
 
 def apply_plan(root: nn.Module, plan: Mapping[str, StyleSpec], mesh: DeviceMesh,
                chunks: int = 1) -> Dict[str, str]:
-    """Replace the modules of ``root`` that ``plan`` matches, in place; returns
+    """Replace the modules of ``root`` that ``plan`` matches, in place, and run its blocks in
+    ``chunks`` (§4.1, :func:`~atp_pipeline.parallel.overlap.chunk_blocks`); returns
     ``{module name: style description}`` of what was applied."""
     chosen = match_plan(root, plan)
-    if chunks > 1 and not any(s.chunked for s in chosen.values()):
-        raise ConfigError(f"overlap chunks={chunks} (§4.1): no style of this plan runs chunked "
-                          f"({', '.join(sorted({s.name for s in chosen.values()}))}); use chunks=1")
-    ctx = StyleContext(mesh, chunks, root)
+    ctx = StyleContext(mesh, root)
     for name, style in sorted(chosen.items(), key=lambda kv: (kv[1].order, kv[0].count("."))):
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, style.apply(name, getattr(parent, attr), ctx))
+    chunk_blocks(root, chunks)
     return {n: s.describe() for n, s in chosen.items()}

@@ -19,10 +19,11 @@ compute like a real one.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,24 @@ class Handle:
 DONE = Handle(None, None, None, 0.0, 0.0, 0.0)
 
 
+_YIELD = threading.local()
+
+
+def set_yield_point(fn: Optional[Callable[[], None]]) -> None:
+    """In this thread, call ``fn`` between launching a blocking collective and waiting for it
+    (None: wait at once). Chunk-based overlap (:mod:`~atp_pipeline.parallel.overlap`) passes
+    control to another chunk there, so the collective is in flight while that chunk computes."""
+    _YIELD.fn = fn
+
+
+def _finish(h: "Handle") -> None:
+    """Wait for ``h``, after the thread's yield point (if any) let other chunks compute."""
+    fn = getattr(_YIELD, "fn", None)
+    if fn is not None:
+        fn()
+    h.wait()
+
+
 class Comm:
     """Counted (and optionally emulated) collectives on the named dimensions of a mesh."""
 
@@ -145,7 +164,7 @@ class Comm:
         h = self._launch("all_reduce", axis, t.numel(), t.numel() * t.element_size(),
                          lambda: dist.all_reduce(t, op=reduce_op, group=self._groups[axis], async_op=True))
         if not async_op:
-            h.wait()
+            _finish(h)
         return h
 
     def all_gather(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Tuple[torch.Tensor, Handle]:
@@ -167,7 +186,7 @@ class Comm:
         h = self._launch("all_gather", axis, out.numel(), out.numel() * out.element_size(),
                          lambda: _all_gather(out, t, group=self._groups[axis], async_op=True))
         if not async_op:
-            h.wait()
+            _finish(h)
         return h
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, axis: str,
@@ -180,7 +199,7 @@ class Comm:
         h = self._launch("reduce_scatter", axis, t.numel(), t.numel() * t.element_size(),
                          lambda: _reduce_scatter(out, t, op=op, group=self._groups[axis], async_op=True))
         if not async_op:
-            h.wait()
+            _finish(h)
         return h
 
 

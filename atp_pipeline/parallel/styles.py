@@ -25,6 +25,9 @@ the axis the style reads or writes):
 ``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
                named by ``table=`` (tied embeddings): logits all-reduced over d2
 ``vocab_loss`` a cross-entropy module -> vocabulary-parallel cross-entropy over d1
+``heads``      an attention core module ``forward(q, k, v)`` on ``[b, heads, s, d]`` tensors
+               whose heads arrive split over d1 (column-first q/k/v): run on this rank's
+               heads (scattered over d2), output gathered back over d2 (§3.2.1)
 ``replicated`` kept whole on every rank (stated explicitly; nothing changes)
 =============  ============================================================================
 
@@ -42,14 +45,18 @@ replaced).
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.attention import HeadSharding
+from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
                                          TiedHead, VocabParallelLoss)
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
@@ -59,11 +66,10 @@ LAYOUTS = (FULL, SPLIT)
 
 @dataclass(frozen=True)
 class StyleContext:
-    """What a style needs besides the module: the mesh, the overlap chunks (§4.1) and the
-    root module (for a style that shares another module's parameters)."""
+    """What a style needs besides the module: the mesh and the root module (for a style that
+    shares another module's parameters)."""
 
     mesh: DeviceMesh
-    chunks: int = 1
     root: Optional[nn.Module] = None
 
 
@@ -74,7 +80,6 @@ class ParallelStyle(ABC):
     name: ClassVar[str] = ""
     applies_to: ClassVar[Tuple[type, ...]] = ()
     order: ClassVar[int] = 0  # styles apply by (order, depth): 1 = after the modules they share with
-    chunked: ClassVar[bool] = False  # runs chunk-based overlap (§4.1) when the context has chunks > 1
 
     def options(self) -> Dict[str, str]:
         return {}
@@ -277,6 +282,49 @@ class VocabLoss(ParallelStyle):
         return VocabParallelLoss(ctx.mesh)
 
 
+class AttentionHeads(ParallelStyle):
+    """An attention core (``forward(q, k, v, ...)`` on ``[b, heads, s, head_dim]`` tensors, no
+    parameters) whose q/k/v heads arrive split over d1 by column-first projections: the query
+    heads are scattered over d2, the key/value heads placed as grouped-query attention needs
+    (:class:`~atp_pipeline.parallel.attention.HeadSharding`: the core then sees one key/value
+    head per query head, or the model's group size), and the output's heads gathered back over
+    d2 (§3.2.1, Figure 6a). The module's own ``forward`` runs on the local heads."""
+
+    name = "heads"
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        if next(module.parameters(), None) is not None:
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) holds parameters; style 'heads' "
+                              f"places a parameter-free attention core")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        comm = comm_for(ctx.mesh)
+        d1 = comm.size("d1")
+        if d1 * comm.size("d2") == 1:
+            return module
+        cache: Dict[tuple, HeadSharding] = {}  # by (local query heads, local key/value heads)
+
+        def sharding(q: torch.Tensor, k: torch.Tensor) -> HeadSharding:
+            key = (int(q.shape[1]), int(k.shape[1]))
+            if key not in cache:
+                cache[key] = HeadSharding(comm, key[0] * d1, key[1] * d1)
+            return cache[key]
+
+        current = threading.local()  # the call's sharding, per thread (chunks run in threads of their own)
+
+        def before(mod: nn.Module, args: tuple) -> tuple:
+            current.sharding = sharding(args[0], args[1])
+            q, k, v, _ = current.sharding.localize(*args[:3])
+            return (q, k, v, *args[3:])
+
+        def after(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            return current.sharding.gather(out, 1)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        return module
+
+
 class Replicated(ParallelStyle):
     """Kept whole on every rank (stated explicitly; nothing changes)."""
 
@@ -326,7 +374,8 @@ def parse_style(spec: StyleSpec) -> ParallelStyle:
         raise ConfigError(f"parallel plan: style '{text}': unknown option(s) {', '.join(opts)}") from None
 
 
-for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, Tied, VocabLoss, Replicated):
+for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, Tied, VocabLoss, AttentionHeads,
+             Replicated):
     register_style(_cls.name, _cls)
 
 PlanSpec = Mapping[str, StyleSpec]

@@ -16,8 +16,9 @@ reduce over the *first* dimension in the forward pass; its equations, which we f
 them on the second. A dimension of size 1 has no collective, so its terms vanish: on
 ``(N, 1)`` this is Megatron-LM's ``4*L*b*s*h / B1`` (§2.3).
 
-**The runtime (``cost_model=runtime``).** Exactly the collectives that
-:mod:`atp_pipeline.models.gpt.parallel` sends, each with its own size: the backward all-reduce of
+**The runtime (``cost_model=runtime``).** Exactly the collectives the runtime sends for
+the model's style plan (:func:`runtime_terms`, one program for every family), each with
+its own size: the backward all-reduce of
 an operator carries its *input*'s gradient (``h/d2`` for f1 and f3 on dimension 1,
 ``h/d1`` for f2 and ``4h/d1`` for f4 on dimension 2), so Eq. 2 over-counts dimension 2 by
 ``2h/d1`` per token and layer; and Eq. 2 omits the attention scatter/gather over d2
@@ -40,7 +41,7 @@ from fractions import Fraction
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.config.schema import CostModel
-from atp_pipeline.planning.shape import KV_PICK, KV_SCATTER, ModelShape, kv_layout
+from atp_pipeline.planning.shape import KV_PICK, KV_SCATTER, ModelShape, kv_placement
 
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
 
@@ -77,58 +78,38 @@ def eq2_terms(hidden: int, mesh: Tuple[int, int], ffn: Optional[int] = None,
     return [t for t in terms if (d1 if t.dim == 1 else d2) > 1]
 
 
-def runtime_terms(hidden: int, ffn: int, vocab: int, mesh: Tuple[int, int]) -> List[CommTerm]:
-    """Every collective ATP's transformer layer (``models/gpt/parallel.py``, Figure 6) sends
-    in one training step; ``ffn`` is the MLP's width (``4h`` for the GPTs of Table 2)."""
-    d1, d2 = mesh
-    h = hidden
-    F_ = Fraction
-    t = CommTerm
-    terms = [
-        t("ln1", "LayerNorm statistics (sum, sum of squares)", ALL_REDUCE, 2, F_(2), 1, "fwd"),
-        t("ln1", "LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd"),
-        t("f1", "attention QKV linear (column-first)", ALL_REDUCE, 2, F_(3 * h, d1), 1, "fwd"),
-        t("f1", "attention QKV linear: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd"),
-        t("scatter", "scatter before the attention core: gradient", ALL_GATHER, 2, F_(3 * h, d1), 1, "bwd"),
-        t("gather", "gather after the attention core", ALL_GATHER, 2, F_(h, d1), 1, "fwd"),
-        t("f2", "attention output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
-        t("f2", "attention output linear: input gradient", ALL_REDUCE, 2, F_(h, d1), 1, "bwd"),
-        t("ln2", "LayerNorm statistics (sum, sum of squares)", ALL_REDUCE, 2, F_(2), 1, "fwd"),
-        t("ln2", "LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd"),
-        t("f3", "MLP first linear (column-first)", ALL_REDUCE, 2, F_(ffn, d1), 1, "fwd"),
-        t("f3", "MLP first linear: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd"),
-        t("f4", "MLP second linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
-        t("f4", "MLP second linear: input gradient", ALL_REDUCE, 2, F_(ffn, d1), 1, "bwd"),
-        t("ln_f", "final LayerNorm statistics", ALL_REDUCE, 2, F_(2), 1, "fwd", False),
-        t("ln_f", "final LayerNorm statistics gradient", ALL_REDUCE, 2, F_(2), 1, "bwd", False),
-        t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(vocab, d1), 1, "fwd", False),
-        t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False),
-        t("loss", "vocab-parallel cross-entropy: max", ALL_REDUCE, 1, F_(1), 1, "fwd", False),
-        t("loss", "vocab-parallel cross-entropy: sum-exp, target logit", ALL_REDUCE, 1, F_(2), 1, "fwd", False),
-    ]
-    return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
-
-
-def module_style_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
-    """Every collective of a decoder laid out module by module (``comm_layout="module_styles"``:
-    :mod:`atp_pipeline.models.hf`), one training step. Per layer: two norms run whole on
-    the hidden gathered over d2 (an all-gather of ``h`` forward and of its gradient
-    backward); q/k/v column-first (three linears, or one fused) and o row-first, the query
-    heads scattered over d2 and gathered back, the key/value heads as
-    :func:`~atp_pipeline.planning.shape.kv_layout` places them; the MLP's ``2`` (``3``
-    gated) linears. Per model: the final norm; the LM head, column-first with its logits
-    gathered over d1 for the model's own loss, or tied to the embedding (partial logits over
-    the whole vocabulary all-reduced over d2, no backward communication); embeddings run whole
-    and sliced over d2 (their gradient gathered over d2)."""
+def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """Every collective the runtime sends in one training step of ``shape`` laid out by its
+    style plan (:mod:`atp_pipeline.parallel.styles`; Figure 6), whatever the family. Per
+    layer: two norms (``norm_layout``: ``stats`` — LayerNorm sums of x and x² all-reduced over
+    d2 each way; ``gathered`` — the model's own norm on the hidden gathered over d2, its
+    output gradient gathered back); q/k/v column-first (three linears, or one fused) and o
+    row-first, the query heads scattered over d2 and gathered back, the key/value heads as
+    :func:`~atp_pipeline.planning.shape.kv_layout` places them; the MLP's ``2`` (``3`` gated)
+    linears. Per model: the final norm; the LM head (``head_layout``: ``vocab_parallel`` —
+    column-first with the vocabulary-parallel loss's max and sums over d1; ``gathered`` —
+    logits gathered over d1 for the model's own loss; ``tied`` — sharing the embedding's
+    table, partial logits over the whole vocabulary all-reduced over d2, no backward
+    communication); embeddings run whole and sliced over d2 (their gradient gathered).
+    Chunks (§4.1) multiply calls, not elements."""
     d1, d2 = mesh
     h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
     F_, t = Fraction, CommTerm
     up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
     qkv_inputs = 1 if shape.qkv_fused else 3
-    layout = kv_layout(shape.kv_heads, d1, d2)
-    terms = [
-        t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "fwd"),
-        t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "bwd"),
+    layout = kv_placement(shape, d1, d2)
+    if shape.norm_layout == "stats":
+        norms = [t("norm", "norm statistics (sum, sum of squares) over d2", ALL_REDUCE, 2, F_(4), 1, "fwd"),
+                 t("norm", "norm statistics gradient over d2", ALL_REDUCE, 2, F_(4), 1, "bwd")]
+        final = [t("norm_f", "final norm statistics over d2", ALL_REDUCE, 2, F_(2), 1, "fwd", False),
+                 t("norm_f", "final norm statistics gradient over d2", ALL_REDUCE, 2, F_(2), 1, "bwd", False)]
+    else:
+        norms = [t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "fwd"),
+                 t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "bwd")]
+        final = [t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
+                 t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd",
+                   False)]
+    terms = norms + [
         t("f1", "q/k/v linears (column-first)", ALL_REDUCE, 2, F_(q + 2 * kv, d1), 1, "fwd"),
         t("f1", "q/k/v linears: input gradient", ALL_REDUCE, 1, F_(qkv_inputs * h, d2), 1, "bwd"),
         t("scatter", "query heads scattered over d2: gradient", ALL_GATHER, 2, F_(q, d1), 1, "bwd"),
@@ -141,16 +122,19 @@ def module_style_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTer
         t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
     ]
     if shape.final_norm:
-        terms += [t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
-                  t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd",
-                    False)]
-    if shape.tied_embeddings:
+        terms += final
+    if shape.head_layout == "tied":
         terms.append(t("head", "LM head tied to the embedding: logits all-reduced over d2", ALL_REDUCE, 2,
                        F_(V), 1, "fwd", False))
     else:
-        terms += [t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(V, d1), 1, "fwd", False),
-                  t("head", "LM head: logits gathered over d1", ALL_GATHER, 1, F_(V), 1, "fwd", False),
-                  t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False)]
+        terms.append(t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(V, d1), 1, "fwd", False))
+        if shape.head_layout == "gathered":
+            terms.append(t("head", "LM head: logits gathered over d1", ALL_GATHER, 1, F_(V), 1, "fwd", False))
+        terms.append(t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False))
+        if shape.head_layout == "vocab_parallel":
+            terms += [t("loss", "vocab-parallel cross-entropy: max", ALL_REDUCE, 1, F_(1), 1, "fwd", False),
+                      t("loss", "vocab-parallel cross-entropy: sum-exp, target logit", ALL_REDUCE, 1, F_(2), 1,
+                        "fwd", False)]
     if shape.gathered_embeddings:
         terms.append(t("embed", "embeddings run whole: gradient gathered over d2", ALL_GATHER, 2,
                        F_(shape.gathered_embeddings * h), 1, "bwd", False))
@@ -173,9 +157,7 @@ def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) 
     if cost_model == CostModel.eq2:
         return eq2_terms(shape.hidden, mesh, ffn=shape.ffn, qkv=shape.q_width + 2 * shape.kv_width)
     if cost_model == CostModel.runtime:
-        if shape.comm_layout == "module_styles":
-            return module_style_terms(shape, mesh)
-        return runtime_terms(shape.hidden, shape.ffn, shape.vocab_size, mesh)
+        return runtime_terms(shape, mesh)
     raise ValueError(f"unknown cost model {cost_model}")
 
 

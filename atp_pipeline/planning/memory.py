@@ -42,7 +42,7 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     d1, d2 = mesh
     tp = d1 * d2
     h, L, V, s = m.hidden, m.layers, m.vocab_size, m.seq_len
-    norm_split = d2 if m.comm_layout == "fused_block" else 1  # module by module: norms run whole
+    norm_split = d2 if m.norm_layout == "stats" else 1  # gathered: the norms' weights stay whole
     per_layer = (m.weights_per_layer / tp + m.column_bias_per_layer / d1 + m.row_bias_per_layer / d2
                  + m.norm_params_per_layer / norm_split)
     positions = s if m.position == "learned" else 0

@@ -67,8 +67,7 @@ def step_estimate(topo: Topology, model: ModelShape, mesh: Mesh, setting: StepSe
     if profile is None or mesh_infeasibility(model, mesh) is not None:
         return None
     local = model.batch_size // setting.dp
-    if model.batch_size % setting.dp or local % setting.chunks or (
-            setting.chunks > 1 and model.comm_layout == "module_styles"):
+    if model.batch_size % setting.dp or local % setting.chunks:
         return None  # a step the runtime does not run (the run's checks name why)
     sync = 0.0
     if setting.dp > 1 and setting.world is not None:

@@ -21,11 +21,15 @@ from typing import Any, Optional
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "none")
-# How a family's modules sit on the mesh, as far as communication goes: "fused_block" is
-# ATP's fused layer (LayerNorm statistics all-reduced, vocabulary-parallel loss);
-# "module_styles" styles each module and keeps the user's own code between them (norms
-# run whole on the gathered hidden, logits gathered for the model's own loss).
-COMM_LAYOUTS = ("fused_block", "module_styles")
+# How the style plan places the parts that differ between layouts (the linears, heads and
+# embeddings are placed alike for every model): a norm's ``norm_layout`` is "stats" (style
+# ``layernorm``: its sums all-reduced over d2) or "gathered" (style ``gathered``: the model's
+# own norm on the hidden gathered over d2); the LM head's ``head_layout`` is
+# "vocab_parallel" (column-first, logits split over d1, vocabulary-parallel loss),
+# "gathered" (column-first, logits gathered over d1 for the model's own loss) or "tied"
+# (sharing the embedding's table, partial logits all-reduced over d2).
+NORM_LAYOUTS = ("stats", "gathered")
+HEAD_LAYOUTS = ("vocab_parallel", "gathered", "tied")
 KV_SCATTER, KV_PICK, KV_GATHERED = "scatter", "pick", "gathered"
 TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
 
@@ -50,8 +54,9 @@ class ModelShape:
     tied_embeddings: bool = False
     batch_size: int = 1
     dtype: str = "fp32"
-    comm_layout: str = "fused_block"
-    qkv_fused: bool = False  # one q|k|v projection (one input-gradient all-reduce, not three)
+    qkv_fused: bool = True  # one q|k|v projection (one input-gradient all-reduce, not three)
+    norm_layout: str = "stats"
+    head_layout: str = ""  # "" -> "tied" if tied_embeddings else "vocab_parallel"
     final_norm: bool = True  # a norm after the last layer
     gathered_embeddings: int = 0  # embeddings run whole and sliced over d2 (e.g. OPT's positions)
 
@@ -69,8 +74,13 @@ class ModelShape:
             raise ValueError(f"model '{self.name}': norm must be one of {NORMS}, got {self.norm!r}")
         if self.position not in POSITIONS:
             raise ValueError(f"model '{self.name}': position must be one of {POSITIONS}, got {self.position!r}")
-        if self.comm_layout not in COMM_LAYOUTS:
-            raise ValueError(f"model '{self.name}': comm_layout must be one of {COMM_LAYOUTS}, got {self.comm_layout!r}")
+        if not self.head_layout:
+            object.__setattr__(self, "head_layout", "tied" if self.tied_embeddings else "vocab_parallel")
+        if self.norm_layout not in NORM_LAYOUTS:
+            raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
+        if self.head_layout not in HEAD_LAYOUTS or (self.head_layout == "tied") != self.tied_embeddings:
+            raise ValueError(f"model '{self.name}': head_layout must be one of {HEAD_LAYOUTS} ('tied' exactly when "
+                             f"the embeddings are tied), got {self.head_layout!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model '{self.name}': dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -182,13 +192,20 @@ def kv_layout(kv_heads: int, d1: int, d2: int) -> str:
     raise ValueError(f"{kv_heads} key/value heads neither split over nor replicate evenly across d1={d1}")
 
 
+def kv_placement(shape: ModelShape, d1: int, d2: int) -> str:
+    """:func:`kv_layout` of ``shape``'s key/value heads; multi-head attention (as many key/value
+    heads as query heads) is always ``scatter``: its heads are placed like the queries, also in
+    the cost of a mesh that does not divide them (planned with ``require_divisible=false``)."""
+    return KV_SCATTER if shape.kv_heads == shape.heads else kv_layout(shape.kv_heads, d1, d2)
+
+
 def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
     """Why ATP's layout (§3.2) cannot run ``shape`` on ``DeviceMesh(d1, d2)``, or None.
 
     Attention heads are column-first over d1 and scattered over d2, so they split over
     ``d1·d2``; activations between blocks split the hidden size over d2; the FFN and the
     attention widths are column-first over d1; the LM head splits the vocabulary over d1
-    (a head tied to the embedding, laid out module by module, does not).
+    (a head tied to the embedding does not).
     """
     if shape.heads % (d1 * d2):
         return (f"{shape.heads} heads of model '{shape.name}' do not split over d1*d2 = "
@@ -198,6 +215,6 @@ def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
     if shape.kv_heads % d1 and d1 % shape.kv_heads:
         return (f"{shape.kv_heads} key/value heads of model '{shape.name}' neither split over nor "
                 f"replicate evenly across d1={d1}")
-    if shape.vocab_size % d1 and not (shape.tied_embeddings and shape.comm_layout == "module_styles"):
+    if shape.vocab_size % d1 and shape.head_layout != "tied":
         return f"vocabulary {shape.vocab_size} of model '{shape.name}' is not divisible by d1={d1} (vocab-parallel head)"
     return None

@@ -59,7 +59,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
 from atp_pipeline.planning.cost import ALL_GATHER, ALL_REDUCE, CommTerm, collective_seconds, comm_terms
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective
-from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_layout
+from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_placement
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]
@@ -105,6 +105,9 @@ class KindFit:
     per_tensor_s: float = 0.0
 
 
+RUNTIME = "styles"  # the layout key of the runtime's framework cost: one runtime lays out every model
+
+
 def dispatch_key(layout: str, mesh: Mesh) -> str:
     """The profile's key of a layout's framework cost calibrated on one mesh: ``layout@d1xd2``."""
     return f"{layout}@{mesh[0]}x{mesh[1]}"
@@ -112,7 +115,7 @@ def dispatch_key(layout: str, mesh: Mesh) -> str:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """What the runtime pays around its kernels, per layout (``fused_block``, ``module_styles``):
+    """What the runtime pays around its kernels, per layout key (:data:`RUNTIME`):
     ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``s, DTensor
     ``to_local``, views, module calls, ``Comm`` bookkeeping) and ``kernel_factor``, the extra
     fraction of the kernels' own time they take in the step (cache, allocator; negative where
@@ -382,167 +385,130 @@ class Program:
     chunks: int
 
 
-def _fused_block_program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int,
-                         terms: Terms) -> Program:
-    """ATP's fused layer (``models/gpt/parallel.py`` ParallelBlock): stages _qkv, _attention,
-    _proj, _attn_out, _fc1, _fc2, _mlp_out per chunk; final LayerNorm, column-first head and
-    vocabulary-parallel loss once."""
+def _stages(items: List[Item]) -> List[List[Item]]:
+    """A chunk's forward items cut after each blocking collective, which becomes a launch the
+    chunk waits for at its next stage (the wavefront of :mod:`~atp_pipeline.parallel.overlap`:
+    at a collective the next chunk computes while it is in flight)."""
+    out: List[List[Item]] = [[]]
+    for item in items:
+        if item[0] == "sync":
+            out[-1].append(("async", item[1]))
+            out.append([])
+        else:
+            out[-1].append(item)
+    return out
+
+
+def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
+           count: Fraction) -> Tuple[List[Item], List[Item]]:
+    """One block of one chunk (``T`` tokens, ``batch`` sequences) as the style plan lays it
+    out: forward items in order, backward items in execution order (reverse of the forward's
+    pieces, as autograd runs them). ``count`` weighs each placement towards its term."""
     d1, d2 = mesh
-    h, f, V, s, hd = shape.hidden, shape.ffn, shape.vocab_size, shape.seq_len, shape.head_dim
-    heads_local = shape.heads // (d1 * d2)
-    T = tokens // chunks
-    bc = batch // chunks
-    per_chunk = Fraction(1, chunks * 1)
-    L = shape.layers
-    stage_items, stage_bwd = [], []
-    for _ in range(L):
-        fw: List[List[List[Item]]] = [[] for _ in range(7)]
-        bw: List[List[List[Item]]] = [[] for _ in range(7)]
-        for _c_ in range(chunks):
-            def tk(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
-                return terms.take(op, phase, T, nth=nth, count=per_chunk / L)
-            ln1f, ln1b = tk("ln1", "fwd"), tk("ln1", "bwd")
-            f1f, f1b = tk("f1", "fwd"), tk("f1", "bwd")
-            scb, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
-            f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
-            ln2f, ln2b = tk("ln2", "fwd"), tk("ln2", "bwd")
-            f3f, f3b = tk("f3", "fwd"), tk("f3", "bwd")
-            f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
-            hs, q1, ff1 = h // d2, 3 * h // d1, f // d1
-            # _qkv: LayerNorm (stats all-reduced over d2), QKV GEMM, all-reduce left in flight
-            fw[0].append([_k(NORM_FWD, T * hs), *_c("sync", ln1f), _k(GEMM, T, hs, q1), *_c("async", f1f)])
-            bw[0].append([*_linear_bwd(T, hs, q1, f1b), _k(NORM_BWD, T * hs), *_c("sync", ln1b)])
-            # _attention: bias, heads scattered over d2, core, output gathered over d2 (in flight)
-            fw[1].append([_k(POINTWISE, T * q1), _k(POINTWISE, T * q1 // d2),
-                          _k(ATTN_FWD, bc, heads_local, s, hd), _k(POINTWISE, T * h // (d1 * d2)),
-                          *_c("async", gaf)])
-            bw[1].append([_k(POINTWISE, T * h // (d1 * d2)), _k(ATTN_BWD, bc, heads_local, s, hd),
-                          *_c("sync", scb), _k(POINTWISE, T * q1)])
-            # _proj: row-first output projection, all-reduce over d1 in flight
-            fw[2].append([_k(POINTWISE, T * h // d1), _k(GEMM, T, h // d1, hs), *_c("async", f2f)])
-            bw[2].append([*_linear_bwd(T, h // d1, hs, f2b), _k(POINTWISE, T * h // d1)])
-            # _attn_out: bias + residual
-            fw[3].append([_k(POINTWISE, T * hs), _k(POINTWISE, T * hs)])
-            bw[3].append([_k(POINTWISE, T * hs)])
-            # _fc1
-            fw[4].append([_k(NORM_FWD, T * hs), *_c("sync", ln2f), _k(GEMM, T, hs, ff1), *_c("async", f3f)])
-            bw[4].append([*_linear_bwd(T, hs, ff1, f3b), _k(NORM_BWD, T * hs), *_c("sync", ln2b)])
-            # _fc2: bias, GeLU, row-first GEMM
-            fw[5].append([_k(POINTWISE, T * ff1), _k(POINTWISE, T * ff1), _k(GEMM, T, ff1, hs), *_c("async", f4f)])
-            bw[5].append([*_linear_bwd(T, ff1, hs, f4b), _k(POINTWISE, T * ff1), _k(POINTWISE, T * ff1)])
-            # _mlp_out
-            fw[6].append([_k(POINTWISE, T * hs), _k(POINTWISE, T * hs)])
-            bw[6].append([_k(POINTWISE, T * hs)])
-        stage_items.append(fw)
-        stage_bwd.append(bw)
-    N, hs, Vl = tokens, h // d2, V // d1
-    one = Fraction(1)
-
-    def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
-        return terms.take(op, phase, N, nth=nth, count=one)
-    lnf, lnfb = tm("ln_f", "fwd"), tm("ln_f", "bwd")
-    headf, headb = tm("head", "fwd"), tm("head", "bwd")
-    lmax, lsum = tm("loss", "fwd", 0), tm("loss", "fwd", 1)
-    embeds = 2 if shape.position == "learned" else 1
-    pre = [_k(POINTWISE, N * hs) for _ in range(embeds)] + [_k(POINTWISE, N * hs)] * (embeds - 1)
-    post_fwd = [_k(NORM_FWD, N * hs), *_c("sync", lnf), _k(GEMM, N, hs, Vl), *_c("sync", headf),
-                _k(POINTWISE, N * Vl), *_c("sync", lmax), _k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl),
-                _k(POINTWISE, N * Vl), *_c("sync", lsum)]
-    post_bwd = [_k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl), _k(POINTWISE, N * Vl),
-                *_linear_bwd(N, hs, Vl, headb), _k(NORM_BWD, N * hs), *_c("sync", lnfb)]
-    pre_bwd = [_k(POINTWISE, N * hs) for _ in range(embeds)]
-    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
-
-
-def _module_styles_program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, terms: Terms) -> Program:
-    """A decoder laid out module by module (``models/hf``): norms run whole on the hidden
-    gathered over d2, q/k/v column-first and o row-first with the heads scattered over d2
-    for the core, the MLP's column-first up (and gate) and row-first down; every forward
-    collective blocks (no chunked execution)."""
-    d1, d2 = mesh
-    h, f, V, s, hd = shape.hidden, shape.ffn, shape.vocab_size, shape.seq_len, shape.head_dim
+    h, f, s, hd = shape.hidden, shape.ffn, shape.seq_len, shape.head_dim
     q, kv = shape.q_width, shape.kv_width
-    T, hs = tokens, h // d2
-    L = shape.layers
+    hs = h // d2
     heads_local = shape.heads // (d1 * d2)
     up = shape.ffn_matrices - 1
-    layout = kv_layout(shape.kv_heads, d1, d2)
-    stage_items, stage_bwd = [], []
+    layout = kv_placement(shape, d1, d2)
     rot = 2 if shape.position == "rotary" else 0
-    for _ in range(L):
-        per = Fraction(1, L)
 
-        def tk(op: str, phase: str, share: Fraction = Fraction(1), nth: int = 0) -> Optional[Coll]:
-            return terms.take(op, phase, T, share=share, nth=nth, count=per)
-        fw: List[Item] = []
-        bw: List[Item] = []  # built in forward order, run reversed piece by piece
-        pieces: List[Tuple[List[Item], List[Item]]] = []
+    def tk(op: str, phase: str, share: Fraction = Fraction(1), nth: int = 0) -> Optional[Coll]:
+        return terms.take(op, phase, T, share=share, nth=nth, count=count)
+    pieces: List[Tuple[List[Item], List[Item]]] = []
 
-        def norm() -> None:
-            g, gb = tk("norm", "fwd", Fraction(1, 2)), tk("norm", "bwd", Fraction(1, 2))
+    def norm() -> None:
+        g, gb = tk("norm", "fwd", Fraction(1, 2)), tk("norm", "bwd", Fraction(1, 2))
+        if shape.norm_layout == "stats":  # sums over the split hidden all-reduced, then normalized
+            pieces.append(([_k(NORM_FWD, T * hs), *_c("sync", g)], [_k(NORM_BWD, T * hs), *_c("sync", gb)]))
+        else:  # gathered: the model's own norm on the whole hidden, sliced back
             pieces.append(([*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)],
                            [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]))
-        norm()
-        widths = [q + 2 * kv] if shape.qkv_fused else [q, kv, kv]
-        f1f_total = q + 2 * kv
-        for w in widths:
-            cf = tk("f1", "fwd", Fraction(w, f1f_total))
-            cb = tk("f1", "bwd", Fraction(1, len(widths)))
-            pieces.append(([_k(GEMM, T, hs, w // d1), *_c("sync", cf), _k(POINTWISE, T * w // d1)],
-                           _linear_bwd(T, hs, w // d1, cb)))
-        kvf = tk("kv", "fwd") if layout == KV_GATHERED else None
-        kv_pick = [tk("pick", "bwd", nth=i) for i in range(2)] if layout in (KV_PICK, KV_GATHERED) else []
-        kv_scatter = tk("scatter", "bwd", nth=1) if layout == KV_SCATTER else None
-        scq, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
-        pieces.append(([*([_k(POINTWISE, T * (q + kv) // d1)] * rot), *_c("sync", kvf),
-                        _k(ATTN_FWD, batch, heads_local, s, hd), *_c("sync", gaf)],
-                       [_k(ATTN_BWD, batch, heads_local, s, hd), *_c("sync", scq), *_c("sync", kv_scatter),
-                        *[x for c in kv_pick for x in _c("sync", c)],
-                        *([_k(POINTWISE, T * (q + kv) // d1)] * rot)]))
-        f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
-        pieces.append(([_k(GEMM, T, q // d1, hs), *_c("sync", f2f), _k(POINTWISE, T * hs)],
-                       [*_linear_bwd(T, q // d1, hs, f2b), _k(POINTWISE, T * hs)]))
-        norm()
-        for i in range(up):
-            cf, cb = tk("f3", "fwd", Fraction(1, up)), tk("f3", "bwd", Fraction(1, up))
-            pieces.append(([_k(GEMM, T, hs, f // d1), *_c("sync", cf)], _linear_bwd(T, hs, f // d1, cb)))
-        pieces.append(([_k(POINTWISE, T * f // d1)] * up, [_k(POINTWISE, T * f // d1)] * up))
-        f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
-        pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
-                       [*_linear_bwd(T, f // d1, hs, f4b), _k(POINTWISE, T * hs)]))
-        for a, b in pieces:
-            fw += a
-        for a, b in reversed(pieces):
-            bw += b
-        stage_items.append([[fw]])
-        stage_bwd.append([[bw]])
+    norm()
+    widths = [q + 2 * kv] if shape.qkv_fused else [q, kv, kv]
+    for w in widths:
+        cf = tk("f1", "fwd", Fraction(w, q + 2 * kv))
+        cb = tk("f1", "bwd", Fraction(1, len(widths)))
+        pieces.append(([_k(GEMM, T, hs, w // d1), *_c("sync", cf), _k(POINTWISE, T * w // d1)],
+                       _linear_bwd(T, hs, w // d1, cb)))
+    kvf = tk("kv", "fwd") if layout == KV_GATHERED else None
+    kv_pick = [tk("pick", "bwd", nth=i) for i in range(2)] if layout in (KV_PICK, KV_GATHERED) else []
+    kv_scatter = tk("scatter", "bwd", nth=1) if layout == KV_SCATTER else None
+    scq, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
+    pieces.append(([*([_k(POINTWISE, T * (q + kv) // d1)] * rot), *_c("sync", kvf),
+                    _k(ATTN_FWD, batch, heads_local, s, hd), *_c("sync", gaf)],
+                   [_k(ATTN_BWD, batch, heads_local, s, hd), *_c("sync", scq), *_c("sync", kv_scatter),
+                    *[x for c in kv_pick for x in _c("sync", c)], *([_k(POINTWISE, T * (q + kv) // d1)] * rot)]))
+    f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
+    pieces.append(([_k(GEMM, T, q // d1, hs), *_c("sync", f2f), _k(POINTWISE, T * hs)],
+                   [*_linear_bwd(T, q // d1, hs, f2b), _k(POINTWISE, T * hs)]))
+    norm()
+    for _ in range(up):
+        cf, cb = tk("f3", "fwd", Fraction(1, up)), tk("f3", "bwd", Fraction(1, up))
+        pieces.append(([_k(GEMM, T, hs, f // d1), *_c("sync", cf)], _linear_bwd(T, hs, f // d1, cb)))
+    pieces.append(([_k(POINTWISE, T * f // d1)] * up, [_k(POINTWISE, T * f // d1)] * up))
+    f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
+    pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
+                   [*_linear_bwd(T, f // d1, hs, f4b), _k(POINTWISE, T * hs)]))
+    fw = [x for a, _ in pieces for x in a]
+    bw = [x for _, b in reversed(pieces) for x in b]
+    return fw, bw
+
+
+def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int, terms: Terms) -> Program:
+    """One rank's step of ``shape`` laid out by its style plan (the runtime's one layout for
+    every family): each block's forward as ``chunks`` wavefront chunks cut at their
+    collectives (§4.1), the backward with §4.2's overlap; embeddings before, the final norm,
+    head and loss after."""
+    d1, d2 = mesh
+    h, V = shape.hidden, shape.vocab_size
+    T, hs = tokens, h // d2
+    L = shape.layers
+    stage_items, stage_bwd = [], []
+    for _ in range(L):
+        per_chunk = [_layer(shape, mesh, T // chunks, batch // chunks, terms, Fraction(1, L * chunks))
+                     for _ in range(chunks)]
+        cut = [_stages(fw) for fw, _ in per_chunk]
+        n = len(cut[0])
+        stage_items.append([[cut[c][st] for c in range(chunks)] for st in range(n)])
+        stage_bwd.append([[per_chunk[c][1] if st == 0 else [] for c in range(chunks)] for st in range(n)])
     one = Fraction(1)
 
     def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
         return terms.take(op, phase, T, nth=nth, count=one)
-    Vl = V if shape.tied_embeddings else V // d1
     post_fwd: List[Item] = []
-    post_bwd: List[Item] = []
+    post_bwd_norm: List[Item] = []
     if shape.final_norm:
         g, gb = tm("norm_f", "fwd"), tm("norm_f", "bwd")
-        post_fwd += [*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)]
-        post_bwd_norm = [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]
-    else:
-        post_bwd_norm = []
-    if shape.tied_embeddings:
-        hf_ = tm("head", "fwd")
-        post_fwd += [_k(GEMM, T, hs, V), *_c("sync", hf_)]
+        if shape.norm_layout == "stats":
+            post_fwd += [_k(NORM_FWD, T * hs), *_c("sync", g)]
+            post_bwd_norm = [_k(NORM_BWD, T * hs), *_c("sync", gb)]
+        else:
+            post_fwd += [*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)]
+            post_bwd_norm = [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]
+    if shape.head_layout == "tied":
+        post_fwd += [_k(GEMM, T, hs, V), *_c("sync", tm("head", "fwd"))]
         head_bwd = [_k(GEMM, T, V, hs), _k(GEMM, V, T, hs)]
-    else:
-        hf_, hg, hb = tm("head", "fwd", 0), tm("head", "fwd", 1), tm("head", "bwd")
-        post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", hf_), *_c("sync", hg)]
-        head_bwd = [_k(POINTWISE, T * Vl), *_linear_bwd(T, hs, Vl, hb)]
-    post_fwd += [_k(POINTWISE, T * V)] * 3  # the model's own cross-entropy on whole logits
-    post_bwd = [_k(POINTWISE, T * V)] * 2 + head_bwd + post_bwd_norm
+        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2
+    elif shape.head_layout == "gathered":
+        Vl = V // d1
+        post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd", 0)), *_c("sync", tm("head", "fwd", 1))]
+        head_bwd = [_k(POINTWISE, T * Vl), *_linear_bwd(T, hs, Vl, tm("head", "bwd"))]
+        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2  # the model's own loss
+    else:  # vocab_parallel: max and sums of the split logits over d1
+        Vl = V // d1
+        post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd"))]
+        head_bwd = _linear_bwd(T, hs, Vl, tm("head", "bwd"))
+        loss_fwd = [_k(POINTWISE, T * Vl), *_c("sync", tm("loss", "fwd", 0)), _k(POINTWISE, T * Vl),
+                    _k(POINTWISE, T * Vl), _k(POINTWISE, T * Vl), *_c("sync", tm("loss", "fwd", 1))]
+        loss_bwd = [_k(POINTWISE, T * Vl)] * 3
+    post_fwd += loss_fwd
+    post_bwd = loss_bwd + head_bwd + post_bwd_norm
     emb = tm("embed", "bwd") if shape.gathered_embeddings else None
-    pre = [_k(POINTWISE, T * hs)] * (1 + shape.gathered_embeddings)
-    pre_bwd = [_k(POINTWISE, T * hs), *_c("sync", emb)]
-    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], 1)
+    embeds = (2 if shape.position == "learned" else 1)
+    pre = [_k(POINTWISE, T * hs)] * (embeds + shape.gathered_embeddings)
+    pre_bwd = [_k(POINTWISE, T * hs)] * embeds + _c("sync", emb)
+    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
 
 
 def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
@@ -551,7 +517,7 @@ def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
     from atp_pipeline.planning.memory import per_device_memory
 
     params = per_device_memory(shape, mesh).params
-    linears = (1 if shape.comm_layout == "fused_block" or shape.qkv_fused else 3) + 1 + shape.ffn_matrices
+    linears = (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices
     norm_tensors = 2 if shape.norm == "layernorm" else 1
     per_layer = linears * (2 if shape.bias else 1) + 2 * norm_tensors
     tensors = (shape.layers * per_layer + 1 + (1 if shape.position == "learned" else 0)
@@ -567,15 +533,9 @@ def build_program(shape: ModelShape, mesh: Mesh, batch: int, chunks: int,
         terms = comm_terms(CostModel.runtime, shape, mesh)
     t = Terms(terms)
     tokens = batch * shape.seq_len
-    if shape.comm_layout == "module_styles":
-        if chunks != 1:
-            raise ConfigError(f"step model: model '{shape.name}' is laid out module by module, which has no "
-                              f"chunked execution (chunks={chunks})")
-        prog = _module_styles_program(shape, mesh, tokens, batch, t)
-    else:
-        if batch % chunks:
-            raise ConfigError(f"step model: chunks={chunks} does not divide the local batch {batch}")
-        prog = _fused_block_program(shape, mesh, tokens, batch, chunks, t)
+    if batch % chunks:
+        raise ConfigError(f"step model: chunks={chunks} does not divide the local batch {batch}")
+    prog = _program(shape, mesh, tokens, batch, chunks, t)
     prog.tail = [("k", optimizer_kernel(shape, mesh))]
     t.check_done()
     return prog, t
@@ -750,10 +710,10 @@ class _Timeline:
 def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
              layout: str = "") -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
-    wavefront of each block as ``ParallelBlock.forward`` runs it (at step ``t`` chunk ``c``
-    runs stage ``t - c`` after waiting for its own collectives), the backward in reverse
-    order of the forward's (stage, chunk) steps. ``layout`` picks the profile's framework
-    cost (:class:`Dispatch`)."""
+    of each block as :mod:`~atp_pipeline.parallel.overlap` runs it (chunks take turns stage by
+    stage, a stage ending where its chunk launches a collective, which the chunk waits for when
+    its turn comes again), the backward in reverse order of the forward's (stage, chunk)
+    steps. ``layout`` picks the profile's framework cost (:class:`Dispatch`)."""
     tl = _run(prog, clock, profile, bytes_per_element, layout)
     return tl.now, tl.compute, tl.comm_total
 
@@ -767,13 +727,11 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
         n = len(layer)
         k = len(layer[0])
         pending: List[List[Tuple[float, float, float]]] = [[] for _ in range(k)]
-        for t in range(n + k - 1):
+        for st in range(n):  # round-robin, as the runtime passes the baton at each collective
             for c in range(k):
-                st = t - c
-                if 0 <= st < n:
-                    tl.wait(pending[c])
-                    tl.run(layer[st][c], pending[c])
-                    order_all.append((li, st, c))
+                tl.wait(pending[c])
+                tl.run(layer[st][c], pending[c])
+                order_all.append((li, st, c))
         for p in pending:
             tl.wait(p)
     tl.run(prog.post_fwd, [])
@@ -838,10 +796,10 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, shape.comm_layout)
+    tl = _run(prog, clock, profile, shape.bytes_per_element, RUNTIME)
     step, compute = tl.now + gradsync_s, tl.compute
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(shape.comm_layout, mesh))
+                        tl.sync, profile.describe(RUNTIME, mesh))

@@ -63,7 +63,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
 from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
                                             POINTWISE, CommClock, ComputeProfile, Dispatch, Kernel, KindFit, SyncFit,
-                                            _all_items, build_program, dispatch_key)
+                                            RUNTIME, _all_items, build_program, dispatch_key)
 
 CONF = Path("conf")
 OPTIMIZER_DESC = "AdamW foreach=True over DTensor parameters (lightning.module.adamw)"
@@ -87,7 +87,7 @@ def plan_kernels(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> Li
             if mesh_infeasibility(shape, mesh):
                 continue
             for c in chunks:
-                if (c > 1 and shape.comm_layout == "module_styles") or shape.batch_size % c:
+                if shape.batch_size % c:
                     continue
                 prog, _ = build_program(shape, mesh, shape.batch_size, c)
                 seen.update(item[1] for item in _all_items(prog) if item[0] == "k")
@@ -109,7 +109,7 @@ def plan_points(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> Lis
 
     return [(i, mesh[0], mesh[1], c) for i, shape in enumerate(shapes) for mesh in candidate_meshes(world)
             if not mesh_infeasibility(shape, mesh) for c in chunks
-            if not ((c > 1 and shape.comm_layout == "module_styles") or shape.batch_size % c)]
+            if not shape.batch_size % c]
 
 
 def sync_patterns(world: int) -> List[Pattern]:
@@ -353,8 +353,8 @@ def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence
     tell ``f`` from ``o`` (kernels of different mean times); else ``o`` alone."""
     out: Dict[str, Dispatch] = {}
     sums = [plan_kernel_sum(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]  # (K, n) per plan
-    for layout in sorted({shapes[p[0]].comm_layout for p in plans}):
-        ours = [(p, kn, t) for p, kn, t in zip(plans, sums, seconds) if shapes[p[0]].comm_layout == layout]
+    for layout in (RUNTIME,):
+        ours = list(zip(plans, sums, seconds))
         out[layout] = _fit_o_f([(kn, t) for _, kn, t in ours], 0.0)
         for mesh in sorted({(p[1], p[2]) for p, _, _ in ours}):
             out[dispatch_key(layout, mesh)] = _fit_o_f([(kn, t) for p, kn, t in ours if (p[1], p[2]) == mesh],
@@ -536,7 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"  peak GEMM throughput {profile.peak_flops / 1e9:.2f} GFLOP/s per process")
     for (mi, d1, d2, c), t in zip(plans, plan_s):
         k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
-        d = profile.dispatch_of(shapes[mi].comm_layout, (d1, d2))[1]
+        d = profile.dispatch_of(RUNTIME, (d1, d2))[1]
         print(f"  plan {names[mi]:<11} {d1}x{d2}/c{c}: fwd+bwd {t * 1e3:7.1f} ms, kernels {k * 1e3:7.1f} ms "
               f"({n} kernels), model {(k * (1 + d.kernel_factor) + n * d.per_kernel_s) * 1e3:7.1f} ms")
     for layout, d in profile.dispatch.items():

@@ -209,9 +209,6 @@ def model_shape(cfg: DictConfig) -> ModelShape:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     chunks = cfg.overlap.chunks
-    if chunks > 1 and shape.comm_layout == "module_styles":
-        raise ConfigError(f"overlap.chunks={chunks}: model '{shape.name}' is laid out module by module, which has "
-                          f"no chunked execution (§4.1 overlap runs in ATP's fused block); use overlap=chunk1")
     if chunks < 1 or shape.batch_size % chunks:
         raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="
                           f"{shape.batch_size} (chunks split the batch, §4.1)")

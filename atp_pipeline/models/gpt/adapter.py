@@ -8,8 +8,7 @@ from torch import nn
 
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.gpt.model import GPT, GPTConfig
-from atp_pipeline.models.gpt.parallel import PARALLEL_PLAN, BlockStyle
-from atp_pipeline.parallel.styles import register_style
+from atp_pipeline.models.gpt.parallel import gpt_plan
 from atp_pipeline.planning.shape import ModelShape
 
 
@@ -33,7 +32,7 @@ class GPTAdapter(ModelAdapter):
         return GPT(GPTConfig.from_model_config(cfg))
 
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
-        return dict(PARALLEL_PLAN)
+        return gpt_plan(module)
 
     def apply_sbp(self, module: nn.Module, layout: Any, mesh: Any) -> nn.Module:
         """The GPT run by the SBP layout (:class:`~atp_pipeline.models.gpt.sbp.SBPGPT`)."""
@@ -43,4 +42,3 @@ class GPTAdapter(ModelAdapter):
 
 
 ADAPTER = register_adapter(GPTAdapter())
-register_style(BlockStyle.name, BlockStyle)

@@ -36,18 +36,26 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class AttentionCore(nn.Module):
+    """The attention core as a module (no parameters), so a layout can place it (torchtitan's ``sdpa``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention_core(q, k, v)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.core = AttentionCore()
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)  # (heads, 3, head_dim) order
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-        out = attention_core(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        out = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)
         return self.proj(out)
 
 

@@ -127,13 +127,14 @@ def shape_of_config(config: Any, name: str = "") -> ModelShape:
     family = family_of(config)
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(config.num_hidden_layers),
         seq_len=int(getattr(config, "max_position_embeddings", 2048)), vocab_size=int(config.vocab_size),
         ffn=family.ffn(config), kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or hidden // heads), gated=family.gated, norm=family.norm,
         bias=family.bias(config), position=family.position,
-        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), comm_layout="module_styles",
+        tied_embeddings=tied, norm_layout="gathered", head_layout="tied" if tied else "gathered",
         qkv_fused=family.qkv_fused, final_norm=family.final_norm(config),
         gathered_embeddings=int(family.gathered_positions))
 
@@ -298,6 +299,9 @@ class HFCausalLMAdapter(ModelAdapter):
                               f"{', '.join(f'{k}={v:g}' for k, v in sorted(drop.items()))} would draw the same masks "
                               f"on ranks holding different blocks of a tensor (no per-rank RNG tracker yet); "
                               f"set them to 0")
+        # training keeps no key/value cache: the blocks' chunks (§4.1) would share one and read each
+        # other's keys (transformers turns it off itself only under gradient checkpointing)
+        config.use_cache = False
         base = module.base_model_prefix
         names = dict(module.named_modules())
         declared = dict(family.linears or getattr(config, "base_model_tp_plan", None) or {})

@@ -1,0 +1,86 @@
+"""Worker functions for tests/test_overlap.py (real gloo processes): every family laid out by
+its adapter's plan with its blocks run in chunks (§4.1), against the single-process model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .hf_workers import build
+
+STEPS, LR, BATCH, SEQ, VOCAB = 20, 0.05, 4, 8, 96
+
+
+def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    if name == "tiny":
+        from atp_pipeline.models.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=8, layers=2)).to(dtype)
+    if name == "llama_kv2":
+        return build("llama", dtype, num_key_value_heads=2)
+    return build(name, dtype)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "config"):  # transformers: its own loss
+        return model(input_ids=x, labels=x).loss
+    return model(x[:, :-1], x[:, 1:])
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def _losses(model: torch.nn.Module, data: torch.Tensor) -> List[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for step in range(STEPS):
+        loss = _loss(model, data[step * BATCH:(step + 1) * BATCH])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tuple[int, int]],
+                     chunk_list: List[int]) -> List[Dict[str, Any]]:
+    """Per model, mesh and chunk count: the float64 gradients of one step (max error relative to
+    each gradient's magnitude) and 20 float32 SGD losses, against one process."""
+    from atp_pipeline.models.adapter import find_adapters, prefixed
+    from atp_pipeline.parallel.apply import apply_plan
+    from atp_pipeline.parallel.dense import dense_tensors
+    from atp_pipeline.parallel.mesh import init_mesh
+
+    data = _data()
+    out = []
+    for name in models:
+        dense64 = _model(name, torch.float64)
+        _loss(dense64, data[:BATCH]).backward()
+        ref_grads = {n: p.grad.clone() for n, p in dense64.named_parameters()}
+        dense64.zero_grad(set_to_none=True)
+        dense32 = _model(name, torch.float32)
+        ref_losses = _losses(copy.deepcopy(dense32), data)
+        for mesh_shape in meshes:
+            for chunks in chunk_list:
+                row: Dict[str, Any] = {"model": name, "mesh": mesh_shape, "chunks": chunks}
+                for dense in (dense64, dense32):
+                    mesh = init_mesh(mesh_shape)
+                    model = copy.deepcopy(dense)
+                    (prefix, adapter, sub), = find_adapters(model)
+                    apply_plan(model, prefixed(prefix, adapter.parallel_plan(sub)), mesh, chunks)
+                    if dense is dense64:
+                        _loss(model, data[:BATCH]).backward()
+                        grads = dense_tensors(model, grad=True)
+                        err = {n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
+                               for n, g in ref_grads.items()}
+                        row.update(grad_rel=max(err.values()), worst=max(err, key=err.get),
+                                   same_params=sorted(grads) == sorted(ref_grads))
+                    else:
+                        losses = _losses(model, data)
+                        row.update(loss_err=max(abs(a - b) for a, b in zip(losses, ref_losses)), steps=len(losses))
+                out.append(row)
+    return out
