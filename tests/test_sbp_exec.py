@@ -1,9 +1,15 @@
-"""SBP plans executed with DTensor (issue 8 items 5 and 6).
+"""SBP plans executed with DTensor (issue 8 items 5 and 6, issue 25 item 2).
 
-* Item 5: the plans the SBP search chooses for an MLP stack, a GPT layer and a 2-layer GPT
-  on 4 and 8 processes — plus hand-picked strategies (3-D ones, Partial outputs, other mesh
+* The paper's chain (``io="chain"``): the plans the SBP search chooses for an MLP stack on 4
+  and 8 processes — plus hand-picked strategies (3-D ones, Partial outputs, other mesh
   orders, row splits changing between layers) — give the dense model's loss and every
   gradient to 1e-9 relative in float64. One launch per process count.
+* Any model (``io="rows"``, issue 25): the built-in GPT (``tiny``), ``llama_tiny`` (GQA 8/4,
+  SwiGLU, RMSNorm, rotary), a Llama with 2 key/value heads and ``gpt2_tiny`` (Conv1D, fused
+  q|k|v, tied head), laid out through their adapters, under plans whose layers use every
+  role and mesh order: every float64 gradient within 1e-9 of the single-process model, the
+  collectives run equal to the search's schedule, 20 float32 AdamW losses within 1e-5. One
+  launch of 4 processes.
 * Item 6: ``stage=plan planner=sbp`` writes the SBP plan report; ``planner=sbp`` trains through
   the Lightning strategy and reproduces the single-process losses; bad input is one line.
 """
@@ -21,17 +27,16 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.launch import spawn
-from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.planning.sbp import AlphaBeta, Strategy, compile_problem, mlp, search, transformer
-from atp_pipeline.planning.sbp.layout import SBPLayout, check_transformer_layout, plan_mesh_shape
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, Strategy, compile_problem, mlp, search
+from atp_pipeline.planning.sbp.chain import chain_keys, model_chain
+from atp_pipeline.planning.sbp.layout import SBPLayout, check_chain_layout, plan_mesh_shape
 
 from .conftest import run_train
 
 AB = AlphaBeta.uniform(alpha=5e-6, beta=1e-10)
-GCFG = GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=8, layers=2)
-BATCH = 4
 MLP_DIMS = ([16, 64, 64, 16], 8)
-Case = Tuple[str, str, Any, SBPLayout]  # name, kind (mlp/gpt), dims or layers, plan
+Case = Tuple[str, Any, SBPLayout]  # name, dims, plan
 
 
 def _chosen(layers, p: int) -> Tuple[SBPLayout, float]:
@@ -48,34 +53,19 @@ def _s(pb: int, pm: int, pn: int, order: str = "bmn") -> Strategy:
 
 
 def cases(p: int) -> List[Case]:
-    """The search's choices for the MLP stack and for the (tied) GPT layer, then
-    hand-picked strategies: Partial outputs, 3-D ones, other mesh orders, row splits that
-    change between layers (all-to-all)."""
+    """The search's choice for the MLP stack, then hand-picked strategies: Partial outputs,
+    3-D ones, other mesh orders, row splits that change between layers (all-to-all)."""
     dims, batch = MLP_DIMS
     mlp_plan, _ = _chosen(mlp(dims, batch), p)
-    layers = GCFG.layers if p == 4 else 1  # 8 ranks on 2 cores: one layer (DTensor's dispatch is per op)
-    gpt_plan, _ = _chosen(transformer(layers, GCFG.hidden, GCFG.heads, GCFG.seq_len, BATCH), p)
-    out: List[Case] = [("mlp chosen", "mlp", (dims, batch), mlp_plan),
-                       ("gpt chosen", "gpt", layers, gpt_plan)]
+    out: List[Case] = [("mlp chosen", (dims, batch), mlp_plan)]
     if p == 4:
-        mlp_forced = [
-            ("row-only (Partial outputs)", [_s(1, 1, 4)] * 3),
-            ("mixed 2-D, other orders", [_s(2, 1, 2), _s(1, 2, 2, "nbm"), _s(4, 1, 1)]),
-        ]
-        gpt_forced = ("data+row, n outer", {"qkv": _s(2, 1, 2, "nbm"), "proj": _s(4, 1, 1),
-                                            "fc1": _s(2, 2, 1), "fc2": _s(1, 2, 2, "nmb")})
+        forced = [("row-only (Partial outputs)", [_s(1, 1, 4)] * 3),
+                  ("mixed 2-D, other orders", [_s(2, 1, 2), _s(1, 2, 2, "nbm"), _s(4, 1, 1)])]
     else:
-        mlp_forced = [
-            ("3-D (2,2,2) everywhere", [_s(2, 2, 2)] * 3),
-            ("3-D mixed orders, row splits", [_s(2, 2, 2, "nmb"), _s(4, 1, 2), _s(1, 1, 8)]),
-        ]
-        gpt_forced = ("3-D attention, 2-D MLP", {"qkv": _s(2, 2, 2, "nbm"), "proj": _s(1, 1, 8),
-                                                 "fc1": _s(4, 2, 1), "fc2": _s(2, 1, 4, "bnm")})
-    for name, strat in mlp_forced:
-        out.append((f"mlp {name}", "mlp", (dims, batch),
-                    SBPLayout(p, {f"fc{i}": s for i, s in enumerate(strat)})))
-    # one layer: the forced strategies are per layer (what changes between layers is the MLP cases')
-    out.append((f"gpt {gpt_forced[0]}", "gpt", 1 if p == 8 else GCFG.layers, SBPLayout(p, gpt_forced[1])))
+        forced = [("3-D (2,2,2) everywhere", [_s(2, 2, 2)] * 3),
+                  ("3-D mixed orders, row splits", [_s(2, 2, 2, "nmb"), _s(4, 1, 2), _s(1, 1, 8)])]
+    for name, strat in forced:
+        out.append((f"mlp {name}", (dims, batch), SBPLayout(p, {f"fc{i}": s for i, s in enumerate(strat)})))
     return out
 
 
@@ -85,48 +75,35 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_cases(rank: int, world: int, todo: List[Case]) -> List[Dict[str, Any]]:
     """Worker: every case against the dense model (float64), same seeds on every rank."""
-    from atp_pipeline.models.gpt.sbp import SBPGPT
+    from torch.distributed.tensor import DTensor, Replicate
+
     from atp_pipeline.parallel.sbp_exec import SBPMLP
 
     torch.set_default_dtype(torch.float64)
     results = []
-    for name, kind, spec, plan in todo:
+    for name, (dims, batch), plan in todo:
         t0 = time.perf_counter()
         torch.manual_seed(0)
-        if kind == "mlp":
-            dims, batch = spec
-            dense = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
-            x, t = torch.randn(batch, dims[0]), torch.randn(batch, dims[-1])
-            h = x
-            for i, lin in enumerate(dense):
-                h = lin(h) if i + 1 == len(dense) else F.gelu(lin(h))
-            ref = ((h - t) ** 2).sum() / t.numel()
-            ref.backward()
-            ref_grads = {f"layers.{n}": p.grad for n, p in dense.named_parameters()}
-            model = SBPMLP(list(dense), plan)
-            y = model(x)
-            from torch.distributed.tensor import DTensor, Replicate
-
-            t_dt = DTensor.from_local(t, y.device_mesh, [Replicate()] * y.device_mesh.ndim)
-            # (F.mse_loss's mean on sharded DTensors scales gradients by the shard count in
-            # torch 2.13; a sum is exact)
-            loss = (((y - t_dt.redistribute(y.device_mesh, y.placements)) ** 2).sum() / t.numel()).full_tensor()
-        else:
-            cfg = GPTConfig(GCFG.vocab_size, GCFG.seq_len, GCFG.hidden, GCFG.heads, spec)
-            dense = GPT(cfg)
-            g = torch.Generator().manual_seed(1)
-            idx = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
-            tgt = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
-            ref = dense(idx, tgt)
-            ref.backward()
-            ref_grads = {n: p.grad for n, p in dense.named_parameters()}
-            model = SBPGPT(dense, plan)
-            loss = model(idx, tgt)
+        dense = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        x, t = torch.randn(batch, dims[0]), torch.randn(batch, dims[-1])
+        h = x
+        for i, lin in enumerate(dense):
+            h = lin(h) if i + 1 == len(dense) else F.gelu(lin(h))
+        ref = ((h - t) ** 2).sum() / t.numel()
+        ref.backward()
+        ref_grads = {f"layers.{n}": p.grad for n, p in dense.named_parameters()}
+        model = SBPMLP(list(dense), plan)
+        y = model(x)
+        t_dt = DTensor.from_local(t, y.device_mesh, [Replicate()] * y.device_mesh.ndim)
+        # (F.mse_loss's mean on sharded DTensors scales gradients by the shard count in
+        # torch 2.13; a sum is exact)
+        loss = (((y - t_dt.redistribute(y.device_mesh, y.placements)) ** 2).sum() / t.numel()).full_tensor()
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         errs = {n: _rel(grads[n].full_tensor(), ref_grads[n]) for n in grads}
         results.append({
-            "name": name, "seconds": time.perf_counter() - t0, "mesh": tuple(model.mesh.shape), "names_match": sorted(grads) == sorted(ref_grads),
+            "name": name, "seconds": time.perf_counter() - t0, "mesh": tuple(model.mesh.shape),
+            "names_match": sorted(grads) == sorted(ref_grads),
             "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
             "grad_rel": max(errs.values()), "worst": max(errs, key=errs.get),
             "grad_placements_ok": all(tuple(p.grad.placements) == tuple(p.placements)
@@ -145,7 +122,7 @@ def executed(request) -> Tuple[List[Case], List[List[Dict[str, Any]]]]:
 def test_sbp_plans_match_the_dense_model(executed) -> None:
     todo, runs = executed
     world = len(runs)
-    for (name, kind, _, plan), r in zip(todo, runs[0]):
+    for (name, _, plan), r in zip(todo, runs[0]):
         print(f"\n[sbp exec p={world}] {name}: mesh {r['mesh']}, {plan.label()}: loss rel "
               f"{r['loss_rel']:.2e}, max grad rel {r['grad_rel']:.2e} ({r['worst']})", end="")
     for rank_runs in runs:
@@ -177,12 +154,176 @@ def test_plan_mesh_and_bad_plans() -> None:
     with pytest.raises(ConfigError, match="uses 4 devices, the plan has 8"):
         SBPLayout(8, {"fc0": _s(2, 2, 1)})
     good = {k: _s(1, 2, 2) for k in ("qkv", "proj", "fc1", "fc2")}
-    with pytest.raises(ConfigError, match="6 heads do not split over the QKV layer's pm\\*pn"):
-        check_transformer_layout(SBPLayout(4, good), hidden=24, heads=6, ffn_mult=4)
+    layers = model_chain(_shape(hidden=24, heads=6, ffn=36, batch_size=4))
+    with pytest.raises(ConfigError, match="'fc1': output features 36 does not split over pm=8"):
+        check_chain_layout(SBPLayout(8, {**{k: _s(1, 1, 8) for k in good}, "fc1": _s(1, 8, 1)}),
+                           model_chain(_shape(hidden=24, heads=6, ffn=36, batch_size=8)))
+    with pytest.raises(ConfigError, match="'qkv': batch \\(sequences\\) 4 does not split over devices=8"):
+        check_chain_layout(SBPLayout(8, {k: _s(8, 1, 1) for k in good}), layers)
     with pytest.raises(ConfigError, match="missing fc2"):
-        check_transformer_layout(SBPLayout(4, {k: good[k] for k in ("qkv", "proj", "fc1")}), 16, 8, 4)
+        check_chain_layout(SBPLayout(4, {k: good[k] for k in ("qkv", "proj", "fc1")}), layers)
+    check_chain_layout(SBPLayout(4, good), layers)
     plan = SBPLayout(4, good)
     assert SBPLayout.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def _shape(**kw: Any) -> ModelShape:
+    base = dict(name="m", hidden=16, heads=4, layers=2, seq_len=8, vocab_size=64, ffn=64)
+    return ModelShape(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------- any model (issue 25)
+FAMILY_MODELS = {  # name -> train.py overrides (sequences shortened for the 2-core CI)
+    "tiny": ["model=tiny"],
+    "llama_tiny": ["model=llama_tiny"],
+    "llama_kv2": ["model=llama_tiny", "model.hf.num_key_value_heads=2"],
+    "gpt2_tiny": ["model=gpt2_tiny"],
+}
+SEQ, SEQS, STEPS = 16, 8, 20
+# every role and mesh order on 4 ranks, cycled over each model's layer keys
+MIXED = [_s(1, 2, 2, "bmn"), _s(2, 2, 1, "mbn"), _s(2, 1, 2, "nbm"), _s(1, 1, 4), _s(1, 4, 1), _s(4, 1, 1),
+         _s(1, 2, 2, "nmb")]
+
+
+def _mixed(shape: ModelShape, p: int) -> SBPLayout:
+    return SBPLayout(p, {k: MIXED[i % len(MIXED)] for i, k in enumerate(chain_keys(shape))})
+
+
+def _batches(vocab: int, steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Random tokens whose target is the next token id (learnable, so the loss falls)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (SEQS, SEQ), generator=g)
+        out.append((idx, (idx + 1) % vocab))
+    return out
+
+
+def _scheduled(shape: ModelShape, layout: SBPLayout, act_bytes: int) -> Dict[Tuple[str, int, int], float]:
+    """Bytes per (collective, group size, stride) of one step that the search charges."""
+    from atp_pipeline.planning.sbp.schedule import schedule
+
+    layers = model_chain(shape)
+    problem = compile_problem(layers, layout.devices, AB, MemoryModel(act_bytes=act_bytes), orders="all",
+                              io="rows")
+
+    def same(a: Strategy, b: Strategy) -> bool:
+        return all((a.size(r), a.stride(r) if a.size(r) > 1 else 0) == (b.size(r), b.stride(r) if b.size(r) > 1 else 0)
+                   for r in "bmn")
+
+    assign = [next(i for i, t in enumerate(v.strategies) if same(t, layout.strategies[v.name])) for v in problem.vars]
+    out: Dict[Tuple[str, int, int], float] = {}
+    for call in schedule(problem, assign, layers, act_bytes, io="rows"):
+        key = (_kind(call.collective.value), call.size, call.stride)
+        out[key] = out.get(key, 0.0) + call.nbytes * call.times
+    return out
+
+
+def _kind(collective: str) -> str:
+    """The schedule charges a backward dual (all-gather <-> reduce-scatter) as its forward
+    collective, at the same Table 2 cost; compare the two kinds together."""
+    return "all_gather|reduce_scatter" if collective in ("all_gather", "reduce_scatter") else collective
+
+
+def run_families(rank: int, world: int, models: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Worker: each model dense (one process's computation, on every rank) and laid out by
+    its adapter under a mixed SBP plan: float64 gradients and counted collectives of one
+    step, then 20 float32 AdamW steps."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from atp_pipeline.models.adapter import get_adapter
+    from atp_pipeline.parallel.sbp_exec import count_collectives
+
+    out = []
+    for name, mcfg in models.items():
+        mcfg = OmegaConf.create(mcfg)
+        adapter = get_adapter(mcfg.family)
+        row: Dict[str, Any] = {"name": name}
+        for dtype in (torch.float64, torch.float32):
+            torch.manual_seed(0)
+            dense = adapter.build(mcfg).to(dtype)
+            shape = adapter.shape(dense).with_step(batch_size=SEQS, seq_len=SEQ)
+            layout = _mixed(shape, world)
+            model = adapter.apply_sbp(copy.deepcopy(dense), layout, None)
+            row["keys"], row["mesh"], row["label"] = list(chain_keys(shape)), tuple(layout.mesh_shape()), layout.label()
+            if dtype == torch.float64:
+                (idx, tgt), = _batches(shape.vocab_size, 1)
+                ref = adapter.lm_loss(dense, idx, tgt)
+                ref.backward()
+                ref_grads = {n: p.grad for n, p in dense.named_parameters()}
+                with count_collectives() as log:
+                    loss = adapter.lm_loss(model, idx, tgt)
+                    loss.backward()
+                counted: Dict[Tuple[str, int, int], float] = {}
+                for c in log:
+                    key = (_kind(c.collective.value), c.size, c.stride)
+                    counted[key] = counted.get(key, 0.0) + c.nbytes
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                errs = {n: _rel(grads[n], ref_grads[n]) for n in grads}
+                row.update(names_match=sorted(grads) == sorted(ref_grads), grad_rel=max(errs.values()),
+                           worst=max(errs, key=errs.get), loss_rel64=abs(loss.item() - ref.item()) / abs(ref.item()),
+                           counted=counted, scheduled=_scheduled(shape, layout, 8))
+            else:
+                losses = {}
+                for which, m in (("dense", dense), ("sbp", model)):
+                    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+                    losses[which] = []
+                    for idx, tgt in _batches(shape.vocab_size, STEPS):
+                        opt.zero_grad()
+                        loss = adapter.lm_loss(m, idx, tgt)
+                        loss.backward()
+                        opt.step()
+                        losses[which].append(loss.item())
+                row.update(dense_losses=losses["dense"], sbp_losses=losses["sbp"])
+        out.append(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def families() -> List[List[Dict[str, Any]]]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from .conftest import CONF
+
+    models = {}
+    for name, overrides in FAMILY_MODELS.items():
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+            cfg = compose(config_name="config", overrides=[*overrides, f"model.seq_len={SEQ}"])
+        GlobalHydra.instance().clear()
+        models[name] = OmegaConf.to_container(cfg.model, resolve=True)
+    return spawn(run_families, 4, models, timeout=900)
+
+
+def test_every_family_runs_sbp_plans_exactly(families) -> None:
+    """tiny, llama_tiny, a Llama with 2 key/value heads and gpt2_tiny on 4 processes: float64
+    gradients within 1e-9 of one process, the collectives the plan's schedule charges (and no
+    other), 20 float32 AdamW losses within 1e-5."""
+    rank0 = {r["name"]: r for r in families[0]}
+    assert sorted(rank0) == sorted(FAMILY_MODELS)
+    assert rank0["llama_tiny"]["keys"] == ["q", "k", "v", "proj", "gate", "up", "down"]
+    assert rank0["gpt2_tiny"]["keys"] == rank0["tiny"]["keys"] == ["qkv", "proj", "fc1", "fc2"]
+    for name, r in rank0.items():
+        worst_loss = max(abs(a - b) / abs(b) for a, b in zip(r["sbp_losses"], r["dense_losses"]))
+        print(f"\n[sbp any model] {name}: mesh {r['mesh']}, {r['label']}: max grad rel {r['grad_rel']:.1e} "
+              f"({r['worst']}), 20 fp32 losses {r['dense_losses'][0]:.4f} -> {r['dense_losses'][-1]:.4f}, "
+              f"max rel diff {worst_loss:.1e}", end="")
+        assert r["names_match"], name
+        assert r["grad_rel"] <= 1e-9, (name, r["worst"], r["grad_rel"])
+        assert r["loss_rel64"] <= 1e-6, (name, r["loss_rel64"])  # transformers computes its loss in float32
+        assert len(r["sbp_losses"]) == STEPS and worst_loss <= 1e-5, name
+        assert r["dense_losses"][-1] < r["dense_losses"][0]
+        diff = {k: (r["counted"].get(k), r["scheduled"].get(k)) for k in set(r["counted"]) | set(r["scheduled"])
+                if r["counted"].get(k) != pytest.approx(r["scheduled"].get(k))}
+        assert not diff, (name, "counted vs scheduled bytes", diff)
+        assert {k[0] for k in r["counted"]} == {"all_to_all", "all_gather|reduce_scatter", "all_reduce"}
+    for rank_rows in families[1:]:
+        for r, r0 in zip(rank_rows, families[0]):
+            assert r["sbp_losses"] == r0["sbp_losses"] and r["grad_rel"] <= 1e-9
 
 
 # ---------------------------------------------------------------------- item 6: planner=sbp

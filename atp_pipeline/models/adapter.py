@@ -9,7 +9,10 @@ the strategy, for a module of its family:
 * :meth:`~ModelAdapter.parallel_plan` — how its modules map to parallel styles on a
   (d1, d2) mesh (names relative to the family's root module);
 * :meth:`~ModelAdapter.build` — the module from a model config;
-* :meth:`~ModelAdapter.apply_sbp` — how an SBP layout (AutoDDL) runs on it, if it can;
+* :meth:`~ModelAdapter.sbp_linears` — which of its modules are the matmuls of its SBP layer
+  chain (AutoDDL; keys of :func:`~atp_pipeline.planning.sbp.chain.model_chain`), and
+  :meth:`~ModelAdapter.apply_sbp` — the module laid out by an SBP plan (by default the
+  generic executor :func:`~atp_pipeline.parallel.sbp_exec.apply_sbp_layout` on those);
 * :meth:`~ModelAdapter.weights` / :meth:`~ModelAdapter.export` — the family's checkpoint
   format in (each rank reading its shards) and out.
 
@@ -84,9 +87,19 @@ class ModelAdapter(ABC):
         """Why this family cannot run on ``DeviceMesh(d1, d2)``; default: ATP's layout rules."""
         return mesh_infeasibility(shape, d1, d2)
 
+    def sbp_linears(self, module: nn.Module) -> Mapping[str, str]:
+        """``{module name: SBP layer key}`` of the module's matmuls (relative names; keys of
+        :func:`~atp_pipeline.planning.sbp.chain.model_chain`: ``qkv`` or ``q``/``k``/``v``,
+        ``proj``, ``gate``/``up``/``down`` or ``fc1``/``fc2``); families that have none say so."""
+        raise ConfigError(f"model family '{self.family}' has no SBP layer chain; use planner=atp")
+
     def apply_sbp(self, module: nn.Module, layout: Any, mesh: Any) -> nn.Module:
-        """The module run by an SBP layout; families that cannot say so."""
-        raise ConfigError(f"model family '{self.family}' has no SBP execution; use planner=atp")
+        """The module laid out in place by an SBP layout (AutoDDL §4.2–§4.4): its
+        :meth:`sbp_linears` run their planned strategies, the family's own code runs between
+        them (:func:`~atp_pipeline.parallel.sbp_exec.apply_sbp_layout`)."""
+        from atp_pipeline.parallel.sbp_exec import apply_sbp_layout
+
+        return apply_sbp_layout(module, self.sbp_linears(module), layout, mesh)
 
 
 _ADAPTERS: Dict[str, ModelAdapter] = {}

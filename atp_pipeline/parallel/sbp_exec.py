@@ -25,16 +25,34 @@ data than the planner's count; the values are exact either way.
 a post-accumulate-grad hook redistributes every gradient to its parameter's placements
 (the all-reduce over ``b``), so an optimizer sees gradients laid out like the weights.
 
-:class:`SBPMLP` runs a Linear/GeLU stack; a model family runs whole models through its
-adapter's ``apply_sbp`` with these pieces (the built-in model's lives beside it in
-:mod:`atp_pipeline.models`).
+:class:`SBPMLP` runs a Linear/GeLU stack this way (the paper's chain, ``io="chain"``).
+
+**Any model** (:func:`apply_sbp_layout`, ``io="rows"`` in
+:func:`~atp_pipeline.planning.sbp.space.compile_problem`): a family's adapter names the
+model's matmuls and their layer keys (:meth:`~atp_pipeline.models.adapter.ModelAdapter.sbp_linears`);
+each becomes an :class:`SBPRowLinear` and everything between them — the family's own
+``forward``: norms, rotary, the attention core, residuals, embeddings, head and loss — runs
+unchanged on plain local tensors in the *row layout*: whole sequences split over all ranks
+in rank order, features whole. An :class:`SBPRowLinear` brings its input from the row
+layout to the §4.2.2 ``X`` block (all-to-all over ``n``, all-gather over ``m``), multiplies
+by its weight shard locally (``W = (B:pb, S1:pm, S0:pn)``, a DTensor parameter), and
+brings the ``Partial`` output back to whole rows (reduce-scatter over ``n``, all-to-all over
+``m``): exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
+search charges (counted by :func:`count_collectives`, tested against
+:func:`~atp_pipeline.planning.sbp.schedule.schedule`). Those collectives run on process
+groups of the roles' ranks (one group per role, not DTensor's per-mesh-dimension
+redistribution, whose ring of a role spanning two mesh dimensions costs more than Table 2's).
+The other parameters are DTensors replicated on the plan's mesh; the model's ``forward``
+sees their local values, and their gradients, ``Partial`` over all ranks, are all-reduced
+like the matmul weights' over ``b`` (§4.4.1). The loss is the mean of the ranks' losses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +63,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.layout import (PARTIAL, REPLICATE, SHARD0, SHARD1, SBPLayout, _check_div,
                                               placement_names, plan_mesh_shape, role_dims)
+from atp_pipeline.planning.sbp.alphabeta import Collective
 from atp_pipeline.planning.sbp.space import Strategy
 
 __all__ = ["PLACEMENTS", "LayerLayout", "plan_mesh", "SBPLinear", "SBPMLP", "SBPLayout", "plan_mesh_shape",
-           "role_dims", "_check_div", "_distribute", "_replicated", "_rows_all", "_sync_grad"]
+           "role_dims", "_check_div", "_distribute", "_replicated", "_rows_all", "_sync_grad",
+           "SBPRowLinear", "apply_sbp_layout", "count_collectives", "CountedCall"]
 
 # the DTensor placement of each placement name of the layout module
 PLACEMENTS: Dict[str, Placement] = {SHARD0: Shard(0), SHARD1: Shard(1), REPLICATE: Replicate(), PARTIAL: Partial()}
@@ -180,3 +200,386 @@ class SBPMLP(nn.Module):
             if i + 1 < len(self.layers):
                 h = F.gelu(h)
         return h
+
+
+# ---------------------------------------------------------------------- any model: the row layout
+@dataclass(frozen=True)
+class CountedCall:
+    """One collective an :class:`SBPRowLinear` ran: kind, group size and rank stride, Table 2
+    size ``N`` in bytes (input of a reduce-scatter, output of the others)."""
+
+    collective: Collective
+    size: int
+    stride: int
+    nbytes: int
+
+
+_LOG: Optional[List[CountedCall]] = None
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[List[CountedCall]]:
+    """Record every collective the :class:`SBPRowLinear` layers run while the context is
+    open: the activations' (forward and backward) and the weight-gradient all-reduces."""
+    global _LOG
+    previous, _LOG = _LOG, []
+    try:
+        yield _LOG
+    finally:
+        _LOG = previous
+
+
+def _log(c: Collective, size: int, stride: int, t: torch.Tensor) -> None:
+    if _LOG is not None:
+        _LOG.append(CountedCall(c, size, stride, t.numel() * t.element_size()))
+
+
+def _collective(new: str, old: str) -> Any:
+    import torch.distributed as dist
+
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
+# torch 2.13 names them *_single (the *_tensor names warn as deprecated)
+_ALL_GATHER = _collective("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+
+_GROUPS: Dict[Tuple[int, int, int], Any] = {}
+
+
+def role_group(size: int, stride: int) -> Any:
+    """This rank's process group of ``size`` ranks ``stride`` apart on the row-major plan
+    mesh (the ranks sharing every role coordinate but one). Every rank creates all groups of
+    a ``(size, stride)`` in the same order (``new_group`` is collective); cached."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (world, size, stride)
+    if key not in _GROUPS:
+        mine = None
+        for base in range(world):
+            if (base // stride) % size:  # not the first member of its group
+                continue
+            ranks = [base + j * stride for j in range(size)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine = g
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+class _Group:
+    """A role's group: size, stride and process group (a matmul's ``m`` or ``n`` role)."""
+
+    def __init__(self, s: Strategy, role: str) -> None:
+        self.size, self.stride = s.size(role), s.stride(role)
+        self.group = role_group(self.size, self.stride) if self.size > 1 else None
+
+
+def _a2a(x: torch.Tensor, g: _Group) -> torch.Tensor:
+    """``x``: ``(k, ...)`` blocks, block ``j`` to peer ``j`` -> peer ``j``'s block for me at ``j``."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=g.group)
+    _log(Collective.all_to_all, g.size, g.stride, out)
+    return out
+
+
+def _cols_to_rows(x: torch.Tensor, g: _Group) -> torch.Tensor:
+    """``(t, k·c)`` whole rows -> ``(k·t, c)``: my column block of the group's rows (peer order)."""
+    t, kc = x.shape
+    out = _a2a(x.view(t, g.size, kc // g.size).transpose(0, 1), g)
+    return out.reshape(g.size * t, kc // g.size)
+
+
+def _rows_to_cols(y: torch.Tensor, g: _Group) -> torch.Tensor:
+    """The inverse of :func:`_cols_to_rows`: ``(k·t, c)`` -> ``(t, k·c)``."""
+    kt, c = y.shape
+    out = _a2a(y.view(g.size, kt // g.size, c), g)
+    return out.transpose(0, 1).reshape(kt // g.size, g.size * c)
+
+
+def _gather_rows(x: torch.Tensor, g: _Group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty((g.size * x.shape[0],) + tuple(x.shape[1:]))
+    _ALL_GATHER(out, x, group=g.group)
+    _log(Collective.all_gather, g.size, g.stride, out)
+    return out
+
+
+def _scatter_rows(y: torch.Tensor, g: _Group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    y = y.contiguous()
+    out = y.new_empty((y.shape[0] // g.size,) + tuple(y.shape[1:]))
+    _log(Collective.reduce_scatter, g.size, g.stride, y)
+    _REDUCE_SCATTER(out, y, group=g.group)
+    return out
+
+
+class _ColsToRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.g = g
+        return _cols_to_rows(x, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _rows_to_cols(grad, ctx.g), None
+
+
+class _RowsToCols(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.g = g
+        return _rows_to_cols(y, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _cols_to_rows(grad, ctx.g), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.g = g
+        return _gather_rows(x, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _scatter_rows(grad, ctx.g), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.g = g
+        return _scatter_rows(y, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _gather_rows(grad, ctx.g), None
+
+
+def _reduce_grad(param: torch.Tensor, group: Any, counted: Optional[Tuple[int, int]] = None) -> None:
+    """A DTensor parameter's ``Partial`` gradient summed over ``group`` (None: nothing to sum)
+    into the parameter's own placements, by one all-reduce (DTensor's redistribution would
+    run one per mesh dimension, in an order that may differ between ranks); ``counted``:
+    ``(size, stride)`` to record it under :func:`count_collectives`."""
+    import torch.distributed as dist
+
+    g = param.grad
+    if not isinstance(g, DTensor) or tuple(g.placements) == tuple(param.placements):  # type: ignore[attr-defined]
+        return
+    local = g.to_local().contiguous()
+    if group is not None:
+        if counted is not None:
+            _log(Collective.all_reduce, counted[0], counted[1], local)
+        dist.all_reduce(local, group=group)
+    param.grad = DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                                    run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _replicated_param(t: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
+    """``t`` as a parameter replicated on ``mesh`` whose per-rank partial gradient is summed
+    over all ranks once accumulated."""
+    import torch.distributed as dist
+
+    p = nn.Parameter(distribute_tensor(t.detach(), mesh, [Replicate()] * mesh.ndim), requires_grad=t.requires_grad)
+    group = dist.group.WORLD if mesh.size() > 1 else None
+    p.register_post_accumulate_grad_hook(lambda q: _reduce_grad(q, group))
+    return p
+
+
+def _partial_on_replicas(placements: Sequence[Placement]) -> Tuple[Placement, ...]:
+    """A replicated parameter's gradient arrives as a per-rank partial sum."""
+    return tuple(Partial() if isinstance(p, Replicate) else p for p in placements)
+
+
+class SBPRowLinear(nn.Module):
+    """A linear (``nn.Linear``, or a registered transposed kind such as GPT-2's ``Conv1D``)
+    run as the §4.2.2 matmul of its strategy with input and output in the row layout (see
+    the module docstring); same parameter names and values as the dense module, the weight
+    a DTensor placed ``W = (B:pb, S1:pm, S0:pn)`` on the plan's mesh, the bias replicated."""
+
+    def __init__(self, linear: nn.Module, key: str, strategy: Strategy, mesh: DeviceMesh) -> None:
+        super().__init__()
+        from atp_pipeline.parallel.linear import _transposed
+
+        self.key, self.strategy, self.mesh = key, strategy, mesh
+        self.transposed = _transposed(type(linear))
+        n, m = (linear.weight.shape if self.transposed else linear.weight.shape[::-1])
+        self.in_features, self.out_features = int(n), int(m)
+        _check_div("input features", self.in_features, strategy.pn, "pn", key)
+        _check_div("output features", self.out_features, strategy.pm, "pm", key)
+        w = LayerLayout.of(strategy, tuple(mesh.shape))["W"]  # nn.Linear's out x in
+        if self.transposed:
+            w = tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in w)
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, list(w)),
+                                   requires_grad=linear.weight.requires_grad)
+        self.b_group = _Group(strategy, "b")
+        self.weight.register_post_accumulate_grad_hook(self._sync_weight_grad)
+        self.bias = _replicated_param(linear.bias, mesh) if linear.bias is not None else None
+        self._w_grad = _partial_on_replicas(w)
+        self._b_grad = (Partial(),) * mesh.ndim
+        self.n_group, self.m_group = _Group(strategy, "n"), _Group(strategy, "m")
+
+    def _sync_weight_grad(self, param: torch.Tensor) -> None:
+        """§4.4.1: the weight, replicated over ``b``, gets per-rank partial gradients; one
+        all-reduce over the ``b`` role's ranks (Table 2's ring of ``pb``) sums them."""
+        _reduce_grad(param, self.b_group.group if self.b_group.size > 1 else None,
+                     (self.b_group.size, self.b_group.stride))
+
+    def extra_repr(self) -> str:
+        return f"key={self.key}, strategy={self.strategy.label()}, {self.in_features} -> {self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``(..., n)``, this rank's rows of the row layout -> ``(..., m)``, the same rows."""
+        lead = x.shape[:-1]
+        h = x.reshape(-1, self.in_features)
+        gn, gm = self.n_group, self.m_group
+        if gn.size > 1:
+            h = _ColsToRows.apply(h, gn)  # rows of the n group, my input-column block
+        if gm.size > 1:
+            h = _GatherRows.apply(h, gm)  # rows of my b group, ordered (m peer, n peer)
+        w = self.weight.to_local(grad_placements=self._w_grad)  # type: ignore[union-attr]
+        y = h @ w if self.transposed else h @ w.t()  # Partial over n
+        if gn.size > 1:
+            t = y.shape[0] // (gm.size * gn.size)
+            y = y.view(gm.size, gn.size, t, -1).transpose(0, 1).reshape(-1, y.shape[-1])
+            y = _ScatterRows.apply(y, gn)  # summed; rows (m peer, my n), my output-column block
+        if gm.size > 1:
+            y = _RowsToCols.apply(y, gm)  # my rows, whole
+        if self.bias is not None:
+            y = y + self.bias.to_local(grad_placements=self._b_grad)  # type: ignore[union-attr]
+        return y.view(*lead, self.out_features)
+
+
+class _GlobalMean(torch.autograd.Function):
+    """The mean over ranks of a per-rank scalar; the result is one value on every rank, so
+    each rank's share of its gradient is ``1/world``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, world: int) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.world = world
+        out = x.detach().clone()
+        dist.all_reduce(out)
+        return out / world
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad / ctx.world, None
+
+
+class _GatherBatch(torch.autograd.Function):
+    """Every rank's rows of a row-layout output, concatenated in rank order (one value on
+    every rank: the backward keeps this rank's slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        world, ctx.rank, ctx.rows = dist.get_world_size(), dist.get_rank(), x.shape[0]
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        _ALL_GATHER(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+
+
+class SBPRoot:
+    """Mixed into a laid-out model's class by :func:`apply_sbp_layout`: its ``forward``
+    takes the full batch, runs the family's own ``forward`` on this rank's sequences with
+    the replicated parameters' local values, and returns the mean loss over all ranks (an
+    output with a loss keeps this rank's logits; without a loss the logits are gathered)."""
+
+    _sbp_world: int
+    _sbp_slots: List[Tuple[nn.Module, str, nn.Parameter]]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        world, rank = self._sbp_world, dist.get_rank()
+        batch = next((t.shape[0] for t in list(args) + list(kwargs.values())
+                      if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+        if batch is None or batch % world:
+            raise ConfigError(f"sbp: a batch of {batch} sequences does not split over {world} ranks (the row "
+                              f"layout holds whole sequences, batch/ranks on every rank)")
+        per = batch // world
+
+        def local(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
+                return v[rank * per:(rank + 1) * per]
+            return v
+
+        args = tuple(local(a) for a in args)
+        kwargs = {k: local(v) for k, v in kwargs.items()}
+        views: Dict[int, torch.Tensor] = {}
+        for mod, name, p in self._sbp_slots:  # tied parameters share one local view
+            if id(p) not in views:
+                views[id(p)] = p.to_local(grad_placements=(Partial(),) * p.device_mesh.ndim)  # type: ignore[attr-defined]
+            mod._parameters[name] = views[id(p)]  # type: ignore[assignment]
+        try:
+            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for mod, name, p in self._sbp_slots:
+                mod._parameters[name] = p
+        if isinstance(out, torch.Tensor):
+            return _GlobalMean.apply(out, world) if out.dim() == 0 else _GatherBatch.apply(out)
+        loss = getattr(out, "loss", None)
+        if loss is not None:  # the logits stay this rank's rows (gathering them costs batch x vocab)
+            out.loss = _GlobalMean.apply(loss, world)
+        elif getattr(out, "logits", None) is not None:
+            out.logits = _GatherBatch.apply(out.logits)
+        return out
+
+
+def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPLayout,
+                     mesh: Optional[DeviceMesh] = None) -> nn.Module:
+    """Lay ``module`` out by ``layout`` in place and return it: every module named in
+    ``linears`` (``{module name: layer key}``, from the family's adapter) becomes an
+    :class:`SBPRowLinear` with the key's strategy, every other parameter a replicated
+    DTensor, and the module's class gains :class:`SBPRoot`'s ``forward`` (module docstring).
+    Parameter names and values are the dense model's."""
+    mesh = mesh or plan_mesh(layout)
+    shape = tuple(mesh.shape)
+    if shape != layout.mesh_shape():
+        raise ConfigError(f"sbp plan: mesh {shape} is not the plan's mesh {layout.mesh_shape()}")
+    missing = sorted({k for k in linears.values() if k not in layout.strategies})
+    if missing:
+        raise ConfigError(f"sbp plan: no strategy for layer key(s) {', '.join(missing)} of "
+                          f"{type(module).__name__} (the plan has {', '.join(layout.strategies)})")
+    if isinstance(module, SBPRoot):
+        raise ConfigError(f"sbp plan: {type(module).__name__} is already laid out by an SBP plan")
+    for name, key in linears.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, SBPRowLinear(getattr(parent, attr), key, layout.strategies[key], mesh))
+    made: Dict[int, nn.Parameter] = {}
+    slots: List[Tuple[nn.Module, str, nn.Parameter]] = []
+    for mod in module.modules():
+        if isinstance(mod, SBPRowLinear):
+            continue
+        for name, p in list(mod._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in made:
+                made[id(p)] = _replicated_param(p, mesh)
+            mod._parameters[name] = made[id(p)]
+            slots.append((mod, name, made[id(p)]))
+    cls = type(module)
+    # the family's class name and module are kept: a family's export records them (e.g.
+    # transformers' config.json "architectures"), and the laid-out model is still of that class
+    module.__class__ = type(cls.__name__, (SBPRoot, cls), {"__module__": cls.__module__,
+                                                          "__qualname__": cls.__qualname__})
+    module._sbp_world = layout.devices  # type: ignore[attr-defined]
+    module._sbp_slots = slots  # type: ignore[attr-defined]
+    return module

@@ -8,6 +8,7 @@ from torch import nn
 
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.gpt.model import GPT, GPTConfig
+from atp_pipeline.models.gpt.sbp import sbp_linears
 from atp_pipeline.models.gpt.parallel import gpt_plan
 from atp_pipeline.planning.shape import ModelShape
 
@@ -34,11 +35,7 @@ class GPTAdapter(ModelAdapter):
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
         return gpt_plan(module)
 
-    def apply_sbp(self, module: nn.Module, layout: Any, mesh: Any) -> nn.Module:
-        """The GPT run by the SBP layout (:class:`~atp_pipeline.models.gpt.sbp.SBPGPT`)."""
-        from atp_pipeline.models.gpt.sbp import SBPGPT
-
-        return SBPGPT(module, layout, mesh)  # type: ignore[arg-type]
+    sbp_linears = staticmethod(sbp_linears)  # the SBP chain's matmuls (atp_pipeline.models.gpt.sbp)
 
 
 ADAPTER = register_adapter(GPTAdapter())

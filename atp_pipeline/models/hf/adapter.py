@@ -335,6 +335,12 @@ class HFCausalLMAdapter(ModelAdapter):
         self._check_covered(module, plan)
         return plan
 
+    def sbp_linears(self, module: nn.Module) -> Mapping[str, str]:
+        """The SBP chain's matmuls, read from :meth:`parallel_plan` (:mod:`atp_pipeline.models.hf.sbp`)."""
+        from atp_pipeline.models.hf.sbp import sbp_linears
+
+        return sbp_linears(module, self.parallel_plan(module), self.shape(module))
+
     @staticmethod
     def _check_covered(module: nn.Module, plan: Mapping[str, Any]) -> None:
         """Every module that holds parameters is styled by ``plan`` or sits inside a styled one

@@ -29,9 +29,9 @@ made split (§4.2, ``(S0:pb, S1:pm·pn)``), ``bias`` is split like ``Y``'s colum
 names are what ``str()`` of the DTensor placements prints (``S(0)``, ``S(1)``, ``R``,
 ``P(sum)``).
 
-**A transformer** (:func:`check_transformer_layout`): the layer keys
-:data:`TRANSFORMER_KEYS` (QKV, attention output projection, FC1, FC2, tied over the
-blocks); heads split evenly over QKV's output columns.
+**A model** (:func:`check_chain_layout`): a strategy for every tie key of its chain
+(:func:`~atp_pipeline.planning.sbp.chain.model_chain`) whose splits divide the layer's
+features, whole sequences on every device of the row layout between layers.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.sbp.space import ROLES, Strategy, ffn_width
-
-TRANSFORMER_KEYS = ("qkv", "proj", "fc1", "fc2")
+from atp_pipeline.planning.sbp.space import ROLES, MatmulLayer, Strategy
 
 # placement names (``str()`` of DTensor's Shard(0)/Shard(1)/Replicate()/Partial())
 SHARD0, SHARD1, REPLICATE, PARTIAL = "S(0)", "S(1)", "R", "P(sum)"
@@ -179,27 +177,18 @@ def _check_div(what: str, n: int, k: int, role: str, key: str) -> None:
         raise ConfigError(f"sbp plan: layer '{key}': {what} {n} does not split over {role}={k}")
 
 
-def check_transformer_layout(layout: SBPLayout, hidden: int, heads: int, ffn_mult: float,
-                             batch: Optional[int] = None, what: str = "model") -> None:
-    """Clear errors (before anything runs) when a transformer (keys
-    :data:`TRANSFORMER_KEYS`) of these sizes cannot execute ``layout``."""
-    missing = [k for k in TRANSFORMER_KEYS if k not in layout.strategies]
+def check_chain_layout(layout: SBPLayout, layers: Sequence[MatmulLayer], what: str = "model") -> None:
+    """Clear errors (before anything runs) when the matmul chain ``layers`` (e.g.
+    :func:`~atp_pipeline.planning.sbp.chain.model_chain`) cannot execute ``layout`` with
+    the row layout between layers: a strategy per tie key, input features split over
+    ``pn``, output features over ``pm``, whole sequences over every device, one mesh."""
+    keys = list(dict.fromkeys(layer.key for layer in layers))
+    missing = [k for k in keys if k not in layout.strategies]
     if missing:
-        raise ConfigError(f"sbp plan: {what} needs strategies for {', '.join(TRANSFORMER_KEYS)}; missing "
-                          f"{', '.join(missing)}")
-    if hidden % heads:
-        raise ConfigError(f"sbp plan: {what}: hidden {hidden} is not divisible by heads {heads}")
-    q = layout.strategies["qkv"]
-    if heads % (q.pm * q.pn):
-        raise ConfigError(f"sbp plan: {what}: {heads} heads do not split over the QKV layer's "
-                          f"pm*pn = {q.pm}*{q.pn} = {q.pm * q.pn} devices")
-    ffn = ffn_width(hidden, ffn_mult)
-    dims = {"qkv": (hidden, 3 * hidden), "proj": (hidden, hidden), "fc1": (hidden, ffn),
-            "fc2": (ffn, hidden)}
-    for k, (n, m) in dims.items():
-        s = layout.strategies[k]
-        _check_div("input features", n, s.pn, "pn", k)
-        _check_div("output features", m, s.pm * s.pn, "pm*pn", k)
-        if batch is not None:
-            _check_div("batch (sequences)", batch, s.pb, "pb", k)
+        raise ConfigError(f"sbp plan: {what} needs strategies for {', '.join(keys)}; missing {', '.join(missing)}")
+    for layer in layers:
+        s = layout.strategies[layer.key]
+        _check_div("input features", layer.n, s.pn, "pn", layer.key)
+        _check_div("output features", layer.m, s.pm, "pm", layer.key)
+        _check_div("batch (sequences)", layer.batch_units or layer.b, layout.devices, "devices", layer.key)
     layout.mesh_shape()

@@ -1,11 +1,14 @@
 """``planner=sbp``: plan a decoder-only transformer with the SBP search (issue 8, item 6).
 
-:func:`plan_sbp` turns a :class:`~atp_pipeline.planning.shape.ModelShape` and a topology
-into the matmul chain of :func:`~atp_pipeline.planning.sbp.space.transformer` (blocks tied,
-§4.5.1), costs it with the topology's alpha-beta model (calibrated α/β where the topology
+:func:`plan_sbp` turns a :class:`~atp_pipeline.planning.shape.ModelShape` (any family:
+fused or separate q/k/v with GQA widths, gated or two-matrix MLP) and a topology into the
+model's matmul chain (:func:`~atp_pipeline.planning.sbp.chain.model_chain`, blocks tied,
+§4.5.1), costs it as the executor runs it (the row layout between matmuls,
+``io="rows"``) with the topology's alpha-beta model (calibrated α/β where the topology
 has them, else Eq. 3's B′ and ``planner.sbp.alpha_us``), limits memory to the topology's
 device memory (§4.5.2), runs the configured search (§4.6) and checks that the result can be
-executed (:func:`~atp_pipeline.planning.sbp.layout.check_transformer_layout`) — all before
+executed (:func:`~atp_pipeline.planning.sbp.chain.sbp_infeasibility`,
+:func:`~atp_pipeline.planning.sbp.layout.check_chain_layout`) — all before
 any process starts; every failure is one :class:`~atp_pipeline.errors.ConfigError` line.
 
 :class:`SBPPlan` is the SBP planner's
@@ -29,9 +32,10 @@ from rich.table import Table
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta
-from atp_pipeline.planning.sbp.layout import SBPLayout, check_transformer_layout, placement_names, plan_mesh_shape
+from atp_pipeline.planning.sbp.chain import model_chain, sbp_infeasibility
+from atp_pipeline.planning.sbp.layout import SBPLayout, check_chain_layout, placement_names, plan_mesh_shape
 from atp_pipeline.planning.sbp.search import SearchResult, search
-from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem, transformer
+from atp_pipeline.planning.sbp.space import COLLECTIVES, MemoryModel, Problem, compile_problem
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -247,22 +251,15 @@ def plan_sbp(topo: Topology, shape: ModelShape, sbp_cfg: Any, devices: Optional[
         raise ConfigError(f"planner.sbp.max_split_dims must be 1, 2 or 3, got {sbp_cfg.max_split_dims}")
     if sbp_cfg.alpha_us < 0:
         raise ConfigError(f"planner.sbp.alpha_us must be >= 0, got {sbp_cfg.alpha_us}")
-    unsupported = ([f"{shape.kv_heads} key/value heads for {shape.heads} query heads"]
-                   if shape.kv_heads != shape.heads else [])
-    if shape.hidden % shape.heads == 0 and shape.q_width != shape.hidden:
-        unsupported.append(f"heads of {shape.head_dim} features (not hidden/heads)")
-    if shape.gated:
-        unsupported.append("a gated MLP")
-    if unsupported:
-        raise ConfigError(f"planner=sbp: model '{shape.name}': the SBP layer chain is multi-head attention and a "
-                          f"two-matrix MLP; this model has {', '.join(unsupported)}; use planner=atp")
+    why = sbp_infeasibility(shape, p)
+    if why:
+        raise ConfigError(f"planner=sbp: model '{shape.name}' on {p} devices: {why}")
     alpha = float(sbp_cfg.alpha_us) * 1e-6
     ab = AlphaBeta.from_topology(topo, alpha=alpha) if p > 1 else AlphaBeta.uniform(alpha, 0.0)
     try:
-        layers = transformer(shape.layers, shape.hidden, shape.heads, shape.seq_len, shape.batch_size,
-                             shape.ffn_mult)
+        layers = model_chain(shape)
         problem = compile_problem(layers, p, ab, memory_model(shape, topo), sbp_cfg.orders,
-                                  int(sbp_cfg.max_split_dims))
+                                  int(sbp_cfg.max_split_dims), io="rows")
     except ConfigError as exc:
         raise ConfigError(f"planner=sbp: model '{shape.name}' on {p} devices: {exc}") from None
     result = search(problem, method, float(sbp_cfg.budget_s), int(sbp_cfg.seed))
@@ -274,10 +271,10 @@ def plan_sbp(topo: Topology, shape: ModelShape, sbp_cfg: Any, devices: Optional[
                           f"~{best / 1e9:.1f} GB)")
     plan = SBPPlan(topo, shape, problem, result, float(sbp_cfg.budget_s), (1,))
     layout = plan.layout
-    check_transformer_layout(layout, shape.hidden, shape.heads, shape.ffn_mult, shape.batch_size,
-                             what=f"model '{shape.name}'")
+    check_chain_layout(layout, layers, what=f"model '{shape.name}'")
     notes = [topo.note] if topo.note else []
-    notes.append("embeddings, LayerNorms, the LM head and the loss run split by tokens over all devices "
-                 "with replicated weights (outside the SBP search space; their gradient all-reduces are "
-                 "not in the prediction)")
+    notes.append("between the matmuls activations are whole sequences split over all devices (the model's own "
+                 "code runs on them); embeddings, norms, biases, the LM head and the loss run there with "
+                 "replicated weights (outside the SBP search space; their gradient all-reduces are not in "
+                 "the prediction)")
     return replace(plan, device_mesh=plan_mesh_shape(layout.strategies.values(), p), notes=tuple(notes))

@@ -9,7 +9,10 @@ group (size and rank stride on the row-major mesh), its Table 2 size ``N`` in by
 many times a step runs it. It follows :func:`~atp_pipeline.planning.sbp.space.compile_problem`
 term by term; ``sum(call.seconds(ab))`` equals ``problem.raw_cost(assign)`` exactly (tested),
 so running the schedule on real process groups measures exactly what the model predicts
-(:mod:`benchmarks.sbp_calibration`, the paper's Figure 4).
+(:mod:`benchmarks.sbp_calibration`, the paper's Figure 4). With ``io="rows"`` (the row
+layout between layers that :mod:`atp_pipeline.parallel.sbp_exec` executes) the calls are
+:func:`~atp_pipeline.planning.sbp.space.row_io_terms` per layer instance, and the executor
+runs exactly these collectives (tested).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective
-from atp_pipeline.planning.sbp.space import MatmulLayer, Problem, Strategy
+from atp_pipeline.planning.sbp.space import MatmulLayer, Problem, Strategy, row_io_terms
 
 
 @dataclass(frozen=True)
@@ -77,15 +80,20 @@ def _a2a_call(s: Strategy, t: Strategy, attention: bool, nbytes: float, p: int, 
 
 
 def schedule(problem: Problem, assign: Sequence[int], layers: Sequence[MatmulLayer],
-             act_bytes: float) -> List[CollectiveCall]:
+             act_bytes: float, io: str = "chain") -> List[CollectiveCall]:
     """Every collective of one training step of ``layers`` (the list ``problem`` was
-    compiled from, with ``MemoryModel.act_bytes = act_bytes``) under ``assign``."""
+    compiled from, with ``MemoryModel.act_bytes = act_bytes`` and this ``io``) under ``assign``."""
     if len(assign) != len(problem.vars):
         raise ConfigError(f"sbp schedule: {len(assign)} choices for {len(problem.vars)} variables")
     index: Dict[str, int] = {v.name: i for i, v in enumerate(problem.vars)}
     if any(layer.key not in index for layer in layers):
         raise ConfigError("sbp schedule: the layers are not the ones the problem was compiled from")
     strat = {v.name: v.strategies[a] for v, a in zip(problem.vars, assign)}
+    if io == "rows":
+        return [CollectiveCall(c, size, stride, nbytes, times * v.count, f"{v.name}: {what}")
+                for v in problem.vars
+                for c, size, stride, nbytes, times, what in row_io_terms(v.layer, strat[v.name], problem.p,
+                                                                          act_bytes)]
     first = layers[0].key
     calls: List[CollectiveCall] = []
     for v in problem.vars:

@@ -31,6 +31,19 @@ collective of the same cost, so each is counted twice:
 * the weight gradient of ``W`` replicated over ``pb`` is all-reduced (§4.4.1), once per
   step (not doubled).
 
+**Row layout between layers** (``io="rows"``, what
+:mod:`atp_pipeline.parallel.sbp_exec` executes for any model): every matmul reads its input
+from and writes its output to the *row layout* — whole sequences split over all ``p``
+devices in rank order, every feature whole — so the family's own code between the matmuls
+(norms, rotary, the attention core, residuals) runs unchanged on local tensors. Each layer
+then pays, forward and backward dual alike (:func:`row_io_terms`, the one implementation of
+this cost, also read by :mod:`~atp_pipeline.planning.sbp.schedule` and performed call for
+call by the executor): an all-to-all over its ``n`` group (rows -> input-column blocks), an
+all-gather over its ``m`` group (the rows of its ``b`` group), the local matmul, a
+reduce-scatter over ``n`` (the partial sums, §4.2's output made split) and an all-to-all
+over ``m`` (output-column blocks -> whole rows), plus §4.4.1's weight all-reduce over ``b``.
+Layers then interact only through the memory limit (no pairwise tables).
+
 **Memory** per device: ``n·m/(pm·pn)`` parameters × ``param_bytes`` (weights, gradients,
 optimizer state) plus the stored activations ``X`` and ``Y`` local blocks; the total over
 layers must stay under ``memory_limit`` (§4.5.2).
@@ -241,10 +254,44 @@ def _coll(ab: AlphaBeta, c: Collective, size: int, stride: int, nbytes: float,
     return times * (a * steps(c, size) + b * f * nbytes), times * f * nbytes
 
 
+IO_MODES = ("chain", "rows")
+
+
+def row_io_terms(layer: MatmulLayer, s: Strategy, p: int, e: float
+                 ) -> List[Tuple[Collective, int, int, float, int, str]]:
+    """The collectives of one instance of ``layer`` under ``s`` with its input and output in
+    the row layout (module docstring): ``(collective, group size, rank stride, Table 2 N in
+    bytes, times per step, what)``; groups of size 1 are left out. ``times`` is 2 for the
+    activations (forward and its backward dual have the same Table 2 cost) and 1 for the
+    weight-gradient all-reduce (§4.4.1). The rows ``b`` are the layer's tokens; each device
+    holds ``b/p`` of them in the row layout."""
+    L = layer
+    rows = L.b / p
+    terms = [
+        (Collective.all_to_all, s.pn, s.stride("n"), rows * L.n * e, 2,
+         "input rows -> column blocks over n (backward: the inverse all-to-all)"),
+        (Collective.all_gather, s.pm, s.stride("m"), L.b / s.pb * L.n / s.pn * e, 2,
+         "input rows of the b group over m (backward: reduce-scatter)"),
+        (Collective.reduce_scatter, s.pn, s.stride("n"), L.b / s.pb * L.m / s.pm * e, 2,
+         "partial output summed and scattered by rows over n (backward: all-gather)"),
+        (Collective.all_to_all, s.pm, s.stride("m"), rows * L.m * e, 2,
+         "output column blocks -> whole rows over m (backward: the inverse all-to-all)"),
+        (Collective.all_reduce, s.pb, s.stride("b"), L.n * L.m / (s.pm * s.pn) * e, 1,
+         "weight-gradient all-reduce over b (§4.4.1)"),
+    ]
+    return [t for t in terms if t[1] > 1]
+
+
 def compile_problem(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta,
                     mem: MemoryModel = MemoryModel(), orders: str = "paper",
-                    max_split_dims: int = 3, leading_order: bool = False) -> Problem:
+                    max_split_dims: int = 3, leading_order: bool = False,
+                    io: str = "chain") -> Problem:
     """Build the tables of a chain of matmuls (layer ``i`` feeds layer ``i+1``).
+
+    ``io="chain"`` is the paper's model (§4.3: each layer's split output redistributed
+    straight into the next layer's input); ``io="rows"`` puts every layer's input and
+    output in the row layout (module docstring; :func:`row_io_terms`), the model of what
+    :mod:`atp_pipeline.parallel.sbp_exec` executes for any model family.
 
     ``max_split_dims=2`` keeps the 2-D (Megatron-like) strategies only.
     ``leading_order=True`` counts every collective's bandwidth term as ``N`` (2N for
@@ -257,28 +304,16 @@ def compile_problem(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta,
         raise ConfigError(f"sbp: device count must be >= 1, got {p}")
     if not layers:
         raise ConfigError("sbp: the model has no layers")
+    if io not in IO_MODES:
+        raise ConfigError(f"sbp: io must be one of {IO_MODES}, got '{io}'")
+    if io == "rows":
+        return _compile_rows(layers, p, ab, mem, orders, max_split_dims, leading_order)
     for a, b in zip(layers, layers[1:]):
         if a.m != b.n or a.b != b.b:
             if not a.into_attention or a.b != b.b:
                 raise ConfigError(f"sbp: layer '{a.name}' (b={a.b}, m={a.m}) does not feed "
                                   f"'{b.name}' (b={b.b}, n={b.n})")
-    index: Dict[str, int] = {}
-    vars_: List[Var] = []
-    for layer in layers:
-        if layer.key in index:
-            v = vars_[index[layer.key]]
-            if (v.layer.b, v.layer.n, v.layer.m, v.layer.heads) != (layer.b, layer.n, layer.m,
-                                                                     layer.heads):
-                raise ConfigError(f"sbp: tied layers '{v.layer.name}' and '{layer.name}' differ "
-                                  f"in shape")
-            v.count += 1
-            continue
-        strat = strategies(layer, p, orders, max_split_dims)
-        if not strat:
-            raise ConfigError(f"sbp: layer '{layer.name}' (b={layer.b}, n={layer.n}, m={layer.m}, "
-                              f"heads={layer.heads}) has no legal strategy on {p} devices")
-        index[layer.key] = len(vars_)
-        vars_.append(Var(layer.key, layer, 1, strat))
+    index, vars_ = _tie(layers, p, orders, max_split_dims)
     e = mem.act_bytes
     first = layers[0].key
     # unary tables: per layer instance (weight all-reduce, output reduce-scatter, input gather)
@@ -314,6 +349,53 @@ def compile_problem(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta,
     pairs = [_pair(vars_[ia], vars_[ib], ia, ib, attn, elems * e, p, ab, cnt, leading_order)
              for (ia, ib, attn, elems), cnt in counts.items()]
     return Problem(p=p, vars=vars_, pairs=pairs, memory_limit=mem.limit)
+
+
+def _tie(layers: Sequence[MatmulLayer], p: int, orders: str, max_split_dims: int
+         ) -> Tuple[Dict[str, int], List[Var]]:
+    """One variable per tie group (§4.5.1) with its legal strategies."""
+    index: Dict[str, int] = {}
+    vars_: List[Var] = []
+    for layer in layers:
+        if layer.key in index:
+            v = vars_[index[layer.key]]
+            if (v.layer.b, v.layer.n, v.layer.m, v.layer.heads) != (layer.b, layer.n, layer.m, layer.heads):
+                raise ConfigError(f"sbp: tied layers '{v.layer.name}' and '{layer.name}' differ in shape")
+            v.count += 1
+            continue
+        strat = strategies(layer, p, orders, max_split_dims)
+        if not strat:
+            raise ConfigError(f"sbp: layer '{layer.name}' (b={layer.b}, n={layer.n}, m={layer.m}, "
+                              f"heads={layer.heads}) has no legal strategy on {p} devices")
+        index[layer.key] = len(vars_)
+        vars_.append(Var(layer.key, layer, 1, strat))
+    return index, vars_
+
+
+def _compile_rows(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta, mem: MemoryModel, orders: str,
+                  max_split_dims: int, leading_order: bool) -> Problem:
+    """:func:`compile_problem` with ``io="rows"``: unary tables only."""
+    for layer in layers:
+        units = layer.batch_units or layer.b
+        if units % p:
+            raise ConfigError(f"sbp: layer '{layer.name}': {units} sequences do not split over the {p} devices "
+                              f"of the row layout (whole sequences on every device)")
+    _, vars_ = _tie(layers, p, orders, max_split_dims)
+    e = mem.act_bytes
+    for v in vars_:
+        L = v.layer
+        cost = {c: np.zeros(len(v.strategies)) for c in COLLECTIVES}
+        vol = {c: np.zeros(len(v.strategies)) for c in COLLECTIVES}
+        memory = np.zeros(len(v.strategies))
+        for i, s in enumerate(v.strategies):
+            for c, size, stride, nbytes, times, _ in row_io_terms(L, s, p, e):
+                ct, vt = _coll(ab, c, size, stride, nbytes, times * v.count, leading_order)
+                cost[c.value][i] += ct
+                vol[c.value][i] += vt
+            memory[i] = v.count * (L.n * L.m / (s.pm * s.pn) * mem.param_bytes
+                                   + (L.b * L.n / (s.pb * s.pn) + L.b * L.m / (s.pb * s.pm)) * e)
+        v.cost, v.volume, v.memory = cost, vol, memory
+    return Problem(p=p, vars=vars_, pairs=[], memory_limit=mem.limit)
 
 
 def _pair(va: Var, vb: Var, ia: int, ib: int, attention: bool, nbytes: float, p: int,

@@ -1,0 +1,75 @@
+"""A model's SBP layer chain from its :class:`~atp_pipeline.planning.shape.ModelShape`
+(AutoDDL §4.2, §4.5.1), whatever the family.
+
+Every decoder block contributes its matmuls, tied over the blocks (§4.5.1: one decision
+variable per key, however many blocks):
+
+=====================  =========================================  ======================
+key                    matmul (``n -> m``)                          when
+=====================  =========================================  ======================
+``qkv``                hidden -> q_width + 2·kv_width               fused q|k|v projection
+``q``, ``k``, ``v``    hidden -> q_width, kv_width, kv_width        separate projections (GQA widths)
+``proj``               q_width -> hidden                            attention output
+``gate``, ``up``       hidden -> ffn (each)                         gated MLP (SwiGLU)
+``down``               ffn -> hidden                                gated MLP
+``fc1``, ``fc2``       hidden -> ffn, ffn -> hidden                 two-matrix MLP
+=====================  =========================================  ======================
+
+Each matmul's rows are the step's tokens ``b = batch·seq`` in ``batch`` indivisible
+sequences. The built-in GPT (fused q|k|v, multi-head, fc1/fc2) gives the same layers, keys
+and sizes as :func:`~atp_pipeline.planning.sbp.space.transformer`.
+
+The executor (:mod:`atp_pipeline.parallel.sbp_exec`) keeps the activations between matmuls
+in the *row layout* (whole sequences split over all devices, features whole), so the
+family's own code between the matmuls runs unchanged; the chain is therefore compiled with
+``io="rows"`` (:func:`~atp_pipeline.planning.sbp.space.row_io_terms`). What that layout
+cannot run is named by :func:`sbp_infeasibility`. Pure: numpy only, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from atp_pipeline.planning.sbp.space import MatmulLayer
+from atp_pipeline.planning.shape import ModelShape
+
+ATTENTION_KEYS = ("qkv", "q", "k", "v", "proj")
+MLP_KEYS = ("gate", "up", "down", "fc1", "fc2")
+KEYS = ATTENTION_KEYS + MLP_KEYS
+
+
+def block_matmuls(shape: ModelShape) -> List[Tuple[str, int, int]]:
+    """``(key, n, m)`` of one block's matmuls in execution order (module docstring)."""
+    h, qw, kw, f = shape.hidden, shape.q_width, shape.kv_width, shape.ffn
+    attn = [("qkv", h, qw + 2 * kw)] if shape.qkv_fused else [("q", h, qw), ("k", h, kw), ("v", h, kw)]
+    mlp = [("gate", h, f), ("up", h, f), ("down", f, h)] if shape.gated else [("fc1", h, f), ("fc2", f, h)]
+    return attn + [("proj", qw, h)] + mlp
+
+
+def chain_keys(shape: ModelShape) -> Tuple[str, ...]:
+    """The layer keys (tie groups) of ``shape``'s chain, in execution order."""
+    return tuple(k for k, _, _ in block_matmuls(shape))
+
+
+def model_chain(shape: ModelShape) -> List[MatmulLayer]:
+    """Every block's matmuls (``block{i}.{key}``), tied by key over the blocks (§4.5.1)."""
+    b = shape.batch_size * shape.seq_len
+    return [MatmulLayer(f"block{i}.{key}", b, n, m, tie=key, batch_units=shape.batch_size)
+            for i in range(shape.layers) for key, n, m in block_matmuls(shape)]
+
+
+def sbp_infeasibility(shape: ModelShape, devices: int) -> Optional[str]:
+    """Why the SBP executor cannot run ``shape``'s step on ``devices`` devices, or None.
+
+    The row layout between matmuls holds whole sequences, ``batch/devices`` on every device
+    (the family's attention runs on whole sequences); every matmul has at least the
+    data-parallel strategy (``pb = devices``), so the search space is never empty
+    otherwise, and a plan's mesh is checked after the search
+    (:func:`~atp_pipeline.planning.sbp.layout.plan_mesh_shape`)."""
+    if devices < 1:
+        return f"device count must be >= 1, got {devices}"
+    if shape.batch_size % devices:
+        return (f"model.batch_size={shape.batch_size} of model '{shape.name}' does not split into whole "
+                f"sequences over {devices} devices (the SBP executor's row layout between matmuls holds "
+                f"batch/devices sequences on every device)")
+    return None
