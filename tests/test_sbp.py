@@ -218,3 +218,59 @@ def test_gpt96_tied_plan_on_4096_devices() -> None:
     plan = r.plan(pr)
     assert plan["memory_bytes_per_device"] <= 80 * 2**30
     assert set(plan["communication"]) == {c.value for c in Collective}
+
+
+# ------------------------------------------------------------------ any model's chain (issue 25)
+def _shape(**kw):
+    from atp_pipeline.planning.shape import ModelShape
+
+    base = dict(name="m", hidden=64, heads=8, layers=2, seq_len=16, vocab_size=256, ffn=256, batch_size=4)
+    return ModelShape(**{**base, **kw})
+
+
+def test_gpt_chain_is_the_papers_transformer_and_llama_has_gqa_and_a_gated_mlp() -> None:
+    from atp_pipeline.planning.sbp.chain import chain_keys, model_chain
+
+    gpt = model_chain(_shape(qkv_fused=True))
+    paper = transformer(2, 64, 8, 16, 4)
+    assert [(x.name, x.b, x.n, x.m, x.key, x.batch_units) for x in gpt] == \
+        [(x.name, x.b, x.n, x.m, x.key, x.batch_units) for x in paper]
+    llama = model_chain(_shape(qkv_fused=False, kv_heads=2, gated=True, ffn=128))
+    assert chain_keys(_shape(qkv_fused=False, kv_heads=2, gated=True)) == ("q", "k", "v", "proj", "gate", "up", "down")
+    assert [(x.key, x.n, x.m) for x in llama[:7]] == [("q", 64, 64), ("k", 64, 16), ("v", 64, 16), ("proj", 64, 64),
+                                                      ("gate", 64, 128), ("up", 64, 128), ("down", 128, 64)]
+    pr = compile_problem(llama, 4, PIZ, io="rows")
+    assert [v.name for v in pr.vars] == ["q", "k", "v", "proj", "gate", "up", "down"]
+    assert [v.count for v in pr.vars] == [2] * 7 and pr.pairs == []
+
+
+def test_hand_computed_row_layout_cost_and_schedule() -> None:
+    """io="rows": per layer all-to-all over n, all-gather over m, reduce-scatter over n,
+    all-to-all over m (each forward + backward), the row group's all-gather when sequences
+    are fewer than devices, and the weight all-reduce over b."""
+    from atp_pipeline.planning.sbp.schedule import schedule
+
+    ab = AlphaBeta.uniform(alpha=1e-6, beta=1e-9)
+    layer = MatmulLayer("a", 64, 32, 16, batch_units=2)  # 2 sequences on 8 devices: groups of 4 replicas
+    pr = compile_problem([layer], 8, ab, MemoryModel(param_bytes=16, act_bytes=4), orders="all", io="rows")
+    i = pr.vars[0].strategies.index(Strategy(2, 2, 2))  # strides: b 4, m 2, n 1
+    # a2a n: 8 rows x 32 x 4 B; AG m: 32 x 16 x 4; RS n: 32 x 8 x 4; a2a m: 8 x 16 x 4;
+    # row group (4 replicas, stride 1) AG: 32 x 16 x 4; AR over b: 16 x 8 x 4 once
+    expect = (2 * (1e-6 + 0.5 * 1024e-9) + 2 * (1e-6 + 0.5 * 2048e-9) + 2 * (1e-6 + 0.5 * 1024e-9)
+              + 2 * (1e-6 + 0.5 * 512e-9) + 2 * (3e-6 + 0.75 * 2048e-9) + (2e-6 + 2 * 0.5 * 512e-9))
+    assert pr.cost([i]) == pytest.approx(expect)
+    calls = schedule(pr, [i], [layer], 4, io="rows")
+    assert sum(c.seconds(ab) for c in calls) == pytest.approx(pr.raw_cost([i]))
+    assert {(c.collective.value, c.size, c.stride) for c in calls} == {
+        ("all_to_all", 2, 1), ("all_gather", 2, 2), ("reduce_scatter", 2, 1), ("all_to_all", 2, 2),
+        ("all_gather", 4, 1), ("all_reduce", 2, 4)}
+    # rows split by tokens: pb may exceed the 2 sequences
+    assert any(s.pb == 8 for s in pr.vars[0].strategies)
+
+
+def test_sbp_infeasibility_names_the_tokens() -> None:
+    from atp_pipeline.planning.sbp.chain import sbp_infeasibility
+
+    assert sbp_infeasibility(_shape(batch_size=1, seq_len=16), 16) is None
+    why = sbp_infeasibility(_shape(batch_size=1, seq_len=15), 4)
+    assert why is not None and "15 tokens" in why and "do not split over 4 devices" in why

@@ -7,9 +7,9 @@
 * Any model (``io="rows"``, issue 25): the built-in GPT (``tiny``), ``llama_tiny`` (GQA 8/4,
   SwiGLU, RMSNorm, rotary), a Llama with 2 key/value heads and ``gpt2_tiny`` (Conv1D, fused
   q|k|v, tied head), laid out through their adapters, under plans whose layers use every
-  role and mesh order: every float64 gradient within 1e-9 of the single-process model, the
-  collectives run equal to the search's schedule, 20 float32 AdamW losses within 1e-5. One
-  launch of 4 processes.
+  role and mesh order: every float64 gradient within 1e-9 of the single-process model (2
+  sequences on 4 ranks: replicated row groups), the collectives run equal to the search's
+  schedule, 20 float32 AdamW losses within 1e-5 (8 sequences). One launch of 4 processes.
 * Item 6: ``stage=plan planner=sbp`` writes the SBP plan report; ``planner=sbp`` trains through
   the Lightning strategy and reproduces the single-process losses; bad input is one line.
 """
@@ -180,6 +180,7 @@ FAMILY_MODELS = {  # name -> train.py overrides (sequences shortened for the 2-c
     "gpt2_tiny": ["model=gpt2_tiny"],
 }
 SEQ, SEQS, STEPS = 16, 8, 20
+SEQS64 = 2  # the float64 step: 2 sequences on 4 ranks, so row groups of 2 replicas
 # every role and mesh order on 4 ranks, cycled over each model's layer keys
 MIXED = [_s(1, 2, 2, "bmn"), _s(2, 2, 1, "mbn"), _s(2, 1, 2, "nbm"), _s(1, 1, 4), _s(1, 4, 1), _s(4, 1, 1),
          _s(1, 2, 2, "nmb")]
@@ -189,12 +190,12 @@ def _mixed(shape: ModelShape, p: int) -> SBPLayout:
     return SBPLayout(p, {k: MIXED[i % len(MIXED)] for i, k in enumerate(chain_keys(shape))})
 
 
-def _batches(vocab: int, steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def _batches(vocab: int, steps: int, seqs: int = SEQS) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Random tokens whose target is the next token id (learnable, so the loss falls)."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        idx = torch.randint(0, vocab, (SEQS, SEQ), generator=g)
+        idx = torch.randint(0, vocab, (seqs, SEQ), generator=g)
         out.append((idx, (idx + 1) % vocab))
     return out
 
@@ -228,7 +229,8 @@ def _kind(collective: str) -> str:
 def run_families(rank: int, world: int, models: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Worker: each model dense (one process's computation, on every rank) and laid out by
     its adapter under a mixed SBP plan: float64 gradients and counted collectives of one
-    step, then 20 float32 AdamW steps."""
+    step on 2 sequences (row groups of 2 replicas), then 20 float32 AdamW steps on 8 (one
+    rank per row group)."""
     import copy
 
     from omegaconf import OmegaConf
@@ -249,7 +251,7 @@ def run_families(rank: int, world: int, models: Dict[str, Any]) -> List[Dict[str
             model = adapter.apply_sbp(copy.deepcopy(dense), layout, None)
             row["keys"], row["mesh"], row["label"] = list(chain_keys(shape)), tuple(layout.mesh_shape()), layout.label()
             if dtype == torch.float64:
-                (idx, tgt), = _batches(shape.vocab_size, 1)
+                (idx, tgt), = _batches(shape.vocab_size, 1, SEQS64)
                 ref = adapter.lm_loss(dense, idx, tgt)
                 ref.backward()
                 ref_grads = {n: p.grad for n, p in dense.named_parameters()}
@@ -264,7 +266,7 @@ def run_families(rank: int, world: int, models: Dict[str, Any]) -> List[Dict[str
                 errs = {n: _rel(grads[n], ref_grads[n]) for n in grads}
                 row.update(names_match=sorted(grads) == sorted(ref_grads), grad_rel=max(errs.values()),
                            worst=max(errs, key=errs.get), loss_rel64=abs(loss.item() - ref.item()) / abs(ref.item()),
-                           counted=counted, scheduled=_scheduled(shape, layout, 8))
+                           counted=counted, scheduled=_scheduled(shape.with_step(batch_size=SEQS64), layout, 8))
             else:
                 losses = {}
                 for which, m in (("dense", dense), ("sbp", model)):
@@ -364,7 +366,7 @@ def test_paper_size_sbp_plan_is_fast(compose_cfg, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.devices=3"], "planner=sbp: model 'tiny' on 3 devices: sbp: layer 'block0.qkv'"),
+    (["trainer.devices=3"], "planner=sbp: model 'tiny' on 3 devices: the 512 tokens of a step"),
     (["mesh.dp=2"], "planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1"),
     (["overlap=chunk2"], "overlap=chunk1 (got chunks=2)"),
     (["topology.device.memory_GB=0.000001"], "no SBP plan of model 'tiny' on 4 devices fits"),
@@ -382,7 +384,7 @@ def test_bad_sbp_input_exits_2_before_any_process(tmp_path) -> None:
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: planner=sbp: model 'tiny' on 3 devices"), out.stderr
-    assert "has no legal strategy on 3 devices" in lines[0]
+    assert "do not split over 3 devices" in lines[0]
     assert not list(tmp_path.rglob("metrics.csv"))
 
 

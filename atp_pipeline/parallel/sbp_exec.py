@@ -32,12 +32,14 @@ a post-accumulate-grad hook redistributes every gradient to its parameter's plac
 model's matmuls and their layer keys (:meth:`~atp_pipeline.models.adapter.ModelAdapter.sbp_linears`);
 each becomes an :class:`SBPRowLinear` and everything between them — the family's own
 ``forward``: norms, rotary, the attention core, residuals, embeddings, head and loss — runs
-unchanged on plain local tensors in the *row layout*: whole sequences split over all ranks
-in rank order, features whole. An :class:`SBPRowLinear` brings its input from the row
-layout to the §4.2.2 ``X`` block (all-to-all over ``n``, all-gather over ``m``), multiplies
+unchanged on plain local tensors in the *row layout*: whole sequences split over row groups
+of consecutive ranks (as many groups as divide the batch and the ranks,
+:func:`~atp_pipeline.planning.sbp.space.row_split`; the ranks of a group hold the same
+sequences), features whole. An :class:`SBPRowLinear` takes its rank's share of the group's
+token rows, brings them to the §4.2.2 ``X`` block (all-to-all over ``n``, all-gather over ``m``), multiplies
 by its weight shard locally (``W = (B:pb, S1:pm, S0:pn)``, a DTensor parameter), and
 brings the ``Partial`` output back to whole rows (reduce-scatter over ``n``, all-to-all over
-``m``): exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
+``m``, all-gather over the row group): exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
 search charges (counted by :func:`count_collectives`, tested against
 :func:`~atp_pipeline.planning.sbp.schedule.schedule`). Those collectives run on process
 groups of the roles' ranks (one group per role, not DTensor's per-mesh-dimension
@@ -64,7 +66,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.layout import (PARTIAL, REPLICATE, SHARD0, SHARD1, SBPLayout, _check_div,
                                               placement_names, plan_mesh_shape, role_dims)
 from atp_pipeline.planning.sbp.alphabeta import Collective
-from atp_pipeline.planning.sbp.space import Strategy
+from atp_pipeline.planning.sbp.space import Strategy, row_split
 
 __all__ = ["PLACEMENTS", "LayerLayout", "plan_mesh", "SBPLinear", "SBPMLP", "SBPLayout", "plan_mesh_shape",
            "role_dims", "_check_div", "_distribute", "_replicated", "_rows_all", "_sync_grad",
@@ -269,11 +271,32 @@ def role_group(size: int, stride: int) -> Any:
 
 
 class _Group:
-    """A role's group: size, stride and process group (a matmul's ``m`` or ``n`` role)."""
+    """``size`` ranks ``stride`` apart: a role of a matmul's strategy, or the replicas of a
+    row group; with this rank's process group (None when alone)."""
 
-    def __init__(self, s: Strategy, role: str) -> None:
-        self.size, self.stride = s.size(role), s.stride(role)
-        self.group = role_group(self.size, self.stride) if self.size > 1 else None
+    def __init__(self, size: int, stride: int) -> None:
+        self.size, self.stride = size, stride
+        self.group = role_group(size, stride) if size > 1 else None
+
+    @classmethod
+    def role(cls, s: Strategy, role: str) -> "_Group":
+        return cls(s.size(role), s.stride(role))
+
+
+@dataclass
+class RowLayout:
+    """The row layout of one step (set by :class:`SBPRoot` from the batch): ``replicas``
+    consecutive ranks hold the same sequences (:func:`~atp_pipeline.planning.sbp.space.row_split`)."""
+
+    replicas: int = 1
+    group: Optional[_Group] = None
+
+    def set(self, sequences: int, world: int) -> int:
+        """Lay out ``sequences`` on ``world`` ranks; returns the row groups ``g``."""
+        g = row_split(sequences, world)
+        self.replicas = world // g
+        self.group = _Group(self.replicas, 1) if self.replicas > 1 else None
+        return g
 
 
 def _a2a(x: torch.Tensor, g: _Group) -> torch.Tensor:
@@ -421,12 +444,13 @@ class SBPRowLinear(nn.Module):
             w = tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in w)
         self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, list(w)),
                                    requires_grad=linear.weight.requires_grad)
-        self.b_group = _Group(strategy, "b")
+        self.b_group = _Group.role(strategy, "b")
         self.weight.register_post_accumulate_grad_hook(self._sync_weight_grad)
         self.bias = _replicated_param(linear.bias, mesh) if linear.bias is not None else None
         self._w_grad = _partial_on_replicas(w)
         self._b_grad = (Partial(),) * mesh.ndim
-        self.n_group, self.m_group = _Group(strategy, "n"), _Group(strategy, "m")
+        self.n_group, self.m_group = _Group.role(strategy, "n"), _Group.role(strategy, "m")
+        self.rows = RowLayout()  # shared with the other matmuls by apply_sbp_layout
 
     def _sync_weight_grad(self, param: torch.Tensor) -> None:
         """§4.4.1: the weight, replicated over ``b``, gets per-rank partial gradients; one
@@ -439,9 +463,18 @@ class SBPRowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(..., n)``, this rank's rows of the row layout -> ``(..., m)``, the same rows."""
+        import torch.distributed as dist
+
         lead = x.shape[:-1]
         h = x.reshape(-1, self.in_features)
-        gn, gm = self.n_group, self.m_group
+        gn, gm, replicas = self.n_group, self.m_group, self.rows.group
+        if replicas is not None:  # this rank's 1/r of its row group's token rows (free)
+            t = h.shape[0] // replicas.size
+            if h.shape[0] % replicas.size:
+                raise ConfigError(f"sbp: layer '{self.key}': {h.shape[0]} token rows do not split over the "
+                                  f"{replicas.size} ranks of a row group")
+            j = dist.get_rank() % replicas.size
+            h = h[j * t:(j + 1) * t]
         if gn.size > 1:
             h = _ColsToRows.apply(h, gn)  # rows of the n group, my input-column block
         if gm.size > 1:
@@ -454,6 +487,8 @@ class SBPRowLinear(nn.Module):
             y = _ScatterRows.apply(y, gn)  # summed; rows (m peer, my n), my output-column block
         if gm.size > 1:
             y = _RowsToCols.apply(y, gm)  # my rows, whole
+        if replicas is not None:
+            y = _GatherRows.apply(y, replicas)  # the row group's rows (backward: partial sums reduce-scattered)
         if self.bias is not None:
             y = y + self.bias.to_local(grad_placements=self._b_grad)  # type: ignore[union-attr]
         return y.view(*lead, self.out_features)
@@ -478,21 +513,23 @@ class _GlobalMean(torch.autograd.Function):
 
 
 class _GatherBatch(torch.autograd.Function):
-    """Every rank's rows of a row-layout output, concatenated in rank order (one value on
-    every rank: the backward keeps this rank's slice)."""
+    """Every row group's rows of a row-layout output (one replica's copy each), concatenated
+    in order: one value on every rank, so the backward gives each of a group's ``replicas``
+    ranks ``1/replicas`` of its rows' gradient (partial sums over the replicas)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, replicas: int) -> torch.Tensor:  # type: ignore[override]
         import torch.distributed as dist
 
-        world, ctx.rank, ctx.rows = dist.get_world_size(), dist.get_rank(), x.shape[0]
+        world = dist.get_world_size()
+        ctx.group, ctx.rows, ctx.replicas = dist.get_rank() // replicas, x.shape[0], replicas
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
         _ALL_GATHER(out, x.contiguous())
-        return out
+        return out.view(world // replicas, replicas, *x.shape)[:, 0].reshape(-1, *x.shape[1:])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad[ctx.group * ctx.rows:(ctx.group + 1) * ctx.rows] / ctx.replicas, None
 
 
 class SBPRoot:
@@ -503,6 +540,7 @@ class SBPRoot:
 
     _sbp_world: int
     _sbp_slots: List[Tuple[nn.Module, str, nn.Parameter]]
+    _sbp_rows: RowLayout
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch.distributed as dist
@@ -510,14 +548,14 @@ class SBPRoot:
         world, rank = self._sbp_world, dist.get_rank()
         batch = next((t.shape[0] for t in list(args) + list(kwargs.values())
                       if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-        if batch is None or batch % world:
-            raise ConfigError(f"sbp: a batch of {batch} sequences does not split over {world} ranks (the row "
-                              f"layout holds whole sequences, batch/ranks on every rank)")
-        per = batch // world
+        if batch is None:
+            raise ConfigError(f"sbp: {type(self).__name__} was called without a batch tensor")
+        groups = self._sbp_rows.set(batch, world)
+        per, mine = batch // groups, rank // self._sbp_rows.replicas
 
         def local(v: Any) -> Any:
             if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
-                return v[rank * per:(rank + 1) * per]
+                return v[mine * per:(mine + 1) * per]
             return v
 
         args = tuple(local(a) for a in args)
@@ -532,13 +570,14 @@ class SBPRoot:
         finally:
             for mod, name, p in self._sbp_slots:
                 mod._parameters[name] = p
+        replicas = self._sbp_rows.replicas
         if isinstance(out, torch.Tensor):
-            return _GlobalMean.apply(out, world) if out.dim() == 0 else _GatherBatch.apply(out)
+            return _GlobalMean.apply(out, world) if out.dim() == 0 else _GatherBatch.apply(out, replicas)
         loss = getattr(out, "loss", None)
         if loss is not None:  # the logits stay this rank's rows (gathering them costs batch x vocab)
             out.loss = _GlobalMean.apply(loss, world)
         elif getattr(out, "logits", None) is not None:
-            out.logits = _GatherBatch.apply(out.logits)
+            out.logits = _GatherBatch.apply(out.logits, replicas)
         return out
 
 
@@ -559,10 +598,13 @@ def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPL
                           f"{type(module).__name__} (the plan has {', '.join(layout.strategies)})")
     if isinstance(module, SBPRoot):
         raise ConfigError(f"sbp plan: {type(module).__name__} is already laid out by an SBP plan")
+    rows = RowLayout()
     for name, key in linears.items():
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, SBPRowLinear(getattr(parent, attr), key, layout.strategies[key], mesh))
+        lin = SBPRowLinear(getattr(parent, attr), key, layout.strategies[key], mesh)
+        lin.rows = rows
+        setattr(parent, attr, lin)
     made: Dict[int, nn.Parameter] = {}
     slots: List[Tuple[nn.Module, str, nn.Parameter]] = []
     for mod in module.modules():
@@ -582,4 +624,5 @@ def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPL
                                                           "__qualname__": cls.__qualname__})
     module._sbp_world = layout.devices  # type: ignore[attr-defined]
     module._sbp_slots = slots  # type: ignore[attr-defined]
+    module._sbp_rows = rows  # type: ignore[attr-defined]
     return module

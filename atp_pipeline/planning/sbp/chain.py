@@ -20,7 +20,7 @@ sequences. The built-in GPT (fused q|k|v, multi-head, fc1/fc2) gives the same la
 and sizes as :func:`~atp_pipeline.planning.sbp.space.transformer`.
 
 The executor (:mod:`atp_pipeline.parallel.sbp_exec`) keeps the activations between matmuls
-in the *row layout* (whole sequences split over all devices, features whole), so the
+in the *row layout* (whole sequences split over the devices, features whole), so the
 family's own code between the matmuls runs unchanged; the chain is therefore compiled with
 ``io="rows"`` (:func:`~atp_pipeline.planning.sbp.space.row_io_terms`). What that layout
 cannot run is named by :func:`sbp_infeasibility`. Pure: numpy only, no torch.
@@ -61,15 +61,17 @@ def model_chain(shape: ModelShape) -> List[MatmulLayer]:
 def sbp_infeasibility(shape: ModelShape, devices: int) -> Optional[str]:
     """Why the SBP executor cannot run ``shape``'s step on ``devices`` devices, or None.
 
-    The row layout between matmuls holds whole sequences, ``batch/devices`` on every device
-    (the family's attention runs on whole sequences); every matmul has at least the
-    data-parallel strategy (``pb = devices``), so the search space is never empty
-    otherwise, and a plan's mesh is checked after the search
-    (:func:`~atp_pipeline.planning.sbp.layout.plan_mesh_shape`)."""
+    Between matmuls the row layout holds whole sequences (the family's attention runs on
+    them), split over as many row groups as divide both the sequences and the devices
+    (:func:`~atp_pipeline.planning.sbp.space.row_split`); each matmul splits the step's
+    token rows over all devices. Every matmul has at least the data-parallel strategy
+    (``pb = devices``), so the search space is never empty otherwise; a plan's mesh is
+    checked after the search (:func:`~atp_pipeline.planning.sbp.layout.plan_mesh_shape`)."""
     if devices < 1:
         return f"device count must be >= 1, got {devices}"
-    if shape.batch_size % devices:
-        return (f"model.batch_size={shape.batch_size} of model '{shape.name}' does not split into whole "
-                f"sequences over {devices} devices (the SBP executor's row layout between matmuls holds "
-                f"batch/devices sequences on every device)")
+    tokens = shape.batch_size * shape.seq_len
+    if tokens % devices:
+        return (f"the {tokens} tokens of a step of model '{shape.name}' (batch {shape.batch_size} x seq "
+                f"{shape.seq_len}) do not split over {devices} devices (every SBP matmul splits the token rows "
+                f"over all devices)")
     return None

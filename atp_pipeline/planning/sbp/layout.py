@@ -31,7 +31,7 @@ names are what ``str()`` of the DTensor placements prints (``S(0)``, ``S(1)``, `
 
 **A model** (:func:`check_chain_layout`): a strategy for every tie key of its chain
 (:func:`~atp_pipeline.planning.sbp.chain.model_chain`) whose splits divide the layer's
-features, whole sequences on every device of the row layout between layers.
+features, token rows split over every device.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def check_chain_layout(layout: SBPLayout, layers: Sequence[MatmulLayer], what: s
     """Clear errors (before anything runs) when the matmul chain ``layers`` (e.g.
     :func:`~atp_pipeline.planning.sbp.chain.model_chain`) cannot execute ``layout`` with
     the row layout between layers: a strategy per tie key, input features split over
-    ``pn``, output features over ``pm``, whole sequences over every device, one mesh."""
+    ``pn``, output features over ``pm``, token rows over every device, one mesh."""
     keys = list(dict.fromkeys(layer.key for layer in layers))
     missing = [k for k in keys if k not in layout.strategies]
     if missing:
@@ -190,5 +190,5 @@ def check_chain_layout(layout: SBPLayout, layers: Sequence[MatmulLayer], what: s
         s = layout.strategies[layer.key]
         _check_div("input features", layer.n, s.pn, "pn", layer.key)
         _check_div("output features", layer.m, s.pm, "pm", layer.key)
-        _check_div("batch (sequences)", layer.batch_units or layer.b, layout.devices, "devices", layer.key)
+        _check_div("token rows", layer.b, layout.devices, "devices", layer.key)
     layout.mesh_shape()

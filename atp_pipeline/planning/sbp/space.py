@@ -33,16 +33,20 @@ collective of the same cost, so each is counted twice:
 
 **Row layout between layers** (``io="rows"``, what
 :mod:`atp_pipeline.parallel.sbp_exec` executes for any model): every matmul reads its input
-from and writes its output to the *row layout* — whole sequences split over all ``p``
-devices in rank order, every feature whole — so the family's own code between the matmuls
-(norms, rotary, the attention core, residuals) runs unchanged on local tensors. Each layer
-then pays, forward and backward dual alike (:func:`row_io_terms`, the one implementation of
-this cost, also read by :mod:`~atp_pipeline.planning.sbp.schedule` and performed call for
-call by the executor): an all-to-all over its ``n`` group (rows -> input-column blocks), an
-all-gather over its ``m`` group (the rows of its ``b`` group), the local matmul, a
-reduce-scatter over ``n`` (the partial sums, §4.2's output made split) and an all-to-all
-over ``m`` (output-column blocks -> whole rows), plus §4.4.1's weight all-reduce over ``b``.
-Layers then interact only through the memory limit (no pairwise tables).
+from and writes its output to the *row layout* — whole sequences split over ``g`` row
+groups of ``r = p/g`` consecutive ranks (:func:`row_split`: ``g`` the largest divisor of
+``p`` dividing the sequences; the ``r`` ranks of a group hold the same sequences), every
+feature whole — so the family's own code between the matmuls (norms, rotary, the attention
+core, residuals) runs unchanged on local tensors. A matmul takes its rank's ``1/r`` of the
+group's token rows (free), so its rows ``b`` are split over all ``p`` ranks, and pays,
+forward and backward dual alike (:func:`row_io_terms`, the one implementation of this cost,
+also read by :mod:`~atp_pipeline.planning.sbp.schedule` and performed call for call by the
+executor): an all-to-all over its ``n`` group (rows -> input-column blocks), an all-gather
+over its ``m`` group (the rows of its ``b`` group), the local matmul, a reduce-scatter over
+``n`` (the partial sums, §4.2's output made split), an all-to-all over ``m``
+(output-column blocks -> whole rows) and, when ``r > 1``, an all-gather of the rows over
+the row group; plus §4.4.1's weight all-reduce over ``b``. Layers then interact only
+through the memory limit (no pairwise tables).
 
 **Memory** per device: ``n·m/(pm·pn)`` parameters × ``param_bytes`` (weights, gradients,
 optimizer state) plus the stored activations ``X`` and ``Y`` local blocks; the total over
@@ -146,11 +150,12 @@ def factorizations(p: int) -> List[Tuple[int, int, int]]:
 
 
 def strategies(layer: MatmulLayer, p: int, orders: str = "paper",
-               max_split_dims: int = 3) -> List[Strategy]:
-    """Legal strategies of ``layer`` on ``p`` devices (divisibility, heads, batch units)."""
+               max_split_dims: int = 3, token_rows: bool = False) -> List[Strategy]:
+    """Legal strategies of ``layer`` on ``p`` devices (divisibility, heads, batch units;
+    ``token_rows``: rows split by tokens, not by the layer's sequences)."""
     if orders not in ("paper", "all"):
         raise ConfigError(f"sbp: orders must be 'paper' or 'all', got '{orders}'")
-    units = layer.batch_units or layer.b
+    units = layer.b if token_rows else (layer.batch_units or layer.b)
     out: List[Strategy] = []
     seen = set()
     for pb, pm, pn in factorizations(p):
@@ -257,16 +262,23 @@ def _coll(ab: AlphaBeta, c: Collective, size: int, stride: int, nbytes: float,
 IO_MODES = ("chain", "rows")
 
 
+def row_split(sequences: int, p: int) -> int:
+    """Row groups ``g`` of the row layout: the largest divisor of ``p`` that divides the
+    step's ``sequences`` (each group of ``p/g`` consecutive ranks holds ``sequences/g``)."""
+    return max(d for d in range(1, p + 1) if p % d == 0 and sequences % d == 0)
+
+
 def row_io_terms(layer: MatmulLayer, s: Strategy, p: int, e: float
                  ) -> List[Tuple[Collective, int, int, float, int, str]]:
     """The collectives of one instance of ``layer`` under ``s`` with its input and output in
     the row layout (module docstring): ``(collective, group size, rank stride, Table 2 N in
     bytes, times per step, what)``; groups of size 1 are left out. ``times`` is 2 for the
     activations (forward and its backward dual have the same Table 2 cost) and 1 for the
-    weight-gradient all-reduce (§4.4.1). The rows ``b`` are the layer's tokens; each device
-    holds ``b/p`` of them in the row layout."""
+    weight-gradient all-reduce (§4.4.1). The rows ``b`` are the layer's tokens; the matmul
+    takes ``b/p`` of them on each device."""
     L = layer
     rows = L.b / p
+    r = p // row_split(L.batch_units or L.b, p)
     terms = [
         (Collective.all_to_all, s.pn, s.stride("n"), rows * L.n * e, 2,
          "input rows -> column blocks over n (backward: the inverse all-to-all)"),
@@ -276,6 +288,8 @@ def row_io_terms(layer: MatmulLayer, s: Strategy, p: int, e: float
          "partial output summed and scattered by rows over n (backward: all-gather)"),
         (Collective.all_to_all, s.pm, s.stride("m"), rows * L.m * e, 2,
          "output column blocks -> whole rows over m (backward: the inverse all-to-all)"),
+        (Collective.all_gather, r, 1, rows * r * L.m * e, 2,
+         "output rows gathered over the row group's replicas (backward: reduce-scatter)"),
         (Collective.all_reduce, s.pb, s.stride("b"), L.n * L.m / (s.pm * s.pn) * e, 1,
          "weight-gradient all-reduce over b (§4.4.1)"),
     ]
@@ -351,7 +365,7 @@ def compile_problem(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta,
     return Problem(p=p, vars=vars_, pairs=pairs, memory_limit=mem.limit)
 
 
-def _tie(layers: Sequence[MatmulLayer], p: int, orders: str, max_split_dims: int
+def _tie(layers: Sequence[MatmulLayer], p: int, orders: str, max_split_dims: int, token_rows: bool = False
          ) -> Tuple[Dict[str, int], List[Var]]:
     """One variable per tie group (§4.5.1) with its legal strategies."""
     index: Dict[str, int] = {}
@@ -363,7 +377,7 @@ def _tie(layers: Sequence[MatmulLayer], p: int, orders: str, max_split_dims: int
                 raise ConfigError(f"sbp: tied layers '{v.layer.name}' and '{layer.name}' differ in shape")
             v.count += 1
             continue
-        strat = strategies(layer, p, orders, max_split_dims)
+        strat = strategies(layer, p, orders, max_split_dims, token_rows)
         if not strat:
             raise ConfigError(f"sbp: layer '{layer.name}' (b={layer.b}, n={layer.n}, m={layer.m}, "
                               f"heads={layer.heads}) has no legal strategy on {p} devices")
@@ -376,11 +390,10 @@ def _compile_rows(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta, mem: Mem
                   max_split_dims: int, leading_order: bool) -> Problem:
     """:func:`compile_problem` with ``io="rows"``: unary tables only."""
     for layer in layers:
-        units = layer.batch_units or layer.b
-        if units % p:
-            raise ConfigError(f"sbp: layer '{layer.name}': {units} sequences do not split over the {p} devices "
-                              f"of the row layout (whole sequences on every device)")
-    _, vars_ = _tie(layers, p, orders, max_split_dims)
+        if layer.b % p:
+            raise ConfigError(f"sbp: layer '{layer.name}': its {layer.b} token rows do not split over the {p} "
+                              f"devices")
+    _, vars_ = _tie(layers, p, orders, max_split_dims, token_rows=True)
     e = mem.act_bytes
     for v in vars_:
         L = v.layer
