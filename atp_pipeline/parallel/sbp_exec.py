@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -69,8 +70,8 @@ from atp_pipeline.planning.sbp.alphabeta import Collective
 from atp_pipeline.planning.sbp.space import Strategy, row_split
 
 __all__ = ["PLACEMENTS", "LayerLayout", "plan_mesh", "SBPLinear", "SBPMLP", "SBPLayout", "plan_mesh_shape",
-           "role_dims", "_check_div", "_distribute", "_replicated", "_rows_all", "_sync_grad",
-           "SBPRowLinear", "apply_sbp_layout", "count_collectives", "CountedCall"]
+           "role_dims", "SBPRowLinear", "SBPRoot", "RowLayout", "apply_sbp_layout", "count_collectives",
+           "CountedCall"]
 
 # the DTensor placement of each placement name of the layout module
 PLACEMENTS: Dict[str, Placement] = {SHARD0: Shard(0), SHARD1: Shard(1), REPLICATE: Replicate(), PARTIAL: Partial()}
@@ -100,8 +101,6 @@ _MESHES: Dict[Tuple[str, Tuple[int, ...]], DeviceMesh] = {}
 
 def plan_mesh(layout: SBPLayout, device_type: str = "cpu") -> DeviceMesh:
     """The layout's DeviceMesh (cached per shape: creating one is a collective on all ranks)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise RuntimeError("sbp: call torch.distributed.init_process_group first")
     if dist.get_world_size() != layout.devices:
@@ -161,19 +160,6 @@ class SBPLinear(nn.Module):
         y = F.linear(x, self.weight)  # local: (S0:pb, S1:pm, P:pn)
         y = y.redistribute(self.mesh, self.layout["split"])  # reduce-scatter over n
         return y + self.bias if self.bias is not None else y
-
-
-def _rows_all(mesh: DeviceMesh, rows: int) -> Tuple[Placement, ...]:
-    """Token rows split over every mesh dimension when they divide, else over a prefix."""
-    out: List[Placement] = []
-    k = 1
-    for d in range(mesh.ndim):
-        if rows % (k * mesh.size(d)) == 0:
-            k *= mesh.size(d)
-            out.append(Shard(0))
-        else:
-            out.append(Replicate())
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------- MLP stack
@@ -237,8 +223,6 @@ def _log(c: Collective, size: int, stride: int, t: torch.Tensor) -> None:
 
 
 def _collective(new: str, old: str) -> Any:
-    import torch.distributed as dist
-
     return getattr(dist, new, None) or getattr(dist, old)
 
 
@@ -253,8 +237,6 @@ def role_group(size: int, stride: int) -> Any:
     """This rank's process group of ``size`` ranks ``stride`` apart on the row-major plan
     mesh (the ranks sharing every role coordinate but one). Every rank creates all groups of
     a ``(size, stride)`` in the same order (``new_group`` is collective); cached."""
-    import torch.distributed as dist
-
     world, rank = dist.get_world_size(), dist.get_rank()
     key = (world, size, stride)
     if key not in _GROUPS:
@@ -301,8 +283,6 @@ class RowLayout:
 
 def _a2a(x: torch.Tensor, g: _Group) -> torch.Tensor:
     """``x``: ``(k, ...)`` blocks, block ``j`` to peer ``j`` -> peer ``j``'s block for me at ``j``."""
-    import torch.distributed as dist
-
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=g.group)
@@ -325,8 +305,6 @@ def _rows_to_cols(y: torch.Tensor, g: _Group) -> torch.Tensor:
 
 
 def _gather_rows(x: torch.Tensor, g: _Group) -> torch.Tensor:
-    import torch.distributed as dist
-
     x = x.contiguous()
     out = x.new_empty((g.size * x.shape[0],) + tuple(x.shape[1:]))
     _ALL_GATHER(out, x, group=g.group)
@@ -335,8 +313,6 @@ def _gather_rows(x: torch.Tensor, g: _Group) -> torch.Tensor:
 
 
 def _scatter_rows(y: torch.Tensor, g: _Group) -> torch.Tensor:
-    import torch.distributed as dist
-
     y = y.contiguous()
     out = y.new_empty((y.shape[0] // g.size,) + tuple(y.shape[1:]))
     _log(Collective.reduce_scatter, g.size, g.stride, y)
@@ -393,8 +369,6 @@ def _reduce_grad(param: torch.Tensor, group: Any, counted: Optional[Tuple[int, i
     into the parameter's own placements, by one all-reduce (DTensor's redistribution would
     run one per mesh dimension, in an order that may differ between ranks); ``counted``:
     ``(size, stride)`` to record it under :func:`count_collectives`."""
-    import torch.distributed as dist
-
     g = param.grad
     if not isinstance(g, DTensor) or tuple(g.placements) == tuple(param.placements):  # type: ignore[attr-defined]
         return
@@ -410,8 +384,6 @@ def _reduce_grad(param: torch.Tensor, group: Any, counted: Optional[Tuple[int, i
 def _replicated_param(t: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
     """``t`` as a parameter replicated on ``mesh`` whose per-rank partial gradient is summed
     over all ranks once accumulated."""
-    import torch.distributed as dist
-
     p = nn.Parameter(distribute_tensor(t.detach(), mesh, [Replicate()] * mesh.ndim), requires_grad=t.requires_grad)
     group = dist.group.WORLD if mesh.size() > 1 else None
     p.register_post_accumulate_grad_hook(lambda q: _reduce_grad(q, group))
@@ -463,8 +435,6 @@ class SBPRowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(..., n)``, this rank's rows of the row layout -> ``(..., m)``, the same rows."""
-        import torch.distributed as dist
-
         lead = x.shape[:-1]
         h = x.reshape(-1, self.in_features)
         gn, gm, replicas = self.n_group, self.m_group, self.rows.group
@@ -500,8 +470,6 @@ class _GlobalMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, world: int) -> torch.Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
         ctx.world = world
         out = x.detach().clone()
         dist.all_reduce(out)
@@ -519,8 +487,6 @@ class _GatherBatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, replicas: int) -> torch.Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
         world = dist.get_world_size()
         ctx.group, ctx.rows, ctx.replicas = dist.get_rank() // replicas, x.shape[0], replicas
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
@@ -543,8 +509,6 @@ class SBPRoot:
     _sbp_rows: RowLayout
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        import torch.distributed as dist
-
         world, rank = self._sbp_world, dist.get_rank()
         batch = next((t.shape[0] for t in list(args) + list(kwargs.values())
                       if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
