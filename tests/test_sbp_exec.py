@@ -158,8 +158,9 @@ def test_plan_mesh_and_bad_plans() -> None:
     with pytest.raises(ConfigError, match="'fc1': output features 36 does not split over pm=8"):
         check_chain_layout(SBPLayout(8, {**{k: _s(1, 1, 8) for k in good}, "fc1": _s(1, 8, 1)}),
                            model_chain(_shape(hidden=24, heads=6, ffn=36, batch_size=8)))
-    with pytest.raises(ConfigError, match="'qkv': batch \\(sequences\\) 4 does not split over devices=8"):
-        check_chain_layout(SBPLayout(8, {k: _s(8, 1, 1) for k in good}), layers)
+    with pytest.raises(ConfigError, match="'qkv': token rows 12 does not split over devices=8"):
+        check_chain_layout(SBPLayout(8, {k: _s(8, 1, 1) for k in good}),
+                           model_chain(_shape(hidden=24, heads=6, ffn=36, batch_size=4, seq_len=3)))
     with pytest.raises(ConfigError, match="missing fc2"):
         check_chain_layout(SBPLayout(4, {k: good[k] for k in ("qkv", "proj", "fc1")}), layers)
     check_chain_layout(SBPLayout(4, good), layers)
