@@ -236,12 +236,15 @@ def test_gpt_chain_is_the_papers_transformer_and_llama_has_gqa_and_a_gated_mlp()
     assert [(x.name, x.b, x.n, x.m, x.key, x.batch_units) for x in gpt] == \
         [(x.name, x.b, x.n, x.m, x.key, x.batch_units) for x in paper]
     llama = model_chain(_shape(qkv_fused=False, kv_heads=2, gated=True, ffn=128))
-    assert chain_keys(_shape(qkv_fused=False, kv_heads=2, gated=True)) == ("q", "k", "v", "proj", "gate", "up", "down")
-    assert [(x.key, x.n, x.m) for x in llama[:7]] == [("q", 64, 64), ("k", 64, 16), ("v", 64, 16), ("proj", 64, 64),
-                                                      ("gate", 64, 128), ("up", 64, 128), ("down", 128, 64)]
+    assert chain_keys(_shape(qkv_fused=False, kv_heads=2, gated=True)) == ("q", "k", "v", "proj", "gate_up", "down")
+    assert [(x.name, x.key, x.n, x.m, x.into) for x in llama[:7]] == [
+        ("block0.q", "q", 64, 64, None), ("block0.k", "k", 64, 16, None), ("block0.v", "v", 64, 16, None),
+        ("block0.proj", "proj", 64, 64, None), ("block0.gate", "gate_up", 64, 128, "down"),
+        ("block0.up", "gate_up", 64, 128, "down"), ("block0.down", "down", 128, 64, None)]
     pr = compile_problem(llama, 4, PIZ, io="rows")
-    assert [v.name for v in pr.vars] == ["q", "k", "v", "proj", "gate", "up", "down"]
-    assert [v.count for v in pr.vars] == [2] * 7 and pr.pairs == []
+    assert [v.name for v in pr.vars] == ["q", "k", "v", "proj", "gate_up", "down"]
+    assert [v.count for v in pr.vars] == [2, 2, 2, 2, 4, 2]
+    assert [(pr.vars[x.a].name, pr.vars[x.b].name, x.count) for x in pr.pairs] == [("gate_up", "down", 2)]
 
 
 def test_hand_computed_row_layout_cost_and_schedule() -> None:
@@ -274,3 +277,34 @@ def test_sbp_infeasibility_names_the_tokens() -> None:
     assert sbp_infeasibility(_shape(batch_size=1, seq_len=16), 16) is None
     why = sbp_infeasibility(_shape(batch_size=1, seq_len=15), 4)
     assert why is not None and "15 tokens" in why and "do not split over 4 devices" in why
+
+
+def test_direct_edge_skips_the_row_layout() -> None:
+    """An MLP's fc1 -> fc2 (elementwise between): Megatron's column then row needs no
+    communication between them; a 3-D pair that lines up all-reduces fc1's partial output;
+    other pairs go through the row layout (fc1's output side + fc2's input side)."""
+    from atp_pipeline.planning.sbp.space import direct, row_in_terms, row_out_terms
+
+    ab = AlphaBeta.uniform(alpha=1e-6, beta=1e-9)
+    fc1 = MatmulLayer("fc1", 32, 8, 16, tie="fc1", batch_units=4, into="fc2")
+    fc2 = MatmulLayer("fc2", 32, 16, 8, tie="fc2", batch_units=4)
+    pr = compile_problem([fc1, fc2], 4, ab, MemoryModel(act_bytes=4), orders="all", io="rows")
+    (pair,) = pr.pairs
+
+    col, row, dp = Strategy(1, 4, 1), Strategy(1, 1, 4), Strategy(4, 1, 1)
+    assert direct(col, row) and direct(row, col) and not direct(dp, col)
+    i, j = pr.vars[0].strategies.index(col), pr.vars[1].strategies.index(row)
+    assert pair.cost[i, j] == 0.0
+    # row then column: fc1's partial output all-reduced over its 4 n ranks
+    i1, j1 = pr.vars[0].strategies.index(row), pr.vars[1].strategies.index(col)
+    assert pair.cost[i1, j1] == pytest.approx(2 * ab.cost(Collective.all_reduce, 4, 32 * 16 * 4, 1))
+    # data parallel then column: through rows (fc1's output side + fc2's input side)
+    i2, j2 = pr.vars[0].strategies.index(dp), pr.vars[1].strategies.index(col)
+    rows = sum(t[4] * ab.cost(t[0], t[1], t[3], t[2]) for t in row_out_terms(fc1, dp, 4, 4) + row_in_terms(fc2, col, 4, 4))
+    assert pair.cost[i2, j2] == pytest.approx(rows) and rows > 0
+    # 3-D that lines up: fc1 (m stride 2, n stride 1) -> fc2 (n stride 2, m stride 1): all-reduce over fc1's n
+    s3, t3 = Strategy(1, 2, 2, ("b", "m", "n")), Strategy(1, 2, 2, ("b", "n", "m"))
+    assert direct(s3, t3)
+    i3, j3 = pr.vars[0].strategies.index(s3), pr.vars[1].strategies.index(t3)
+    assert pair.cost[i3, j3] == pytest.approx(2 * ab.cost(Collective.all_reduce, 2, 32 * 8 * 4, 1))
+    assert pr.breakdown([i3, j3])["all_reduce"]["seconds"] == pytest.approx(pair.cost[i3, j3])

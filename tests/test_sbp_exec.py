@@ -187,8 +187,20 @@ MIXED = [_s(1, 2, 2, "bmn"), _s(2, 2, 1, "mbn"), _s(2, 1, 2, "nbm"), _s(1, 1, 4)
          _s(1, 2, 2, "nmb")]
 
 
-def _mixed(shape: ModelShape, p: int) -> SBPLayout:
-    return SBPLayout(p, {k: MIXED[i % len(MIXED)] for i, k in enumerate(chain_keys(shape))})
+# the MLP's edge (chain.INTO): direct with the partial output all-reduced, direct
+# Megatron-like (no communication between), or through the row layout
+MLP_EDGES = {"tiny": (_s(1, 2, 2, "bmn"), _s(1, 2, 2, "bnm")),  # direct: m(stride 2) = n', n(1) = m'
+             "llama_tiny": (_s(2, 2, 1, "bmn"), _s(2, 1, 2, "bnm")),  # direct, no all-reduce
+             "llama_kv2": (_s(1, 4, 1), _s(4, 1, 1)),  # not direct: through rows
+             "gpt2_tiny": (_s(1, 4, 1), _s(1, 1, 4))}  # Megatron column -> row
+
+
+def _mixed(name: str, shape: ModelShape, p: int) -> SBPLayout:
+    keys = chain_keys(shape)
+    strat = {k: MIXED[i % len(MIXED)] for i, k in enumerate(keys)}
+    first, last = ("gate_up", "down") if "down" in keys else ("fc1", "fc2")
+    strat[first], strat[last] = MLP_EDGES[name]
+    return SBPLayout(p, strat)
 
 
 def _batches(vocab: int, steps: int, seqs: int = SEQS) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -248,7 +260,7 @@ def run_families(rank: int, world: int, models: Dict[str, Any]) -> List[Dict[str
             torch.manual_seed(0)
             dense = adapter.build(mcfg).to(dtype)
             shape = adapter.shape(dense).with_step(batch_size=SEQS, seq_len=SEQ)
-            layout = _mixed(shape, world)
+            layout = _mixed(name, shape, world)
             model = adapter.apply_sbp(copy.deepcopy(dense), layout, None)
             row["keys"], row["mesh"], row["label"] = list(chain_keys(shape)), tuple(layout.mesh_shape()), layout.label()
             if dtype == torch.float64:
@@ -308,7 +320,7 @@ def test_every_family_runs_sbp_plans_exactly(families) -> None:
     other), 20 float32 AdamW losses within 1e-5."""
     rank0 = {r["name"]: r for r in families[0]}
     assert sorted(rank0) == sorted(FAMILY_MODELS)
-    assert rank0["llama_tiny"]["keys"] == ["q", "k", "v", "proj", "gate", "up", "down"]
+    assert rank0["llama_tiny"]["keys"] == ["q", "k", "v", "proj", "gate_up", "down"]
     assert rank0["gpt2_tiny"]["keys"] == rank0["tiny"]["keys"] == ["qkv", "proj", "fc1", "fc2"]
     for name, r in rank0.items():
         worst_loss = max(abs(a - b) / abs(b) for a, b in zip(r["sbp_losses"], r["dense_losses"]))

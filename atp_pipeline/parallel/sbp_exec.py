@@ -39,7 +39,11 @@ sequences), features whole. An :class:`SBPRowLinear` takes its rank's share of t
 token rows, brings them to the §4.2.2 ``X`` block (all-to-all over ``n``, all-gather over ``m``), multiplies
 by its weight shard locally (``W = (B:pb, S1:pm, S0:pn)``, a DTensor parameter), and
 brings the ``Partial`` output back to whole rows (reduce-scatter over ``n``, all-to-all over
-``m``, all-gather over the row group): exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
+``m``, all-gather over the row group). Where an MLP's first matmuls reach its last through
+the activation alone (:data:`~atp_pipeline.planning.sbp.chain.INTO`) and the strategies
+line up (:func:`~atp_pipeline.planning.sbp.space.direct`, e.g. Megatron's column then row),
+the producer's partial output is all-reduced over its ``n`` group and handed to the
+consumer as its ``X`` block with no row layout in between. All of it is exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
 search charges (counted by :func:`count_collectives`, tested against
 :func:`~atp_pipeline.planning.sbp.schedule.schedule`). Those collectives run on process
 groups of the roles' ranks (one group per role, not DTensor's per-mesh-dimension
@@ -67,7 +71,8 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.layout import (PARTIAL, REPLICATE, SHARD0, SHARD1, SBPLayout, _check_div,
                                               placement_names, plan_mesh_shape, role_dims)
 from atp_pipeline.planning.sbp.alphabeta import Collective
-from atp_pipeline.planning.sbp.space import Strategy, row_split
+from atp_pipeline.planning.sbp.chain import INTO
+from atp_pipeline.planning.sbp.space import Strategy, direct, row_split
 
 __all__ = ["PLACEMENTS", "LayerLayout", "plan_mesh", "SBPLinear", "SBPMLP", "SBPLayout", "plan_mesh_shape",
            "role_dims", "SBPRowLinear", "SBPRoot", "RowLayout", "apply_sbp_layout", "count_collectives",
@@ -272,6 +277,7 @@ class RowLayout:
 
     replicas: int = 1
     group: Optional[_Group] = None
+    lead: Tuple[int, ...] = ()  # a direct edge's producer input shape without features, for its consumer
 
     def set(self, sequences: int, world: int) -> int:
         """Lay out ``sequences`` on ``world`` ranks; returns the row groups ``g``."""
@@ -390,6 +396,27 @@ def _replicated_param(t: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
     return p
 
 
+class _AllReduce(torch.autograd.Function):
+    """A direct edge's partial output summed over the producer's ``n`` group; the backward
+    sums the consumer's partial input gradients over the same ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.g = g
+        return _all_reduce(y, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _all_reduce(grad, ctx.g), None
+
+
+def _all_reduce(y: torch.Tensor, g: _Group) -> torch.Tensor:
+    out = y.contiguous().clone()
+    _log(Collective.all_reduce, g.size, g.stride, out)
+    dist.all_reduce(out, group=g.group)
+    return out
+
+
 def _partial_on_replicas(placements: Sequence[Placement]) -> Tuple[Placement, ...]:
     """A replicated parameter's gradient arrives as a per-rank partial sum."""
     return tuple(Partial() if isinstance(p, Replicate) else p for p in placements)
@@ -423,6 +450,9 @@ class SBPRowLinear(nn.Module):
         self._b_grad = (Partial(),) * mesh.ndim
         self.n_group, self.m_group = _Group.role(strategy, "n"), _Group.role(strategy, "m")
         self.rows = RowLayout()  # shared with the other matmuls by apply_sbp_layout
+        # direct edges (set by apply_sbp_layout): the output is the next matmul's X as it
+        # stands / the input is the previous matmul's output as it stands
+        self.direct_out, self.direct_in = False, False
 
     def _sync_weight_grad(self, param: torch.Tensor) -> None:
         """§4.4.1: the weight, replicated over ``b``, gets per-rank partial gradients; one
@@ -434,9 +464,42 @@ class SBPRowLinear(nn.Module):
         return f"key={self.key}, strategy={self.strategy.label()}, {self.in_features} -> {self.out_features}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``(..., n)``, this rank's rows of the row layout -> ``(..., m)``, the same rows."""
-        lead = x.shape[:-1]
-        h = x.reshape(-1, self.in_features)
+        """``x``: ``(..., n)``, this rank's rows of the row layout -> ``(..., m)``, the same
+        rows; on a direct edge the producer returns, and the consumer takes, the consumer's
+        ``X`` block (2-D) instead."""
+        gn, gm, replicas = self.n_group, self.m_group, self.rows.group
+        if self.direct_in:
+            h, lead = x, self.rows.lead
+        else:
+            lead = tuple(x.shape[:-1])
+            h = self._to_x(x.reshape(-1, self.in_features))
+        w = self.weight.to_local(grad_placements=self._w_grad)  # type: ignore[union-attr]
+        y = h @ w if self.transposed else h @ w.t()  # Partial over n
+        t = y.shape[0] // (gm.size * gn.size)
+        if self.direct_out:
+            if self.bias is not None:  # counted once: by the n group's first rank, before the sum
+                first = dist.get_rank() // gn.stride % gn.size == 0  # (every rank uses it: same hooks)
+                y = y + (1.0 if first else 0.0) * self._bias_block()
+            if gn.size > 1:
+                y = _AllReduce.apply(y, gn)
+                # rows (m peer, n peer) -> the consumer's (its m peer = my n peer, its n peer = my m peer)
+                y = y.view(gm.size, gn.size, t, -1).transpose(0, 1).reshape(-1, y.shape[-1])
+            self.rows.lead = lead
+            return y
+        if gn.size > 1:
+            y = y.view(gm.size, gn.size, t, -1).transpose(0, 1).reshape(-1, y.shape[-1])
+            y = _ScatterRows.apply(y, gn)  # summed; rows (m peer, my n), my output-column block
+        if gm.size > 1:
+            y = _RowsToCols.apply(y, gm)  # my rows, whole
+        if replicas is not None:
+            y = _GatherRows.apply(y, replicas)  # the row group's rows (backward: partial sums reduce-scattered)
+        if self.bias is not None:
+            y = y + self.bias.to_local(grad_placements=self._b_grad)  # type: ignore[union-attr]
+        return y.view(*lead, self.out_features)
+
+    def _to_x(self, h: torch.Tensor) -> torch.Tensor:
+        """Row-layout token rows -> this rank's ``X`` block: its share of the row group's
+        rows (free), all-to-all over ``n``, all-gather over ``m``."""
         gn, gm, replicas = self.n_group, self.m_group, self.rows.group
         if replicas is not None:  # this rank's 1/r of its row group's token rows (free)
             t = h.shape[0] // replicas.size
@@ -449,19 +512,15 @@ class SBPRowLinear(nn.Module):
             h = _ColsToRows.apply(h, gn)  # rows of the n group, my input-column block
         if gm.size > 1:
             h = _GatherRows.apply(h, gm)  # rows of my b group, ordered (m peer, n peer)
-        w = self.weight.to_local(grad_placements=self._w_grad)  # type: ignore[union-attr]
-        y = h @ w if self.transposed else h @ w.t()  # Partial over n
-        if gn.size > 1:
-            t = y.shape[0] // (gm.size * gn.size)
-            y = y.view(gm.size, gn.size, t, -1).transpose(0, 1).reshape(-1, y.shape[-1])
-            y = _ScatterRows.apply(y, gn)  # summed; rows (m peer, my n), my output-column block
-        if gm.size > 1:
-            y = _RowsToCols.apply(y, gm)  # my rows, whole
-        if replicas is not None:
-            y = _GatherRows.apply(y, replicas)  # the row group's rows (backward: partial sums reduce-scattered)
-        if self.bias is not None:
-            y = y + self.bias.to_local(grad_placements=self._b_grad)  # type: ignore[union-attr]
-        return y.view(*lead, self.out_features)
+        return h
+
+    def _bias_block(self) -> torch.Tensor:
+        """This rank's output-column block of the (replicated) bias."""
+        gm = self.m_group
+        block = self.out_features // gm.size
+        j = dist.get_rank() // gm.stride % gm.size
+        b = self.bias.to_local(grad_placements=self._b_grad)  # type: ignore[union-attr]
+        return b[j * block:(j + 1) * block]
 
 
 class _GlobalMean(torch.autograd.Function):
@@ -568,6 +627,11 @@ def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPL
         parent = module.get_submodule(parent_name) if parent_name else module
         lin = SBPRowLinear(getattr(parent, attr), key, layout.strategies[key], mesh)
         lin.rows = rows
+        into = INTO.get(key)  # the family's code between them is elementwise (chain.INTO)
+        lin.direct_out = into is not None and into in layout.strategies and direct(lin.strategy,
+                                                                                     layout.strategies[into])
+        source = next((a for a, b in INTO.items() if b == key and a in layout.strategies), None)
+        lin.direct_in = source is not None and direct(layout.strategies[source], lin.strategy)
         setattr(parent, attr, lin)
     made: Dict[int, nn.Parameter] = {}
     slots: List[Tuple[nn.Module, str, nn.Parameter]] = []

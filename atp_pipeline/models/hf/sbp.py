@@ -5,8 +5,8 @@ style naming the projections).
 
 Keys (those of :func:`~atp_pipeline.planning.sbp.chain.model_chain`): the attention's
 fused ``qkv`` (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``) or ``q``/``k``/``v``,
-its output ``proj``; the MLP's column-first linears ``gate``/``up`` (gated: the one whose
-name holds ``gate`` is the gate) or ``fc1``, its row-first one ``down`` or ``fc2``. The
+its output ``proj``; the MLP's column-first linears ``gate_up`` (gated: gate and up, tied)
+or ``fc1``, its row-first one ``down`` or ``fc2``. The
 head, embeddings and norms are not in the chain (they run replicated on whole sequences,
 :mod:`atp_pipeline.parallel.sbp_exec`). Every block must yield the chain's keys once.
 """
@@ -53,9 +53,9 @@ def sbp_linears(module: nn.Module, plan: Mapping[str, Any], shape: ModelShape) -
             if kind == "row":
                 out[n] = "down" if shape.gated else "fc2"
             else:
-                out[n] = ("gate" if "gate" in n.rsplit(".", 1)[-1] else "up") if shape.gated else "fc1"
+                out[n] = "gate_up" if shape.gated else "fc1"
     counts = Counter(out.values())
-    want = {k: shape.layers for k in chain_keys(shape)}
+    want = {k: shape.layers * (2 if k == "gate_up" else 1) for k in chain_keys(shape)}
     if dict(counts) != want:
         raise ConfigError(f"transformers model '{type(module).__name__}': its linears "
                           f"({', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))}) are not the SBP chain "

@@ -10,13 +10,16 @@ key                    matmul (``n -> m``)                          when
 ``qkv``                hidden -> q_width + 2·kv_width               fused q|k|v projection
 ``q``, ``k``, ``v``    hidden -> q_width, kv_width, kv_width        separate projections (GQA widths)
 ``proj``               q_width -> hidden                            attention output
-``gate``, ``up``       hidden -> ffn (each)                         gated MLP (SwiGLU)
+``gate_up``            hidden -> ffn (twice: gate and up, tied)     gated MLP (SwiGLU)
 ``down``               ffn -> hidden                                gated MLP
 ``fc1``, ``fc2``       hidden -> ffn, ffn -> hidden                 two-matrix MLP
 =====================  =========================================  ======================
 
 Each matmul's rows are the step's tokens ``b = batch·seq`` in ``batch`` indivisible
-sequences. The built-in GPT (fused q|k|v, multi-head, fc1/fc2) gives the same layers, keys
+sequences. The MLP's first matmuls (``gate_up``; ``fc1``) reach the last one through the
+activation alone (elementwise), so their output may skip the row layout
+(``MatmulLayer.into``, :func:`~atp_pipeline.planning.sbp.space.direct`); gate and up are
+tied to one strategy because their product is taken element by element. The built-in GPT (fused q|k|v, multi-head, fc1/fc2) gives the same layers, keys
 and sizes as :func:`~atp_pipeline.planning.sbp.space.transformer`.
 
 The executor (:mod:`atp_pipeline.parallel.sbp_exec`) keeps the activations between matmuls
@@ -34,7 +37,8 @@ from atp_pipeline.planning.sbp.space import MatmulLayer
 from atp_pipeline.planning.shape import ModelShape
 
 ATTENTION_KEYS = ("qkv", "q", "k", "v", "proj")
-MLP_KEYS = ("gate", "up", "down", "fc1", "fc2")
+MLP_KEYS = ("gate_up", "down", "fc1", "fc2")
+INTO = {"gate_up": "down", "fc1": "fc2"}  # elementwise code only between these
 KEYS = ATTENTION_KEYS + MLP_KEYS
 
 
@@ -42,20 +46,27 @@ def block_matmuls(shape: ModelShape) -> List[Tuple[str, int, int]]:
     """``(key, n, m)`` of one block's matmuls in execution order (module docstring)."""
     h, qw, kw, f = shape.hidden, shape.q_width, shape.kv_width, shape.ffn
     attn = [("qkv", h, qw + 2 * kw)] if shape.qkv_fused else [("q", h, qw), ("k", h, kw), ("v", h, kw)]
-    mlp = [("gate", h, f), ("up", h, f), ("down", f, h)] if shape.gated else [("fc1", h, f), ("fc2", f, h)]
+    mlp = [("gate_up", h, f), ("gate_up", h, f), ("down", f, h)] if shape.gated else [("fc1", h, f), ("fc2", f, h)]
     return attn + [("proj", qw, h)] + mlp
 
 
 def chain_keys(shape: ModelShape) -> Tuple[str, ...]:
     """The layer keys (tie groups) of ``shape``'s chain, in execution order."""
-    return tuple(k for k, _, _ in block_matmuls(shape))
+    return tuple(dict.fromkeys(k for k, _, _ in block_matmuls(shape)))
 
 
 def model_chain(shape: ModelShape) -> List[MatmulLayer]:
-    """Every block's matmuls (``block{i}.{key}``), tied by key over the blocks (§4.5.1)."""
+    """Every block's matmuls (``block{i}.{key}``; a gated MLP's ``block{i}.gate`` and
+    ``block{i}.up`` both key ``gate_up``), tied by key over the blocks (§4.5.1)."""
     b = shape.batch_size * shape.seq_len
-    return [MatmulLayer(f"block{i}.{key}", b, n, m, tie=key, batch_units=shape.batch_size)
-            for i in range(shape.layers) for key, n, m in block_matmuls(shape)]
+    out: List[MatmulLayer] = []
+    for i in range(shape.layers):
+        names = iter(("gate", "up"))
+        for key, n, m in block_matmuls(shape):
+            name = next(names) if key == "gate_up" else key
+            out.append(MatmulLayer(f"block{i}.{name}", b, n, m, tie=key, batch_units=shape.batch_size,
+                                   into=INTO.get(key)))
+    return out
 
 
 def sbp_infeasibility(shape: ModelShape, devices: int) -> Optional[str]:

@@ -152,16 +152,17 @@ class SBPPlan:
                 "method": self.result.method, "search_s": self.result.seconds}
 
     def _layer_comm(self) -> List[Dict[str, Any]]:
-        """Per tie group: predicted seconds per collective, the all-to-all between layers
-        charged to the consumer."""
+        """Per tie group: predicted seconds per collective, the communication between
+        layers (pair tables) charged to the consumer."""
         assign = self.result.assignment
-        pair_a2a: Dict[int, float] = {}
+        pair: Dict[int, Dict[str, float]] = {}
         for pr in self.problem.pairs:
-            pair_a2a[pr.b] = pair_a2a.get(pr.b, 0.0) + float(pr.cost[assign[pr.a], assign[pr.b]])
+            mine = pair.setdefault(pr.b, {})
+            for c, (cost, _) in (pr.by or {"all_to_all": (pr.cost, pr.volume)}).items():
+                mine[c] = mine.get(c, 0.0) + float(cost[assign[pr.a], assign[pr.b]])
         out = []
         for i, (v, s) in enumerate(zip(self.problem.vars, assign)):
-            comm = {c: float(v.cost[c][s]) for c in COLLECTIVES}
-            comm["all_to_all"] += pair_a2a.get(i, 0.0)
+            comm = {c: float(v.cost[c][s]) + pair.get(i, {}).get(c, 0.0) for c in COLLECTIVES}
             out.append({"tie": v.name, "comm": comm})
         return out
 
@@ -200,7 +201,7 @@ class SBPPlan:
 
     def plot(self, path: Path) -> bool:
         """``plan.png``: predicted communication per layer (tie group), stacked by collective
-        (all-to-all between layers charged to the consumer, as in the table)."""
+        (communication between layers charged to the consumer, as in the table)."""
         from atp_pipeline.figures import axes
 
         per = self._layer_comm()

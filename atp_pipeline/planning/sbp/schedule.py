@@ -22,7 +22,8 @@ from typing import Dict, List, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective
-from atp_pipeline.planning.sbp.space import MatmulLayer, Problem, Strategy, row_io_terms
+from atp_pipeline.planning.sbp.space import (MatmulLayer, Problem, Strategy, direct, direct_terms, row_counts,
+                                             row_in_terms, row_out_terms, weight_terms)
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,7 @@ def schedule(problem: Problem, assign: Sequence[int], layers: Sequence[MatmulLay
         raise ConfigError("sbp schedule: the layers are not the ones the problem was compiled from")
     strat = {v.name: v.strategies[a] for v, a in zip(problem.vars, assign)}
     if io == "rows":
-        return [CollectiveCall(c, size, stride, nbytes, times * v.count, f"{v.name}: {what}")
-                for v in problem.vars
-                for c, size, stride, nbytes, times, what in row_io_terms(v.layer, strat[v.name], problem.p,
-                                                                          act_bytes)]
+        return _row_calls(problem, strat, layers, act_bytes)
     first = layers[0].key
     calls: List[CollectiveCall] = []
     for v in problem.vars:
@@ -107,3 +105,26 @@ def schedule(problem: Problem, assign: Sequence[int], layers: Sequence[MatmulLay
         calls += _a2a_call(strat[ka], strat[kb], attn, elems * act_bytes, problem.p, cnt,
                            f"{ka} -> {kb}")
     return calls
+
+
+def _row_calls(problem: Problem, strat: Dict[str, Strategy], layers: Sequence[MatmulLayer], e: float
+               ) -> List[CollectiveCall]:
+    """``io="rows"``: the terms :func:`~atp_pipeline.planning.sbp.space.compile_problem`
+    charges, as calls (weight all-reduces, the row layout's input/output, direct edges)."""
+    p = problem.p
+    n_in, n_out, counts = row_counts(layers)
+    by_key = {v.name: v for v in problem.vars}
+    parts = []
+    for v in problem.vars:
+        s = strat[v.name]
+        parts += [(v.name, weight_terms(v.layer, s, e), v.count), (v.name, row_in_terms(v.layer, s, p, e), n_in[v.name]),
+                  (v.name, row_out_terms(v.layer, s, p, e), n_out[v.name])]
+    for (ka, kb, n_prod), cnt in counts.items():
+        a, b = by_key[ka].layer, by_key[kb].layer
+        s, t = strat[ka], strat[kb]
+        if direct(s, t):
+            parts.append((f"{ka} -> {kb}", direct_terms(a, s, e), n_prod * cnt))
+        else:
+            parts += [(ka, row_out_terms(a, s, p, e), n_prod * cnt), (kb, row_in_terms(b, t, p, e), cnt)]
+    return [CollectiveCall(c, size, stride, nbytes, n * times, f"{name}: {what}")
+            for name, terms, times in parts for c, size, stride, nbytes, n, what in terms if times > 0]

@@ -45,8 +45,11 @@ executor): an all-to-all over its ``n`` group (rows -> input-column blocks), an 
 over its ``m`` group (the rows of its ``b`` group), the local matmul, a reduce-scatter over
 ``n`` (the partial sums, §4.2's output made split), an all-to-all over ``m``
 (output-column blocks -> whole rows) and, when ``r > 1``, an all-gather of the rows over
-the row group; plus §4.4.1's weight all-reduce over ``b``. Layers then interact only
-through the memory limit (no pairwise tables).
+the row group; plus §4.4.1's weight all-reduce over ``b``. Where a layer's output reaches
+the next layer through elementwise code only (an MLP's activation: ``MatmulLayer.into``)
+and the two strategies line up (:func:`direct`: e.g. Megatron's column-then-row), the
+output skips the row layout: the producer's partial ``Y`` is all-reduced over its ``n``
+group and is the consumer's ``X`` as it stands — a pair table per such edge.
 
 **Memory** per device: ``n·m/(pm·pn)`` parameters × ``param_bytes`` (weights, gradients,
 optimizer state) plus the stored activations ``X`` and ``Y`` local blocks; the total over
@@ -78,7 +81,10 @@ class MatmulLayer:
     """``Y = X·W`` with ``X`` b×n, ``W`` n×m. ``heads``: the output columns hold this many
     attention heads that must split evenly over the devices holding them (QKV);
     ``batch_units``: rows come in this many indivisible units (sequences), default ``b``;
-    ``into_attention``: the output feeds attention (no §4.3 row path to the next layer)."""
+    ``into_attention``: the output feeds attention (no §4.3 row path to the next layer);
+    ``into`` (``io="rows"``): the key of the next layer that reads this output through
+    elementwise code only (an MLP's activation), so it may skip the row layout
+    (:func:`direct`)."""
 
     name: str
     b: int
@@ -88,6 +94,7 @@ class MatmulLayer:
     heads: Optional[int] = None
     batch_units: Optional[int] = None
     into_attention: bool = False
+    into: Optional[str] = None  # io="rows": key of the layer its output may feed directly (elementwise code between)
 
     @property
     def key(self) -> str:
@@ -191,13 +198,16 @@ class Var:
 
 @dataclass
 class Pair:
-    """All-to-all between consecutive layers of variables ``a`` then ``b``, ``count`` times."""
+    """Communication between layers of variables ``a`` then ``b``, ``count`` times: the
+    all-to-all between consecutive layers (``io="chain"``), or a direct edge's collectives
+    (``io="rows"``, per collective in ``by``)."""
 
     a: int
     b: int
     count: int
     cost: np.ndarray  # |S_a| x |S_b| seconds (forward + backward)
     volume: np.ndarray  # bytes per device
+    by: Dict[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # collective -> (cost, volume)
 
 
 @dataclass
@@ -239,8 +249,9 @@ class Problem:
                 out[c]["seconds"] += float(v.cost[c][s])
                 out[c]["bytes_per_device"] += float(v.volume[c][s])
         for pr in self.pairs:
-            out["all_to_all"]["seconds"] += float(pr.cost[assign[pr.a], assign[pr.b]])
-            out["all_to_all"]["bytes_per_device"] += float(pr.volume[assign[pr.a], assign[pr.b]])
+            for c, (cost, vol) in (pr.by or {"all_to_all": (pr.cost, pr.volume)}).items():
+                out[c]["seconds"] += float(cost[assign[pr.a], assign[pr.b]])
+                out[c]["bytes_per_device"] += float(vol[assign[pr.a], assign[pr.b]])
         return out
 
     def volume(self, assign: Sequence[int]) -> float:
@@ -268,32 +279,97 @@ def row_split(sequences: int, p: int) -> int:
     return max(d for d in range(1, p + 1) if p % d == 0 and sequences % d == 0)
 
 
-def row_io_terms(layer: MatmulLayer, s: Strategy, p: int, e: float
-                 ) -> List[Tuple[Collective, int, int, float, int, str]]:
-    """The collectives of one instance of ``layer`` under ``s`` with its input and output in
-    the row layout (module docstring): ``(collective, group size, rank stride, Table 2 N in
-    bytes, times per step, what)``; groups of size 1 are left out. ``times`` is 2 for the
-    activations (forward and its backward dual have the same Table 2 cost) and 1 for the
-    weight-gradient all-reduce (§4.4.1). The rows ``b`` are the layer's tokens; the matmul
-    takes ``b/p`` of them on each device."""
+Term = Tuple[Collective, int, int, float, int, str]
+
+
+def row_in_terms(layer: MatmulLayer, s: Strategy, p: int, e: float) -> List[Term]:
+    """The input side of one instance of ``layer`` under ``s`` (module docstring): the
+    row layout's token rows to ``X`` — ``(collective, group size, rank stride, Table 2 N in
+    bytes, times per step, what)``; forward and backward dual have the same Table 2 cost
+    (``times`` 2); groups of size 1 are left out."""
     L = layer
-    rows = L.b / p
-    r = p // row_split(L.batch_units or L.b, p)
     terms = [
-        (Collective.all_to_all, s.pn, s.stride("n"), rows * L.n * e, 2,
+        (Collective.all_to_all, s.pn, s.stride("n"), L.b / p * L.n * e, 2,
          "input rows -> column blocks over n (backward: the inverse all-to-all)"),
         (Collective.all_gather, s.pm, s.stride("m"), L.b / s.pb * L.n / s.pn * e, 2,
          "input rows of the b group over m (backward: reduce-scatter)"),
-        (Collective.reduce_scatter, s.pn, s.stride("n"), L.b / s.pb * L.m / s.pm * e, 2,
-         "partial output summed and scattered by rows over n (backward: all-gather)"),
-        (Collective.all_to_all, s.pm, s.stride("m"), rows * L.m * e, 2,
-         "output column blocks -> whole rows over m (backward: the inverse all-to-all)"),
-        (Collective.all_gather, r, 1, rows * r * L.m * e, 2,
-         "output rows gathered over the row group's replicas (backward: reduce-scatter)"),
-        (Collective.all_reduce, s.pb, s.stride("b"), L.n * L.m / (s.pm * s.pn) * e, 1,
-         "weight-gradient all-reduce over b (§4.4.1)"),
     ]
     return [t for t in terms if t[1] > 1]
+
+
+def row_out_terms(layer: MatmulLayer, s: Strategy, p: int, e: float) -> List[Term]:
+    """The output side: the partial ``Y`` back to the row layout's whole rows."""
+    L = layer
+    r = p // row_split(L.batch_units or L.b, p)
+    terms = [
+        (Collective.reduce_scatter, s.pn, s.stride("n"), L.b / s.pb * L.m / s.pm * e, 2,
+         "partial output summed and scattered by rows over n (backward: all-gather)"),
+        (Collective.all_to_all, s.pm, s.stride("m"), L.b / p * L.m * e, 2,
+         "output column blocks -> whole rows over m (backward: the inverse all-to-all)"),
+        (Collective.all_gather, r, 1, L.b / p * r * L.m * e, 2,
+         "output rows gathered over the row group's replicas (backward: reduce-scatter)"),
+    ]
+    return [t for t in terms if t[1] > 1]
+
+
+def weight_terms(layer: MatmulLayer, s: Strategy, e: float) -> List[Term]:
+    """§4.4.1: the weight-gradient all-reduce over ``b``, once per step."""
+    L = layer
+    t = (Collective.all_reduce, s.pb, s.stride("b"), L.n * L.m / (s.pm * s.pn) * e, 1,
+         "weight-gradient all-reduce over b (§4.4.1)")
+    return [t] if s.pb > 1 else []
+
+
+def row_io_terms(layer: MatmulLayer, s: Strategy, p: int, e: float) -> List[Term]:
+    """Every collective of one instance of ``layer`` under ``s`` with its input and output
+    in the row layout: :func:`row_in_terms`, :func:`row_out_terms`, :func:`weight_terms`.
+    The rows ``b`` are the layer's tokens; the matmul takes ``b/p`` of them on each device."""
+    return row_in_terms(layer, s, p, e) + row_out_terms(layer, s, p, e) + weight_terms(layer, s, e)
+
+
+def _same_group(s: Strategy, role_s: str, t: Strategy, role_t: str) -> bool:
+    size = s.size(role_s)
+    return size == t.size(role_t) and (size == 1 or s.stride(role_s) == t.stride(role_t))
+
+
+def direct(s: Strategy, t: Strategy) -> bool:
+    """Whether a producer under ``s`` feeds a consumer under ``t`` without the row layout
+    (a direct edge, §4.3's row path): same ``b`` groups, and the producer's ``m`` group is
+    the consumer's ``n`` group and its ``n`` group the consumer's ``m`` group. The
+    producer's ``Y`` block (its ``b`` group's rows, output-column block of its ``m`` rank,
+    partial over ``n``) is then, once summed over ``n`` (an all-reduce), exactly the
+    consumer's ``X`` block (input-column block of its ``n`` rank, replicated over its
+    ``m``): Megatron's column-then-row MLP is the case ``pn = 1`` (no communication)."""
+    return _same_group(s, "b", t, "b") and _same_group(s, "m", t, "n") and _same_group(s, "n", t, "m")
+
+
+def direct_terms(layer: MatmulLayer, s: Strategy, e: float) -> List[Term]:
+    """A direct edge's producer side: its partial ``Y`` all-reduced over ``n`` (backward:
+    the consumer's partial input gradients all-reduced over the same ranks)."""
+    L = layer
+    t = (Collective.all_reduce, s.pn, s.stride("n"), L.b / s.pb * L.m / s.pm * e, 2,
+         "direct edge: partial output all-reduced over n (backward: all-reduce)")
+    return [t] if s.pn > 1 else []
+
+
+def edges(layers: Sequence[MatmulLayer]) -> List[Tuple[List[MatmulLayer], MatmulLayer]]:
+    """``(producers, consumer)`` of every place where layers' outputs feed the next layer
+    through elementwise code only (``MatmulLayer.into``): the producers directly before the
+    consumer, all tied to one variable (so they share a strategy)."""
+    out: List[Tuple[List[MatmulLayer], MatmulLayer]] = []
+    pending: List[MatmulLayer] = []
+    for layer in layers:
+        if pending and layer.key == pending[0].into:
+            out.append((pending, layer))
+            pending = []
+        if layer.into is not None:
+            if pending and (pending[0].into != layer.into or pending[0].key != layer.key):
+                raise ConfigError(f"sbp: layers '{pending[0].name}' and '{layer.name}' feed '{layer.into}' "
+                                  f"together but are not tied to one strategy")
+            pending.append(layer)
+    if pending:
+        raise ConfigError(f"sbp: layer '{pending[0].name}' feeds '{pending[0].into}', which does not follow it")
+    return out
 
 
 def compile_problem(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta,
@@ -386,29 +462,81 @@ def _tie(layers: Sequence[MatmulLayer], p: int, orders: str, max_split_dims: int
     return index, vars_
 
 
+def row_counts(layers: Sequence[MatmulLayer]
+               ) -> Tuple[Dict[str, int], Dict[str, int], Dict[Tuple[str, str, int], int]]:
+    """Per tie key, the instances whose input / output go through the row layout whatever
+    the strategies (not a direct-edge candidate), and per edge kind ``(producer key,
+    consumer key, producers per consumer)`` how many times it occurs (:func:`edges`)."""
+    groups = edges(layers)
+    produced = {id(x) for prods, _ in groups for x in prods}
+    consumed = {id(c) for _, c in groups}
+    n_in: Dict[str, int] = {}
+    n_out: Dict[str, int] = {}
+    for layer in layers:
+        n_in[layer.key] = n_in.get(layer.key, 0) + (id(layer) not in consumed)
+        n_out[layer.key] = n_out.get(layer.key, 0) + (id(layer) not in produced)
+    counts: Dict[Tuple[str, str, int], int] = {}
+    for prods, cons in groups:
+        k = (prods[0].key, cons.key, len(prods))
+        counts[k] = counts.get(k, 0) + 1
+    return n_in, n_out, counts
+
+
+def _terms_cost(ab: AlphaBeta, terms: Sequence[Term], times: float, leading_order: bool
+                ) -> Dict[str, Tuple[float, float]]:
+    out: Dict[str, Tuple[float, float]] = {}
+    for c, size, stride, nbytes, n, _ in terms:
+        ct, vt = _coll(ab, c, size, stride, nbytes, n * times, leading_order)
+        a, b = out.get(c.value, (0.0, 0.0))
+        out[c.value] = (a + ct, b + vt)
+    return out
+
+
 def _compile_rows(layers: Sequence[MatmulLayer], p: int, ab: AlphaBeta, mem: MemoryModel, orders: str,
                   max_split_dims: int, leading_order: bool) -> Problem:
-    """:func:`compile_problem` with ``io="rows"``: unary tables only."""
+    """:func:`compile_problem` with ``io="rows"``: per variable its weight all-reduce and the
+    row layout's input/output collectives of the instances outside direct-edge candidates;
+    per edge (:func:`edges`) a pair table holding, for each strategy pair, the direct
+    edge's all-reduce (:func:`direct`) or else the producers' output and the consumer's
+    input through the row layout."""
     for layer in layers:
         if layer.b % p:
             raise ConfigError(f"sbp: layer '{layer.name}': its {layer.b} token rows do not split over the {p} "
                               f"devices")
-    _, vars_ = _tie(layers, p, orders, max_split_dims, token_rows=True)
+    index, vars_ = _tie(layers, p, orders, max_split_dims, token_rows=True)
     e = mem.act_bytes
+    n_in, n_out, counts = row_counts(layers)
     for v in vars_:
         L = v.layer
         cost = {c: np.zeros(len(v.strategies)) for c in COLLECTIVES}
         vol = {c: np.zeros(len(v.strategies)) for c in COLLECTIVES}
         memory = np.zeros(len(v.strategies))
         for i, s in enumerate(v.strategies):
-            for c, size, stride, nbytes, times, _ in row_io_terms(L, s, p, e):
-                ct, vt = _coll(ab, c, size, stride, nbytes, times * v.count, leading_order)
-                cost[c.value][i] += ct
-                vol[c.value][i] += vt
+            for terms, times in ((weight_terms(L, s, e), v.count), (row_in_terms(L, s, p, e), n_in[v.name]),
+                                 (row_out_terms(L, s, p, e), n_out[v.name])):
+                for c, (ct, vt) in _terms_cost(ab, terms, times, leading_order).items():
+                    cost[c][i] += ct
+                    vol[c][i] += vt
             memory[i] = v.count * (L.n * L.m / (s.pm * s.pn) * mem.param_bytes
                                    + (L.b * L.n / (s.pb * s.pn) + L.b * L.m / (s.pb * s.pm)) * e)
         v.cost, v.volume, v.memory = cost, vol, memory
-    return Problem(p=p, vars=vars_, pairs=[], memory_limit=mem.limit)
+    pairs = []
+    for (ka, kb, n_prod), cnt in counts.items():
+        va, vb = vars_[index[ka]], vars_[index[kb]]
+        by = {c: (np.zeros((len(va.strategies), len(vb.strategies))), np.zeros((len(va.strategies),
+                                                                                len(vb.strategies))))
+              for c in COLLECTIVES}
+        for i, s in enumerate(va.strategies):
+            for j, t in enumerate(vb.strategies):
+                parts = ([(direct_terms(va.layer, s, e), n_prod * cnt)] if direct(s, t) else
+                         [(row_out_terms(va.layer, s, p, e), n_prod * cnt), (row_in_terms(vb.layer, t, p, e), cnt)])
+                for terms, times in parts:
+                    for c, (ct, vt) in _terms_cost(ab, terms, times, leading_order).items():
+                        by[c][0][i, j] += ct
+                        by[c][1][i, j] += vt
+        pairs.append(Pair(index[ka], index[kb], cnt, sum(x[0] for x in by.values()), sum(x[1] for x in by.values()),
+                          by))
+    return Problem(p=p, vars=vars_, pairs=pairs, memory_limit=mem.limit)
 
 
 def _pair(va: Var, vb: Var, ia: int, ib: int, attention: bool, nbytes: float, p: int,
