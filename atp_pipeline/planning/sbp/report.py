@@ -274,8 +274,8 @@ def plan_sbp(topo: Topology, shape: ModelShape, sbp_cfg: Any, devices: Optional[
     layout = plan.layout
     check_chain_layout(layout, layers, what=f"model '{shape.name}'")
     notes = [topo.note] if topo.note else []
-    notes.append("between the matmuls activations are whole sequences split over all devices (the model's own "
-                 "code runs on them); embeddings, norms, biases, the LM head and the loss run there with "
-                 "replicated weights (outside the SBP search space; their gradient all-reduces are not in "
-                 "the prediction)")
+    notes.append("between the matmuls (except an MLP's direct edges) activations are whole sequences split over "
+                 "row groups of devices (the model's own code runs on them); embeddings, norms, biases, the LM "
+                 "head and the loss run there with replicated weights (outside the SBP search space; their "
+                 "gradient all-reduces are not in the prediction)")
     return replace(plan, device_mesh=plan_mesh_shape(layout.strategies.values(), p), notes=tuple(notes))
