@@ -1,10 +1,12 @@
-"""AutoDDL SBP strategy search (issue 8): alpha-beta collectives, the SBP matmul space, search."""
+"""AutoDDL SBP strategy search (issue 8): alpha-beta collectives, the SBP matmul space, search;
+any model's layer chain from its shape (issue 25)."""
 
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective, LinkLevel, volume
+from atp_pipeline.planning.sbp.chain import chain_keys, model_chain, sbp_infeasibility
 from atp_pipeline.planning.sbp.search import METHODS, SearchResult, search, search_all
 from atp_pipeline.planning.sbp.space import (MatmulLayer, MemoryModel, Problem, Strategy,
-                                             compile_problem, mlp, strategies, transformer)
+                                             compile_problem, direct, mlp, strategies, transformer)
 
 __all__ = ["AlphaBeta", "Collective", "LinkLevel", "volume", "METHODS", "SearchResult", "search",
            "search_all", "MatmulLayer", "MemoryModel", "Problem", "Strategy", "compile_problem",
-           "mlp", "strategies", "transformer"]
+           "direct", "mlp", "strategies", "transformer", "chain_keys", "model_chain", "sbp_infeasibility"]
