@@ -22,21 +22,24 @@ labelled ``emulated``.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from omegaconf import OmegaConf
 
 from atp_pipeline.config.schema import CostModel, ModelConfig, TopologyConfig
 from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.models.gpt.parallel import parallelize_gpt
+from atp_pipeline.models.adapter import find_adapters, prefixed
+from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel import comm_for, init_mesh
 from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.launch import spawn
@@ -74,6 +77,33 @@ def _time_steps(step, steps: int) -> List[float]:
     return times
 
 
+def dense_model(cfg: GPTConfig, family: str) -> nn.Module:
+    """The built-in GPT of ``cfg``, or (``family="llama"``) a transformers Llama of the same size:
+    hidden, heads, layers, sequence, vocabulary, and a SwiGLU width of ``8h/3`` rounded to 64
+    (the same MLP parameters as the GPT's ``4h``), no dropout, untied head."""
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(cfg)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ffn = max(64, round(8 * cfg.hidden / 3 / 64) * 64)
+    config = AutoConfig.for_model(family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
+                                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                  num_key_value_heads=cfg.heads, intermediate_size=ffn,
+                                  max_position_embeddings=cfg.seq_len, tie_word_embeddings=False,
+                                  attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config)
+
+
+def laid_out(dense: nn.Module, mesh: Any, chunks: int) -> Tuple[nn.Module, Any]:
+    """A copy of ``dense`` laid out by its family's plan on ``mesh``, blocks in ``chunks`` (§4.1),
+    and its adapter (whose ``lm_loss`` calls it)."""
+    model = copy.deepcopy(dense)
+    (name, adapter, sub), = find_adapters(model)
+    apply_plan(model, prefixed(name, adapter.parallel_plan(sub)), mesh, chunks)
+    return model, adapter
+
+
 def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     cfg = GPTConfig(**spec["gpt"])
     dtype = DTYPES[spec["dtype"]]
@@ -81,18 +111,26 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
-    torch.manual_seed(0)
-    dense = GPT(cfg).to(dtype)
+    dense = dense_model(cfg, spec["family"]).to(dtype)
     topo = Topology.from_config(spec["topology"]) if spec["topology"] else None
 
     runners: Dict[str, Any] = {}
+    loss_of: Dict[str, Any] = {}  # how each runner computes the loss (its family's convention)
     for d1, d2 in spec["meshes"]:
         for chunks in spec["chunks"]:
             mesh = init_mesh((d1, d2))
-            model = parallelize_gpt(dense, mesh, chunks)
+            model, adapter = laid_out(dense, mesh, chunks)
             comm = comm_for(mesh, TopologyEmulator(topo, (d1, d2), spec["slowdown"]) if topo else None)
             runners[f"atp {d1}x{d2} chunks={chunks}"] = (model, comm, (d1, d2), chunks)
-    if spec["comparators"]:
+            loss_of[f"atp {d1}x{d2} chunks={chunks}"] = adapter.lm_loss
+            if spec.get("fused") and spec["family"] == "gpt":  # the retired fused block, same mesh and chunks
+                from benchmarks.fused_block import fused_gpt
+
+                mesh = init_mesh((d1, d2))
+                fused = fused_gpt(dense, mesh, chunks)
+                comm = comm_for(mesh, TopologyEmulator(topo, (d1, d2), spec["slowdown"]) if topo else None)
+                runners[f"fused {d1}x{d2} chunks={chunks}"] = (fused, comm, (d1, d2), chunks)
+    if spec["comparators"] and spec["family"] == "gpt":
         native = native_tensor_parallel(dense, world)
         runners["native-tp"] = (native, None, (world, 1), 1)
         ddp = data_parallel(dense)
@@ -110,7 +148,7 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
                 x, y = idx, tgt
 
             def step() -> None:
-                loss = model(x, y)
+                loss = loss_of.get(name, lambda m, a, b: m(a, b))(model, x, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -146,6 +184,10 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
+    p.add_argument("--fused", action="store_true",
+                   help="also time the retired fused GPT block (benchmarks/fused_block.py) on each mesh and chunks")
+    p.add_argument("--family", default="gpt", choices=("gpt", "llama"),
+                   help="the built-in GPT of --model's size, or a transformers Llama of the same size")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--chunks", default="1,2,4")
     p.add_argument("--meshes", default="all", help="all, or e.g. 4x1,2x2")
@@ -170,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "batch": mcfg.batch_size, "meshes": meshes, "chunks": [int(c) for c in args.chunks.split(",")],
             "topology": topo.to_dict() if topo else None, "slowdown": args.slowdown,
             "comparators": topo is None, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats}
+            "repeats": args.repeats, "family": args.family, "fused": args.fused}
     t0 = time.perf_counter()
     result = spawn(worker, args.world, spec, timeout=3600)[0]
     rows: List[Dict[str, Any]] = result["rows"]
@@ -182,11 +224,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["predicted_t_comm_s"] = evaluate(topo, summary, tuple(r["mesh"]), CostModel.runtime).t_comm_s * args.slowdown
         if native:
             r["ratio_to_native_tp"] = r["step_s_median"] / native
+        twin = next((f for f in rows if f["impl"] == "fused" and f["mesh"] == r["mesh"] and f["chunks"] == r["chunks"]),
+                    None)
+        if r["impl"] == "atp" and twin is not None:
+            r["ratio_to_fused"] = r["step_s_median"] / twin["step_s_median"]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.model}_b{mcfg.batch_size}_w{args.world}" + (f"_emu-{args.emulate}-x{args.slowdown:g}" if topo else "")
-    meta = {"model": args.model, "batch": mcfg.batch_size, "world": args.world, "emulated": topo is not None,
+    tag = f"{args.model}{'' if args.family == 'gpt' else '_' + args.family}_b{mcfg.batch_size}_w{args.world}" + (f"_emu-{args.emulate}-x{args.slowdown:g}" if topo else "")
+    meta = {"model": args.model, "family": args.family, "batch": mcfg.batch_size, "world": args.world, "emulated": topo is not None,
             "topology": args.emulate, "slowdown": args.slowdown if topo else None,
             "torch": torch.__version__, "wall_s": time.perf_counter() - t0}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=list) + "\n")

@@ -46,17 +46,55 @@ def _losses(model: torch.nn.Module, data: torch.Tensor) -> List[float]:
     return out
 
 
+def fan_in_with_an_unused_reader(mesh_shape: Tuple[int, int]) -> float:
+    """Three column-first linears reading one input with shared input gradients (the q/k/v
+    fan-in), one of them not in the loss: the input's gradient (float64) against one process
+    (the guard reduces what the readers that ran left)."""
+    from torch import nn
+
+    from atp_pipeline.parallel.mesh import init_mesh
+    from atp_pipeline.parallel.styles import parse_style
+
+    torch.manual_seed(0)
+    dense = nn.ModuleDict({n: nn.Linear(16, 8).double() for n in ("a", "b", "c")})
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    (dense["a"](x).sum() + dense["b"](x).pow(2).sum()).backward()
+    want = x.grad.clone()
+    mesh = init_mesh(mesh_shape)
+    style = parse_style("column(input=full, output=full, shared=true)")
+    par = {n: style.apply(n, copy.deepcopy(m), _ctx(mesh)) for n, m in dense.items()}
+    for m in par.values():  # the same tensor object reaches every reader: the input split once
+        m.input_is_parallel = True
+    from atp_pipeline.parallel.layers import gather_last, split_last
+    from atp_pipeline.parallel.comm import comm_for
+
+    comm = comm_for(mesh)
+    x2 = x.detach().clone().requires_grad_(True)
+    xs = split_last(x2, comm, "d2")
+    outs = {n: gather_last(m(xs), comm, "d1") for n, m in par.items()}
+    (outs["a"].sum() + outs["b"].pow(2).sum() + 0 * outs["c"].detach().sum()).backward()
+    return float((x2.grad - want).abs().max() / want.abs().max())
+
+
+def _ctx(mesh: Any) -> Any:
+    from atp_pipeline.parallel.styles import StyleContext
+
+    return StyleContext(mesh)
+
+
 def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tuple[int, int]],
                      chunk_list: List[int]) -> List[Dict[str, Any]]:
     """Per model, mesh and chunk count: the float64 gradients of one step (max error relative to
-    each gradient's magnitude) and 20 float32 SGD losses, against one process."""
+    each gradient's magnitude) and 20 float32 SGD losses, against one process; and
+    :func:`fan_in_with_an_unused_reader` on each mesh."""
     from atp_pipeline.models.adapter import find_adapters, prefixed
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
 
     data = _data()
-    out = []
+    out: List[Dict[str, Any]] = [{"model": "fan_in_unused_reader", "mesh": m, "grad_rel": fan_in_with_an_unused_reader(m)}
+                                 for m in meshes + [(4, 1)]]
     for name in models:
         dense64 = _model(name, torch.float64)
         _loss(dense64, data[:BATCH]).backward()

@@ -74,9 +74,15 @@ class HeadSharding:
         def scatter(t: torch.Tensor) -> torch.Tensor:
             return scatter_dim0(t.transpose(0, 1).contiguous(), self.comm, "d2").transpose(0, 1)
 
-        q = scatter(q)
         if self.layout == KV_SCATTER:
-            return q, scatter(k), scatter(v), None
+            if self.comm.size("d2") == 1:
+                return q, k, v, None
+            if q.shape == k.shape == v.shape:  # multi-head: one scatter (and one gather of its gradient)
+                qkv = scatter_dim0(torch.stack([q, k, v], 0).permute(2, 0, 1, 3, 4).contiguous(), self.comm, "d2")
+                q, k, v = qkv.permute(1, 2, 0, 3, 4).unbind(0)
+                return q, k, v, None
+            return scatter(q), scatter(k), scatter(v), None
+        q = scatter(q)
         axes = ("d1", "d2") if self.layout == KV_GATHERED else ("d2",)
         picked = []
         for t in (k, v):
@@ -87,4 +93,6 @@ class HeadSharding:
 
     def gather(self, out: torch.Tensor, dim: int) -> torch.Tensor:
         """The core's output (heads along ``dim``) gathered over d2: ``heads/d1`` heads."""
+        if self.comm.size("d2") == 1:
+            return out
         return gather_dim0(out.movedim(dim, 0).contiguous(), self.comm, "d2").movedim(0, dim)

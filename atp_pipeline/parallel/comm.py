@@ -111,7 +111,7 @@ def set_yield_point(fn: Optional[Callable[[], None]]) -> None:
     _YIELD.fn = fn
 
 
-def _finish(h: "Handle") -> None:
+def wait(h: "Handle") -> None:
     """Wait for ``h``, after the thread's yield point (if any) let other chunks compute."""
     fn = getattr(_YIELD, "fn", None)
     if fn is not None:
@@ -164,7 +164,7 @@ class Comm:
         h = self._launch("all_reduce", axis, t.numel(), t.numel() * t.element_size(),
                          lambda: dist.all_reduce(t, op=reduce_op, group=self._groups[axis], async_op=True))
         if not async_op:
-            _finish(h)
+            wait(h)
         return h
 
     def all_gather(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Tuple[torch.Tensor, Handle]:
@@ -186,7 +186,7 @@ class Comm:
         h = self._launch("all_gather", axis, out.numel(), out.numel() * out.element_size(),
                          lambda: _all_gather(out, t, group=self._groups[axis], async_op=True))
         if not async_op:
-            _finish(h)
+            wait(h)
         return h
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, axis: str,
@@ -199,7 +199,7 @@ class Comm:
         h = self._launch("reduce_scatter", axis, t.numel(), t.numel() * t.element_size(),
                          lambda: _reduce_scatter(out, t, op=op, group=self._groups[axis], async_op=True))
         if not async_op:
-            _finish(h)
+            wait(h)
         return h
 
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.parallel.comm import Comm, Handle, comm_for
+from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatter_dim0
 from atp_pipeline.parallel.mesh import device_of, shard_seed, tp_coordinate, tp_mesh
 
@@ -121,9 +121,11 @@ class ATPLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh, first: str = COLUMN,
                  bias: bool = True, weight: Optional[torch.Tensor] = None,
                  bias_tensor: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
-                 input_is_parallel: bool = True, gather_output: bool = False, parts: int = 1) -> None:
+                 input_is_parallel: bool = True, gather_output: bool = False, parts: int = 1,
+                 shared_input: bool = False) -> None:
         super().__init__()
         self.input_is_parallel, self.gather_output = input_is_parallel, gather_output
+        self.shared_input = shared_input
         if first not in (COLUMN, ROW):
             raise ConfigError(f"ATPLinear first must be 'column' or 'row', got {first!r}")
         self.in_features, self.out_features, self.first = in_features, out_features, first
@@ -165,15 +167,18 @@ class ATPLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, mesh: DeviceMesh, first: str, input_is_parallel: bool = True,
-                    gather_output: bool = False, parts: int = 1) -> "ATPLinear":
+                    gather_output: bool = False, parts: int = 1, shared_input: bool = False) -> "ATPLinear":
         """Shard a dense ``nn.Linear`` (or a module of a registered linear kind; same values on
         every rank) into an ATPLinear. A linear on the meta device gives meta shards (no rank
         ever holds the whole weight); :meth:`reset_shards` initializes them once materialized.
         ``parts``: the output features are that many concatenated segments (a fused q|k|v),
-        each split over d1 (:func:`group_rows`)."""
+        each split over d1 (:func:`group_rows`). ``shared_input``: other layers read the same
+        input tensor; their partial input gradients are summed and all-reduced once
+        (:class:`~atp_pipeline.parallel.mappings.FanIn`)."""
         n_in, n_out, weight, bias = as_linear(linear)
         layer = cls(n_in, n_out, mesh, first, bias=bias is not None, weight=weight, bias_tensor=bias,
-                    input_is_parallel=input_is_parallel, gather_output=gather_output, parts=parts)
+                    input_is_parallel=input_is_parallel, gather_output=gather_output, parts=parts,
+                    shared_input=shared_input)
         layer.source_kind = type(linear)
         return layer
 
@@ -231,21 +236,15 @@ class ATPLinear(nn.Module):
                     local = p.to_local()
                     local.copy_(torch.rand(local.shape, generator=g, dtype=local.dtype) * 2 * bound - bound)
 
-    def start(self, x: torch.Tensor, pending: List[Handle]) -> torch.Tensor:
-        """Launch the GEMM and its all-reduce; the caller waits ``pending`` before :meth:`finish`."""
-        return linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis,
-                                 async_out=pending)
-
-    def finish(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.bias is None else y + self.bias.to_local()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: features split over the input axis (or full, unless ``input_is_parallel``);
         returns features split over the output axis (or full, with ``gather_output``)."""
         if not self.input_is_parallel:
             x = scatter_dim0(x.movedim(-1, 0), self.comm, self.in_axis).movedim(0, -1)
-        y = self.finish(linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis,
-                                          self.out_axis))
+        y = linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis,
+                              shared=self.shared_input and self.input_is_parallel)
+        if self.bias is not None:
+            y = y + self.bias.to_local()
         if self.gather_output:
             y = gather_dim0(y.movedim(-1, 0).contiguous(), self.comm, self.out_axis).movedim(0, -1)
         return y
@@ -253,4 +252,5 @@ class ATPLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, first={self.first}, "
                 f"mesh=(d1={self.comm.size('d1')}, d2={self.comm.size('d2')}), bias={self.bias is not None}"
-                + (f", parts={self.parts}" if self.parts > 1 else ""))
+                + (f", parts={self.parts}" if self.parts > 1 else "")
+                + (", shared_input=True" if self.shared_input else ""))

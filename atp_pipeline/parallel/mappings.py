@@ -9,8 +9,10 @@ them. A dimension of size 1 makes an operator a no-op.
   in the backward ``dL/dx = g W`` is all-reduced over ``bwd_axis`` *asynchronously while*
   ``dL/dW = g^T x`` computes (§4.2). Column-first: ``fwd_axis = d2``, ``bwd_axis = d1``;
   row-first the reverse — this is Eq. 2's assignment (the prose of §3.2.1 names the other
-  dimension). With ``async_out`` the forward all-reduce is left in flight for the caller,
-  which is how chunk-based overlap (§4.1) lets the next chunk compute meanwhile.
+  dimension). Chunk-based overlap (§4.1) keeps the forward all-reduce in flight while
+  another chunk computes (:mod:`~atp_pipeline.parallel.overlap`). Layers reading one input
+  (q, k, v) sum their partial input gradients and the last of them reduces the sum once
+  (:class:`FanIn`).
 * :class:`AllReduceSum` — all-reduce in both directions, for a sum whose consumers are
   sharded (LayerNorm statistics over a hidden dimension split across d2).
 * :class:`ReduceFromAxis` — all-reduce in the forward, identity in the backward: partial
@@ -27,39 +29,83 @@ them. A dimension of size 1 makes an operator a no-op.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import weakref
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from atp_pipeline.parallel.comm import Comm, Handle
+from atp_pipeline.parallel.comm import Comm, wait
+
+
+class FanIn:
+    """The readers of one input whose input gradients are partial over ``axis`` (q, k and v;
+    gate and up): in the backward each stashes its partial gradient, and the last one to run
+    all-reduces their sum once, while its own weight gradient computes (§4.2).
+    :class:`FanInGuard` below the readers reduces whatever a reader that never ran left."""
+
+    def __init__(self, comm: Comm, axis: str) -> None:
+        self.comm, self.axis = comm, axis
+        self.readers = 0  # registered in the forward
+        self.seen = 0  # run in this backward
+        self.stash: Optional[torch.Tensor] = None
+
+    def add(self, gx: torch.Tensor) -> None:
+        self.seen += 1
+        self.stash = gx if self.stash is None else self.stash + gx
+
+    def take(self) -> Optional[torch.Tensor]:
+        out, self.stash, self.seen = self.stash, None, 0
+        return out
+
+
+class FanInGuard(torch.autograd.Function):
+    """Forward: identity. Backward (after every reader that ran): the gradient, plus the
+    all-reduced partial gradients a reader left stashed (none when the last reader ran)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fan: FanIn) -> torch.Tensor:  # type: ignore[override]
+        ctx.fan = fan
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        fan: FanIn = ctx.fan
+        left = fan.take()
+        if left is not None:
+            fan.comm.all_reduce(left, fan.axis)
+            g = g + left
+        return g, None
 
 
 class LinearAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: str, bwd_axis: str,
-                async_out: Optional[List[Handle]]) -> torch.Tensor:  # type: ignore[override]
+                fan: Optional[FanIn]) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
-        ctx.comm, ctx.bwd_axis = comm, bwd_axis
+        ctx.comm, ctx.bwd_axis, ctx.fan = comm, bwd_axis, fan
         y = F.linear(x, w)
-        handle = comm.all_reduce(y, fwd_axis, async_op=async_out is not None)
-        if async_out is not None:
-            async_out.append(handle)  # the caller waits before reading y
+        comm.all_reduce(y, fwd_axis)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
         comm: Comm = ctx.comm
+        fan: Optional[FanIn] = ctx.fan
         gx = handle = None
         if ctx.needs_input_grad[0]:
             gx = g.matmul(w)  # partial over bwd_axis
-            handle = comm.all_reduce(gx, ctx.bwd_axis, async_op=True)
+            if fan is not None:  # summed with the other readers' partial gradients, reduced once
+                fan.add(gx)
+                gx = fan.take() if fan.seen == fan.readers else None
+            if gx is not None:
+                handle = comm.all_reduce(gx, ctx.bwd_axis, async_op=True)
         gw = None
         if ctx.needs_input_grad[1]:
             gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
         if handle is not None:
-            handle.wait()
+            wait(handle)  # a chunk's backward (§4.1) lets another compute first
         return gx, gw, None, None, None, None
 
 
@@ -135,22 +181,18 @@ class ScatterDim0(torch.autograd.Function):
 
 
 class GatherDim0(torch.autograd.Function):
-    """Forward: all-gather along dim 0 (left in flight if ``async_out``). Backward: keep
-    this rank's block."""
+    """Forward: all-gather along dim 0. Backward: keep this rank's block."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str,
-                async_out: Optional[List[Handle]]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
         ctx.comm, ctx.axis = comm, axis
-        out, handle = comm.all_gather(x, axis, async_op=async_out is not None)
-        if async_out is not None:
-            async_out.append(handle)
+        out, _ = comm.all_gather(x, axis)
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         comm: Comm = ctx.comm
-        return g.chunk(comm.size(ctx.axis), dim=0)[comm.rank(ctx.axis)].contiguous(), None, None, None
+        return g.chunk(comm.size(ctx.axis), dim=0)[comm.rank(ctx.axis)].contiguous(), None, None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -184,8 +226,33 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def linear_all_reduce(x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: str, bwd_axis: str,
-                      async_out: Optional[List[Handle]] = None) -> torch.Tensor:
-    return LinearAllReduce.apply(x, w, comm, fwd_axis, bwd_axis, async_out)
+                      shared: bool = False) -> torch.Tensor:
+    """``F.linear(x, w)`` all-reduced over ``fwd_axis``; its input gradient all-reduced over
+    ``bwd_axis`` while the weight gradient computes (§4.2). ``shared``: ``x`` is read by other
+    such layers too (q, k and v), whose partial input gradients are summed and all-reduced
+    once, by the last of them to run (:class:`FanIn`; Megatron-Core reduces at the fan-out,
+    ``copy_to_tensor_model_parallel_region``)."""
+    fan = None
+    if shared and comm.size(bwd_axis) > 1:
+        x, fan = _fan_in(x, comm, bwd_axis)
+        fan.readers += 1
+    return LinearAllReduce.apply(x, w, comm, fwd_axis, bwd_axis, fan)
+
+
+def _fan_in(x: torch.Tensor, comm: Comm, axis: str) -> Tuple[torch.Tensor, FanIn]:
+    """The guarded alias of ``x`` its readers share and their :class:`FanIn` (made by the first
+    reader, found by the others; held weakly by ``x``, so no reference cycle keeps it)."""
+    cache = x.__dict__.setdefault("_atp_fan_in", {})
+    key = (id(comm), axis)
+    ref = cache.get(key)
+    found = ref() if ref is not None else None
+    if found is not None:
+        return found, found._atp_fan
+    fan = FanIn(comm, axis)
+    alias = FanInGuard.apply(x, fan)
+    alias._atp_fan = fan
+    cache[key] = weakref.ref(alias)  # the readers' saved tensors keep the alias alive
+    return alias, fan
 
 
 def all_reduce_sum(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
@@ -208,9 +275,8 @@ def scatter_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return x if comm.size(axis) == 1 else ScatterDim0.apply(x, comm, axis)
 
 
-def gather_dim0(x: torch.Tensor, comm: Comm, axis: str,
-                async_out: Optional[List[Handle]] = None) -> torch.Tensor:
-    return x if comm.size(axis) == 1 else GatherDim0.apply(x, comm, axis, async_out)
+def gather_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else GatherDim0.apply(x, comm, axis)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
@@ -220,8 +286,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
     if comm.size(axis) == 1:
         return F.cross_entropy(flat, targets.reshape(-1))
     return VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, axis).mean()
-
-
-def shard_bounds(total: int, parts: int, index: int) -> Tuple[int, int]:
-    size = total // parts
-    return index * size, (index + 1) * size

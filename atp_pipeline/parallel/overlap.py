@@ -10,11 +10,20 @@ passes control to the next chunk, which computes up to its own collective, and w
 its collective only when control comes back. So one chunk's collective is in flight while
 another chunk computes, whatever the block's code is; with ``chunks = 1`` nothing changes.
 
-Coroutines are threads of which exactly one runs at a time (a baton passed round-robin):
-the order in which collectives are issued is the same on every rank (the schedule is a
-function of the code alone), and each chunk's autograd graph is built as the chunk runs.
-The backward pass needs no help: §4.2's overlap (each input-gradient all-reduce in flight
-while the weight gradient computes) is :class:`~atp_pipeline.parallel.mappings.LinearAllReduce`'s.
+Coroutines are threads of a small pool (made once: a new thread's first kernels pay the
+libraries' per-thread set-up) of which exactly one runs at a time (a baton passed
+round-robin), with the caller's grad mode and intra-op thread count (OpenMP's is per
+thread: a new thread would otherwise compute on every core while its process is meant to
+use its own). The order in which collectives are issued is the same on every rank: the
+schedule is a function of the code alone.
+
+**The backward is a wavefront too** (:class:`_ChunkedBlock`): each chunk's inputs are
+leaves of a graph of its own, so the block's backward runs each chunk's graph in its
+coroutine and the chunks take turns at every collective of the backward — a blocking one,
+and each linear's input-gradient all-reduce, launched before its weight gradient computes
+(§4.2) and waited for after the other chunks had their turn. The parameters' gradients
+accumulate as in one graph; the inputs' gradients are the chunks' joined (split inputs) or
+summed (whole ones).
 
 Which arguments are split: the block's first tensor argument defines the batch ``B``
 (dimension 0); every tensor argument with at least two dimensions and ``B`` rows is split
@@ -26,6 +35,8 @@ them, element by element).
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -65,10 +76,11 @@ class Wavefront:
         self.turn[j].release()
         self.turn[i].acquire()
 
-    def _body(self, i: int, state: Tuple[bool, bool]) -> None:
+    def _body(self, i: int, state: Tuple[bool, bool, int]) -> None:
         self.turn[i].acquire()
-        grad, inference = state
+        grad, inference, threads = state
         try:
+            torch.set_num_threads(threads)  # a new thread's OpenMP team is the machine's, not the process's
             with torch.inference_mode(inference) if inference else torch.set_grad_enabled(grad):
                 set_yield_point(lambda: self._pass(i))
                 self.results[i] = self.thunks[i]()
@@ -84,41 +96,150 @@ class Wavefront:
                 self.turn[j].release()
 
     def run(self) -> List[Any]:
-        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        threads = [threading.Thread(target=self._body, args=(i, state), daemon=True, name=f"atp-chunk-{i}")
-                   for i in range(len(self.thunks))]
-        for t in threads:
-            t.start()
+        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_num_threads())
+        if getattr(_WORKER, "index", None) is None:
+            for i in range(len(self.thunks)):  # the chunks run on the pool's threads (made once)
+                _worker(i).put(lambda i=i: self._body(i, state))
+        else:  # a wavefront inside a chunk: threads of its own
+            for i in range(len(self.thunks)):
+                threading.Thread(target=self._body, args=(i, state), daemon=True).start()
         self.turn[0].release()
         self.finished.acquire()
-        for t in threads:
-            t.join()
         for exc in self.errors:
             if exc is not None:
                 raise exc
         return self.results
 
 
-def _split(value: Any, batch: int, chunks: int) -> Optional[List[Any]]:
-    """``value`` cut into ``chunks`` along dim 0 if it is a batch tensor (or a tuple/list holding one)."""
+_WORKER = threading.local()  # .index: this thread is the pool's chunk worker number ``index``
+_QUEUES: List["queue.SimpleQueue[Callable[[], None]]"] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _worker(i: int) -> "queue.SimpleQueue[Callable[[], None]]":
+    """The queue of the pool's chunk thread ``i`` (started on first use, then kept: a new
+    thread's first kernels pay the libraries' per-thread set-up, about a millisecond here)."""
+    with _POOL_LOCK:
+        while len(_QUEUES) <= i:
+            q: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+
+            def loop(q: "queue.SimpleQueue[Callable[[], None]]" = q, index: int = len(_QUEUES)) -> None:
+                _WORKER.index = index
+                while True:
+                    q.get()()
+
+            threading.Thread(target=loop, daemon=True, name=f"atp-chunk-{len(_QUEUES)}").start()
+            _QUEUES.append(q)
+        return _QUEUES[i]
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    _QUEUES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _rebuild(value: Any, items: List[Any]) -> Any:
+    return type(value)(items) if type(value) in (tuple, list) else type(value)(*items)
+
+
+def _chunk_values(value: Any, batch: int, chunks: int, slots: Optional[List["_Slot"]]) -> List[Any]:
+    """``value`` for each chunk: a batch tensor (two or more dimensions, ``batch`` rows) cut
+    along dim 0, anything else whole; with ``slots``, every tensor that requires grad becomes
+    a leaf per chunk (recorded in ``slots``), so each chunk's backward can run on its own."""
     if isinstance(value, torch.Tensor):
-        if value.dim() >= 2 and value.shape[0] == batch:
-            return list(value.chunk(chunks, dim=0))
-        return None
+        split = value.dim() >= 2 and value.shape[0] == batch
+        parts = list(value.chunk(chunks, dim=0)) if split else [value] * chunks
+        if slots is None or not value.requires_grad:
+            return parts
+        slot = _Slot(value, split, [p.detach().requires_grad_(True) for p in parts])
+        slots.append(slot)
+        return list(slot.leaves)
     if isinstance(value, (tuple, list)) and value:
-        parts = [_split(v, batch, chunks) for v in value]
-        if any(p is not None for p in parts):
-            return [type(value)(p[c] if p is not None else v for p, v in zip(parts, value)) for c in range(chunks)]
-    return None
+        per = [_chunk_values(v, batch, chunks, slots) for v in value]
+        return [_rebuild(value, [p[c] for p in per]) for c in range(chunks)]
+    return [value] * chunks
 
 
-def _join(outs: Sequence[Any]) -> Any:
-    first = outs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(outs), dim=0) if first.dim() >= 1 else first
-    if isinstance(first, (tuple, list)):
-        return type(first)(_join([o[i] for o in outs]) for i in range(len(first)))
-    return first
+class _Slot:
+    """A tensor argument of the block that requires grad, and its leaf in each chunk."""
+
+    def __init__(self, tensor: torch.Tensor, split: bool, leaves: List[torch.Tensor]) -> None:
+        self.tensor, self.split, self.leaves = tensor, split, leaves
+
+    def grad(self) -> Optional[torch.Tensor]:
+        grads = [leaf.grad for leaf in self.leaves]
+        if all(g is None for g in grads):
+            return None
+        grads = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, self.leaves)]
+        if self.split:
+            return torch.cat(grads, dim=0)
+        out = grads[0]
+        for g in grads[1:]:
+            out = out + g
+        return out
+
+
+def _flatten(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
+def _unflatten(value: Any, tensors: List[torch.Tensor]) -> Any:
+    """``value`` (chunk 0's output) with its tensors replaced, in order, by ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        return tensors.pop(0)
+    if isinstance(value, (tuple, list)):
+        return _rebuild(value, [_unflatten(v, tensors) for v in value])
+    return value
+
+
+class _Run:
+    """One chunked call of a block with gradients: the chunks' inputs (leaves), outputs and slots."""
+
+    def __init__(self, forward: Callable[..., Any], pieces: List[Tuple[tuple, dict]], slots: List[_Slot]) -> None:
+        self.forward, self.pieces, self.slots = forward, pieces, slots
+        self.outs: List[Any] = []
+
+
+class _ChunkedBlock(torch.autograd.Function):
+    """The block's forward as a wavefront of chunks (§4.1), and its backward too: each chunk's
+    graph is separate (its inputs are leaves), so in the backward the chunks again take turns
+    at every collective, one chunk's gradient all-reduce in flight while another computes."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        with torch.enable_grad():
+            run.outs = Wavefront([lambda a=a, kw=kw: run.forward(*a, **kw) for a, kw in run.pieces]).run()
+        flat = [_flatten(o) for o in run.outs]
+        for i, t in enumerate(flat[0]):
+            if t.dim() < 1 or any(f[i].shape[1:] != t.shape[1:] for f in flat):
+                raise ConfigError(f"overlap chunks (§4.1): the block's output {i} ({tuple(t.shape)}) is not split "
+                                  f"by the batch; use chunks=1")
+        ctx.run = run
+        return tuple(torch.cat([f[i].detach() for f in flat], dim=0) for i in range(len(flat[0])))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        run: _Run = ctx.run
+        flat = [_flatten(o) for o in run.outs]
+        sizes = [f[0].shape[0] for f in flat]
+        per_chunk = [list(g.split(sizes, dim=0)) if g is not None else [None] * len(sizes) for g in grads]
+
+        def backward_of(c: int) -> Callable[[], None]:
+            def run_chunk() -> None:
+                pairs = [(o, g[c]) for o, g in zip(flat[c], per_chunk) if o.requires_grad and g[c] is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return run_chunk
+
+        Wavefront([backward_of(c) for c in range(len(flat))]).run()
+        run.outs = []
+        return (None, *(slot.grad() for slot in run.slots))
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -129,22 +250,34 @@ def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
 
 
 def chunked_call(forward: Callable[..., Any], chunks: int, args: tuple, kwargs: dict) -> Any:
-    """``forward(*args, **kwargs)`` run on ``chunks`` pieces of the batch as a wavefront."""
+    """``forward(*args, **kwargs)`` run on ``chunks`` pieces of the batch as a wavefront, its
+    backward too when the block's inputs require grad (:class:`_ChunkedBlock`)."""
     x = _first_tensor(args, kwargs)
     if x is None:
         return forward(*args, **kwargs)
     batch = int(x.shape[0])
     if batch % chunks:
         raise ConfigError(f"overlap chunks={chunks} (§4.1) does not divide the local batch {batch}")
-    split_args = [_split(a, batch, chunks) for a in args]
-    split_kwargs = {k: _split(v, batch, chunks) for k, v in kwargs.items()}
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in _flatten([list(args), list(kwargs.values())]))
+    slots: Optional[List[_Slot]] = [] if grad else None
+    per_arg = [_chunk_values(a, batch, chunks, slots) for a in args]
+    per_kw = {k: _chunk_values(v, batch, chunks, slots) for k, v in kwargs.items()}
+    pieces = [(tuple(p[c] for p in per_arg), {k: p[c] for k, p in per_kw.items()}) for c in range(chunks)]
+    if slots:
+        run = _Run(forward, pieces, slots)
+        joined = _ChunkedBlock.apply(run, *(s.tensor for s in slots))
+        first = run.outs[0] if run.outs else None
+        return _unflatten(first, list(joined))
+    return _join(Wavefront([lambda a=a, kw=kw: forward(*a, **kw) for a, kw in pieces]).run())
 
-    def piece(c: int) -> Callable[[], Any]:
-        a = tuple(s[c] if s is not None else v for s, v in zip(split_args, args))
-        kw = {k: (split_kwargs[k][c] if split_kwargs[k] is not None else v) for k, v in kwargs.items()}
-        return lambda: forward(*a, **kw)
 
-    return _join(Wavefront([piece(c) for c in range(chunks)]).run())
+def _join(outs: Sequence[Any]) -> Any:
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outs), dim=0) if first.dim() >= 1 else first
+    if isinstance(first, (tuple, list)):
+        return _rebuild(first, [_join([o[i] for o in outs]) for i in range(len(first))])
+    return first
 
 
 class _Chunked:

@@ -15,7 +15,9 @@ the axis the style reads or writes):
 ``column``     ``nn.Linear`` (or a registered linear kind) -> column-first
                :class:`~.linear.ATPLinear` (out over d1, in over d2); ``split`` input is
                split over d2, ``split`` output over d1; ``parts=3``: the output is three
-               concatenated segments (a fused q|k|v), each split over d1
+               concatenated segments (a fused q|k|v), each split over d1; ``shared=true``
+               (``split`` input): other layers read the same input (gate and up), and the
+               input gradients of all of them are summed and all-reduced once
 ``row``        ``nn.Linear`` -> row-first (in over d1, out over d2); ``split`` input over
                d1, ``split`` output over d2
 ``layernorm``  ``nn.LayerNorm`` over a hidden dimension split across d2
@@ -140,22 +142,27 @@ class _LinearStyle(_InOutStyle):
 
     first: ClassVar[str] = COLUMN
 
-    def __init__(self, input: str = FULL, output: str = FULL, parts: str = "1") -> None:
+    def __init__(self, input: str = FULL, output: str = FULL, parts: str = "1", shared: str = "false") -> None:
         super().__init__(input, output)
         if not str(parts).isdigit() or int(parts) < 1 or (int(parts) > 1 and self.first != COLUMN):
             raise ConfigError(f"style '{self.name}': parts={parts!r} must be a positive integer "
                               f"(fused output segments; column-first only)")
+        if str(shared).lower() not in ("true", "false"):
+            raise ConfigError(f"style '{self.name}': shared={shared!r} must be true or false")
         self.parts = int(parts)
+        self.shared = str(shared).lower() == "true"
 
     def options(self) -> Dict[str, str]:
-        return {**super().options(), **({"parts": str(self.parts)} if self.parts > 1 else {})}
+        return {**super().options(), **({"parts": str(self.parts)} if self.parts > 1 else {}),
+                **({"shared": "true"} if self.shared else {})}
 
     def kinds(self) -> Tuple[type, ...]:
         return linear_kinds()
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return ATPLinear.from_linear(module, ctx.mesh, self.first, input_is_parallel=self.input == SPLIT,
-                                     gather_output=self.output == FULL, parts=self.parts)
+                                     gather_output=self.output == FULL, parts=self.parts,
+                                     shared_input=self.shared and self.input == SPLIT)
 
 
 class ColumnFirst(_LinearStyle):

@@ -83,7 +83,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     style plan (:mod:`atp_pipeline.parallel.styles`; Figure 6), whatever the family. Per
     layer: two norms (``norm_layout``: ``stats`` — LayerNorm sums of x and x² all-reduced over
     d2 each way; ``gathered`` — the model's own norm on the hidden gathered over d2, its
-    output gradient gathered back); q/k/v column-first (three linears, or one fused) and o
+    output gradient gathered back); q/k/v column-first (three linears, or one fused: one
+    input-gradient all-reduce either way, the readers of one input sum theirs first) and o
     row-first, the query heads scattered over d2 and gathered back, the key/value heads as
     :func:`~atp_pipeline.planning.shape.kv_layout` places them; the MLP's ``2`` (``3`` gated)
     linears. Per model: the final norm; the LM head (``head_layout``: ``vocab_parallel`` —
@@ -96,7 +97,6 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
     F_, t = Fraction, CommTerm
     up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
-    qkv_inputs = 1 if shape.qkv_fused else 3
     layout = kv_placement(shape, d1, d2)
     if shape.norm_layout == "stats":
         norms = [t("norm", "norm statistics (sum, sum of squares) over d2", ALL_REDUCE, 2, F_(4), 1, "fwd"),
@@ -111,13 +111,15 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                    False)]
     terms = norms + [
         t("f1", "q/k/v linears (column-first)", ALL_REDUCE, 2, F_(q + 2 * kv, d1), 1, "fwd"),
-        t("f1", "q/k/v linears: input gradient", ALL_REDUCE, 1, F_(qkv_inputs * h, d2), 1, "bwd"),
+        t("f1", "q/k/v linears: input gradient (one for the readers of the input)", ALL_REDUCE, 1, F_(h, d2), 1,
+          "bwd"),
         t("scatter", "query heads scattered over d2: gradient", ALL_GATHER, 2, F_(q, d1), 1, "bwd"),
         t("gather", "attention output gathered over d2", ALL_GATHER, 2, F_(q, d1), 1, "fwd"),
         t("f2", "output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f2", "output linear: input gradient", ALL_REDUCE, 2, F_(q, d1), 1, "bwd"),
         t("f3", "MLP column-first linears", ALL_REDUCE, 2, F_(up * f, d1), 1, "fwd"),
-        t("f3", "MLP column-first linears: input gradient", ALL_REDUCE, 1, F_(up * h, d2), 1, "bwd"),
+        t("f3", "MLP column-first linears: input gradient (one for gate and up)", ALL_REDUCE, 1, F_(h, d2), 1,
+          "bwd"),
         t("f4", "MLP row-first linear", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
     ]

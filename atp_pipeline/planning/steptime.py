@@ -24,8 +24,9 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   collective and the chunk waits for it only when it starts its next stage, so one
   chunk's collective is hidden behind the next chunk's compute. In the backward pass
   (reverse order of the forward's kernels, as autograd runs them) each linear's
-  input-gradient all-reduce runs while its weight-gradient GEMM computes (§4.2); the other
-  backward collectives block. Then the optimizer step and, with ``dp > 1``, the
+  input-gradient all-reduce runs while its weight-gradient GEMM computes (§4.2), and the
+  chunks' backwards take turns the same way at every collective (each chunk's graph is its
+  own, :mod:`~atp_pipeline.parallel.overlap`). Then the optimizer step and, with ``dp > 1``, the
   data-parallel gradient sync under the configured aggregation mode
   (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
 
@@ -370,6 +371,17 @@ def _linear_bwd(m: int, k: int, n: int, coll: Optional[Coll]) -> List[Item]:
     return [_k(GEMM, m, n, k), ("linear", coll), _k(GEMM, n, m, k), ("join",)]
 
 
+def _fan_in_bwd(m: int, k: int, widths: Sequence[int], coll: Optional[Coll]) -> List[Item]:
+    """The backward of column-first linears reading one input (``k`` features, outputs of
+    ``widths``, run in reverse): each adds its partial input gradient to the others', and the
+    last to run all-reduces the sum while its weight gradient computes (§4.2; ``mappings.FanIn``)."""
+    *first, last = list(reversed(widths))
+    out: List[Item] = []
+    for n in first:
+        out += _linear_bwd(m, k, n, None)
+    return out + [_k(POINTWISE, m * k)] * len(first) + _linear_bwd(m, k, last, coll)
+
+
 @dataclass
 class Program:
     """One rank's step: forward stages per chunk of each block, the rest in order."""
@@ -426,11 +438,10 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
                            [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]))
     norm()
     widths = [q + 2 * kv] if shape.qkv_fused else [q, kv, kv]
-    for w in widths:
-        cf = tk("f1", "fwd", Fraction(w, q + 2 * kv))
-        cb = tk("f1", "bwd", Fraction(1, len(widths)))
-        pieces.append(([_k(GEMM, T, hs, w // d1), *_c("sync", cf), _k(POINTWISE, T * w // d1)],
-                       _linear_bwd(T, hs, w // d1, cb)))
+    pieces.append(([x for w in widths for x in (_k(GEMM, T, hs, w // d1),
+                                                *_c("sync", tk("f1", "fwd", Fraction(w, q + 2 * kv))),
+                                                _k(POINTWISE, T * w // d1))],
+                   _fan_in_bwd(T, hs, [w // d1 for w in widths], tk("f1", "bwd"))))
     kvf = tk("kv", "fwd") if layout == KV_GATHERED else None
     kv_pick = [tk("pick", "bwd", nth=i) for i in range(2)] if layout in (KV_PICK, KV_GATHERED) else []
     kv_scatter = tk("scatter", "bwd", nth=1) if layout == KV_SCATTER else None
@@ -443,9 +454,9 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
     pieces.append(([_k(GEMM, T, q // d1, hs), *_c("sync", f2f), _k(POINTWISE, T * hs)],
                    [*_linear_bwd(T, q // d1, hs, f2b), _k(POINTWISE, T * hs)]))
     norm()
-    for _ in range(up):
-        cf, cb = tk("f3", "fwd", Fraction(1, up)), tk("f3", "bwd", Fraction(1, up))
-        pieces.append(([_k(GEMM, T, hs, f // d1), *_c("sync", cf)], _linear_bwd(T, hs, f // d1, cb)))
+    pieces.append(([x for _ in range(up) for x in (_k(GEMM, T, hs, f // d1),
+                                                   *_c("sync", tk("f3", "fwd", Fraction(1, up))))],
+                   _fan_in_bwd(T, hs, [f // d1] * up, tk("f3", "bwd"))))
     pieces.append(([_k(POINTWISE, T * f // d1)] * up, [_k(POINTWISE, T * f // d1)] * up))
     f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
     pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
@@ -707,13 +718,44 @@ class _Timeline:
             pending.clear()
 
 
+def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
+    """Chunks' stages (``stages[chunk][stage]``) as the runtime's wavefront runs them: chunks
+    take turns stage by stage; a chunk waits for its collectives in flight when its turn comes."""
+    pending: List[List[Tuple[float, float, float]]] = [[] for _ in stages]
+    for st in range(max(len(s) for s in stages)):
+        for c, chunk in enumerate(stages):
+            if st < len(chunk):
+                tl.wait(pending[c])
+                tl.run(chunk[st], pending[c])
+    for p in pending:
+        tl.wait(p)
+
+
+def _bwd_stages(items: List[Item]) -> List[List[Item]]:
+    """A chunk's backward cut where it yields: after a blocking collective's launch, and after a
+    linear's weight-gradient GEMM with its input-gradient all-reduce in flight (§4.2)."""
+    out: List[List[Item]] = [[]]
+    for item in items:
+        if item[0] == "sync":
+            out[-1].append(("async", item[1]))
+            out.append([])
+        elif item[0] == "linear":
+            out[-1].append(("async", item[1]))
+        elif item[0] == "join":
+            out.append([])
+        else:
+            out[-1].append(item)
+    return out
+
+
 def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
              layout: str = "") -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
     of each block as :mod:`~atp_pipeline.parallel.overlap` runs it (chunks take turns stage by
     stage, a stage ending where its chunk launches a collective, which the chunk waits for when
-    its turn comes again), the backward in reverse order of the forward's (stage, chunk)
-    steps. ``layout`` picks the profile's framework cost (:class:`Dispatch`)."""
+    its turn comes again), each block's backward the same way over the chunks' separate graphs
+    (a backward stage also ends after a linear's weight gradient, its input-gradient
+    all-reduce in flight, §4.2). ``layout`` picks the profile's framework cost (:class:`Dispatch`)."""
     tl = _run(prog, clock, profile, bytes_per_element, layout)
     return tl.now, tl.compute, tl.comm_total
 
@@ -722,22 +764,13 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
          layout: str) -> "_Timeline":
     tl = _Timeline(clock, profile, bytes_per_element, layout, clock.mesh)
     tl.run(prog.pre, [])
-    order_all: List[Tuple[int, int, int]] = []
-    for li, layer in enumerate(prog.stage_items):
-        n = len(layer)
-        k = len(layer[0])
-        pending: List[List[Tuple[float, float, float]]] = [[] for _ in range(k)]
-        for st in range(n):  # round-robin, as the runtime passes the baton at each collective
-            for c in range(k):
-                tl.wait(pending[c])
-                tl.run(layer[st][c], pending[c])
-                order_all.append((li, st, c))
-        for p in pending:
-            tl.wait(p)
+    for layer in prog.stage_items:
+        _round_robin(tl, [[layer[st][c] for st in range(len(layer))] for c in range(len(layer[0]))])
     tl.run(prog.post_fwd, [])
     tl.run(prog.post_bwd, [])
-    for li, st, c in reversed(order_all):
-        tl.run(prog.stage_bwd[li][st][c], [])
+    for layer in reversed(prog.stage_bwd):  # each chunk's backward of the block, chunks taking turns too
+        chunks = len(layer[0])
+        _round_robin(tl, [_bwd_stages([x for stage in layer for x in stage[c]]) for c in range(chunks)])
     tl.run(prog.pre_bwd, [])
     tl.run(prog.tail, [])
     return tl

@@ -310,6 +310,8 @@ def resolve(cfg: DictConfig) -> RunSpec:
         with torch.device("meta"):  # a user's plan may name any block; the family's is per block
             model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
         match_plan(model, user_plan or adapter.parallel_plan(model))
+        if result.kind == "sbp":
+            adapter.sbp_linears(model)  # the family's SBP layer chain (one line if it has none)
         if fsdp:  # what FSDP2 cannot shard, named before any process starts
             from atp_pipeline.parallel.fsdp import fsdp_infeasibility
 

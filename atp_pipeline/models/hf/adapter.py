@@ -306,6 +306,11 @@ class HFCausalLMAdapter(ModelAdapter):
         names = dict(module.named_modules())
         declared = dict(family.linears or getattr(config, "base_model_tp_plan", None) or {})
         plan: Dict[str, Any] = {}
+        colwise_under: Dict[str, int] = {}  # column-first linears per parent (gate and up read one input)
+        for pattern, kind in declared.items():
+            if kind == "colwise":
+                parent = pattern.rpartition(".")[0]
+                colwise_under[parent] = colwise_under.get(parent, 0) + 1
         attention = sorted({_pattern(n) for n, m in names.items() if type(m).__name__.endswith("Attention")})
         for pattern in attention:
             plan[pattern] = family.attention
@@ -319,7 +324,9 @@ class HFCausalLMAdapter(ModelAdapter):
             if kind not in ("colwise", "rowwise"):
                 raise ConfigError(f"transformers model_type '{config.model_type}': '{pattern}' is declared "
                                   f"'{kind}', which ATP's layout does not cover; pass a plan")
-            plan[full] = f"{'column' if kind == 'colwise' else 'row'}(input=split, output=split)"
+            shared = kind == "colwise" and colwise_under[pattern.rpartition(".")[0]] > 1
+            plan[full] = f"{'column' if kind == 'colwise' else 'row'}(input=split, output=split" + \
+                (", shared=true)" if shared else ")")
         by_object = {id(m): n for n, m in names.items()}
         table = by_object[id(module.get_input_embeddings())]
         plan[table] = "embedding(output=split)"

@@ -121,10 +121,13 @@ class HFAttention(ParallelStyle):
             setattr(module, self.qkv, ATPLinear.from_linear(getattr(module, self.qkv), ctx.mesh, COLUMN,
                                                             parts=3 if self.fused == "concat" else 1))
         else:
-            setattr(module, self.q, ATPLinear.from_linear(getattr(module, self.q), ctx.mesh, COLUMN))
+            # q, k and v read the same hidden states: their input gradients are summed, then
+            # all-reduced once (mappings.shared_input)
+            setattr(module, self.q, ATPLinear.from_linear(getattr(module, self.q), ctx.mesh, COLUMN,
+                                                          shared_input=True))
             for p in (self.k, self.v):
                 setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN,
-                                                         gather_output=sharding.kv_gathered))
+                                                         gather_output=sharding.kv_gathered, shared_input=True))
         setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
         d1 = sharding.comm.size("d1")
         for a in self.per_rank:
