@@ -4,24 +4,34 @@ its adapter's plan with its blocks run in chunks (§4.1), against the single-pro
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .hf_workers import build
-
-STEPS, LR, BATCH, SEQ, VOCAB = 20, 0.05, 4, 8, 96
+STEPS, LR, BATCH, SEQ, VOCAB = 20, 0.05, 4, 8, 256
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    if name == "tiny":
-        from atp_pipeline.models.gpt import GPT, GPTConfig
+    """The preset ``conf/model/<name>.yaml`` built by its family's adapter (``llama_tiny_kv2``:
+    ``llama_tiny`` with 2 key/value heads), non-trivial norm weights and biases."""
+    from omegaconf import OmegaConf
 
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=8, layers=2)).to(dtype)
-    if name == "llama_kv2":
-        return build("llama", dtype, num_key_value_heads=2)
-    return build(name, dtype)
+    from atp_pipeline.models.adapter import get_adapter
+
+    from atp_pipeline.config.schema import ModelConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / f"{name.replace('_kv2', '')}.yaml"))
+    if name.endswith("_kv2"):
+        cfg.hf.num_key_value_heads = 2
+    torch.manual_seed(0)
+    model = get_adapter(str(cfg.get("family", "gpt"))).build(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

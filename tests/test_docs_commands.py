@@ -434,16 +434,18 @@ def _sbp_calibration(t: str) -> Tuple[str, str]:
 
 
 def _tp_step(t: str) -> Tuple[str, str]:
-    t = set_opt(set_opt(t, "--meshes", "4x1"), "--chunks", "1")
+    world = get_opt(t, "--world") or "4"
+    t = set_opt(set_opt(t, "--meshes", f"{world}x1"), "--chunks", "1")
     t = set_opt(set_opt(set_opt(t, "--steps", "1"), "--warmup", "0"), "--repeats", "1")
-    return _out(t, "benchmarks/tp_step"), "mesh 4x1 (+ native TP, DDP), chunks 1, 1 step"
+    t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/tp_step")  # never over a committed run
+    return t, f"mesh {world}x1 (+ native TP, DDP), chunks 1, 1 step"
 
 
 def _hf_tp(t: str) -> Tuple[str, str]:
     for flag, v in (("--repeats", "1"), ("--warmup", "0"), ("--hidden", "64"), ("--heads", "4"),
                     ("--layers", "1"), ("--vocab", "128"), ("--seq", "16"), ("--batch", "4")):
         t = set_opt(t, flag, v)
-    return _out(t, "benchmarks/hf_tp"), "a 1-layer 64-wide model, 1 repeat"
+    return set_opt(t, "--out", f"{TMP}/outputs/benchmarks/hf_tp"), "a 1-layer 64-wide model, 1 repeat"
 
 
 def _hf_gpu(t: str) -> Tuple[str, str]:

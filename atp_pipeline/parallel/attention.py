@@ -78,8 +78,9 @@ class HeadSharding:
             if self.comm.size("d2") == 1:
                 return q, k, v, None
             if q.shape == k.shape == v.shape:  # multi-head: one scatter (and one gather of its gradient)
-                qkv = scatter_dim0(torch.stack([q, k, v], 0).permute(2, 0, 1, 3, 4).contiguous(), self.comm, "d2")
-                q, k, v = qkv.permute(1, 2, 0, 3, 4).unbind(0)
+                heads_first = torch.stack([t.transpose(0, 1) for t in (q, k, v)], dim=1)  # [heads, 3, b, s, hd]: one copy
+                qkv = scatter_dim0(heads_first, self.comm, "d2")
+                q, k, v = (qkv[:, i].transpose(0, 1) for i in range(3))
                 return q, k, v, None
             return scatter(q), scatter(k), scatter(v), None
         q = scatter(q)

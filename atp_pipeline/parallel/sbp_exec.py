@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -326,48 +326,26 @@ def _scatter_rows(y: torch.Tensor, g: _Group) -> torch.Tensor:
     return out
 
 
-class _ColsToRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
+def _conjugate(name: str, fwd: Callable[[torch.Tensor, _Group], torch.Tensor],
+               bwd: Callable[[torch.Tensor, _Group], torch.Tensor]) -> Any:
+    """An autograd function running ``fwd`` on a group in the forward and its conjugate ``bwd``
+    on the gradient (Megatron-Core's ``mappings.py`` pairs)."""
+
+    def forward(ctx: Any, x: torch.Tensor, g: _Group) -> torch.Tensor:
         ctx.g = g
-        return _cols_to_rows(x, g)
+        return fwd(x, g)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _rows_to_cols(grad, ctx.g), None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return bwd(grad, ctx.g), None
 
-
-class _RowsToCols(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
-        ctx.g = g
-        return _rows_to_cols(y, g)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _cols_to_rows(grad, ctx.g), None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward)})
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
-        ctx.g = g
-        return _gather_rows(x, g)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _scatter_rows(grad, ctx.g), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, g: _Group) -> torch.Tensor:  # type: ignore[override]
-        ctx.g = g
-        return _scatter_rows(y, g)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _gather_rows(grad, ctx.g), None
+_ColsToRows = _conjugate("_ColsToRows", _cols_to_rows, _rows_to_cols)
+_RowsToCols = _conjugate("_RowsToCols", _rows_to_cols, _cols_to_rows)
+_GatherRows = _conjugate("_GatherRows", _gather_rows, _scatter_rows)
+_ScatterRows = _conjugate("_ScatterRows", _scatter_rows, _gather_rows)
 
 
 def _reduce_grad(param: torch.Tensor, group: Any, counted: Optional[Tuple[int, int]] = None) -> None:
