@@ -7,7 +7,7 @@ commit d4f246f (``atp_pipeline/models/gpt/parallel.py``). Not part of the packag
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F

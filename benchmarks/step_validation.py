@@ -193,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.search import mesh_infeasibility
-    from atp_pipeline.planning.steptime import StepSetting, estimate_step, profile_of
+    from atp_pipeline.planning.steptime import RUNTIME, StepSetting, estimate_step, profile_of
     from atp_pipeline.run.calibrate_compute import model_shapes, model_spec
 
     try:

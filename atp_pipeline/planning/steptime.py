@@ -58,7 +58,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from atp_pipeline.config.schema import CostModel
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
-from atp_pipeline.planning.cost import ALL_GATHER, ALL_REDUCE, CommTerm, collective_seconds, comm_terms
+from atp_pipeline.planning.cost import CommTerm, collective_seconds, comm_terms
 from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective
 from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_placement
 from atp_pipeline.topology.model import Topology
