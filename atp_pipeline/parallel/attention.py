@@ -72,13 +72,14 @@ class HeadSharding:
         """``q``: ``[b, heads/d1, s, hd]``; ``k``/``v``: ``[b, kv_heads/d1 (or all), s, hd]`` ->
         this rank's ``q, k, v`` and the group size the core must use (None: the model's)."""
         def scatter(t: torch.Tensor) -> torch.Tensor:
+            if self.comm.size("d2") == 1:  # nothing to scatter (and no copy to make)
+                return t
             return scatter_dim0(t.transpose(0, 1).contiguous(), self.comm, "d2").transpose(0, 1)
 
         if self.layout == KV_SCATTER:
-            if self.comm.size("d2") == 1:
-                return q, k, v, None
-            if q.shape == k.shape == v.shape:  # multi-head: one scatter (and one gather of its gradient)
-                heads_first = torch.stack([t.transpose(0, 1) for t in (q, k, v)], dim=1)  # [heads, 3, b, s, hd]: one copy
+            if q.shape == k.shape == v.shape and self.comm.size("d2") > 1:
+                # multi-head: one scatter (and one gather of its gradient), from one copy [heads, 3, b, s, hd]
+                heads_first = torch.stack([t.transpose(0, 1) for t in (q, k, v)], dim=1)
                 qkv = scatter_dim0(heads_first, self.comm, "d2")
                 q, k, v = (qkv[:, i].transpose(0, 1) for i in range(3))
                 return q, k, v, None

@@ -125,7 +125,7 @@ class ATPLinear(nn.Module):
                  shared_input: bool = False) -> None:
         super().__init__()
         self.input_is_parallel, self.gather_output = input_is_parallel, gather_output
-        self.shared_input = shared_input
+        self.shared_input = shared_input and input_is_parallel  # a full input is scattered: read by this layer only
         if first not in (COLUMN, ROW):
             raise ConfigError(f"ATPLinear first must be 'column' or 'row', got {first!r}")
         self.in_features, self.out_features, self.first = in_features, out_features, first
@@ -242,7 +242,7 @@ class ATPLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_dim0(x.movedim(-1, 0), self.comm, self.in_axis).movedim(0, -1)
         y = linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis,
-                              shared=self.shared_input and self.input_is_parallel)
+                              shared=self.shared_input)
         if self.bias is not None:
             y = y + self.bias.to_local()
         if self.gather_output:

@@ -199,11 +199,13 @@ def _unflatten(value: Any, tensors: List[torch.Tensor]) -> Any:
 
 
 class _Run:
-    """One chunked call of a block with gradients: the chunks' inputs (leaves), outputs and slots."""
+    """One chunked call of a block with gradients: the chunks' inputs (leaves) and slots, and
+    once run, chunk 0's output (its structure) and every chunk's output tensors."""
 
     def __init__(self, forward: Callable[..., Any], pieces: List[Tuple[tuple, dict]], slots: List[_Slot]) -> None:
         self.forward, self.pieces, self.slots = forward, pieces, slots
-        self.outs: List[Any] = []
+        self.first: Any = None
+        self.flat: List[List[torch.Tensor]] = []
 
 
 class _ChunkedBlock(torch.autograd.Function):
@@ -214,8 +216,9 @@ class _ChunkedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         with torch.enable_grad():
-            run.outs = Wavefront([lambda a=a, kw=kw: run.forward(*a, **kw) for a, kw in run.pieces]).run()
-        flat = [_flatten(o) for o in run.outs]
+            outs = Wavefront([lambda a=a, kw=kw: run.forward(*a, **kw) for a, kw in run.pieces]).run()
+        run.first, run.flat = outs[0], [_flatten(o) for o in outs]
+        flat = run.flat
         for i, t in enumerate(flat[0]):
             if t.dim() < 1 or any(f[i].shape[1:] != t.shape[1:] for f in flat):
                 raise ConfigError(f"overlap chunks (§4.1): the block's output {i} ({tuple(t.shape)}) is not split "
@@ -226,7 +229,7 @@ class _ChunkedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         run: _Run = ctx.run
-        flat = [_flatten(o) for o in run.outs]
+        flat = run.flat
         sizes = [f[0].shape[0] for f in flat]
         per_chunk = [list(g.split(sizes, dim=0)) if g is not None else [None] * len(sizes) for g in grads]
 
@@ -238,7 +241,7 @@ class _ChunkedBlock(torch.autograd.Function):
             return run_chunk
 
         Wavefront([backward_of(c) for c in range(len(flat))]).run()
-        run.outs = []
+        run.flat = []
         return (None, *(slot.grad() for slot in run.slots))
 
 
@@ -266,8 +269,7 @@ def chunked_call(forward: Callable[..., Any], chunks: int, args: tuple, kwargs: 
     if slots:
         run = _Run(forward, pieces, slots)
         joined = _ChunkedBlock.apply(run, *(s.tensor for s in slots))
-        first = run.outs[0] if run.outs else None
-        return _unflatten(first, list(joined))
+        return _unflatten(run.first, list(joined))
     return _join(Wavefront([lambda a=a, kw=kw: forward(*a, **kw) for a, kw in pieces]).run())
 
 

@@ -162,7 +162,7 @@ class _LinearStyle(_InOutStyle):
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return ATPLinear.from_linear(module, ctx.mesh, self.first, input_is_parallel=self.input == SPLIT,
                                      gather_output=self.output == FULL, parts=self.parts,
-                                     shared_input=self.shared and self.input == SPLIT)
+                                     shared_input=self.shared)
 
 
 class ColumnFirst(_LinearStyle):

@@ -384,12 +384,12 @@ def _fan_in_bwd(m: int, k: int, widths: Sequence[int], coll: Optional[Coll]) -> 
 
 @dataclass
 class Program:
-    """One rank's step: forward stages per chunk of each block, the rest in order."""
+    """One rank's step: each block's items per chunk (run as the wavefront, :func:`_stages`),
+    the rest in order."""
 
     pre: List[Item]  # embeddings, before the blocks
-    stages: List[List[List[Item]]]  # per layer: stages; each stage's items per chunk come from ``stage_items``
-    stage_items: List[List[List[List[Item]]]]  # [layer][stage][chunk] -> forward items
-    stage_bwd: List[List[List[List[Item]]]]  # [layer][stage][chunk] -> backward items (run reversed)
+    blocks_fwd: List[List[List[Item]]]  # [layer][chunk] -> forward items
+    blocks_bwd: List[List[List[Item]]]  # [layer][chunk] -> backward items, in execution order (layers run reversed)
     post_fwd: List[Item]  # final norm, head, loss
     post_bwd: List[Item]  # their backward, in execution order
     pre_bwd: List[Item]  # embeddings' backward
@@ -398,13 +398,17 @@ class Program:
 
 
 def _stages(items: List[Item]) -> List[List[Item]]:
-    """A chunk's forward items cut after each blocking collective, which becomes a launch the
-    chunk waits for at its next stage (the wavefront of :mod:`~atp_pipeline.parallel.overlap`:
-    at a collective the next chunk computes while it is in flight)."""
+    """A chunk's items cut where it yields (the wavefront of :mod:`~atp_pipeline.parallel.overlap`):
+    after a blocking collective's launch, and after a linear's weight-gradient GEMM with its
+    input-gradient all-reduce in flight (§4.2); the chunk waits for what it launched when its
+    next stage starts, while the other chunks compute."""
     out: List[List[Item]] = [[]]
     for item in items:
-        if item[0] == "sync":
+        if item[0] in ("sync", "linear"):
             out[-1].append(("async", item[1]))
+            if item[0] == "sync":
+                out.append([])
+        elif item[0] == "join":
             out.append([])
         else:
             out[-1].append(item)
@@ -475,14 +479,12 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     h, V = shape.hidden, shape.vocab_size
     T, hs = tokens, h // d2
     L = shape.layers
-    stage_items, stage_bwd = [], []
+    blocks_fwd, blocks_bwd = [], []
     for _ in range(L):
         per_chunk = [_layer(shape, mesh, T // chunks, batch // chunks, terms, Fraction(1, L * chunks))
                      for _ in range(chunks)]
-        cut = [_stages(fw) for fw, _ in per_chunk]
-        n = len(cut[0])
-        stage_items.append([[cut[c][st] for c in range(chunks)] for st in range(n)])
-        stage_bwd.append([[per_chunk[c][1] if st == 0 else [] for c in range(chunks)] for st in range(n)])
+        blocks_fwd.append([fw for fw, _ in per_chunk])
+        blocks_bwd.append([bw for _, bw in per_chunk])
     one = Fraction(1)
 
     def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:
@@ -519,7 +521,7 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     embeds = (2 if shape.position == "learned" else 1)
     pre = [_k(POINTWISE, T * hs)] * (embeds + shape.gathered_embeddings)
     pre_bwd = [_k(POINTWISE, T * hs)] * embeds + _c("sync", emb)
-    return Program(pre, [], stage_items, stage_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
+    return Program(pre, blocks_fwd, blocks_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
 
 
 def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
@@ -566,16 +568,14 @@ def placed_elements(prog: Program) -> Dict[Tuple[str, str], int]:
 
 def _all_items(prog: Program) -> Iterable[Item]:
     yield from prog.pre
-    for layer in prog.stage_items:
-        for stage in layer:
-            for chunk in stage:
-                yield from chunk
+    for layer in prog.blocks_fwd:
+        for chunk in layer:
+            yield from chunk
     yield from prog.post_fwd
     yield from prog.post_bwd
-    for layer in prog.stage_bwd:
-        for stage in layer:
-            for chunk in stage:
-                yield from chunk
+    for layer in prog.blocks_bwd:
+        for chunk in layer:
+            yield from chunk
     yield from prog.pre_bwd
     yield from prog.tail
 
@@ -731,23 +731,6 @@ def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
         tl.wait(p)
 
 
-def _bwd_stages(items: List[Item]) -> List[List[Item]]:
-    """A chunk's backward cut where it yields: after a blocking collective's launch, and after a
-    linear's weight-gradient GEMM with its input-gradient all-reduce in flight (§4.2)."""
-    out: List[List[Item]] = [[]]
-    for item in items:
-        if item[0] == "sync":
-            out[-1].append(("async", item[1]))
-            out.append([])
-        elif item[0] == "linear":
-            out[-1].append(("async", item[1]))
-        elif item[0] == "join":
-            out.append([])
-        else:
-            out[-1].append(item)
-    return out
-
-
 def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
              layout: str = "") -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
@@ -764,13 +747,12 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
          layout: str) -> "_Timeline":
     tl = _Timeline(clock, profile, bytes_per_element, layout, clock.mesh)
     tl.run(prog.pre, [])
-    for layer in prog.stage_items:
-        _round_robin(tl, [[layer[st][c] for st in range(len(layer))] for c in range(len(layer[0]))])
+    for layer in prog.blocks_fwd:
+        _round_robin(tl, [_stages(items) for items in layer])
     tl.run(prog.post_fwd, [])
     tl.run(prog.post_bwd, [])
-    for layer in reversed(prog.stage_bwd):  # each chunk's backward of the block, chunks taking turns too
-        chunks = len(layer[0])
-        _round_robin(tl, [_bwd_stages([x for stage in layer for x in stage[c]]) for c in range(chunks)])
+    for layer in reversed(prog.blocks_bwd):  # each chunk's backward of the block, chunks taking turns too
+        _round_robin(tl, [_stages(items) for items in layer])
     tl.run(prog.pre_bwd, [])
     tl.run(prog.tail, [])
     return tl

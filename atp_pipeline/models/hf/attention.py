@@ -122,7 +122,7 @@ class HFAttention(ParallelStyle):
                                                             parts=3 if self.fused == "concat" else 1))
         else:
             # q, k and v read the same hidden states: their input gradients are summed, then
-            # all-reduced once (mappings.shared_input)
+            # all-reduced once (mappings.FanIn)
             setattr(module, self.q, ATPLinear.from_linear(getattr(module, self.q), ctx.mesh, COLUMN,
                                                           shared_input=True))
             for p in (self.k, self.v):

@@ -19,8 +19,9 @@ Each matmul's rows are the step's tokens ``b = batch·seq`` in ``batch`` indivis
 sequences. The MLP's first matmuls (``gate_up``; ``fc1``) reach the last one through the
 activation alone (elementwise), so their output may skip the row layout
 (``MatmulLayer.into``, :func:`~atp_pipeline.planning.sbp.space.direct`); gate and up are
-tied to one strategy because their product is taken element by element. The built-in GPT (fused q|k|v, multi-head, fc1/fc2) gives the same layers, keys
-and sizes as :func:`~atp_pipeline.planning.sbp.space.transformer`.
+tied to one strategy because their product is taken element by element. A shape with a
+fused q|k|v, multi-head attention and an fc1/fc2 MLP (the paper's transformer) gives the
+same layers, keys and sizes as :func:`~atp_pipeline.planning.sbp.space.transformer`.
 
 The executor (:mod:`atp_pipeline.parallel.sbp_exec`) keeps the activations between matmuls
 in the *row layout* (whole sequences split over the devices, features whole), so the
