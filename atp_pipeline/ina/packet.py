@@ -178,6 +178,7 @@ class PacketFormat:
             shift -= f.bits
             self._spec.append((f.name, shift, (1 << f.bits) - 1))
         self._payload_dtype = np.dtype(">i4")
+        self._enc_header, self._dec_header = _compile_codec(self._spec, self.header_bytes)
 
     # -- introspection -----------------------------------------------------------------
     def layout(self) -> List[Tuple[str, int, int]]:
@@ -199,27 +200,23 @@ class PacketFormat:
     # -- codec -------------------------------------------------------------------------
     def encode(self, pkt: Packet) -> bytes:
         """Header fields MSB-first in table order, then ``K`` big-endian int32 lanes."""
-        h = 0
-        for f in self.fields:
-            v = getattr(pkt, f.name)
-            if not 0 <= v < (1 << f.bits):
-                raise ValueError(f"field {f.name}={v} does not fit {f.bits} bits")
-            h = (h << f.bits) | v
+        h = self._enc_header(pkt)
+        if h is None:  # some field out of range: name it
+            for f in self.fields:
+                v = getattr(pkt, f.name)
+                if not 0 <= v < (1 << f.bits):
+                    raise ValueError(f"field {f.name}={v} does not fit {f.bits} bits")
         payload = np.asarray(pkt.payload)
         if payload.shape != (self.payload_k,):
-            raise ValueError(f"payload must have {self.payload_k} lanes, got {payload.shape}")
-        return h.to_bytes(self.header_bytes, "big") + payload.astype(self._payload_dtype).tobytes()
+            raise ValueError(f"payload must have {self.payload_k} lanes, got {np.shape(payload)}")
+        return h + payload.astype(self._payload_dtype).tobytes()
 
     def decode(self, buf: bytes) -> Packet:
         """Inverse of :meth:`encode`; raises :class:`DecodeError` on any malformed buffer."""
         if len(buf) != self.atp_bytes:
             kind = "truncated" if len(buf) < self.atp_bytes else "oversized"
             raise DecodeError(f"{kind} packet: {len(buf)} bytes, expected {self.atp_bytes}")
-        h = int.from_bytes(buf[: self.header_bytes], "big")
-        p = Packet.__new__(Packet)
-        p.reserved = 0
-        for name, shift, mask in self._spec:
-            setattr(p, name, (h >> shift) & mask)
+        p = self._dec_header(int.from_bytes(buf[: self.header_bytes], "big"))
         if p.app_type != ATP_APP_TYPE:
             raise DecodeError(f"app_type {p.app_type:#x} is not ATP")
         if p.reserved:
@@ -228,6 +225,26 @@ class PacketFormat:
         p.src = p.dst = -1
         p.size = self.wire_bytes
         return p
+
+
+def _compile_codec(spec: List[Tuple[str, int, int]], header_bytes: int) -> Tuple[Any, Any]:
+    """Header encoder and decoder generated from the field table (one Python expression each
+    instead of a loop over fields: the live roles encode and decode every packet, issue 28).
+
+    The encoder returns the header bytes, or ``None`` when a field does not fit its width
+    (the caller names it); the decoder returns a :class:`Packet` with every header field set."""
+    names = [n for n, _, _ in spec]
+    load = "; ".join(f"v{i} = p.{n}" for i, n in enumerate(names))
+    bad = " | ".join(f"(v{i} >> {(m).bit_length()})" for i, (_, _, m) in enumerate(spec))
+    neg = " or ".join(f"v{i} < 0" for i in range(len(spec)))
+    word = " | ".join(f"(v{i} << {sh})" for i, (_, sh, _) in enumerate(spec))
+    src = (f"def enc(p):\n    {load}\n    if ({bad}) or {neg}:\n        return None\n"
+           f"    return ({word}).to_bytes({header_bytes}, 'big')\n"
+           f"def dec(h):\n    p = new(Packet)\n    p.reserved = 0\n"
+           + "".join(f"    p.{n} = (h >> {sh}) & {m}\n" for n, sh, m in spec) + "    return p\n")
+    ns: Dict[str, Any] = {"Packet": Packet, "new": Packet.__new__}
+    exec(compile(src, "<atp-packet-codec>", "exec"), ns)  # noqa: S102 - generated from the field table
+    return ns["enc"], ns["dec"]
 
 
 def validate_gradient(pkt: Packet, bitmap_bits: int) -> Optional[str]:

@@ -28,6 +28,7 @@ holds the aggregator's bitmap, and of the PS), i.e. the rank that died or hangs.
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
@@ -38,13 +39,13 @@ import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, poller_for, split, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.quant import safe_scale
 from atp_pipeline.ina.worker import Worker, WorkerConfig
 
 SEQ_LIMIT = 1 << 32
-MAX_DATAGRAM = 65507  # IPv4 UDP payload limit
 INITIAL_RTO_S = 1.0
 
 
@@ -71,6 +72,7 @@ class EngineStats:
     retransmits: int = 0
     timeouts: int = 0
     window_bytes: float = 0.0
+    send_errors: int = 0  # datagrams the socket refused (recovered as losses)
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)
@@ -97,6 +99,8 @@ class Engine:
         self.worker = Worker(fmt, layout, worker_id, host=worker_id,
                              cfg=replace(self.cfg.worker, rto=max(self.cfg.worker.rto, INITIAL_RTO_S)))
         self.stats = EngineStats()
+        self._per_datagram = max(1, MAX_DATAGRAM // fmt.atp_bytes)
+        self._poller = poller_for(sock)
         self.seq = 0
         self._bound: Dict[int, float] = {}
         self._q: "queue.Queue[Any]" = queue.Queue()
@@ -180,34 +184,52 @@ class Engine:
         s.window_bytes = w.wnd
 
     def _send(self, pkts: List[Any]) -> None:
-        enc, sendto, dst = self.fmt.encode, self.sock.sendto, self.switch
-        for p in pkts:
-            sendto(enc(p), dst)
+        """Encode and send, as few datagrams as fit (:mod:`.frames`)."""
+        if not pkts:
+            return
+        enc, put = self.fmt.encode, self._put
+        if len(pkts) == 1:
+            put(enc(pkts[0]))
+            return
+        per = self._per_datagram
+        data = [enc(p) for p in pkts]
+        for i in range(0, len(data), per):
+            put(b"".join(data[i:i + per]))
+
+    def _put(self, data: bytes) -> None:
+        """One datagram to the switch; a full send buffer is waited out (briefly), any other
+        error is a loss the protocol recovers from."""
+        try:
+            self.sock.sendto(data, self.switch)
+        except BlockingIOError:
+            select.select([], [self.sock], [], 0.05)
+            try:
+                self.sock.sendto(data, self.switch)
+            except OSError:
+                self.stats.send_errors += 1
+        except OSError:
+            self.stats.send_errors += 1
 
     def _run_round(self) -> None:
-        w, sock = self.worker, self.sock
-        recv, settimeout = sock.recv, sock.settimeout
+        w, sock, poller = self.worker, self.sock, self._poller
         stall = self.cfg.stall_timeout_s
+        size, on_bytes = self.fmt.atp_bytes, w.on_bytes
         last_progress = time.monotonic()
         acked = w.n_acked
         while not w.done:
             now = time.monotonic()
             d = w.next_deadline()
             wait = 0.05 if d is None else min(max(d - now, 0.0), 0.05)
-            settimeout(wait if wait > 0 else 1e-6)
-            try:
-                buf = recv(65536)
-            except socket.timeout:
-                buf = None
+            got = drain(sock, 1 << 20) if wait_readable(poller, wait) else []
             now = time.monotonic()
-            if buf is not None:
-                out = w.on_bytes(buf, now)
-                if out:
-                    self._send(out)
+            if got:  # everything queued, answered in one batch
+                out: List[Any] = []
+                for buf, _ in got:
+                    for pkt in split(buf, size):
+                        out += on_bytes(pkt, now)
+                self._send(out)
             if d is not None and now >= d:
-                out = w.poll(now)
-                if out:
-                    self._send(out)
+                self._send(w.poll(now))
             if w.n_acked != acked:
                 acked, last_progress = w.n_acked, now
             elif now - last_progress > stall:

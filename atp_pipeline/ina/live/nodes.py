@@ -110,11 +110,12 @@ class SwitchNode(Role):
             self.ecn_marked += 1
         data = self.fmt.encode(p)
         up, down = route
+        put = self.outbox.put
         if p.is_param:
             for a in down:
-                self.send(data, a)
+                put(data, a)
         else:
-            self.send(data, up[p.ps_index])
+            put(data, up[p.ps_index])
 
     # ------------------------------------------------------------------ control (§5.1)
     def op_add_job(self, up: List[List[Any]], down: List[List[Any]], job: Optional[int] = None) -> int:
@@ -176,7 +177,7 @@ class PSNode(Role):
             if route is None:
                 continue
             workers, down = route
-            self.send(self.fmt.encode(p), workers[p.dst] if p.dst >= 0 else down)
+            self.outbox.put(self.fmt.encode(p), workers[p.dst] if p.dst >= 0 else down)
 
     def op_add_job(self, job: int, workers: List[List[Any]], down: List[Any], n_ps: int = 1) -> int:
         if job in self.ps.jobs:

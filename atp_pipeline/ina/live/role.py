@@ -1,7 +1,11 @@
 """What every live role process has (:mod:`.nodes`, :mod:`.bmv2_node`): one UDP socket for ATP
 packets (the ATP header and payload as the UDP payload, §5.2), a control server (:mod:`.rpc`:
 job setup and teardown §5.1, statistics, shutdown), a data-plane loop that hands every
-datagram to the role, and a watch on the process that started it."""
+datagram to the role, and a watch on the process that started it.
+
+A datagram may hold several packets (:mod:`.frames`): the loop drains what is queued, cuts
+each datagram into packets for :meth:`Role.handle`, then sends what the role queued in its
+:class:`~.frames.Outbox`, batched per destination."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import os
 import socket
 import struct
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+from atp_pipeline.ina.live.frames import Outbox, drain, poller_for, split, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.packet import PacketFormat
 
@@ -57,6 +62,7 @@ class Role:
         self.parent_pid = parent_pid
         self.malformed = 0
         self.control = ControlServer(self._control, host, control_port)
+        self.outbox = Outbox(self.send)
 
     def info(self) -> Dict[str, Any]:
         return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
@@ -76,21 +82,28 @@ class Role:
 
     def serve(self) -> None:
         sock = self.sock
-        sock.settimeout(0.25)
-        recv, handle, lock = sock.recvfrom, self.handle, self.lock
+        poller = poller_for(sock)
+        handle, lock, packets, flush = self.handle, self.lock, self.packets, self.outbox.flush
         while not self.stop_event.is_set():
-            try:
-                buf, addr = recv(65536)
-            except socket.timeout:
+            if not wait_readable(poller, 0.25):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     break  # the process that started us is gone: never outlive it
                 continue
+            try:
+                got = drain(sock)
             except OSError:
                 break
             with lock:
-                handle(buf, addr)
+                for buf, addr in got:
+                    for pkt in packets(buf):
+                        handle(pkt, addr)
+                flush()
         self.control.close()
         sock.close()
+
+    def packets(self, buf: bytes) -> List[bytes]:
+        """The packets of one datagram (:func:`.frames.split` at the format's packet size)."""
+        return split(buf, self.fmt.atp_bytes)
 
     def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

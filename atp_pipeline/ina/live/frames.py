@@ -1,0 +1,126 @@
+"""Several protocol packets per UDP datagram: the live path's batching (issue 28).
+
+On hardware every ATP (or SwitchML) packet is one Ethernet frame. On loopback each datagram
+costs a system call and a wake-up of the receiving process, far more than the packet's
+bytes, so the live roles and workers pack the packets they send to one address into as few
+datagrams as fit (:data:`MAX_DATAGRAM` bytes each): a datagram is a concatenation of
+encoded packets, byte for byte what :meth:`~atp_pipeline.ina.packet.PacketFormat.encode`
+writes. The receiver cuts it back into packets (:func:`split`) and hands each to the
+protocol as before, so the switch function, the PS and the worker stacks see one packet at
+a time and nothing of the protocol changes; a datagram holding one packet is the old wire
+format (what BMv2's ports send).
+
+A receiver also drains its socket before answering (:func:`drain`): the packets that
+arrived meanwhile are processed first and their answers leave batched (:class:`Outbox`).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from typing import Callable, Dict, List, Optional, Tuple
+
+Addr = Tuple[str, int]
+MAX_DATAGRAM = 65507  # IPv4 UDP payload limit
+DRAIN = 64  # datagrams read without blocking after a blocking one, before answering
+
+
+def split(buf: bytes, size: int) -> List[bytes]:
+    """The packets of fixed ``size`` bytes in one datagram; a ragged tail is returned as is
+    (the decoder counts it malformed)."""
+    n = len(buf)
+    if n <= size:
+        return [buf]
+    mv = memoryview(buf)
+    return [mv[o:o + size] for o in range(0, n, size)]  # type: ignore[misc]
+
+
+def drain(sock: socket.socket, limit: int = DRAIN) -> List[Tuple[bytes, Addr]]:
+    """The datagrams queued on the non-blocking ``sock`` (at most ``limit``); never waits.
+
+    (The socket must have no timeout: CPython polls a timeout socket before every receive,
+    ``MSG_DONTWAIT`` or not, so an empty queue would cost the whole timeout.)"""
+    out: List[Tuple[bytes, Addr]] = []
+    recv = sock.recvfrom
+    for _ in range(limit):
+        try:
+            out.append(recv(65536))
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:  # e.g. ICMP unreachable reported on the socket: skip it
+            continue
+    return out
+
+
+def wait_readable(poller: "select.poll", timeout_s: float) -> bool:
+    """Whether the socket registered with ``poller`` became readable within ``timeout_s``."""
+    return bool(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+
+
+def poller_for(sock: socket.socket) -> "select.poll":
+    """Make ``sock`` non-blocking and return a poll object watching it for input."""
+    sock.setblocking(False)
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return p
+
+
+class Outbox:
+    """Encoded packets queued per destination, sent as datagrams of at most
+    :data:`MAX_DATAGRAM` bytes by :meth:`flush` (in the order they were queued)."""
+
+    def __init__(self, send: Callable[[bytes, Addr], None], limit: int = MAX_DATAGRAM) -> None:
+        self._send = send
+        self.limit = limit
+        self.pending: Dict[Addr, List[bytes]] = {}
+        self.datagrams = 0
+
+    def put(self, data: bytes, addr: Addr) -> None:
+        q = self.pending.get(addr)
+        if q is None:
+            self.pending[addr] = [data]
+        else:
+            q.append(data)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
+        send, limit = self._send, self.limit
+        for addr, q in pending.items():
+            if len(q) == 1:
+                send(q[0], addr)
+                self.datagrams += 1
+                continue
+            size = len(q[0])
+            per = max(1, limit // size) if all(len(b) == size for b in q) else 0
+            if per:
+                for i in range(0, len(q), per):
+                    send(b"".join(q[i:i + per]), addr)
+                    self.datagrams += 1
+                continue
+            batch: List[bytes] = []
+            used = 0
+            for b in q:  # mixed sizes: greedy fill
+                if batch and used + len(b) > limit:
+                    send(b"".join(batch), addr)
+                    self.datagrams += 1
+                    batch, used = [], 0
+                batch.append(b)
+                used += len(b)
+            if batch:
+                send(b"".join(batch), addr)
+                self.datagrams += 1
+
+
+def sender(sock: socket.socket, errors: Optional[List[int]] = None) -> Callable[[bytes, Addr], None]:
+    """``sendto`` that counts (in ``errors[0]``) instead of raising when a peer went away."""
+
+    def send(data: bytes, addr: Addr) -> None:
+        try:
+            sock.sendto(data, addr)
+        except OSError:
+            if errors is not None:
+                errors[0] += 1
+
+    return send
