@@ -260,6 +260,14 @@ class AggregationConfig:
     emulator by BMv2 ``simple_switch`` running the compiled v1model program (``p4_program``,
     default the checkout's ``p4/v1model/atp.p4``, with ``aggregators`` registers): the
     gradients are summed by the P4 program (needs root and the P4 toolchain).
+
+    ``racks`` (``atp`` only) splits the workers into that many racks, each behind a first-level
+    switch, all feeding the second-level switch at the PS's rack (ATP §4.1 two-level
+    aggregation). ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
+    §6): a static partition of ``pool`` slots × 2 versions at one switch that is itself the
+    aggregation endpoint (no PS), per-packet shared exponents, per-slot timeouts ``rto_s``.
+    Knobs of one mode given to another are refused (``racks``, ``aggregators``, ``n_ps``,
+    ``duplicate``, ``switch``, ``switch_impl`` are ATP's; ``pool`` is SwitchML's).
     """
 
     mode: AggregationMode = AggregationMode.ring
@@ -274,6 +282,8 @@ class AggregationConfig:
     rto_s: float = 0.2  # worker retransmission timeout (§5.4)
     switch_impl: SwitchImpl = SwitchImpl.python  # the started switch: emulator or BMv2 + P4 program
     p4_program: Optional[str] = None  # switch_impl=bmv2: v1model source (default: <checkout>/p4/v1model/atp.p4)
+    racks: int = 1  # atp: first-level switches (racks of workers); > 1: two-level aggregation (§4.1)
+    pool: int = 64  # switchml: slots of the job's static partition (2 versions each)
 
 
 @dataclass

@@ -83,7 +83,7 @@ class Engine:
 
     def __init__(self, fmt: PacketFormat, job: int, worker_id: int, n_workers: int, sock: socket.socket,
                  switch: Addr, switch_control: Addr, ps_controls: Sequence[Addr], n_ps: int = 1,
-                 ranks: Optional[Sequence[int]] = None, cfg: Optional[EngineConfig] = None) -> None:
+                 ranks: Optional[Sequence[int]] = None, cfg: Optional[EngineConfig] = None, racks: int = 1) -> None:
         if fmt.atp_bytes > MAX_DATAGRAM:
             raise AggregationError(f"{fmt.payload_k} values per packet make {fmt.atp_bytes}-byte datagrams; "
                                    f"UDP carries at most {MAX_DATAGRAM}")
@@ -92,7 +92,10 @@ class Engine:
         self.sock, self.switch = sock, tuple(switch)
         self.switch_control, self.ps_controls = tuple(switch_control), [tuple(a) for a in ps_controls]
         self.ranks = list(ranks) if ranks is not None else list(range(n_workers))
-        layout = JobLayout(job=job, groups=[list(range(n_workers))], n_ps=n_ps, bitmap_bits=fmt.bitmap_bits)
+        per = n_workers // racks  # racks of consecutive workers; > 1 rack: two-level (§4.1)
+        self.racks, self.per_rack = racks, per
+        layout = JobLayout(job=job, groups=[list(range(r * per, (r + 1) * per)) for r in range(racks)],
+                           two_level=racks > 1, n_ps=n_ps, bitmap_bits=fmt.bitmap_bits)
         # first round: ranks start it at different times (lazy initialization, uneven first
         # steps) and early packets wait in aggregators for late workers; a conservative
         # initial timeout (RFC 6298 §2.1: 1 s) keeps them from being resent past the switch
@@ -239,9 +242,9 @@ class Engine:
         """Name the workers whose contribution to ``seq`` is missing (switch ∪ PS view)."""
         full = (1 << self.n_workers) - 1
         seen, notes = 0, []
-        try:
+        try:  # this worker's (rack) switch: its level-0 bitmap names workers of this rack
             bm = call(self.switch_control, "aggregator", timeout=3.0, what="switch", job=self.job, seq=seq)
-            seen |= bm or 0
+            seen |= (bm or 0) << (self.wid // self.per_rack * self.per_rack)
         except AggregationError as e:
             notes.append(str(e))
         shard = seq % len(self.ps_controls)

@@ -73,6 +73,7 @@ class SwitchNode(Role):
         self.rng = random.Random(seed)
         self.injected_loss = self.injected_dup = self.unroutable = 0
         self.job_packets: Dict[int, int] = {}
+        self.job_complete: Dict[int, int] = {}  # job -> sequences completed here (⑥; per level: §4.1)
         self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
         self.ecn_threshold, self.backlog, self.ecn_marked, self._tick = ecn_threshold, 0, 0, 0
 
@@ -94,9 +95,13 @@ class SwitchNode(Role):
             return
         jp = self.job_packets
         jp[pkt.job] = jp.get(pkt.job, 0) + copies
+        stats = self.state.stats
         for c in range(copies):
             p = pkt.copy() if c + 1 < copies else pkt
+            before = stats.complete
             _, out = process(self.state, p)
+            if stats.complete != before:  # ⑥ this packet completed its sequence at this switch
+                self.job_complete[pkt.job] = self.job_complete.get(pkt.job, 0) + 1
             for q in out:
                 self.forward(q)
 
@@ -156,7 +161,8 @@ class SwitchNode(Role):
                 "send_errors": self.send_errors, "installed": sorted(self.routes),
                 "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1],
                 "jobs": {j: {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
-                             "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0)}
+                             "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
+                             "complete": self.job_complete.get(j, 0)}
                          for j in jobs}}
 
 
@@ -170,6 +176,7 @@ class PSNode(Role):
         self.ps = ParameterServer(fmt, host=-2, shard=shard)
         self.retain = retain
         self.routes: Dict[int, Tuple[List[Addr], Addr]] = {}  # job -> (workers, switch)
+        self.finished: Dict[int, Dict[str, int]] = {}  # counters of jobs torn down
 
     def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         for p in self.ps.on_bytes(buf):
@@ -179,18 +186,26 @@ class PSNode(Role):
             workers, down = route
             self.outbox.put(self.fmt.encode(p), workers[p.dst] if p.dst >= 0 else down)
 
-    def op_add_job(self, job: int, workers: List[List[Any]], down: List[Any], n_ps: int = 1) -> int:
+    def op_add_job(self, job: int, workers: List[List[Any]], down: List[Any], n_ps: int = 1, racks: int = 1) -> int:
+        """Register a job: ``racks > 1`` is two-level aggregation (§4.1) over racks of
+        consecutive workers, whose bitmaps the PS turns back into worker sets."""
         if job in self.ps.jobs:
             raise ValueError(f"job {job} is already registered at this parameter server")
         w = len(workers)
-        layout = JobLayout(job=job, groups=[list(range(w))], n_ps=n_ps, worker_hosts=list(range(w)),
-                           mcast_addr=-1, bitmap_bits=self.fmt.bitmap_bits)
+        if racks < 1 or w % racks:
+            raise ValueError(f"{w} workers do not split into {racks} racks")
+        per = w // racks
+        layout = JobLayout(job=job, groups=[list(range(r * per, (r + 1) * per)) for r in range(racks)],
+                           two_level=racks > 1, n_ps=n_ps, worker_hosts=list(range(w)), mcast_addr=-1,
+                           bitmap_bits=self.fmt.bitmap_bits)
         self.ps.add_job(layout, retain=self.retain)
         self.routes[job] = ([tuple(a) for a in workers], tuple(down))  # type: ignore[misc]
         return job
 
     def op_remove_job(self, job: int) -> bool:
         self.routes.pop(job, None)
+        if job in self.ps.jobs:  # its counters stay readable after teardown
+            self.finished[job] = self.ps.job_stats(job)
         return self.ps.remove_job(job)
 
     def op_missing(self, job: int, seq: int) -> Optional[int]:
@@ -199,7 +214,7 @@ class PSNode(Role):
     def op_stats(self) -> Dict[str, Any]:
         return {"ps": self.ps.stats.as_dict(), "send_errors": self.send_errors,
                 "socket_drops": meminfo(self.sock)[1],
-                "jobs": {j: self.ps.job_stats(j) for j in self.ps.jobs}}
+                "jobs": {**self.finished, **{j: self.ps.job_stats(j) for j in self.ps.jobs}}}
 
 
 def _die_with_parent() -> None:

@@ -9,6 +9,15 @@ starting process (they exit if it dies, and :meth:`Services.stop` terminates the
 job (a data-parallel group) on the switch and the shards — the switch assigns a free job
 id, so concurrent runs never collide — and :func:`remove_job` tears it down, freeing any
 aggregator the job still holds (e.g. after a worker died mid-round).
+
+Two-level aggregation (ATP §4.1, ``aggregation.racks=R``): :meth:`Services.start` also
+launches ``R`` first-level switches (:attr:`Services.racks`), one per rack of workers;
+:attr:`Services.switch` is then the second-level switch at the PS's rack. A job's routes
+chain them: a rack switch sends gradients up to the second-level switch and multicasts
+parameter packets down to its rack's workers; the second-level switch sends gradients to
+the PS and parameter packets down to the rack switches. Every switch runs the same switch
+function; the packet's ``edge`` bit tells which level it is at. :func:`level_report` reads
+how many sequences each level completed.
 """
 
 from __future__ import annotations
@@ -41,9 +50,10 @@ class Endpoint:
 
 @dataclass
 class Services:
-    switch: Endpoint
+    switch: Endpoint  # the only switch, or the second-level switch when ``racks`` is not empty
     ps: List[Endpoint]
     payload_k: int
+    racks: List[Endpoint] = field(default_factory=list)  # first-level switches, rack order
     owned_pids: List[int] = field(default_factory=list)
     _procs: List[Any] = field(default_factory=list, repr=False, compare=False)
 
@@ -56,13 +66,14 @@ class Services:
         shared = None
         if cfg.switch:
             shared = Endpoint.from_info(call(parse_addr(cfg.switch), "info", what="switch"))
+        n_switches = (0 if shared is not None else 1) + (cfg.racks if cfg.racks > 1 else 0)
         try:
-            if shared is None:
-                aggs = cfg.aggregators if cfg.mode == "atp" else 0  # ps: every packet to the PS
-                impl = ["--impl", "bmv2", "--p4", p4_program(cfg)] if cfg.switch_impl == SwitchImpl.bmv2 else []
+            aggs = cfg.aggregators if cfg.mode == "atp" else 0  # ps: every packet to the PS
+            impl = ["--impl", "bmv2", "--p4", p4_program(cfg)] if cfg.switch_impl == SwitchImpl.bmv2 else []
+            for i in range(n_switches):  # loss injected at every switch's ingress, each its own seed
                 procs.append(_launch(["switch", "--aggregators", str(aggs), "--loss", str(cfg.loss),
-                                      "--duplicate", str(cfg.duplicate), "--seed", str(cfg.seed), *impl],
-                                     cfg.payload_k))
+                                      "--duplicate", str(cfg.duplicate), "--seed", str(cfg.seed + 7919 * i),
+                                      *impl], cfg.payload_k))
             for shard in range(cfg.n_ps):
                 procs.append(_launch(["ps", "--shard", str(shard)], cfg.payload_k))
             infos = [_read_info(p, timeout) for p in procs]
@@ -73,21 +84,24 @@ class Services:
             raise
         eps = [Endpoint.from_info(i) for i in infos]
         sw = shared or eps.pop(0)
-        svc = cls(switch=sw, ps=eps, payload_k=cfg.payload_k, owned_pids=[p.pid for p in procs])
+        racks = [eps.pop(0) for _ in range(cfg.racks)] if cfg.racks > 1 else []
+        svc = cls(switch=sw, ps=eps, payload_k=cfg.payload_k, racks=racks, owned_pids=[p.pid for p in procs])
         svc._procs = procs
         return svc
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"switch": asdict(self.switch), "ps": [asdict(e) for e in self.ps], "payload_k": self.payload_k}
+        return {"switch": asdict(self.switch), "ps": [asdict(e) for e in self.ps], "payload_k": self.payload_k,
+                "racks": [asdict(e) for e in self.racks]}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Services":
         ep = lambda e: Endpoint(e["role"], tuple(e["data"]), tuple(e["control"]), e["pid"])  # noqa: E731
-        return cls(switch=ep(d["switch"]), ps=[ep(e) for e in d["ps"]], payload_k=d["payload_k"])
+        return cls(switch=ep(d["switch"]), ps=[ep(e) for e in d["ps"]], payload_k=d["payload_k"],
+                   racks=[ep(e) for e in d.get("racks", [])])
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the role processes this object started (a shared switch keeps running)."""
-        for ep in [self.switch, *self.ps]:
+        for ep in [self.switch, *self.racks, *self.ps]:
             if ep.pid in self.owned_pids:
                 try:
                     call(ep.control, "shutdown", timeout=2.0, what=ep.role)
@@ -107,7 +121,15 @@ class Services:
 
     def stats(self) -> Dict[str, Any]:
         return {"switch": call(self.switch.control, "stats", what="switch"),
+                "racks": [call(e.control, "stats", what="rack switch") for e in self.racks],
                 "ps": [call(e.control, "stats", what="parameter server") for e in self.ps]}
+
+    def entry(self, worker: int, n_workers: int) -> Endpoint:
+        """The switch worker ``worker`` of a job of ``n_workers`` sends to: its rack's (racks of
+        ``n_workers / len(racks)`` consecutive workers), or the only switch."""
+        if not self.racks:
+            return self.switch
+        return self.racks[worker // (n_workers // len(self.racks))]
 
 
 def p4_program(cfg: AggregationConfig) -> str:
@@ -151,13 +173,22 @@ def _alive(pid: int) -> bool:
 
 
 def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None) -> int:
-    """Install one ATP job (its workers' UDP addresses in worker-id order); its id."""
+    """Install one ATP job (its workers' UDP addresses in worker-id order); its id. With racks,
+    the second-level switch picks the id and every rack switch gets the same (§5.1)."""
     ps_data = [list(e.data) for e in svc.ps]
-    job = call(svc.switch.control, "add_job", what="switch", up=ps_data, down=[list(a) for a in workers], job=job)
+    R = len(svc.racks)
+    if R and len(workers) % R:
+        raise AggregationError(f"{len(workers)} workers do not split into {R} racks")
+    down = [list(e.data) for e in svc.racks] if R else [list(a) for a in workers]
+    job = call(svc.switch.control, "add_job", what="switch", up=ps_data, down=down, job=job)
     try:
+        per = len(workers) // R if R else 0
+        for i, e in enumerate(svc.racks):
+            call(e.control, "add_job", what="rack switch", up=[list(svc.switch.data)] * len(ps_data),
+                 down=[list(a) for a in workers[i * per:(i + 1) * per]], job=job)
         for e in svc.ps:
             call(e.control, "add_job", what="parameter server", job=job, workers=[list(a) for a in workers],
-                 down=list(svc.switch.data), n_ps=len(svc.ps))
+                 down=list(svc.switch.data), n_ps=len(svc.ps), racks=max(R, 1))
     except AggregationError:
         remove_job(svc, job)
         raise
@@ -165,15 +196,41 @@ def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None) -
 
 
 def remove_job(svc: Services, job: int) -> int:
-    """Tear a job down everywhere (idempotent, best effort); aggregators freed at the switch."""
+    """Tear a job down everywhere (idempotent, best effort); aggregators freed at the switches."""
     freed = 0
-    try:
-        freed = int(call(svc.switch.control, "remove_job", timeout=5.0, what="switch", job=job))
-    except AggregationError:
-        pass
+    for e in [svc.switch, *svc.racks]:
+        try:
+            freed += int(call(e.control, "remove_job", timeout=5.0, what="switch", job=job))
+        except AggregationError:
+            pass
     for e in svc.ps:
         try:
             call(e.control, "remove_job", timeout=5.0, what="parameter server", job=job)
         except AggregationError:
             pass
     return freed
+
+
+def level_report(stats: Dict[str, Any], jobs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Sequences completed at each aggregation level (§4.1), from :meth:`Services.stats`:
+    ``level1_frac`` = completions at the rack switches / (sequences × racks) — every rack
+    completes each sequence once when nothing is lost —, ``level2_frac`` = completions at the
+    second-level switch / sequences (sequences = those the PS shards completed); single-level:
+    ``level1_frac`` only (the one switch). ``jobs``: only these jobs (default all)."""
+    def done(sw: Dict[str, Any]) -> int:
+        return sum(j.get("complete", 0) for k, j in sw["jobs"].items() if jobs is None or int(k) in jobs)
+
+    seqs = sum(j["completed"] for p in stats["ps"] for k, j in p["jobs"].items() if jobs is None or int(k) in jobs)
+    racks = stats.get("racks") or []
+    out: Dict[str, Any] = {"sequences": seqs, "racks": len(racks)}
+    if racks:
+        l1 = sum(done(r) for r in racks)
+        out.update(level1_complete=l1, level2_complete=done(stats["switch"]),
+                   level1_frac=l1 / (seqs * len(racks)) if seqs else 0.0,
+                   level2_frac=done(stats["switch"]) / seqs if seqs else 0.0,
+                   allocated_after=stats["switch"]["allocated"] + sum(r["allocated"] for r in racks))
+    else:
+        out.update(level1_complete=done(stats["switch"]),
+                   level1_frac=done(stats["switch"]) / seqs if seqs else 0.0,
+                   allocated_after=stats["switch"]["allocated"])
+    return out

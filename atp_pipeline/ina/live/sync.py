@@ -42,6 +42,7 @@ class ATPSync:
         self.freed_at_teardown = 0
         self._last: Dict[str, float] = {}
         self._last_ps: Dict[int, Dict[str, int]] = {}
+        self._last_levels: Dict[str, int] = {}
         self._closed = False
 
     @property
@@ -89,9 +90,10 @@ class ATPSync:
         dist.all_gather_object(jobs, jbox[0])
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
                             worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6))
-        engine = Engine(PacketFormat(cfg.payload_k), jbox[0], me, len(addrs), sock, services.switch.data,
-                        services.switch.control, [e.control for e in services.ps], n_ps=len(services.ps),
-                        ranks=ranks, cfg=ecfg)
+        entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
+        engine = Engine(PacketFormat(cfg.payload_k), jbox[0], me, len(addrs), sock, entry.data,
+                        entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
+                        ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
         return cls(engine, services, group, owns, sorted(set(jobs)))
 
     # ------------------------------------------------------------------ use
@@ -129,10 +131,25 @@ class ATPSync:
                         tot[k] += js[k] - prev.get(k, 0)
                     self._last_ps[(ep.pid, int(job))] = js  # type: ignore[index]
             m["atp_in_switch_frac"] = tot["in_switch"] / tot["completed"] if tot["completed"] else 1.0
+            if self.services.racks:  # sequences completed at each level this step (§4.1)
+                done = self._level_done()
+                for lvl in ("level1", "level2"):
+                    got = done[lvl] - self._last_levels.get(lvl, 0)
+                    m[f"atp_{lvl}_frac"] = got / (tot["completed"] * (len(self.services.racks) if lvl == "level1"
+                                                                    else 1)) if tot["completed"] else 0.0
+                self._last_levels = done
             sent = d["packets"] * len(self.jobs) * self.size  # symmetric workers: this rank × all
             # worker packets that reached the PS without being aggregated (ideal: 0)
             m["atp_fallback_frac"] = max(tot["packets"] - tot["in_switch"], 0) / sent if sent else 0.0
         return m
+
+    def _level_done(self) -> Dict[str, int]:
+        """Sequences of this run's jobs completed at the rack switches and at the second level."""
+        def done(ep: Any) -> int:
+            return sum(j.get("complete", 0) for k, j in call(ep.control, "stats", what="switch")["jobs"].items()
+                       if int(k) in self.jobs)
+
+        return {"level1": sum(done(e) for e in self.services.racks), "level2": done(self.services.switch)}
 
     # ------------------------------------------------------------------ teardown
     def close(self, ok: bool = True) -> None:
