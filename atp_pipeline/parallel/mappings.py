@@ -25,6 +25,8 @@ them. A dimension of size 1 makes an operator a no-op.
   attention core (§3.2.1): split / all-gather along dim 0, conjugate in backward.
 * :class:`VocabParallelCrossEntropy` — cross-entropy over logits whose vocabulary is split
   across d1: max and sum-exp reduced over d1, no communication in backward.
+* :class:`VocabSplitLinear` — an LM head whose logits stay split over d1 (vocabulary) and d2
+  (tokens): its partial sums over d2 reduce-scattered along the tokens, not all-reduced.
 """
 
 from __future__ import annotations
@@ -205,24 +207,103 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         lo = comm.rank(axis) * n_local
         peak = logits.max(dim=-1).values
         comm.all_reduce(peak, axis, op="max")
-        shifted = logits - peak.unsqueeze(-1)
-        exp = shifted.exp()
+        probs = logits - peak.unsqueeze(-1)  # one logits-sized buffer: shifted, exp, then softmax in place
         local_t = targets - lo
-        mine = (local_t >= 0) & (local_t < n_local)
+        mine = (local_t >= 0) & (local_t < n_local)  # a target elsewhere (or ignored, -100) picks nothing here
         safe_t = torch.where(mine, local_t, torch.zeros_like(local_t))
-        picked = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1) * mine
-        sums = torch.stack([exp.sum(dim=-1), picked], dim=-1)
+        picked = probs.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1) * mine
+        probs.exp_()
+        sums = torch.stack([probs.sum(dim=-1), picked], dim=-1)
         comm.all_reduce(sums, axis)
         sum_exp, target_logit = sums.unbind(-1)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), safe_t, mine)
+        probs.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(probs, safe_t, mine)
         return sum_exp.log() - target_logit
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         softmax, safe_t, mine = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, safe_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        return grad * g.unsqueeze(-1), None, None, None
+        grad = softmax * g.unsqueeze(-1)  # (softmax - one-hot) * g, one logits-sized buffer
+        grad.scatter_add_(-1, safe_t.unsqueeze(-1), -(mine.to(grad.dtype) * g).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def token_rows(tokens: int, d2: int) -> int:
+    """Rows of logits each rank of d2 holds under :class:`VocabSplitLinear`: the tokens padded to
+    a multiple of ``d2 * d2`` (``d2`` reduce-scatter rounds of ``d2`` blocks), split over d2."""
+    return -(-tokens // (d2 * d2)) * d2 if d2 > 1 else tokens
+
+
+class VocabSplitLinear(torch.autograd.Function):
+    """An LM head whose logits stay split over both mesh dimensions: ``x [T, h/d2]`` (ATP's
+    layout: hidden over d2, replicated over d1) times this rank's weight block ``[V/d1, h/d2]``
+    (column-first, §3.2) gives logits partial over d2; instead of all-reducing them over d2
+    (:class:`LinearAllReduce`), they are *reduce-scattered over d2 along the tokens*, so rank
+    ``(i, j)`` keeps the logits ``[T/d2, V/d1]`` of token block ``j`` and vocabulary block
+    ``i`` — ``1/(d1*d2)`` of the whole (Megatron-LM's vocabulary-parallel head on d1, with
+    sequence-parallel-style token sharding (Korthikanti et al. 2022) on d2).
+
+    The tokens are padded with zero rows to :func:`token_rows` ``* d2``; the reduce-scatter
+    runs in ``d2`` rounds, round ``r`` computing sub-block ``r`` of every rank's token block,
+    so no rank ever holds more than one block of partial logits besides its output.
+    Backward: the conjugate, round by round — all-gather the logit gradients over d2, the
+    input gradient ``g W`` (partial over d1, all-reduced over d1 as for any column-first
+    linear) and the weight gradient ``g^T x``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.comm = comm
+        d2 = comm.size("d2")
+        if d2 == 1:
+            return F.linear(x, w)
+        rows = token_rows(x.shape[0], d2)
+        m = rows // d2
+        xr = _padded(x, rows * d2).reshape(d2, d2, m, x.shape[1])  # [owner, round, row, h/d2]
+        out = x.new_empty(d2, m, w.shape[0])
+        for r in range(d2):
+            y = F.linear(xr[:, r].reshape(d2 * m, x.shape[1]), w)  # partial logits, owner-major
+            comm.reduce_scatter(out[r], y, "d2")
+            del y
+        return out.view(rows, w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        comm: Comm = ctx.comm
+        d2, n, hl = comm.size("d2"), x.shape[0], x.shape[1]
+        gx = gw = None
+        if d2 == 1:
+            if ctx.needs_input_grad[0]:
+                gx = g.matmul(w)
+            if ctx.needs_input_grad[1]:
+                gw = g.t().matmul(x)
+        else:
+            m = g.shape[0] // d2
+            xr = _padded(x, g.shape[0] * d2).reshape(d2, d2, m, hl)
+            gxr = x.new_empty(d2, d2, m, hl) if ctx.needs_input_grad[0] else None
+            gw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+            for r in range(d2):
+                full, _ = comm.all_gather(g[r * m:(r + 1) * m], "d2")  # round r of every owner's block
+                if gxr is not None:
+                    gxr[:, r] = full.matmul(w).view(d2, m, hl)
+                if gw is not None:
+                    gw.addmm_(full.t(), xr[:, r].reshape(d2 * m, hl))
+                del full
+            gx = gxr.view(-1, hl)[:n] if gxr is not None else None
+        if gx is not None:
+            gx = gx.contiguous()
+            comm.all_reduce(gx, "d1")  # partial over the vocabulary blocks
+        return gx, gw, None
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
+def vocab_split_linear(x: torch.Tensor, w: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """:class:`VocabSplitLinear` of ``x [..., h/d2]`` flattened over its tokens: ``[T/d2 (padded), V/d1]``."""
+    return VocabSplitLinear.apply(x.reshape(-1, x.shape[-1]), w, comm)
 
 
 def linear_all_reduce(x: torch.Tensor, w: torch.Tensor, comm: Comm, fwd_axis: str, bwd_axis: str,

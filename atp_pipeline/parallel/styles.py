@@ -27,6 +27,12 @@ the axis the style reads or writes):
 ``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
                named by ``table=`` (tied embeddings): logits all-reduced over d2
 ``vocab_loss`` a cross-entropy module -> vocabulary-parallel cross-entropy over d1
+``vocab_head`` an LM head ``nn.Linear`` (no bias) whose logits stay split over both dimensions:
+               ``[tokens/d2, vocab/d1]`` (:class:`~.vocab.VocabSplitHead`; the model's loss
+               then is :func:`~.vocab.install_vocab_parallel_loss`'s)
+``vocab_embedding`` ``nn.Embedding`` split by vocabulary over d1 and hidden over d2 (masked
+               lookup, all-reduced over d1; ``output`` only) — the table of a ``vocab_tied`` head
+``vocab_tied`` ``vocab_head`` tied to the ``vocab_embedding`` named by ``table=``
 ``heads``      an attention core module ``forward(q, k, v)`` on ``[b, heads, s, d]`` tensors
                whose heads arrive split over d1 (column-first q/k/v): run on this rank's
                heads (scattered over d2), output gathered back over d2 (§3.2.1)
@@ -62,6 +68,8 @@ from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
                                          TiedHead, VocabParallelLoss)
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
+from atp_pipeline.parallel.rng import LOCAL, REPLICATED, fork_module
+from atp_pipeline.parallel.vocab import VocabSplitEmbedding, VocabSplitHead
 
 LAYOUTS = (FULL, SPLIT)
 
@@ -204,7 +212,9 @@ class Gathered(_InOutStyle):
     name = "gathered"
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        return run_gathered(module, ctx.mesh, self.input, self.output)
+        module = run_gathered(module, ctx.mesh, self.input, self.output)
+        fork_module(module, REPLICATED)  # its draws: on whole tensors, equal on every rank
+        return module
 
 
 class EmbeddingStyle(ParallelStyle):
@@ -241,7 +251,8 @@ class Tied(ParallelStyle):
 
     def __init__(self, table: str = "", input: str = FULL) -> None:
         if not table:
-            raise ConfigError("style 'tied': name the embedding whose table the head shares, tied(table=<module>)")
+            raise ConfigError(f"style '{self.name}': name the embedding whose table the head shares, "
+                              f"{self.name}(table=<module>)")
         self.table, self.input = table, _layout(self.name, "input", input)
 
     def options(self) -> Dict[str, str]:
@@ -250,7 +261,7 @@ class Tied(ParallelStyle):
     def check(self, fqn: str, module: nn.Module) -> None:
         super().check(fqn, module)
         if module.bias is not None:
-            raise ConfigError(f"parallel plan: '{fqn}': style 'tied' supports a head without bias")
+            raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}' supports a head without bias")
 
     def _find_table(self, fqn: str, root: Optional[nn.Module]) -> Optional[nn.Module]:
         """``table`` named relative to the head's enclosing modules, nearest first (a family's
@@ -287,6 +298,54 @@ class VocabLoss(ParallelStyle):
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         return VocabParallelLoss(ctx.mesh)
+
+
+class VocabEmbedding(EmbeddingStyle):
+    """Embedding table split by vocabulary over d1 and hidden over d2
+    (:class:`~.vocab.VocabSplitEmbedding`): the table a ``vocab_tied`` head shares."""
+
+    name = "vocab_embedding"
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return VocabSplitEmbedding(module, ctx.mesh, self.output)  # type: ignore[arg-type]
+
+
+class VocabHead(ParallelStyle):
+    """An LM head whose logits stay split over d1 (vocabulary) and d2 (tokens)
+    (:class:`~.vocab.VocabSplitHead`); the model's loss must then be the vocabulary-parallel
+    one (:func:`~.vocab.install_vocab_parallel_loss`)."""
+
+    name = "vocab_head"
+
+    def __init__(self, input: str = FULL) -> None:
+        self.input = _layout(self.name, "input", input)
+
+    def options(self) -> Dict[str, str]:
+        return {"input": self.input} if self.input != FULL else {}
+
+    def kinds(self) -> Tuple[type, ...]:
+        return linear_kinds()
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        if getattr(module, "bias", None) is not None:
+            raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}' supports a head without bias")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        return VocabSplitHead(ctx.mesh, linear=module, input=self.input)
+
+
+class VocabTied(Tied):
+    """``vocab_head`` tied to the embedding styled ``vocab_embedding`` named by ``table``."""
+
+    name = "vocab_tied"
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        table = self._find_table(fqn, ctx.root)
+        if not isinstance(table, VocabSplitEmbedding) or table.source_id != id(module.weight):
+            raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}' needs '{self.table}' styled "
+                              f"'vocab_embedding' and holding the same weight as '{fqn}' (tied embeddings)")
+        return VocabSplitHead(ctx.mesh, table=table, input=self.input)
 
 
 class AttentionHeads(ParallelStyle):
@@ -329,6 +388,7 @@ class AttentionHeads(ParallelStyle):
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
+        fork_module(module, LOCAL)  # its draws (attention dropout): on this rank's own heads
         return module
 
 
@@ -382,7 +442,7 @@ def parse_style(spec: StyleSpec) -> ParallelStyle:
 
 
 for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, Tied, VocabLoss, AttentionHeads,
-             Replicated):
+             Replicated, VocabEmbedding, VocabHead, VocabTied):
     register_style(_cls.name, _cls)
 
 PlanSpec = Mapping[str, StyleSpec]

@@ -43,7 +43,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from atp_pipeline.config.schema import CostModel
 from atp_pipeline.planning.shape import KV_PICK, KV_SCATTER, ModelShape, kv_placement
 
-ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,13 @@ class CommTerm:
 
     op: str  # "f1".."f4", "scatter", "gather", "ln1", "head", "loss", ...
     where: str  # the model part it sits in
-    collective: str  # "all_reduce" | "all_gather"
+    collective: str  # "all_reduce" | "all_gather" | "reduce_scatter"
     dim: int  # mesh dimension (1 or 2) it runs on
     elements_per_token: Fraction  # exact
     passes: int  # times per training step
     phase: str = "fwd+bwd"  # "fwd", "bwd" or "fwd+bwd" (Eq. 2 charges both alike)
     per_layer: bool = True
+    per_token: bool = True  # False: ``elements_per_token`` elements per step, whatever the tokens (a loss total)
 
 
 def eq2_terms(hidden: int, mesh: Tuple[int, int], ffn: Optional[int] = None,
@@ -91,7 +92,11 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     column-first with the vocabulary-parallel loss's max and sums over d1; ``gathered`` —
     logits gathered over d1 for the model's own loss; ``tied`` — sharing the embedding's
     table, partial logits over the whole vocabulary all-reduced over d2, no backward
-    communication); embeddings run whole and sliced over d2 (their gradient gathered).
+    communication; ``vocab_split`` — :class:`~atp_pipeline.parallel.vocab.VocabSplitHead`:
+    logits reduce-scattered over d2 along the tokens (their gradient all-gathered back), the
+    loss's max and sums over d1 for this rank's ``1/d2`` of the tokens and its total over d2,
+    and — tied — the vocabulary-split embedding's rows all-reduced over d1); embeddings run
+    whole and sliced over d2 (their gradient gathered).
     Chunks (§4.1) multiply calls, not elements."""
     d1, d2 = mesh
     h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
@@ -128,6 +133,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if shape.head_layout == "tied":
         terms.append(t("head", "LM head tied to the embedding: logits all-reduced over d2", ALL_REDUCE, 2,
                        F_(V), 1, "fwd", False))
+    elif shape.head_layout == "vocab_split":
+        terms += vocab_split_terms(shape, mesh)
     else:
         terms.append(t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(V, d1), 1, "fwd", False))
         if shape.head_layout == "gathered":
@@ -155,6 +162,31 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
 
 
+def vocab_split_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """The head and loss of ``head_layout="vocab_split"`` (:mod:`atp_pipeline.parallel.vocab`):
+    per token of the batch ``V/d1`` elements reduce-scattered over d2 in the forward and
+    all-gathered in the backward (the tokens padded to a multiple of ``d2*d2``: exact when they
+    divide), the input gradient all-reduced over d1, the cross-entropy's max and (sum-exp,
+    target logit) over d1 for ``1/d2`` of the tokens, one loss total over d2 per step; a head
+    tied to the embedding adds the embedding's lookup all-reduced over d1 (forward only)."""
+    d1, d2 = mesh
+    h, V = shape.hidden, shape.vocab_size
+    F_, t = Fraction, CommTerm
+    terms = [t("head", "LM head: partial logits reduce-scattered over d2 along the tokens", REDUCE_SCATTER, 2,
+               F_(V, d1), 1, "fwd", False),
+             t("head", "LM head: logit gradients all-gathered over d2", ALL_GATHER, 2, F_(V, d1), 1, "bwd", False),
+             t("head", "LM head: input gradient", ALL_REDUCE, 1, F_(h, d2), 1, "bwd", False),
+             t("loss", "vocab-parallel cross-entropy: max", ALL_REDUCE, 1, F_(1, d2), 1, "fwd", False),
+             t("loss", "vocab-parallel cross-entropy: sum-exp, target logit", ALL_REDUCE, 1, F_(2, d2), 1, "fwd",
+               False),
+             t("loss", "vocab-parallel cross-entropy: token total over d2", ALL_REDUCE, 2, F_(1), 1, "fwd", False,
+               False)]
+    if shape.tied_embeddings:
+        terms.append(t("embed", "vocabulary-split embedding: rows all-reduced over d1", ALL_REDUCE, 1, F_(h, d2), 1,
+                       "fwd", False))
+    return terms
+
+
 def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if cost_model == CostModel.eq2:
         return eq2_terms(shape.hidden, mesh, ffn=shape.ffn, qkv=shape.q_width + 2 * shape.kv_width)
@@ -165,7 +197,8 @@ def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) 
 
 def term_elements(term: CommTerm, tokens: int, layers: int) -> Fraction:
     """Elements the term moves per step and rank (input of an all-reduce, output of an all-gather)."""
-    return term.elements_per_token * tokens * term.passes * (layers if term.per_layer else 1)
+    return term.elements_per_token * (tokens if term.per_token else 1) * term.passes * \
+        (layers if term.per_layer else 1)
 
 
 def predicted_elements(terms: List[CommTerm], tokens: int, layers: int) -> Dict[Tuple[str, str], int]:
@@ -184,14 +217,16 @@ def collective_seconds(collective: str, size: int, nbytes: float, B_GBps: Option
     """Modeled time of one collective over a mesh dimension of ``size`` ranks.
 
     All-reduce: ``nbytes / B`` (Eq. 4's algorithm bandwidth); all-gather producing
-    ``nbytes``: ``nbytes * (size-1)/size / B'``. Shared by the planner and the emulator.
+    ``nbytes``, or reduce-scatter reducing ``nbytes``: ``nbytes * (size-1)/size / B'`` (a ring
+    moves (size-1)/size of the whole over each link either way). Shared by the planner and the
+    emulator.
     """
     if size == 1:
         return 0.0
     if collective == ALL_REDUCE:
         assert B_GBps is not None
         return nbytes / (B_GBps * 1e9)
-    if collective == ALL_GATHER:
+    if collective in (ALL_GATHER, REDUCE_SCATTER):
         assert B_prime_GBps is not None
         return nbytes * (size - 1) / size / (B_prime_GBps * 1e9)
     raise ValueError(f"unknown collective {collective}")

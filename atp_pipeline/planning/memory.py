@@ -3,11 +3,12 @@
 Parameters per device follow ATP's layout (§3.2): matrices over d1*d2, the column-first
 biases over d1, the row-first biases, norms and embeddings over d2 (norms whole on every
 rank where a family is laid out module by module), the LM head over d1*d2 (none when tied
-to the embedding); weights and gradients in the model's dtype, AdamW's two
+to the embedding; a tied ``vocab_split`` head's embedding over d1*d2 too); weights and
+gradients in the model's dtype, AdamW's two
 moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
-local batch ``b/dp``. With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
+local batch ``b/dp``; the logits (:func:`logits_bytes`) come on top. With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
 weights, gradients and optimizer state are further divided over the ``dp`` replicas
 (activations are not), plus one block's gathered weights, which FSDP holds whole while
 that block runs. An estimate, reported as such.
@@ -27,15 +28,28 @@ class MemoryEstimate:
     weights_grads_bytes: float
     optimizer_bytes: float
     activation_bytes: float
+    logits_bytes: float = 0.0  # the LM head's logits and the loss's saved probabilities
 
     @property
     def total_bytes(self) -> float:
-        return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes + self.logits_bytes
 
     def to_dict(self) -> Dict[str, float]:
         return {"params": self.params, "weights_grads_bytes": self.weights_grads_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "activation_bytes": self.activation_bytes,
-                "total_bytes": self.total_bytes}
+                "logits_bytes": self.logits_bytes, "total_bytes": self.total_bytes}
+
+
+def logits_bytes(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> float:
+    """Bytes per device of the logits of the local batch, held from the forward to the backward:
+    the head's output in the model's dtype and the loss's softmax (or log-softmax) in float32 or
+    wider. ``gathered``/``tied``: the whole ``[tokens, V]`` on every rank (the model's own loss);
+    ``vocab_parallel``: ``[tokens, V/d1]``; ``vocab_split``: ``[tokens/d2, V/d1]``
+    (:mod:`atp_pipeline.parallel.vocab`)."""
+    d1, d2 = mesh
+    q = m.bytes_per_element
+    share = {"gathered": 1, "tied": 1, "vocab_parallel": d1, "vocab_split": d1 * d2}[m.head_layout]
+    return m.batch_size / dp * m.seq_len * m.vocab_size / share * (q + max(q, 4))
 
 
 def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: bool = False) -> MemoryEstimate:
@@ -48,7 +62,8 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     positions = s if m.position == "learned" else 0
     final_norm = m.norm_params_per_layer / 2 if m.final_norm else 0
     head = 0 if m.tied_embeddings else V * h / tp
-    params = L * per_layer + (V + positions) * h / d2 + final_norm / norm_split + head
+    table = V * h / (tp if m.tied_embeddings and m.head_layout == "vocab_split" else d2)
+    params = L * per_layer + table + positions * h / d2 + final_norm / norm_split + head
     q = m.bytes_per_element
     gathered = 0.0
     if fsdp and dp > 1:  # every state is split over the replicas; one block is gathered at a time
@@ -57,7 +72,7 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     optimizer = params * (8 + (4 if q == 2 else 0))
     b = m.batch_size / dp
     activations = L * s * b * h * (34 + 5 * m.heads * s / h) * (q / 2) / tp
-    return MemoryEstimate(params, params * 2 * q + gathered, optimizer, activations)
+    return MemoryEstimate(params, params * 2 * q + gathered, optimizer, activations, logits_bytes(m, mesh, dp))
 
 
 def memory_infeasibility(m: ModelShape, mesh: Tuple[int, int], dp: int, fsdp: bool,
@@ -71,5 +86,6 @@ def memory_infeasibility(m: ModelShape, mesh: Tuple[int, int], dp: int, fsdp: bo
         return None
     return (f"model '{m.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {mesh[0]}x{mesh[1]} "
             f"(dp={dp}{', fsdp' if fsdp and dp > 1 else ''}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, "
-            f"optimizer {mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}; "
+            f"optimizer {mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}, "
+            f"logits {mem.logits_bytes / 1e9:.1f}; "
             f"{where} have {capacity_GB:g} GB")

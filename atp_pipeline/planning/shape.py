@@ -26,10 +26,12 @@ POSITIONS = ("learned", "rotary", "none")
 # ``layernorm``: its sums all-reduced over d2) or "gathered" (style ``gathered``: the model's
 # own norm on the hidden gathered over d2); the LM head's ``head_layout`` is
 # "vocab_parallel" (column-first, logits split over d1, vocabulary-parallel loss),
-# "gathered" (column-first, logits gathered over d1 for the model's own loss) or "tied"
-# (sharing the embedding's table, partial logits all-reduced over d2).
+# "gathered" (column-first, logits gathered over d1 for the model's own loss), "tied"
+# (sharing the embedding's table, partial logits all-reduced over d2) or "vocab_split" (logits
+# split over d1 by vocabulary and over d2 by token, vocabulary-parallel loss; tied or not — tied,
+# the embedding's table is split by vocabulary over d1 too: parallel/vocab.py).
 NORM_LAYOUTS = ("stats", "gathered")
-HEAD_LAYOUTS = ("vocab_parallel", "gathered", "tied")
+HEAD_LAYOUTS = ("vocab_parallel", "gathered", "tied", "vocab_split")
 KV_SCATTER, KV_PICK, KV_GATHERED = "scatter", "pick", "gathered"
 TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
 
@@ -78,9 +80,10 @@ class ModelShape:
             object.__setattr__(self, "head_layout", "tied" if self.tied_embeddings else "vocab_parallel")
         if self.norm_layout not in NORM_LAYOUTS:
             raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
-        if self.head_layout not in HEAD_LAYOUTS or (self.head_layout == "tied") != self.tied_embeddings:
+        if self.head_layout not in HEAD_LAYOUTS or (self.head_layout != "vocab_split"
+                                                     and (self.head_layout == "tied") != self.tied_embeddings):
             raise ValueError(f"model '{self.name}': head_layout must be one of {HEAD_LAYOUTS} ('tied' exactly when "
-                             f"the embeddings are tied), got {self.head_layout!r}")
+                             f"the embeddings are tied, 'vocab_split' either way), got {self.head_layout!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model '{self.name}': dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
