@@ -45,8 +45,18 @@ def transformers_loss64() -> Callable[..., torch.Tensor]:
     return scope["ForCausalLMLoss"]
 
 
+CAP = 3.0
+
+
+def softcap(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+    """Gemma-2's final logit softcapping, ``cap * tanh(logits / cap)``, between the head and the
+    loss (as a forward hook on the head: the families laid out today apply none)."""
+    return torch.tanh(logits / CAP) * CAP
+
+
 def cases(batch: torch.Tensor) -> List[Tuple[str, Dict[str, Any]]]:
-    """The loss's inputs: labels with some -100, labels plus ``shift_labels``, ``num_items_in_batch``."""
+    """The loss's inputs: labels with some -100, labels plus ``shift_labels``, ``num_items_in_batch``,
+    and labels with the logits softcapped (:func:`softcap`)."""
     labels = batch.clone()
     labels[0, :3] = -100
     labels[-1, 4] = -100
@@ -54,7 +64,8 @@ def cases(batch: torch.Tensor) -> List[Tuple[str, Dict[str, Any]]]:
     shift[1, 2:5] = -100
     return [("labels", dict(labels=labels)),
             ("shift_labels", dict(labels=labels, shift_labels=shift)),
-            ("num_items", dict(labels=labels, num_items_in_batch=torch.tensor(37)))]
+            ("num_items", dict(labels=labels, num_items_in_batch=torch.tensor(37))),
+            ("softcap", dict(labels=labels))]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
@@ -82,6 +93,7 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
         refs: Dict[Tuple[str, str], Dict[str, Any]] = {}
         for bname, idx in batches.items():
             for cname, kw in (cases(idx) if bname == "even" else cases(idx)[:1]):
+                hook = dense.get_output_embeddings().register_forward_hook(softcap) if cname == "softcap" else None
                 logits = dense(input_ids=idx).logits
                 loss = ref_loss(logits, vocab_size=VOCAB, **kw)
                 loss.backward()
@@ -89,6 +101,8 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
                 dense.zero_grad(set_to_none=True)
                 with torch.no_grad():  # transformers' own path: the model's loss, upcast to float32
                     own = dense(input_ids=idx, **kw).loss.item()
+                if hook is not None:
+                    hook.remove()
                 refs[(bname, cname)] = {"loss": loss.item(), "grads": grads, "own": own,
                                         "logits_numel": logits.numel()}
         for d1, d2 in meshes:
@@ -104,8 +118,11 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
                 idx = batches[bname]
                 kw = dict(cases(idx))[cname]
                 comm.stats.reset()
+                hook = model.get_output_embeddings().register_forward_hook(softcap) if cname == "softcap" else None
                 res = model(input_ids=idx, **kw)
                 res.loss.backward()
+                if hook is not None:
+                    hook.remove()
                 counted = {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()}
                 grads = dense_tensors(model, grad=True)
                 model.zero_grad(set_to_none=True)
