@@ -198,6 +198,15 @@ class PacketFormat:
         return p
 
     # -- codec -------------------------------------------------------------------------
+    def split(self, buf: bytes) -> List[Any]:
+        """The packets of one datagram that carries several (the live path's batching, issue
+        28): slices of :attr:`atp_bytes`; a ragged tail stays one slice (malformed on decode)."""
+        n, size = len(buf), self.atp_bytes
+        if n <= size:
+            return [buf]
+        mv = memoryview(buf)
+        return [mv[o:o + size] for o in range(0, n, size)]
+
     def encode(self, pkt: Packet) -> bytes:
         """Header fields MSB-first in table order, then ``K`` big-endian int32 lanes."""
         h = self._enc_header(pkt)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, poller_for, split, wait_readable
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.quant import safe_scale
@@ -58,6 +58,7 @@ class EngineConfig:
     headroom: float = 16.0
     max_rescale: int = 6
     worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(rto=0.05, max_window_bytes=2e6))
+    pool: int = 64  # SwitchML: slots of the job's partition (:class:`SMLEngine`)
 
 
 @dataclass
@@ -92,15 +93,8 @@ class Engine:
         self.sock, self.switch = sock, tuple(switch)
         self.switch_control, self.ps_controls = tuple(switch_control), [tuple(a) for a in ps_controls]
         self.ranks = list(ranks) if ranks is not None else list(range(n_workers))
-        per = n_workers // racks  # racks of consecutive workers; > 1 rack: two-level (§4.1)
-        self.racks, self.per_rack = racks, per
-        layout = JobLayout(job=job, groups=[list(range(r * per, (r + 1) * per)) for r in range(racks)],
-                           two_level=racks > 1, n_ps=n_ps, bitmap_bits=fmt.bitmap_bits)
-        # first round: ranks start it at different times (lazy initialization, uneven first
-        # steps) and early packets wait in aggregators for late workers; a conservative
-        # initial timeout (RFC 6298 §2.1: 1 s) keeps them from being resent past the switch
-        self.worker = Worker(fmt, layout, worker_id, host=worker_id,
-                             cfg=replace(self.cfg.worker, rto=max(self.cfg.worker.rto, INITIAL_RTO_S)))
+        self.racks, self.per_rack, self.n_ps = racks, n_workers // racks, n_ps
+        self.worker = self._new_worker()
         self.stats = EngineStats()
         self._per_datagram = max(1, MAX_DATAGRAM // fmt.atp_bytes)
         self._poller = poller_for(sock)
@@ -110,6 +104,18 @@ class Engine:
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"atp-worker-{job}.{worker_id}", daemon=True)
         self._thread.start()
+
+    def _new_worker(self) -> Any:
+        """This worker's protocol stack: ATP's :class:`~atp_pipeline.ina.worker.Worker` over the
+        job's layout (racks of consecutive workers; more than one: two-level, §4.1)."""
+        per = self.per_rack
+        layout = JobLayout(job=self.job, groups=[list(range(r * per, (r + 1) * per)) for r in range(self.racks)],
+                           two_level=self.racks > 1, n_ps=self.n_ps, bitmap_bits=self.fmt.bitmap_bits)
+        # first round: ranks start it at different times (lazy initialization, uneven first
+        # steps) and early packets wait in aggregators for late workers; a conservative
+        # initial timeout (RFC 6298 §2.1: 1 s) keeps them from being resent past the switch
+        return Worker(self.fmt, layout, self.wid, host=self.wid,
+                      cfg=replace(self.cfg.worker, rto=max(self.cfg.worker.rto, INITIAL_RTO_S)))
 
     # ------------------------------------------------------------------ API
     def all_reduce_async(self, tensor: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
@@ -153,6 +159,17 @@ class Engine:
     def _sync(self, tensor: torch.Tensor) -> None:
         t0 = time.perf_counter()
         x = tensor.detach().reshape(-1).numpy().astype(np.float64, copy=False)
+        tensor.view(-1).copy_(torch.from_numpy(self._sum(x)))
+        s, ws = self.stats, self.worker.stats
+        s.rounds += 1
+        s.bytes += 4 * x.size
+        s.sync_s += time.perf_counter() - t0
+        s.packets, s.retransmits, s.timeouts = ws.sent, ws.retransmits, ws.timeouts
+        s.window_bytes = getattr(self.worker, "wnd", 0.0)
+
+    def _sum(self, x: np.ndarray) -> np.ndarray:
+        """The sum of ``x`` over the job's workers (float64), through ATP (§5.4 quantization:
+        module docstring)."""
         n = x.size
         bound = self._bound.get(n, self.cfg.initial_bound)
         w = self.worker
@@ -177,14 +194,7 @@ class Engine:
         res = w.result_tensor.astype(np.float64) / scale
         peak = float(np.abs(res).max(initial=0.0))
         self._bound[n] = max(self.cfg.headroom * peak, 1e-12)
-        tensor.view(-1).copy_(torch.from_numpy(res))
-        s = self.stats
-        s.rounds += 1
-        s.bytes += 4 * n
-        s.sync_s += time.perf_counter() - t0
-        ws = w.stats
-        s.packets, s.retransmits, s.timeouts = ws.sent, ws.retransmits, ws.timeouts
-        s.window_bytes = w.wnd
+        return res
 
     def _send(self, pkts: List[Any]) -> None:
         """Encode and send, as few datagrams as fit (:mod:`.frames`)."""
@@ -216,9 +226,9 @@ class Engine:
     def _run_round(self) -> None:
         w, sock, poller = self.worker, self.sock, self._poller
         stall = self.cfg.stall_timeout_s
-        size, on_bytes = self.fmt.atp_bytes, w.on_bytes
+        split, on_bytes = self.fmt.split, w.on_bytes
         last_progress = time.monotonic()
-        acked = w.n_acked
+        acked = self._progress()
         while not w.done:
             now = time.monotonic()
             d = w.next_deadline()
@@ -228,18 +238,24 @@ class Engine:
             if got:  # everything queued, answered in one batch
                 out: List[Any] = []
                 for buf, _ in got:
-                    for pkt in split(buf, size):
+                    for pkt in split(buf):
                         out += on_bytes(pkt, now)
                 self._send(out)
             if d is not None and now >= d:
                 self._send(w.poll(now))
-            if w.n_acked != acked:
-                acked, last_progress = w.n_acked, now
+            if self._progress() != acked:
+                acked, last_progress = self._progress(), now
             elif now - last_progress > stall:
-                raise self._stalled(w.base + w.una, now - last_progress)
+                raise self._stalled(now - last_progress)
 
-    def _stalled(self, seq: int, waited: float) -> AggregationError:
-        """Name the workers whose contribution to ``seq`` is missing (switch ∪ PS view)."""
+    def _progress(self) -> int:
+        """Results received so far this round (a stall is a round where this stops growing)."""
+        return self.worker.n_acked
+
+    def _stalled(self, waited: float) -> AggregationError:
+        """Name the workers whose contribution to the oldest unfinished sequence is missing
+        (switch ∪ PS view)."""
+        seq = self.worker.base + self.worker.una
         full = (1 << self.n_workers) - 1
         seen, notes = 0, []
         try:  # this worker's (rack) switch: its level-0 bitmap names workers of this rack
@@ -263,3 +279,41 @@ class Engine:
             msg += "; " + "; ".join(notes)
         return AggregationError(msg)
 
+
+
+class SMLEngine(Engine):
+    """Worker ``worker_id`` of a SwitchML job: the same thread, Future API, batching and
+    receive loop as :class:`Engine`; the protocol is :class:`~atp_pipeline.ina.switchml.SMLFloatWorker`
+    (slots with shadow copies, per-packet shared exponents, per-slot timeouts) and the
+    switch is the aggregation endpoint (no PS)."""
+
+    def _new_worker(self) -> Any:
+        from atp_pipeline.ina.switchml import SMLFloatWorker
+
+        return SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
+                              max(self.cfg.worker.rto, INITIAL_RTO_S))
+
+    def _sum(self, x: np.ndarray) -> np.ndarray:
+        """The sum over the job's workers: ``Σq · 2^(e−B)`` per chunk (exact integer sums)."""
+        if not np.isfinite(x).all():
+            raise AggregationError(f"SwitchML job {self.job}: rank {self.ranks[self.wid]} has NaN/inf gradients")
+        w = self.worker
+        try:
+            pkts = w.start_float(x, time.monotonic())
+        except ValueError as e:
+            raise AggregationError(f"SwitchML job {self.job}: {e}") from None
+        self._send(pkts)
+        self._run_round()
+        if self.stats.rounds == 0:
+            w.rto = self.cfg.worker.rto
+        return w.result_float
+
+    def _progress(self) -> int:
+        return self.worker.n_got
+
+    def _stalled(self, waited: float) -> AggregationError:
+        w = self.worker
+        item = w.got.find(0)
+        return AggregationError(f"SwitchML gradient sync of job {self.job} made no progress for {waited:.0f} s "
+                                f"(slot {item % w.stride}, item {item}): some worker of the job stopped or is "
+                                f"unreachable")

@@ -5,7 +5,7 @@ costs a system call and a wake-up of the receiving process, far more than the pa
 bytes, so the live roles and workers pack the packets they send to one address into as few
 datagrams as fit (:data:`MAX_DATAGRAM` bytes each): a datagram is a concatenation of
 encoded packets, byte for byte what :meth:`~atp_pipeline.ina.packet.PacketFormat.encode`
-writes. The receiver cuts it back into packets (:func:`split`) and hands each to the
+writes. The receiver cuts it back into packets (the format's ``split``) and hands each to the
 protocol as before, so the switch function, the PS and the worker stacks see one packet at
 a time and nothing of the protocol changes; a datagram holding one packet is the old wire
 format (what BMv2's ports send).
@@ -23,16 +23,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 Addr = Tuple[str, int]
 MAX_DATAGRAM = 65507  # IPv4 UDP payload limit
 DRAIN = 64  # datagrams read without blocking after a blocking one, before answering
-
-
-def split(buf: bytes, size: int) -> List[bytes]:
-    """The packets of fixed ``size`` bytes in one datagram; a ragged tail is returned as is
-    (the decoder counts it malformed)."""
-    n = len(buf)
-    if n <= size:
-        return [buf]
-    mv = memoryview(buf)
-    return [mv[o:o + size] for o in range(0, n, size)]  # type: ignore[misc]
 
 
 def drain(sock: socket.socket, limit: int = DRAIN) -> List[Tuple[bytes, Addr]]:

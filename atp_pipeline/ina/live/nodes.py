@@ -45,7 +45,6 @@ import argparse
 import ctypes
 import json
 import os
-import random
 import signal
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -55,6 +54,7 @@ from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
+from atp_pipeline.ina.switchml import SMLFormat, SMLSwitch, SMLSwitchJob
 from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
 class SwitchNode(Role):
@@ -65,13 +65,10 @@ class SwitchNode(Role):
     def __init__(self, fmt: PacketFormat, n_aggregators: int, loss: float = 0.0, duplicate: float = 0.0,
                  seed: int = 0, ecn_threshold: int = 256 << 10, **kw: Any) -> None:
         super().__init__(fmt, **kw)
-        if not (0.0 <= loss < 1.0 and 0.0 <= duplicate < 1.0):
-            raise ValueError(f"loss and duplicate must be in [0, 1), got {loss}, {duplicate}")
+        self.faults(loss, duplicate, seed)
         self.state = SwitchState(n_aggregators, fmt.payload_k, fmt.bitmap_bits)
         self.routes: Dict[int, Tuple[List[Addr], List[Addr]]] = {}
-        self.loss, self.duplicate = loss, duplicate
-        self.rng = random.Random(seed)
-        self.injected_loss = self.injected_dup = self.unroutable = 0
+        self.unroutable = 0
         self.job_packets: Dict[int, int] = {}
         self.job_complete: Dict[int, int] = {}  # job -> sequences completed here (⑥; per level: §4.1)
         self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
@@ -81,13 +78,9 @@ class SwitchNode(Role):
         self._tick += 1
         if not self._tick & 7:
             self.backlog = meminfo(self.sock)[0]
-        if self.loss and self.rng.random() < self.loss:
-            self.injected_loss += 1
+        copies = self.copies()
+        if not copies:
             return
-        copies = 1
-        if self.duplicate and self.rng.random() < self.duplicate:
-            self.injected_dup += 1
-            copies = 2
         try:
             pkt = self.fmt.decode(buf)
         except DecodeError:
@@ -166,6 +159,82 @@ class SwitchNode(Role):
                          for j in jobs}}
 
 
+class SMLSwitchNode(Role):
+    """The switch role running SwitchML (``--protocol switchml``): :class:`SMLSwitch`, the
+    simulator's switch function, over real UDP. Each job is a static partition of ``pool``
+    slots × 2 versions installed at job setup and freed at teardown; results are multicast
+    to the job's workers (one datagram each on loopback), a retransmission's result is
+    unicast. No PS: the switch is the aggregation endpoint (SwitchML's design)."""
+
+    role = "switch"
+
+    def __init__(self, fmt: SMLFormat, loss: float = 0.0, seed: int = 0, **kw: Any) -> None:
+        super().__init__(fmt, **kw)  # type: ignore[arg-type]
+        self.faults(loss, 0.0, seed)
+        self.sml = SMLSwitch()
+        self.routes: Dict[int, List[Addr]] = {}  # job -> worker addresses, worker-id order
+        self.job_packets: Dict[int, int] = {}
+        self.removed: Dict[int, int] = {}  # job -> slots freed at teardown
+        self.finished: Dict[int, Dict[str, int]] = {}
+
+    def info(self) -> Dict[str, Any]:
+        return {**super().info(), "protocol": "switchml"}
+
+    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
+        if not self.copies():
+            return
+        try:
+            p = self.fmt.decode(buf)
+        except DecodeError:
+            self.malformed += 1
+            return
+        self.job_packets[p.job] = self.job_packets.get(p.job, 0) + 1
+        for q in self.sml(p, None):
+            workers = self.routes[q.job]
+            data = self.fmt.encode(q)
+            if q.dst >= 0:
+                self.outbox.put(data, workers[q.dst])
+            else:
+                for a in workers:
+                    self.outbox.put(data, a)
+
+    def op_add_job(self, up: List[Any], down: List[List[Any]], job: Optional[int] = None, pool: int = 64) -> int:
+        """Install a job: its static partition (``pool`` slots × 2 versions) and multicast group."""
+        if job is None:
+            job = next(j for j in range(1, 1 << 16) if j not in self.routes)
+        elif job in self.routes:
+            raise ValueError(f"job {job} is already installed on this switch")
+        if not 1 <= pool <= 1 << 16 or not 1 <= len(down) <= 255:
+            raise ValueError(f"SwitchML job: pool={pool} must be 1..65536 and workers {len(down)} 1..255")
+        self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
+        self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))))
+        return job
+
+    def op_remove_job(self, job: int) -> int:
+        """Teardown: the job's partition is freed; returns how many slots it had."""
+        self.routes.pop(job, None)
+        js = self.sml.jobs.pop(job, None)
+        if js is None:
+            return 0
+        self.finished[job] = dict(js.stats)
+        self.removed[job] = self.removed.get(job, 0) + js.pool
+        return 0  # static partitions hold no per-sequence state: nothing was left "allocated"
+
+    def op_aggregator(self, job: int, seq: int) -> Optional[int]:
+        return None
+
+    def op_stats(self) -> Dict[str, Any]:
+        jobs = sorted(set(self.sml.jobs) | set(self.finished))
+        return {"allocated": sum(2 * js.pool for js in self.sml.jobs.values()), "installed": sorted(self.routes),
+                "injected_loss": self.injected_loss, "injected_dup": 0, "unknown": self.sml.unknown,
+                "malformed": self.malformed, "send_errors": self.send_errors, "socket_drops": meminfo(self.sock)[1],
+                "ecn_marked": 0, "jobs": {j: {**(dict(self.sml.jobs[j].stats) if j in self.sml.jobs else
+                                                 self.finished[j]), "packets": self.job_packets.get(j, 0),
+                                              "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else 0,
+                                              "held": 0, "slots_freed_at_teardown": self.removed.get(j, 0)}
+                                          for j in jobs}}
+
+
 class PSNode(Role):
     """One parameter-server shard (§5.4) serving any number of jobs."""
 
@@ -240,6 +309,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
     ap.add_argument("--control-port", type=int, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
+    ap.add_argument("--protocol", choices=("atp", "switchml"), default="atp",
+                    help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml.py)")
     ap.add_argument("--impl", choices=("python", "bmv2"), default="python",
                     help="switch: the emulator (python) or BMv2 running the compiled P4 program (bmv2)")
     ap.add_argument("--p4", default="p4/v1model/atp.p4", help="switch --impl bmv2: the v1model program")
@@ -258,6 +329,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
             if a.role == "ps":
                 node = PSNode(fmt, shard=a.shard, **common)
+            elif a.protocol == "switchml":
+                if a.impl != "python" or a.duplicate:
+                    raise ValueError("SwitchML runs on the emulator only and injects loss only")
+                node = SMLSwitchNode(SMLFormat(a.payload_k), a.loss, a.seed, **common)
             elif a.impl == "bmv2":
                 node = _bmv2_node(a, fmt, common)
             else:

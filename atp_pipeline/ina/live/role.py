@@ -10,12 +10,13 @@ each datagram into packets for :meth:`Role.handle`, then sends what the role que
 from __future__ import annotations
 
 import os
+import random
 import socket
 import struct
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from atp_pipeline.ina.live.frames import Outbox, drain, poller_for, split, wait_readable
+from atp_pipeline.ina.live.frames import Outbox, drain, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.packet import PacketFormat
 
@@ -102,8 +103,27 @@ class Role:
         sock.close()
 
     def packets(self, buf: bytes) -> List[bytes]:
-        """The packets of one datagram (:func:`.frames.split` at the format's packet size)."""
-        return split(buf, self.fmt.atp_bytes)
+        """The packets of one datagram (the format's ``split``)."""
+        return self.fmt.split(buf)
+
+    def faults(self, loss: float, duplicate: float, seed: int) -> None:
+        """Injected ingress faults (seeded): each arriving packet is lost with probability
+        ``loss``, delivered twice with probability ``duplicate``; both counted."""
+        if not (0.0 <= loss < 1.0 and 0.0 <= duplicate < 1.0):
+            raise ValueError(f"loss and duplicate must be in [0, 1), got {loss}, {duplicate}")
+        self.loss, self.duplicate = loss, duplicate
+        self.rng = random.Random(seed)
+        self.injected_loss = self.injected_dup = 0
+
+    def copies(self) -> int:
+        """How many times the arriving packet enters the data plane (0: lost)."""
+        if self.loss and self.rng.random() < self.loss:
+            self.injected_loss += 1
+            return 0
+        if self.duplicate and self.rng.random() < self.duplicate:
+            self.injected_dup += 1
+            return 2
+        return 1
 
     def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -118,5 +138,7 @@ class Role:
             self.send_errors += 1
 
     send_errors = 0
+    loss = duplicate = 0.0
+    injected_loss = injected_dup = 0
 
 

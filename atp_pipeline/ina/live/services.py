@@ -67,14 +67,16 @@ class Services:
         if cfg.switch:
             shared = Endpoint.from_info(call(parse_addr(cfg.switch), "info", what="switch"))
         n_switches = (0 if shared is not None else 1) + (cfg.racks if cfg.racks > 1 else 0)
+        sml = cfg.mode == "switchml"  # SwitchML: its switch is the aggregation endpoint, no PS
         try:
             aggs = cfg.aggregators if cfg.mode == "atp" else 0  # ps: every packet to the PS
             impl = ["--impl", "bmv2", "--p4", p4_program(cfg)] if cfg.switch_impl == SwitchImpl.bmv2 else []
+            proto = ["--protocol", "switchml"] if sml else ["--aggregators", str(aggs), "--duplicate",
+                                                            str(cfg.duplicate), *impl]
             for i in range(n_switches):  # loss injected at every switch's ingress, each its own seed
-                procs.append(_launch(["switch", "--aggregators", str(aggs), "--loss", str(cfg.loss),
-                                      "--duplicate", str(cfg.duplicate), "--seed", str(cfg.seed + 7919 * i),
-                                      *impl], cfg.payload_k))
-            for shard in range(cfg.n_ps):
+                procs.append(_launch(["switch", *proto, "--loss", str(cfg.loss), "--seed", str(cfg.seed + 7919 * i)],
+                                     cfg.payload_k))
+            for shard in range(0 if sml else cfg.n_ps):
                 procs.append(_launch(["ps", "--shard", str(shard)], cfg.payload_k))
             infos = [_read_info(p, timeout) for p in procs]
         except BaseException:
@@ -172,9 +174,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None) -> int:
+def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None, pool: int = 0) -> int:
     """Install one ATP job (its workers' UDP addresses in worker-id order); its id. With racks,
-    the second-level switch picks the id and every rack switch gets the same (§5.1)."""
+    the second-level switch picks the id and every rack switch gets the same (§5.1).
+    ``pool > 0``: a SwitchML job, its static partition of ``pool`` slots at the switch."""
+    if pool:
+        return int(call(svc.switch.control, "add_job", what="switch", up=[], down=[list(a) for a in workers],
+                        job=job, pool=pool))
     ps_data = [list(e.data) for e in svc.ps]
     R = len(svc.racks)
     if R and len(workers) % R:

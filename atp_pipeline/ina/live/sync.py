@@ -1,4 +1,6 @@
-"""One data-parallel group's gradient synchronization through ATP; the DDP communication hook.
+"""One data-parallel group's gradient synchronization in the network — ATP (one or two levels,
+§4.1) or SwitchML (``aggregation=switchml``: :class:`~.engine.SMLEngine`) —; the DDP
+communication hook.
 
 :meth:`ATPSync.setup` is collective over the whole world (every rank calls it once):
 
@@ -21,12 +23,13 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.ina.live.engine import Engine, EngineConfig
+from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.rpc import AggregationError, call
-from atp_pipeline.config.schema import AggregationConfig
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode
 from atp_pipeline.ina.live.services import Services, add_job, remove_job
 from atp_pipeline.ina.live.role import udp_socket
 from atp_pipeline.ina.packet import PacketFormat
+from atp_pipeline.ina.switchml import SMLFormat
 from atp_pipeline.ina.worker import WorkerConfig
 
 
@@ -71,6 +74,7 @@ class ATPSync:
         if services.payload_k != cfg.payload_k:
             raise AggregationError(f"the ATP roles use {services.payload_k} values per packet, "
                                    f"the run asks for {cfg.payload_k}")
+        sml = cfg.mode == AggregationMode.switchml
         sock = udp_socket()
         members: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(members, (sock.getsockname(), world_rank), group=group)
@@ -80,7 +84,7 @@ class ATPSync:
         jbox: List[Any] = [None]
         if me == 0:
             try:
-                jbox = [add_job(services, addrs)]
+                jbox = [add_job(services, addrs, pool=cfg.pool if sml else 0)]
             except AggregationError as e:
                 jbox = [f"error: {e}"]
         dist.broadcast_object_list(jbox, src=ranks[0], group=group)
@@ -89,9 +93,10 @@ class ATPSync:
         jobs: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(jobs, jbox[0])
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
-                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6))
+                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6), pool=cfg.pool)
         entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
-        engine = Engine(PacketFormat(cfg.payload_k), jbox[0], me, len(addrs), sock, entry.data,
+        fmt, kind = (SMLFormat(cfg.payload_k), SMLEngine) if sml else (PacketFormat(cfg.payload_k), Engine)
+        engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
                         entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
                         ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
         return cls(engine, services, group, owns, sorted(set(jobs)))

@@ -1,0 +1,354 @@
+"""SwitchML's protocol (Sapio et al., NSDI'21; the ATP paper's main comparison, §3, §6, §7).
+
+One implementation, run by the simulator (:mod:`atp_pipeline.ina.sim.switchml`) and by the
+live switch role (:mod:`atp_pipeline.ina.live.nodes`, ``--protocol switchml``):
+
+* :class:`SMLSwitch` — the switch function: a job's static partition of ``pool`` slots × 2
+  versions (the shadow copy that makes retransmission safe); a slot sums its ``W`` workers'
+  contributions, then multicasts the result, which is also every worker's ACK; a
+  retransmission for a completed slot gets the result by unicast. Each packet also carries
+  an 8-bit exponent that the slot aggregates by *max* (the shared block exponent below).
+* :class:`SMLWorker` — streams a tensor's chunks through the slots (chunk ``i`` in slot
+  ``i mod pool``, a new chunk of a slot when the slot's previous result arrives, version
+  ``uses mod 2``), per-slot timeout retransmission, no congestion control.
+* :class:`SMLFloatWorker` — SwitchML's quantization on top (its §3.3/§5): each packet of
+  slot ``s`` carries the local exponent of the *next* chunk of ``s``; the switch returns the
+  max over workers with the result, and every worker quantizes that next chunk with the
+  shared exponent ``e``: ``q = rint(x · 2^(B−e))`` with ``2^B ≤ ⌊(2³¹−1)/W⌋``, so every
+  partial sum of ``W`` workers fits an int32 and the integer sums are exact. A tensor's first
+  use of each slot is an exponent-only packet (no lanes). The result is
+  ``Σq · 2^(e−B)``, the same bits on every worker whatever was lost on the way.
+* :class:`SMLFormat` — the wire format: the header of :data:`SML_FIELDS` (11 bytes) then
+  ``K`` big-endian int32 lanes, or none for an exponent-only packet (``empty``).
+
+Loss is recovered by the per-slot timeout only; the two-version scheme assumes no
+duplication and reordering bounded by one slot version (a duplicate delayed past the slot's
+next use is counted again), so the live backend injects loss only.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional
+
+import numpy as np
+
+from atp_pipeline.ina.counters import Counters
+from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES, DecodeError, Field
+from atp_pipeline.ina.quant import lane_limit
+
+EXP_BIAS = 128  # the exponent field holds e + 128; 0 = "no next chunk" (below every real exponent)
+EXP_MIN, EXP_MAX = -127, 126  # |x| < 2^e for every representable chunk; a larger one is refused
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+#: SwitchML's header (as modelled): job, slot, version, result flag, exponent-only flag,
+#: worker, offset (the chunk's index in the worker's stream), shared exponent (biased).
+SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_result", 1), Field("empty", 1),
+              Field("pad", 5), Field("worker", 8), Field("off", 32), Field("exp", 8))
+SML_HEADER_BYTES = sum(f.bits for f in SML_FIELDS) // 8
+
+
+class SMLPacket:
+    __slots__ = ("job", "slot", "ver", "is_result", "worker", "off", "exp", "payload", "src", "dst", "size", "ecn",
+                 "is_param")
+
+    def copy(self) -> "SMLPacket":
+        p = SMLPacket.__new__(SMLPacket)
+        for s in SMLPacket.__slots__:
+            setattr(p, s, getattr(self, s))
+        return p
+
+
+class SMLSwitchJob:
+    """One job's static partition on the switch: ``pool`` slots × 2 versions."""
+
+    def __init__(self, job: int, n_workers: int, pool: int, k: int, mcast: int, worker_hosts: List[int]) -> None:
+        self.job, self.W, self.pool, self.k = job, n_workers, pool, k
+        self.mcast = mcast
+        self.hosts = worker_hosts
+        self.values = np.zeros((2, pool, k), dtype=np.int32)
+        self.count = np.zeros((2, pool), dtype=np.int64).tolist()
+        self.seen = [[0] * pool, [0] * pool]  # bitmaps per version
+        self.exp = [[0] * pool, [0] * pool]  # max of the contributions' exponents per version
+        self.stats = dict(merged=0, complete=0, result_unicast=0, dropped=0)
+
+
+class SMLSwitch:
+    """The SwitchML data plane of one ToR (SwitchML Algorithm with shadow copies)."""
+
+    def __init__(self) -> None:
+        self.jobs: Dict[int, SMLSwitchJob] = {}
+        self.unknown = 0
+
+    def __call__(self, p: SMLPacket, link: Any) -> List[SMLPacket]:
+        js = self.jobs.get(p.job)
+        if js is None or p.is_result or not 0 <= p.slot < js.pool or not 0 <= p.worker < js.W:
+            self.unknown += 1
+            return []
+        v, i, bit = p.ver, p.slot, 1 << p.worker
+        if not js.seen[v][i] & bit:
+            js.seen[v][i] |= bit
+            js.seen[v ^ 1][i] &= ~bit
+            c = js.count[v][i] = (js.count[v][i] + 1) % js.W
+            row = js.values[v, i]
+            lanes = p.payload.size  # 0: an exponent-only packet
+            if c == 1 or js.W == 1:
+                if lanes:
+                    row[:] = p.payload
+                js.exp[v][i] = p.exp
+            else:
+                if lanes:
+                    np.add(row, p.payload, out=row)
+                if p.exp > js.exp[v][i]:
+                    js.exp[v][i] = p.exp
+            js.stats["merged"] += 1
+            if c == 0:
+                js.stats["complete"] += 1
+                p.payload = row.copy() if lanes else p.payload
+                p.exp = js.exp[v][i]
+                p.is_result = 1
+                p.dst = js.mcast
+                return [p]
+            return []
+        if js.count[v][i] == 0:  # complete: a retransmission gets the result by unicast
+            js.stats["result_unicast"] += 1
+            p.payload = js.values[v, i].copy() if p.payload.size else p.payload
+            p.exp = js.exp[v][i]
+            p.is_result = 1
+            p.dst = js.hosts[p.worker]
+            return [p]
+        js.stats["dropped"] += 1
+        return []
+
+
+class SMLWorkerStats(Counters):
+    __slots__ = ("sent", "retransmits", "timeouts", "acks", "dup_acks")
+
+
+class SMLWorker:
+    """SwitchML worker: one outstanding chunk per slot, per-slot timeout retransmission."""
+
+    reo_deadline = None  # no reordering timer (only ATP workers have one)
+
+    def __init__(self, job: int, wid: int, host: int, tor: Any, pool: int, k: int, rto: float) -> None:
+        self.job, self.wid, self.host, self.pool, self.k, self.rto = job, wid, host, pool, k, rto
+        self.tor_addr = tor
+        self.size = SML_HEADER_BYTES + 4 * k + L2L4_OVERHEAD_BYTES
+        self.stats = SMLWorkerStats()
+        self.uses = [0] * pool  # chunks sent through each slot so far (all rounds): version
+        self.stride = pool  # items between two uses of one slot
+        self.done = True
+
+    def start(self, tensor: np.ndarray, base_seq: int, now: float) -> List[SMLPacket]:
+        t = np.asarray(tensor, dtype=np.int32)
+        n = max(1, -(-len(t) // self.k))
+        buf = np.zeros(n * self.k, dtype=np.int32)
+        buf[: len(t)] = t
+        self.length, self.n = len(t), n
+        self.chunks = buf.reshape(n, self.k)
+        self.result = np.zeros((n, self.k), dtype=np.int32)
+        self.got = bytearray(n)
+        self.n_got = 0
+        self.deadline: List[Optional[float]] = [None] * self.pool
+        self.cur: List[int] = list(range(min(self.pool, n))) + [-1] * max(0, self.pool - n)
+        self.ver: List[int] = [0] * self.pool
+        self.timers: Deque[tuple] = deque()
+        self.done = False
+        return [self._send(i, self.cur[i], now, 0) for i in range(min(self.pool, n))]
+
+    def _send(self, slot: int, chunk: int, now: float, resend: int) -> SMLPacket:
+        if not resend:  # a new chunk in this slot flips the slot's version
+            self.ver[slot] = self.uses[slot] & 1
+            self.uses[slot] += 1
+        p = SMLPacket.__new__(SMLPacket)
+        p.job, p.slot, p.ver, p.is_result, p.worker, p.off = self.job, slot, self.ver[slot], 0, self.wid, chunk
+        p.exp = 0
+        p.payload = self.chunks[chunk]
+        p.src, p.dst, p.size, p.ecn, p.is_param = self.host, self.tor_addr, self.size, 0, 0
+        self.deadline[slot] = now + self.rto
+        self.timers.append((now + self.rto, slot, chunk))
+        self.stats.sent += 1
+        if resend:
+            self.stats.retransmits += 1
+        return p
+
+    def on_packet(self, p: SMLPacket, now: float) -> List[SMLPacket]:
+        if self.done or p.job != self.job or not p.is_result:
+            return []
+        c = p.off
+        if not 0 <= c < self.n or self.got[c] or self.cur[p.slot] != c:
+            self.stats.dup_acks += 1
+            return []
+        self.stats.acks += 1
+        self.got[c] = 1
+        self.n_got += 1
+        self._store(c, p)
+        nxt = c + self.stride  # the slot's next item
+        if self.n_got == self.n:
+            self.done = True
+            self.timers.clear()
+            return []
+        if nxt < self.n:
+            self.cur[p.slot] = nxt
+            return [self._send(p.slot, nxt, now, 0)]
+        self.cur[p.slot] = -1
+        self.deadline[p.slot] = None
+        return []
+
+    def _store(self, c: int, p: SMLPacket) -> None:
+        """Keep the result of chunk ``c``."""
+        self.result[c] = p.payload
+
+    def _valid(self, e: tuple) -> bool:
+        d, slot, chunk = e
+        return self.cur[slot] == chunk and self.deadline[slot] == d and not self.got[chunk]
+
+    def next_deadline(self) -> Optional[float]:
+        t = self.timers
+        while t and not self._valid(t[0]):
+            t.popleft()
+        return t[0][0] if t else None
+
+    def poll(self, now: float) -> List[SMLPacket]:
+        """Per-slot timeout: resend the slot's outstanding chunk."""
+        out = []
+        t = self.timers
+        while t and t[0][0] <= now:
+            e = t.popleft()
+            if self._valid(e):
+                self.stats.timeouts += 1
+                out.append(self._send(e[1], e[2], now, 1))
+        return out
+
+    @property
+    def delivered_bytes(self) -> int:
+        return self.stats.acks * 4 * self.k
+
+    @property
+    def result_tensor(self) -> np.ndarray:
+        return self.result.ravel()[: self.length]
+
+
+
+
+class SMLFloatWorker(SMLWorker):
+    """A SwitchML worker for float tensors: per-packet shared exponents (module docstring).
+
+    Stream item ``t`` of a tensor of ``n`` chunks, with ``P = min(pool, n)`` slots in use, goes
+    through slot ``t mod P``: items ``0 … P−1`` are exponent-only, item ``t ≥ P`` carries chunk
+    ``t − P``; every item ``t`` carries the local exponent of chunk ``t`` (the next item of
+    its slot quantizes it), so chunk ``c`` is quantized with the exponent returned with
+    item ``c``'s result."""
+
+    def __init__(self, job: int, wid: int, n_workers: int, pool: int, k: int, rto: float) -> None:
+        super().__init__(job, wid, wid, None, pool, k, rto)
+        self.bits = int(math.floor(math.log2(lane_limit(n_workers))))  # B: 2^B ≤ Q(W)
+        self.fmt = SMLFormat(k)
+        self.malformed = 0
+
+    def on_bytes(self, buf: bytes, now: float) -> List[SMLPacket]:
+        """A received datagram's packet (decoded; malformed ones counted and dropped)."""
+        try:
+            p = self.fmt.decode(buf)
+        except DecodeError:
+            self.malformed += 1
+            return []
+        return self.on_packet(p, now)
+
+    def start_float(self, x: np.ndarray, now: float) -> List[SMLPacket]:
+        """Begin streaming ``x`` (finite floats, ``|x| < 2^127``); the packets to send."""
+        x = np.asarray(x, dtype=np.float64).ravel()
+        k = self.k
+        n = max(1, -(-len(x) // k))
+        buf = np.zeros(n * k, dtype=np.float64)
+        buf[: len(x)] = x
+        self.length, self.chunks_f = len(x), buf.reshape(n, k)
+        peak = np.abs(self.chunks_f).max(axis=1)
+        e = np.frexp(peak)[1]  # |x| < 2^e per chunk (frexp: peak = m·2^e, 0.5 ≤ m < 1)
+        e[peak == 0] = EXP_MIN
+        if int(e.max()) > EXP_MAX:
+            raise ValueError(f"a gradient of magnitude {float(peak.max()):.3g} exceeds SwitchML's exponent range")
+        self.local_exp = (np.maximum(e, EXP_MIN) + EXP_BIAS).tolist()
+        P = min(self.pool, n)
+        self.P, self.n_chunks, self.stride = P, n, P
+        self.n = P + n  # stream items
+        self.chunks = [_EMPTY] * P + [None] * n  # type: ignore[list-item] - quantized when sent
+        self.shared = [0] * n  # the exponent (biased) chunk c was quantized with
+        self.result_q = np.zeros((n, k), dtype=np.int32)
+        self.got = bytearray(self.n)
+        self.n_got = 0
+        self.deadline = [None] * self.pool
+        self.cur = list(range(P)) + [-1] * (self.pool - P)
+        self.ver = [0] * self.pool
+        self.timers = deque()
+        self.done = False
+        return [self._send(t, t, now, 0) for t in range(P)]
+
+    def _send(self, slot: int, item: int, now: float, resend: int) -> SMLPacket:
+        if item >= self.P and self.chunks[item] is None:
+            c = item - self.P
+            scale = 2.0 ** (self.bits - (self.shared[c] - EXP_BIAS))
+            self.chunks[item] = np.rint(self.chunks_f[c] * scale).astype(np.int32)
+        p = super()._send(slot, item, now, resend)
+        p.exp = self.local_exp[item] if item < self.n_chunks else 0
+        return p
+
+    def _store(self, c: int, p: SMLPacket) -> None:
+        if c < self.n_chunks:
+            self.shared[c] = p.exp
+        if c >= self.P:
+            self.result_q[c - self.P] = p.payload
+
+    @property
+    def result_float(self) -> np.ndarray:
+        """``Σq · 2^(e−B)`` per chunk: the sum over the job's workers (float64)."""
+        e = np.asarray(self.shared, dtype=np.float64) - EXP_BIAS
+        return (self.result_q * np.exp2(e - self.bits)[:, None]).ravel()[: self.length]
+
+
+class SMLFormat:
+    """SwitchML's wire format (module docstring): 11-byte header, then ``K`` lanes or none."""
+
+    _HDR = struct.Struct(">HHBBIB")
+
+    def __init__(self, payload_k: int) -> None:
+        self.payload_k = int(payload_k)
+        self.header_bytes = self._HDR.size
+        assert self.header_bytes == SML_HEADER_BYTES
+        self.atp_bytes = self.header_bytes + 4 * self.payload_k  # the largest packet (a full one)
+        self.wire_bytes = self.atp_bytes + L2L4_OVERHEAD_BYTES
+        self._dtype = np.dtype(">i4")
+
+    def encode(self, p: SMLPacket) -> bytes:
+        empty = p.payload.size == 0
+        h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5, p.worker, p.off, p.exp)
+        return h if empty else h + p.payload.astype(self._dtype).tobytes()
+
+    def decode(self, buf: bytes) -> SMLPacket:
+        hb = self.header_bytes
+        if len(buf) < hb:
+            raise DecodeError(f"truncated SwitchML packet: {len(buf)} bytes")
+        job, slot, flags, worker, off, exp = self._HDR.unpack_from(buf)
+        empty = flags >> 5 & 1
+        if flags & 0x1F or len(buf) != (hb if empty else self.atp_bytes):
+            raise DecodeError(f"malformed SwitchML packet ({len(buf)} bytes, flags {flags:#x})")
+        p = SMLPacket.__new__(SMLPacket)
+        p.job, p.slot, p.ver, p.is_result, p.worker, p.off, p.exp = job, slot, flags >> 7, flags >> 6 & 1, worker, off, exp
+        p.payload = _EMPTY if empty else np.frombuffer(buf, dtype=self._dtype, offset=hb).astype(np.int32)
+        p.src = p.dst = -1
+        p.size, p.ecn, p.is_param = len(buf) + L2L4_OVERHEAD_BYTES, 0, 0
+        return p
+
+    def split(self, buf: bytes) -> List[bytes]:
+        """The packets of one datagram (each packet's ``empty`` flag gives its length)."""
+        n, hb, full = len(buf), self.header_bytes, self.atp_bytes
+        out: List[bytes] = []
+        mv = memoryview(buf)
+        o = 0
+        while o < n:
+            size = hb if o + 4 < n and buf[o + 4] >> 5 & 1 else full
+            out.append(mv[o:o + size])  # type: ignore[arg-type]
+            o += size
+        return out
