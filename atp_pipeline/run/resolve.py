@@ -81,7 +81,7 @@ class RunSpec:
     @property
     def live_aggregation(self) -> bool:
         """Whether gradients go through the live in-network aggregation backend."""
-        return self.aggregation.mode in (AggregationMode.atp, AggregationMode.ps) and self.dp > 1
+        return self.aggregation.mode in LIVE_MODES and self.dp > 1
 
     @property
     def precision(self) -> str:
@@ -99,7 +99,7 @@ def resolve_dp(cfg: DictConfig, devices: int) -> int:
     if cfg.mesh.strategy == MeshStrategy.fixed and cfg.mesh.d1 and cfg.mesh.d2:
         tp = int(cfg.mesh.d1) * int(cfg.mesh.d2)
         return devices // tp if devices % tp == 0 else 1  # 1: the planner names the mismatch
-    return devices if cfg.aggregation.mode in (AggregationMode.atp, AggregationMode.ps) else 1
+    return devices if cfg.aggregation.mode in LIVE_MODES else 1
 
 
 def needed_devices(cfg: DictConfig) -> Optional[int]:
@@ -112,17 +112,35 @@ def needed_devices(cfg: DictConfig) -> Optional[int]:
     return int(m.dp) * int(m.d1) * int(m.d2)
 
 
+#: the modes whose gradients go through the live in-network aggregation backend (ina/live)
+LIVE_MODES = (AggregationMode.atp, AggregationMode.ps, AggregationMode.switchml)
+#: knobs that only one group of modes reads; given to another mode they are refused
+MODE_KNOBS = {"racks": (AggregationMode.atp,), "aggregators": (AggregationMode.atp,),
+              "pool": (AggregationMode.switchml,), "n_ps": (AggregationMode.atp, AggregationMode.ps),
+              "duplicate": (AggregationMode.atp, AggregationMode.ps), "switch": (AggregationMode.atp, AggregationMode.ps)}
+
+
 def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
     """Validate ``aggregation`` for a run."""
-    mode = agg.mode
-    if mode == AggregationMode.switchml:
-        raise ConfigError("aggregation=switchml runs in the simulator only (python -m "
-                          "benchmarks.ina_experiments); training supports ring, atp and ps")
+    mode = AggregationMode(agg.mode)
     cfg = OmegaConf.to_object(agg)
     assert isinstance(cfg, AggregationConfig)
     if agg.switch_impl == SwitchImpl.bmv2 and mode != AggregationMode.atp:
+        if mode == AggregationMode.switchml:
+            raise ConfigError("aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program "
+                              "(its slot pool runs on the emulator only: see docs/ina-live.md)")
         raise ConfigError(f"aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not "
                           f"{mode.value} (with ps, a switch without aggregators, there is no P4 equivalent)")
+    default = AggregationConfig()
+    for key, modes in MODE_KNOBS.items():
+        if mode not in modes and getattr(cfg, key) != getattr(default, key):
+            raise ConfigError(f"aggregation.{key}={getattr(cfg, key)} applies to aggregation="
+                              f"{'/'.join(m.value for m in modes)}, not {mode.value}")
+    if cfg.racks < 1 or dp % cfg.racks:
+        raise ConfigError(f"aggregation.racks={cfg.racks} must divide the {dp} data-parallel workers (mesh.dp): "
+                          f"every rack has as many workers")
+    if mode == AggregationMode.switchml and cfg.pool < 1:
+        raise ConfigError(f"aggregation.pool={cfg.pool} must be >= 1 (SwitchML slots)")
     if mode == AggregationMode.ring or dp == 1:
         return cfg
     from atp_pipeline.ina.live.engine import MAX_DATAGRAM
@@ -138,9 +156,13 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
                           f"(the switch indexes aggregators with a hash bit mask, as P4 targets do)")
     if not 1 <= agg.n_ps <= 4:
         raise ConfigError(f"aggregation.n_ps={agg.n_ps} must be 1..4 (2-bit PS index)")
-    if dp > PacketFormat().bitmap_bits:
-        raise ConfigError(f"mesh.dp={dp} exceeds the {PacketFormat().bitmap_bits}-bit worker bitmap of one "
-                          f"ATP job (single-level aggregation)")
+    bits = PacketFormat().bitmap_bits
+    if mode == AggregationMode.switchml and dp > 255:
+        raise ConfigError(f"mesh.dp={dp} exceeds SwitchML's 8-bit worker id")
+    elif mode != AggregationMode.switchml and (dp // cfg.racks > bits or cfg.racks > bits):
+        raise ConfigError(f"mesh.dp={dp} exceeds the {bits}-bit worker bitmap of one ATP job "
+                          + (f"(single-level aggregation; two levels: aggregation.racks)" if cfg.racks == 1 else
+                             f"level ({cfg.racks} racks of {dp // cfg.racks})"))
     if agg.stall_timeout_s <= 0 or agg.rto_s <= 0:
         raise ConfigError("aggregation.stall_timeout_s and aggregation.rto_s must be > 0")
     if agg.switch is not None:
@@ -167,6 +189,9 @@ def check_bmv2_switch(cfg: AggregationConfig) -> None:
     if cfg.switch is not None:
         raise ConfigError("aggregation.switch_impl=bmv2 starts its own switch; aggregation.switch names a running "
                           "one: set only one of them")
+    if cfg.racks > 1:
+        raise ConfigError(f"aggregation.switch_impl=bmv2 with aggregation.racks={cfg.racks}: the BMv2 switch role "
+                          "installs one-rack plans; two-level aggregation runs on the emulator (switch_impl=python)")
     fmt = PacketFormat()
     if cfg.payload_k != fmt.payload_k:
         raise ConfigError(f"aggregation.payload_k={cfg.payload_k}: the P4 program's header carries "
