@@ -13,14 +13,17 @@ after all others); the model code never changes (torchtitan's approach).
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel import rng
+from atp_pipeline.parallel.layers import FULL
 from atp_pipeline.parallel.overlap import chunk_blocks
-from atp_pipeline.parallel.styles import ParallelStyle, Replicated, StyleContext, StyleSpec, parse_style
+from atp_pipeline.parallel.styles import (AttentionHeads, ColumnFirst, ParallelStyle, Replicated, StyleContext,
+                                          StyleSpec, Tied, VocabLoss, parse_style)
 
 
 def match_plan(root: nn.Module, plan: Mapping[str, StyleSpec], check: bool = True) -> Dict[str, ParallelStyle]:
@@ -44,16 +47,28 @@ def match_plan(root: nn.Module, plan: Mapping[str, StyleSpec], check: bool = Tru
     return chosen
 
 
+def _region_after(style: ParallelStyle) -> str:
+    """The random stream of the code after ``style``'s module: its output's layout
+    (:mod:`~atp_pipeline.parallel.rng`); a style may declare it as ``output_region``."""
+    if getattr(style, "output_region", None):
+        return style.output_region  # type: ignore[attr-defined]
+    if getattr(style, "output", FULL if type(style) in (Tied, VocabLoss) else "") == FULL:
+        return rng.REPLICATED  # whole on every rank (gathered logits, a loss)
+    return rng.SPLIT_D1 if isinstance(style, (ColumnFirst, AttentionHeads)) else rng.SPLIT_D2
+
+
 def apply_plan(root: nn.Module, plan: Mapping[str, StyleSpec], mesh: DeviceMesh,
-               chunks: int = 1) -> Dict[str, str]:
+               chunks: int = 1, seed: Optional[int] = None) -> Dict[str, str]:
     """Replace the modules of ``root`` that ``plan`` matches, in place, and run its blocks in
     ``chunks`` (§4.1, :func:`~atp_pipeline.parallel.overlap.chunk_blocks`); returns
-    ``{module name: style description}`` of what was applied."""
+    ``{module name: style description}`` of what was applied. Dropout draws per-rank streams
+    seeded from ``seed`` (default ``torch.initial_seed()``; :func:`~atp_pipeline.parallel.rng.install`)."""
     chosen = match_plan(root, plan)
     ctx = StyleContext(mesh, root)
     for name, style in sorted(chosen.items(), key=lambda kv: (kv[1].order, kv[0].count("."))):
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, style.apply(name, getattr(parent, attr), ctx))
+    rng.install(root, {n: _region_after(s) for n, s in chosen.items() if not isinstance(s, Replicated)}, mesh, seed)
     chunk_blocks(root, chunks)
     return {n: s.describe() for n, s in chosen.items()}

@@ -97,17 +97,6 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
         and hasattr(module, "config")
 
 
-def _dropouts(module: nn.Module) -> Dict[str, float]:
-    """Non-zero dropout the model draws in training: its ``nn.Dropout`` modules and the
-    attention dropout its config passes to the attention function."""
-    out = {f"{_pattern(n)}.p": float(m.p) for n, m in module.named_modules()
-           if isinstance(m, nn.Dropout) and m.p > 0}
-    for key, value in module.config.to_dict().items():
-        if "att" in key and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
-            out[key] = float(value)
-    return out
-
-
 def family_of(config: Any) -> Family:
     """The :class:`Family` of a transformers config, or one line saying why there is none."""
     kind = getattr(config, "model_type", "?")
@@ -293,12 +282,6 @@ class HFCausalLMAdapter(ModelAdapter):
         register_conv1d()
         config = module.config
         family = family_of(config)
-        drop = _dropouts(module)
-        if drop:
-            raise ConfigError(f"transformers model_type '{config.model_type}': dropout "
-                              f"{', '.join(f'{k}={v:g}' for k, v in sorted(drop.items()))} would draw the same masks "
-                              f"on ranks holding different blocks of a tensor (no per-rank RNG tracker yet); "
-                              f"set them to 0")
         # training keeps no key/value cache: the blocks' chunks (§4.1) would share one and read each
         # other's keys (transformers turns it off itself only under gradient checkpointing)
         config.use_cache = False

@@ -24,6 +24,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
+from atp_pipeline.parallel.rng import LOCAL, region
 from atp_pipeline.parallel.styles import ParallelStyle, StyleContext
 
 IMPLEMENTATION = "atp"
@@ -53,7 +54,8 @@ def atp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     heads: HeadSharding = module.atp_heads
     q, k, v, groups = heads.localize(query, key, value)
     target = module if groups is None else _Groups(module, groups)
-    out, weights = _inner(module)(target, q, k, v, attention_mask, **kwargs)
+    with region(LOCAL):  # attention dropout: this rank's own heads draw their own masks
+        out, weights = _inner(module)(target, q, k, v, attention_mask, **kwargs)
     return heads.gather(out, 2), weights
 
 
