@@ -8,7 +8,8 @@ gradients in the model's dtype, AdamW's two
 moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
-local batch ``b/dp``; the logits (:func:`logits_bytes`) come on top. With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
+local batch ``b/dp``; the logits (:func:`logits_bytes`) are estimated beside them (not yet
+in ``total_bytes``, so the feasibility of existing plans is unchanged). With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
 weights, gradients and optimizer state are further divided over the ``dp`` replicas
 (activations are not), plus one block's gathered weights, which FSDP holds whole while
 that block runs. An estimate, reported as such.
@@ -28,11 +29,11 @@ class MemoryEstimate:
     weights_grads_bytes: float
     optimizer_bytes: float
     activation_bytes: float
-    logits_bytes: float = 0.0  # the LM head's logits and the loss's saved probabilities
+    logits_bytes: float = 0.0  # the LM head's logits and the loss's saved probabilities (reported beside the total)
 
     @property
     def total_bytes(self) -> float:
-        return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes + self.logits_bytes
+        return self.weights_grads_bytes + self.optimizer_bytes + self.activation_bytes
 
     def to_dict(self) -> Dict[str, float]:
         return {"params": self.params, "weights_grads_bytes": self.weights_grads_bytes,
@@ -86,6 +87,6 @@ def memory_infeasibility(m: ModelShape, mesh: Tuple[int, int], dp: int, fsdp: bo
         return None
     return (f"model '{m.name}' needs ~{mem.total_bytes / 1e9:.1f} GB per device on mesh {mesh[0]}x{mesh[1]} "
             f"(dp={dp}{', fsdp' if fsdp and dp > 1 else ''}): weights+grads {mem.weights_grads_bytes / 1e9:.1f}, "
-            f"optimizer {mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f}, "
-            f"logits {mem.logits_bytes / 1e9:.1f}; "
+            f"optimizer {mem.optimizer_bytes / 1e9:.1f}, activations {mem.activation_bytes / 1e9:.1f} "
+            f"(and logits {mem.logits_bytes / 1e9:.1f}); "
             f"{where} have {capacity_GB:g} GB")
