@@ -11,7 +11,11 @@ noise hits every mode alike:
 * ``atp-K``: DDP with :func:`atp_pipeline.ina.live.sync.atp_hook` — real switch-emulator
   and PS processes, ``K`` int32 values per packet (62 as on hardware; more for loopback
   speed: fewer Python-level packet events per byte, at the price of datagrams far larger
-  than an Ethernet MTU).
+  than an Ethernet MTU);
+* ``atp2-K`` (``--modes`` has ``atp2``): the same with two racks, two-level aggregation (§4.1);
+* ``switchml-K`` (``--modes`` has ``switchml``): SwitchML live (``--pool`` slots).
+
+Packets travel batched, several per datagram (``atp_pipeline.ina.live.frames``).
 
 Per mode it reports the median step time (forward + backward with gradient sync +
 optimizer step), the median time of one gradient sync of the flat gradient alone, the
@@ -38,8 +42,24 @@ from atp_pipeline.launch import spawn
 from benchmarks.tp_step import CONF, load_model
 
 
-def _worker(rank: int, world: int, mcfg: ModelConfig, payloads: List[int], steps: int, repeats: int
-            ) -> Dict[str, Any]:
+def _configs(modes: List[str], payloads: List[int], pool: int) -> Dict[str, AggregationConfig]:
+    """The live configurations measured beside ring, named ``<mode>-<K>``."""
+    out: Dict[str, AggregationConfig] = {}
+    for k in payloads:
+        for m in modes:
+            if m == "atp":
+                out[f"atp-{k}"] = AggregationConfig(mode=AggregationMode.atp, payload_k=k)
+            elif m == "atp2":
+                out[f"atp2-{k}"] = AggregationConfig(mode=AggregationMode.atp, payload_k=k, racks=2)
+            elif m == "switchml":
+                out[f"switchml-{k}"] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool)
+            else:
+                raise SystemExit(f"--modes: unknown mode {m!r} (atp, atp2, switchml)")
+    return out
+
+
+def _worker(rank: int, world: int, mcfg: ModelConfig, configs: Dict[str, AggregationConfig], steps: int,
+            repeats: int) -> Dict[str, Any]:
     from atp_pipeline.ina.live.sync import ATPSync, atp_hook
 
     cfg = GPTConfig.from_model_config(mcfg)
@@ -49,8 +69,8 @@ def _worker(rank: int, world: int, mcfg: ModelConfig, payloads: List[int], steps
     g = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, cfg.vocab_size, (max(1, mcfg.batch_size // world), cfg.seq_len), generator=g)
     syncs: Dict[str, Any] = {"ring": None}
-    for k in payloads:
-        syncs[f"atp-{k}"] = ATPSync.setup(dist.group.WORLD, AggregationConfig(mode=AggregationMode.atp, payload_k=k))
+    for name, acfg in configs.items():
+        syncs[name] = ATPSync.setup(dist.group.WORLD, acfg)
     models: Dict[str, Any] = {}
     for name, sync in syncs.items():
         ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -93,6 +113,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--payloads", default="62,2048", help="values per packet, comma-separated")
+    ap.add_argument("--modes", default="atp", help="live modes measured beside ring: atp, atp2, switchml")
+    ap.add_argument("--pool", type=int, default=AggregationConfig().pool, help="switchml: slots")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="outputs/benchmarks/live_sync")
@@ -100,7 +122,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
                     help="config tree with model/ (default: conf under the current directory)")
     a = ap.parse_args(argv)
     payloads = [int(x) for x in a.payloads.split(",")]
-    res = spawn(_worker, a.world, load_model(a.model, a.conf), payloads, a.steps, a.repeats, timeout=3600)
+    configs = _configs(a.modes.split(","), payloads, a.pool)
+    res = spawn(_worker, a.world, load_model(a.model, a.conf), configs, a.steps, a.repeats, timeout=3600)
     n = res[0]["n_params"]
     table = []
     for name in res[0]["rows"]:
@@ -115,7 +138,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
         row["sync_vs_ring"] = row["sync_ms"] / ring["sync_ms"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"world": a.world, "model": a.model, "params": n, "gradient_bytes": 4 * n, "rows": table}
+    doc = {"world": a.world, "model": a.model, "params": n, "gradient_bytes": 4 * n, "steps": a.steps,
+           "repeats": a.repeats, "pool": a.pool, "command": "python -m benchmarks.live_sync " + " ".join(
+               argv if argv is not None else __import__("sys").argv[1:]), "rows": table}
     (out / "live_sync.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "live_sync.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
@@ -132,13 +157,13 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ax[0].set_ylabel("step time (ms)")
     ax[1].bar(names, [r["gbps_per_worker"] for r in table])
     ax[1].set_ylabel("gradient sync GB/s per worker")
-    fig.suptitle(f"{a.model} ({n} params), {a.world} CPU processes: ATP live vs ring", fontsize=9)
+    fig.suptitle(f"{a.model} ({n} params), {a.world} CPU processes: live in-network aggregation vs ring", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "live_sync.png", dpi=120)
     plt.close(fig)
     print(f"{a.model}: {n} parameters ({4 * n / 1e6:.2f} MB of gradients), {a.world} workers")
     for r in table:
-        print(f"  {r['mode']:>9}: step {r['step_ms']:7.1f} ms ({r['step_vs_ring']:.2f}x ring), sync "
+        print(f"  {r['mode']:>14}: step {r['step_ms']:7.1f} ms ({r['step_vs_ring']:.2f}x ring), sync "
               f"{r['sync_ms']:7.1f} ms ({r['sync_vs_ring']:.2f}x), {r['gbps_per_worker']:.4f} GB/s per worker"
               + (f", {100 * r['in_switch_frac']:.1f}% in switch" if r["in_switch_frac"] is not None else ""))
     print(f"wrote {out}")

@@ -104,14 +104,102 @@ def test_ddp_hook_exact_and_bit_identical_under_loss():
         assert all(j["held"] == 0 for j in jobs.values()) or name == "lossy"  # lossy: stale, reclaimed at teardown
 
 
+def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
+    """SwitchML and two-level ATP (issue 28), clean and under 2% loss, on 4 ranks: each rank's
+    last-round integers, summed over the ranks by gloo, against the integers the protocol
+    returned; the float results; the switches' counters; the roles' pids and ports."""
+    import numpy as np
+
+    from atp_pipeline.ina.live.sync import ATPSync
+    from atp_pipeline.ina.quant import quantize_mask
+
+    torch.manual_seed(100 + rank)
+    x = torch.randn(5000, dtype=torch.float64) * 10.0 ** (rank - 2)  # magnitudes differ per rank
+    exact, xmax = x.clone(), x.abs().max()
+    dist.all_reduce(exact)
+    dist.all_reduce(xmax, op=dist.ReduceOp.MAX)
+    out: Dict[str, Any] = {"exact": exact, "xmax": xmax.item()}
+    runs = {"sml": dict(mode=AggregationMode.switchml, pool=8), "atp2": dict(mode=AggregationMode.atp, racks=2)}
+    for name, kw in runs.items():
+        for loss in (0.0, 0.02):
+            key = name + ("_lossy" if loss else "")
+            sync = ATPSync.setup(dist.group.WORLD, AggregationConfig(payload_k=256, loss=loss, seed=7, **kw))
+            eng = sync.engine
+            out[key] = [eng.all_reduce(x.clone()) for _ in range(2)]
+            w = eng.worker
+            if name == "sml":
+                mine, got = np.stack(w.chunks[w.P:]), w.result_q
+            else:
+                q = quantize_mask(x.numpy(), eng.last_scale, world)[0]
+                mine, got = np.zeros(w.result.size, np.int32), w.result
+                mine[:q.size] = q
+            total = torch.from_numpy(mine.astype(np.int64).reshape(got.shape))
+            dist.all_reduce(total)
+            out[key + "_int_exact"] = torch.equal(total, torch.from_numpy(got.astype(np.int64)))
+            out[key + "_metrics"] = sync.step_metrics(with_roles=rank == 0)
+            dist.barrier()
+            if rank == 0:
+                out[key + "_stats"] = sync.services.stats()
+                out[key + "_roles"] = [(e.pid, e.data[1]) for e in [sync.services.switch, *sync.services.racks,
+                                                                     *sync.services.ps]]
+            dist.barrier()
+            sync.close()
+            out[key + "_freed"] = sync.freed_at_teardown
+    return out
+
+
+def _udp_ports() -> set:
+    ports = set()
+    for line in Path("/proc/net/udp").read_text().splitlines()[1:]:
+        ports.add(int(line.split()[1].split(":")[1], 16))
+    return ports
+
+
+def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
+    """Must-show (issue 28): ``aggregation=switchml`` and ``aggregation=atp racks=2`` on 4
+    ranks — the aggregated integers equal the exact sums of every rank's integers, results
+    bit-identical on all ranks and with 2% loss, within the quantization bound of the exact
+    float64 sum; both levels complete every sequence without loss; no role process or
+    socket is left."""
+    res = spawn(_modes_worker, 4, timeout=300)
+    r0 = res[0]
+    exact = r0["exact"]
+    for key in ("sml", "sml_lossy", "atp2", "atp2_lossy"):
+        assert all(r[key + "_int_exact"] for r in res), key
+        for r in res[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r[key], r0[key])), key
+        err = (r0[key][1] - exact).abs().max().item()
+        # SwitchML: W/2 quanta of 2^(e-B) per element, 2^e <= 2 max|x|, 2^B = 2^28 <= Q(4)
+        bound = 4 * r0["xmax"] * 2.0 ** -28 if key.startswith("sml") else 1e-5 * exact.abs().max().item()
+        assert err <= bound, (key, err, bound)
+    for name in ("sml", "atp2"):  # integer sums exact, the scale from shared data only: loss changes no bit
+        assert all(torch.equal(a, b) for a, b in zip(r0[name], r0[name + "_lossy"]))
+        assert r0[name + "_lossy_metrics"]["atp_retransmits"] > 0 and r0[name + "_lossy_stats"]["switch"][
+            "injected_loss"] > 0
+    jobs = r0["sml_stats"]["switch"]["jobs"]
+    assert sum(j["complete"] for j in jobs.values()) > 0 and r0["sml_stats"]["ps"] == []
+    clean = r0["atp2_metrics"]
+    assert clean["atp_level1_frac"] == clean["atp_level2_frac"] == clean["atp_in_switch_frac"] == 1.0, clean
+    lossy = r0["atp2_lossy_metrics"]
+    assert 0.5 < lossy["atp_level2_frac"] < 1.0 and 0.5 < lossy["atp_level1_frac"] <= 1.0, lossy
+    assert len(r0["atp2_stats"]["racks"]) == 2 and r0["atp2_freed"] == 0
+    roles = [pr for key in ("sml", "sml_lossy", "atp2", "atp2_lossy") for pr in r0[key + "_roles"]]
+    assert len(roles) == 2 + 2 * 4
+    ports = _udp_ports()
+    assert not [pid for pid, _ in roles if _alive(pid)] and not [p for _, p in roles if p in ports]
+
+
 def _summary(d: Path) -> Dict[str, Any]:
     return json.loads((d / "summary.json").read_text())
 
 
 def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
+    """``train.py aggregation=atp`` with two levels (``racks=2``, §4.1) against ring: same
+    losses, every sequence completed at both levels, and under 1% loss at every switch the
+    very same weights, nothing left allocated at any switch."""
     steps = ["trainer.max_steps=8", "trainer.devices=4"]
-    runs = {"ring": ["mesh.dp=4"], "atp": ["aggregation=atp"],
-            "lossy": ["aggregation=atp", "aggregation.loss=0.01", "aggregation.payload_k=256"]}
+    two = ["aggregation=atp", "aggregation.racks=2"]
+    runs = {"ring": ["mesh.dp=4"], "atp": two, "lossy": [*two, "aggregation.loss=0.01", "aggregation.payload_k=256"]}
     for name, extra in runs.items():
         p = run_train([*FAST, *steps, *extra, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -123,9 +211,13 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     assert max(abs(a - b) for a, b in zip(r_loss, a_loss)) < 1e-3
     rows = [r for r in read_metrics(tmp_path / "atp" / "metrics.csv") if "atp_in_switch_frac" in r]
     assert rows and min(r["atp_in_switch_frac"] for r in rows) >= 0.99
+    assert min(min(r["atp_level1_frac"], r["atp_level2_frac"]) for r in rows) >= 0.99
     assert all(r["atp_bytes"] > 0 and r["atp_sync_s"] > 0 for r in rows)
+    levels = atp["aggregation_roles"]["levels"]
+    assert levels["racks"] == 2 and levels["level1_frac"] >= 0.99 and levels["level2_frac"] >= 0.99, levels
     roles = lossy["aggregation_roles"]
-    assert roles["injected_loss"] > 0 and roles["switch_allocated_after"] == 0
+    assert roles["injected_loss"] > 0 and roles["switch_allocated_after"] == 0  # every switch of both levels
+    assert 0 < roles["levels"]["level2_frac"] < 1.0
     # 1% loss, another payload size: the very same weights as without loss? Different K
     # quantizes identically (same scale, exact sums) -> same bits.
     assert lossy["final_loss"] == atp["final_loss"]
@@ -447,9 +539,42 @@ def test_bmv2_switch_bad_values_are_one_line(compose_cfg, monkeypatch):
                             "simple_switch_CLI (neither on PATH nor in /nonexistent/bin;")
 
 
+def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
+    """Issue 28: racks that do not divide the workers, knobs of one mode given to another,
+    ``switch_impl=bmv2`` with a mode or a topology that has no program: one line each."""
+    def err(*overrides: str, dp: int = 4) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_aggregation(compose_cfg(*overrides).aggregation, dp)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert err("aggregation=atp", "aggregation.racks=3").startswith(
+        "aggregation.racks=3 must divide the 4 data-parallel workers")
+    assert err("aggregation=switchml", "aggregation.racks=2") == "aggregation.racks=2 applies to aggregation=atp, not switchml"
+    assert err("aggregation=ps", "aggregation.racks=2") == "aggregation.racks=2 applies to aggregation=atp, not ps"
+    assert err("aggregation=ring", "aggregation.racks=2", dp=1).endswith("not ring")
+    assert err("aggregation=atp", "aggregation.pool=128") == "aggregation.pool=128 applies to aggregation=switchml, not atp"
+    for knob in ("aggregation.aggregators=1024", "aggregation.n_ps=2", "aggregation.duplicate=0.01",
+                 "aggregation.switch=127.0.0.1:1"):
+        assert err("aggregation=switchml", knob).endswith("not switchml"), knob
+    assert err("aggregation=ps", "aggregation.aggregators=1024").endswith("applies to aggregation=atp, not ps")
+    assert err("aggregation=switchml", "aggregation.switch_impl=bmv2").startswith(
+        "aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program")
+    assert err("aggregation=atp", "aggregation.racks=2", "aggregation.switch_impl=bmv2").startswith(
+        "aggregation.switch_impl=bmv2 with aggregation.racks=2: the BMv2 switch role installs one-rack plans")
+    for ok in (["aggregation=atp", "aggregation.racks=2"], ["aggregation=switchml", "aggregation.pool=16"]):
+        check_aggregation(compose_cfg(*ok).aggregation, 4)
+
+
 def test_bmv2_switch_bad_value_exits_before_anything_starts(tmp_path):
     out = run_train([*FAST, "aggregation=ps", "aggregation.switch_impl=bmv2", "trainer.devices=2",
                      f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("error: aggregation.switch_impl=bmv2 runs the ATP program")
     assert not (tmp_path / "run" / "plan.json").exists()
+    out = run_train([*FAST, "aggregation=atp", "aggregation.racks=3", "mesh=1x1", "mesh.dp=4",
+                     f"hydra.run.dir={tmp_path / 'racks'}"], cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: aggregation.racks=3 must divide the 4 data-parallel workers (mesh.dp): every rack has as many "
+        "workers"], out.stderr
+    assert not (tmp_path / "racks" / "plan.json").exists()

@@ -36,6 +36,13 @@ def _role_report(services: Any) -> Dict[str, Any]:
     print(f"aggregation: switch allocated {sum(j['allocs'] for j in sw['jobs'].values())} aggregators over "
           f"{len(sw['jobs'])} job(s), {sw['allocated']} still allocated after teardown; injected loss "
           f"{sw['injected_loss']}, duplicates {sw['injected_dup']}, socket drops {rep['socket_drops']}")
+    if st.get("racks"):  # two-level aggregation (§4.1): the sequences each level completed
+        from atp_pipeline.ina.live.services import level_report
+
+        lv = rep["levels"] = level_report(st)
+        rep["switch_allocated_after"] = lv["allocated_after"]
+        print(f"aggregation: {lv['racks']} rack switches completed {lv['level1_frac']:.2%} of their sequences "
+              f"(level 1), the second-level switch {lv['level2_frac']:.2%} (level 2), of {lv['sequences']}")
     if "bmv2" in sw:  # the P4 program's own counters, read with simple_switch_CLI
         done = sum(j["complete"] for j in sw["jobs"].values())
         seqs = sum(j["params"] for j in sw["jobs"].values())

@@ -191,6 +191,7 @@ class Engine:
             self.stats.rescales += 1
         if self.stats.rounds == 0:
             w.set_rto(self.cfg.worker.rto)
+        self.last_scale = scale  # what the last round's integers mean (tests check Σ of them)
         res = w.result_tensor.astype(np.float64) / scale
         peak = float(np.abs(res).max(initial=0.0))
         self._bound[n] = max(self.cfg.headroom * peak, 1e-12)

@@ -211,7 +211,8 @@ class SMLSwitchNode(Role):
         return job
 
     def op_remove_job(self, job: int) -> int:
-        """Teardown: the job's partition is freed; returns how many slots it had."""
+        """Teardown: the job's partition is freed. Returns 0: a static partition holds no
+        per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
         js = self.sml.jobs.pop(job, None)
         if js is None:
@@ -230,7 +231,8 @@ class SMLSwitchNode(Role):
                 "malformed": self.malformed, "send_errors": self.send_errors, "socket_drops": meminfo(self.sock)[1],
                 "ecn_marked": 0, "jobs": {j: {**(dict(self.sml.jobs[j].stats) if j in self.sml.jobs else
                                                  self.finished[j]), "packets": self.job_packets.get(j, 0),
-                                              "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else 0,
+                                              "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else
+                                              self.removed.get(j, 0) * 2,
                                               "held": 0, "slots_freed_at_teardown": self.removed.get(j, 0)}
                                           for j in jobs}}
 
