@@ -25,7 +25,7 @@ from .hf_workers import BATCH, build, token_data
 
 P_TOY = 0.3  # the toy's dropout: near 1/2, so that equal and independent masks are far apart
 P_HF = 0.1  # GPT-2's and OPT's shipped dropout
-STEPS, LR = 8, 0.05
+STEPS, LR = 8, 0.2  # on two batches in turn: the loss falls by about 0.4 in 8 steps
 TOY_MESHES = ((1, 2, 2), (1, 1, 4), (2, 1, 2))  # (dp, d1, d2)
 
 
@@ -183,7 +183,7 @@ def train_case(family: str, seed: int, chunks: int = 1, spy: bool = False, **ove
     (name, adapter, sub), = find_adapters(model)
     torch.manual_seed(seed)
     apply_plan(model, prefixed(name, adapter.parallel_plan(sub)), mesh, chunks)
-    data = token_data()
+    data = token_data(2 * BATCH)
     model.eval()
     with torch.no_grad():
         eval_loss = model(input_ids=data[:BATCH], labels=data[:BATCH]).loss.item()
@@ -213,7 +213,7 @@ HF_DROPOUT = {"gpt2": dict(resid_pdrop=P_HF, attn_pdrop=P_HF, embd_pdrop=P_HF, a
               "opt": dict(dropout=P_HF, attention_dropout=P_HF)}
 # (family, seed, chunks): seed 1 twice (bit-for-bit reproduction), another seed, and chunks (§4.1)
 HF_RUNS = (("gpt2", 1, 1), ("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 1, 2), ("gpt2", 1, 2), ("opt", 1, 1),
-           ("opt", 1, 1), ("opt", 1, 2))
+           ("opt", 1, 1))
 
 
 def dropout_case(rank: int, world: int) -> Dict[str, Any]:

@@ -9,11 +9,12 @@ launch (tests/dropout_workers.py).
   the forward raises.
 * transformers GPT-2 (``resid_pdrop = attn_pdrop = embd_pdrop = 0.1``, eager attention, its
   every draw recorded) and OPT (``dropout = attention_dropout = 0.1``, sdpa) train 8 SGD steps on
-  2x2: GPT-2's masks are equal across d1 and independent across d2 between blocks, independent
-  on every rank in the attention core; the keep rate is within 5 binomial sigma of 0.9; the
-  loss is the same on every rank, every parameter and gradient replicated over an axis is equal
-  across it, the same seed reproduces the losses and parameters bit for bit (also with the
-  blocks in 2 chunks, §4.1), another seed gives other losses, and the loss decreases.
+  2x2, two batches in turn: GPT-2's masks are equal across d1 and independent across d2
+  between blocks, independent on every rank in the attention core; the keep rate is within 5
+  binomial sigma of 0.9; the loss is the same on every rank, every parameter and gradient
+  replicated over an axis is equal across it, the same seed reproduces the losses and
+  parameters bit for bit (GPT-2 also with its blocks in 2 chunks, §4.1), another seed gives
+  other losses, the loss falls, and dropout is on (the first loss is not the evaluation one).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def test_hf_models_train_with_dropout_and_replicas_stay_identical(ranks):
         losses = rows[0]["losses"]
         assert all(r["losses"] == losses for r in rows), (where, [r["losses"] for r in rows])
         assert all(math.isfinite(x) for x in losses), where
-        assert sum(losses[-3:]) < sum(losses[:3]), (where, losses)
+        assert sum(losses[-2:]) < sum(losses[:2]) - 0.2, (where, losses)  # both batches, 8 steps apart
         # dropout is on: the first step's loss differs from the same batch's in evaluation
         assert losses[0] != rows[0]["eval_loss"], where
         _equal_where_replicated(rows, "params", where)
