@@ -151,7 +151,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab_loss_memory.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"dense (one process): peak {dense['peak_bytes'] / 2**20:.1f} MiB, saved {dense['saved_bytes'] / 2**20:.1f} MiB")
+    print(f"dense (one process): peak {dense['peak_bytes'] / 2**20:.1f} MiB, "
+          f"saved {dense['saved_bytes'] / 2**20:.1f} MiB")
     for key, r in layouts.items():
         print(f"{key:18s} logits {r['logits_shape']}: peak {r['peak_bytes'] / 2**20:7.1f} MiB "
               f"({r['peak_reduction']:.2f}x less), saved {r['saved_bytes'] / 2**20:7.1f} MiB "

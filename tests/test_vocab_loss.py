@@ -16,7 +16,6 @@ The memory figure is measured by ``benchmarks/vocab_loss_memory.py``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="pip install transformers")
 

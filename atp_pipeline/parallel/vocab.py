@@ -43,7 +43,7 @@ from torch.distributed.tensor import Shard
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, comm_for
-from atp_pipeline.parallel.layers import FULL, SPLIT, gather_last, split_last
+from atp_pipeline.parallel.layers import FULL, SPLIT, ParallelEmbedding, gather_last, split_last
 from atp_pipeline.parallel.linear import as_linear, sharded_parameter
 from atp_pipeline.parallel.mappings import (VocabParallelCrossEntropy, reduce_from_axis, token_rows,
                                            vocab_split_linear)
@@ -75,10 +75,8 @@ class VocabSplitEmbedding(nn.Module):
         self.weight = sharded_parameter(emb.weight, mesh, VOCAB_SPLIT)
 
     def reset_shards(self, seed: int, name: str) -> None:
-        g = torch.Generator().manual_seed(shard_seed(seed, name, tp_coordinate(self.comm.mesh)))
-        with torch.no_grad():
-            local = self.weight.to_local()
-            local.copy_(torch.randn(local.shape, generator=g, dtype=local.dtype))
+        """Normal init of this rank's block, as :class:`~.layers.ParallelEmbedding`'s."""
+        ParallelEmbedding.reset_shards(self, seed, name)  # type: ignore[arg-type]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.lo
@@ -201,7 +199,8 @@ def install_vocab_parallel_loss(model: nn.Module, mesh: DeviceMesh) -> VocabPara
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, VocabSplitHead):
         raise ConfigError(f"vocabulary-parallel loss: the output embeddings of {type(model).__name__} are "
-                          f"{type(head).__name__}, not a head styled 'vocab_head' or 'vocab_tied'; apply the plan first")
+                          f"{type(head).__name__}, not a head styled 'vocab_head' or 'vocab_tied'; "
+                          f"apply the plan first")
     if not isinstance(getattr(type(model), "loss_function", None), property):
         raise ConfigError(f"vocabulary-parallel loss: {type(model).__name__} has no loss_function to replace")
     loss = VocabParallelCausalLMLoss(mesh)

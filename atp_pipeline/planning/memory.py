@@ -9,10 +9,10 @@ moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthi
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
 local batch ``b/dp``; the logits (:func:`logits_bytes`) are estimated beside them (not yet
-in ``total_bytes``, so the feasibility of existing plans is unchanged). With ``fsdp`` (sharded data parallelism, FSDP2 on the ``dp`` axis)
-weights, gradients and optimizer state are further divided over the ``dp`` replicas
-(activations are not), plus one block's gathered weights, which FSDP holds whole while
-that block runs. An estimate, reported as such.
+in ``total_bytes``, so the feasibility of existing plans is unchanged). With ``fsdp``
+(sharded data parallelism, FSDP2 on the ``dp`` axis) weights, gradients and optimizer state
+are further divided over the ``dp`` replicas (activations are not), plus one block's
+gathered weights, which FSDP holds whole while that block runs. An estimate, reported as such.
 """
 
 from __future__ import annotations
