@@ -28,7 +28,7 @@ headroom scheme keeps every aggregation path exact at the cost of ``log2(W)`` bi
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Tuple, Union
 
 import numpy as np
 
@@ -44,14 +44,19 @@ def lane_limit(n_workers: int) -> int:
 
 def safe_scale(max_abs: float, n_workers: int) -> float:
     """The largest power of two ``s`` with ``max_abs · s ≤ Q(W)`` (no lane can saturate)."""
-    if not max_abs > 0 or not math.isfinite(max_abs):
-        return 1.0
-    e = math.floor(math.log2(lane_limit(n_workers) / max_abs))
-    s = 2.0**e
-    while max_abs * s > lane_limit(n_workers):  # guard against log2 rounding
-        s /= 2
-    return s
+    return float(safe_scales(np.asarray([max_abs], dtype=np.float64), n_workers)[0])
 
+
+def safe_scales(max_abs: np.ndarray, n_workers: int) -> np.ndarray:
+    """:func:`safe_scale` of every bound in ``max_abs`` (1 where a bound is not a positive
+    finite number), e.g. one scale per packet."""
+    b = np.asarray(max_abs, dtype=np.float64)
+    ok = (b > 0) & np.isfinite(b)
+    lim = lane_limit(n_workers)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.where(ok, np.exp2(np.floor(np.log2(lim / np.where(ok, b, 1.0)))), 1.0)
+    s = np.where(ok & (b * s > lim), s / 2, s)  # guard against log2 rounding
+    return s
 
 def quantize(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, int]:
     """``round(x·scale)`` clamped to ``±Q(W)`` as int32, and the number of clamped lanes.
@@ -62,10 +67,11 @@ def quantize(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, i
     return q, int(np.count_nonzero(sat))
 
 
-def quantize_mask(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, np.ndarray]:
-    """As :func:`quantize`, returning the boolean mask of saturated lanes."""
+def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int) -> Tuple[np.ndarray, np.ndarray]:
+    """As :func:`quantize`, returning the boolean mask of saturated lanes; ``scale`` is one
+    number or one per lane (the live engine's per-packet scales)."""
     lim = lane_limit(n_workers)
-    r = np.rint(np.asarray(x, dtype=np.float64) * float(scale))
+    r = np.rint(np.asarray(x, dtype=np.float64) * np.asarray(scale, dtype=np.float64))  # scalar or per lane
     sat = ~(np.abs(r) <= lim)  # also true for NaN and ±inf
     if sat.any():  # slow path: clamp; NaN -> 0, ±inf -> ±Q(W)
         r = np.clip(np.where(np.isnan(r), 0.0, r), -lim, lim)

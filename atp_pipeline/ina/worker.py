@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -124,8 +124,10 @@ class Worker:
         self._last_decrease = -1.0
 
     # ----------------------------------------------------------------------------- API
-    def start_float(self, grads: np.ndarray, scale: float, base_seq: int, now: float) -> List[Packet]:
-        """Quantize (headroom scheme) and start; packets with a saturated lane carry ``overflow``."""
+    def start_float(self, grads: np.ndarray, scale: Union[float, np.ndarray], base_seq: int, now: float
+                    ) -> List[Packet]:
+        """Quantize (headroom scheme; one scale, or one per element) and start; packets with a
+        saturated lane carry ``overflow``."""
         q, sat = quantize_mask(grads, scale, self.layout.n_workers)
         return self.start(q, base_seq, now, saturated=sat)
 

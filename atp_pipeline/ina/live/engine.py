@@ -10,11 +10,15 @@ buffer sizes (DDP's buckets, or one flat bucket per step), so sequence numbers a
 
 Quantization (§5.4, :mod:`atp_pipeline.ina.quant`): all workers of a job must use the same
 scale. It is derived from data every worker already shares — the previous result for the
-same buffer size — never from local values: ``s = safe_scale(bound, W)`` with
-``bound = 16·max|Σ|`` of the last round (``initial_bound`` before the first). A lane that
-saturates sets the ``overflow`` flag, which the switch and the PS OR into the parameter
-packet, so every worker sees it on the same sequences; all of them then redo the round
-with ``bound × 1024`` (at most ``max_rescale`` times). Integer sums are exact, the scale
+same buffer size — never from local values. Each packet has its own scale (issue 28: one
+scale for a whole flat gradient left the small gradients of some layers a few quanta, and
+Adam amplifies that noise): ``s_p = safe_scale(bound_p, W)`` with ``bound_p = 16·max|Σ_p|``
+over packet ``p``'s lanes, the largest over the last :data:`BOUND_MEMORY` rounds of that
+buffer size (DDP may sync several buckets of one size per step; the whole tensor's bound
+where a sum was 0; ``initial_bound`` before the first round). A lane that saturates sets the ``overflow`` flag,
+which the switch and the PS OR into the parameter packet, so every worker sees it on the
+same sequences; all of them then redo the round with ``bound_p × 1024`` for those packets
+(at most ``max_rescale`` times). Integer sums are exact, the scale
 is a function of earlier results only, so the result is bit-identical whatever the loss,
 duplication or reordering on the way; nothing wraps: a gradient that still saturates
 after every rescaling (NaN/inf, or beyond ``2^(10·max_rescale)·bound``) raises.
@@ -32,8 +36,9 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,11 +47,12 @@ from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.ina.quant import safe_scale
+from atp_pipeline.ina.quant import safe_scales
 from atp_pipeline.ina.worker import Worker, WorkerConfig
 
 SEQ_LIMIT = 1 << 32
 INITIAL_RTO_S = 1.0
+BOUND_MEMORY = 4  # rounds of one buffer size whose per-packet bounds the next one takes the max of
 
 
 @dataclass
@@ -99,7 +105,7 @@ class Engine:
         self._per_datagram = max(1, MAX_DATAGRAM // fmt.atp_bytes)
         self._poller = poller_for(sock)
         self.seq = 0
-        self._bound: Dict[int, float] = {}
+        self._bound: Dict[int, Deque[np.ndarray]] = {}  # buffer size -> per-packet bounds of its last rounds
         self._q: "queue.Queue[Any]" = queue.Queue()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"atp-worker-{job}.{worker_id}", daemon=True)
@@ -168,16 +174,19 @@ class Engine:
         s.window_bytes = getattr(self.worker, "wnd", 0.0)
 
     def _sum(self, x: np.ndarray) -> np.ndarray:
-        """The sum of ``x`` over the job's workers (float64), through ATP (§5.4 quantization:
-        module docstring)."""
-        n = x.size
-        bound = self._bound.get(n, self.cfg.initial_bound)
+        """The sum of ``x`` over the job's workers (float64), through ATP (§5.4 quantization,
+        one scale per packet: module docstring)."""
+        n, k = x.size, self.fmt.payload_k
+        npk = max(1, -(-n // k))
+        past = self._bound.get(n)
+        bound = np.full(npk, self.cfg.initial_bound) if not past else np.max(past, axis=0)
         w = self.worker
         for attempt in range(self.cfg.max_rescale + 1):
-            scale = safe_scale(bound, self.n_workers)
-            if self.seq + -(-n // self.fmt.payload_k) >= SEQ_LIMIT:
+            scale = np.repeat(safe_scales(bound, self.n_workers), k)[:n]
+            if self.seq + npk >= SEQ_LIMIT:
                 raise AggregationError(f"ATP job {self.job}: 32-bit sequence space exhausted")
-            pkts = w.start_float(x, scale, self.seq, time.monotonic())
+            base = self.seq
+            pkts = w.start_float(x, scale, base, time.monotonic())
             self.seq += w.n
             self._send(pkts)
             self._run_round()
@@ -186,15 +195,21 @@ class Engine:
             if attempt == self.cfg.max_rescale:
                 local = "" if np.isfinite(x).all() else f"; rank {self.ranks[self.wid]} has NaN/inf gradients"
                 raise AggregationError(f"ATP job {self.job}: gradient lanes still saturate after "
-                                       f"{self.cfg.max_rescale} rescalings (bound {bound:.3g}){local}")
-            bound *= 1024.0
+                                       f"{self.cfg.max_rescale} rescalings (bound {bound.max():.3g}){local}")
+            bound = bound.copy()
+            bound[np.asarray(w.overflow_seqs, dtype=np.int64) - base] *= 1024.0  # the packets that saturated
             self.stats.rescales += 1
         if self.stats.rounds == 0:
             w.set_rto(self.cfg.worker.rto)
         self.last_scale = scale  # what the last round's integers mean (tests check Σ of them)
         res = w.result_tensor.astype(np.float64) / scale
-        peak = float(np.abs(res).max(initial=0.0))
-        self._bound[n] = max(self.cfg.headroom * peak, 1e-12)
+        peak = np.zeros(npk * k)
+        peak[:n] = np.abs(res)
+        peak = peak.reshape(npk, k).max(axis=1)
+        whole = max(self.cfg.headroom * float(peak.max()), 1e-12)
+        # a packet whose sum was 0 (e.g. embedding rows no token used) gets the whole tensor's bound
+        self._bound.setdefault(n, deque(maxlen=BOUND_MEMORY)).append(
+            np.where(peak > 0, np.maximum(self.cfg.headroom * peak, 1e-12), whole))
         return res
 
     def _send(self, pkts: List[Any]) -> None:
