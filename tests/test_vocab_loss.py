@@ -3,7 +3,7 @@ logits stay split, ``[tokens/d2, vocab/d1]`` on every rank, and transformers' ca
 runs on the blocks (:mod:`atp_pipeline.parallel.vocab`).
 
 One launch of 4 gloo processes: a tiny Llama (untied head) and GPT-2 (head tied to the token
-embedding), float64, laid out on 2x2 and 1x4 by the HF adapter's plan with the head (and the
+embedding), float64, laid out on 2x2, 1x4 and 4x1 by the HF adapter's plan with the head (and the
 tied table) swapped for ``vocab_head`` / ``vocab_tied`` + ``vocab_embedding``, the loss
 installed with ``install_vocab_parallel_loss``. Against the single-process model under
 transformers' own ``ForCausalLMLoss`` (its source minus the float64->float32 ``.float()``): the
@@ -25,7 +25,7 @@ from atp_pipeline.launch import spawn  # noqa: E402
 from .hf_workers import VOCAB, predicted  # noqa: E402
 from .vocab_workers import FAMILIES, exactness  # noqa: E402
 
-MESHES = [(2, 2), (1, 4)]
+MESHES = [(2, 2), (1, 4), (4, 1)]  # 4x1: the head's d2 = 1 path (no rounds)
 CASES = {("even", c) for c in ("labels", "shift_labels", "num_items", "softcap")} | {("padded", "labels")}
 
 
@@ -55,7 +55,7 @@ def test_logits_on_a_rank_are_one_over_d1_d2_of_the_whole(runs):
         d1, d2 = r["mesh"]
         rows = -(-r["tokens"] // (d2 * d2)) * d2  # the tokens padded to a multiple of d2*d2, split over d2
         assert r["logits_shape"] == (rows, VOCAB // d1), r
-        if r["batch"] == "even":  # 32 tokens: no padding on 2x2 or 1x4
+        if r["batch"] == "even":  # 32 tokens: no padding on any of the meshes
             assert r["logits_shape"][0] * r["logits_shape"][1] * d1 * d2 == r["logits_numel"], r
 
 
