@@ -16,7 +16,7 @@ VOCAB, SEQ, BATCH = 96, 8, 4
 # "pick"), fewer than d1 (1 head, Mistral: "gathered"). GPT-2 (Conv1D, fused concatenated
 # q|k|v, learned positions, tied head), OPT (per-rank num_heads, positions derived in its
 # forward, tied head, ReLU) and GPT-NeoX (per-head interleaved q|k|v, partial rotary,
-# parallel residual, untied) with dropout 0 (refused otherwise).
+# parallel residual, untied), dropout 0 (the exactness checks compare with one process).
 COMMON: Dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
                               max_position_embeddings=64, attn_implementation="sdpa")
 TINY: Dict[str, Dict[str, Any]] = {
@@ -27,6 +27,14 @@ TINY: Dict[str, Dict[str, Any]] = {
     "opt": dict(ffn_dim=48, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, activation_function="relu"),
     "gpt_neox": dict(intermediate_size=48, hidden_dropout=0.0, attention_dropout=0.0, rotary_pct=0.5,
                      use_parallel_residual=True, tie_word_embeddings=False),
+    # families no table of ours names, laid out from transformers' declaration alone: per-head
+    # q/k norms (Qwen3), a fused q|k|v read whole and a packed gate|up (Phi-3), embedding,
+    # residual, attention and logit multipliers (Granite)
+    "qwen3": dict(intermediate_size=48, num_key_value_heads=4, head_dim=4, tie_word_embeddings=False),
+    "phi3": dict(intermediate_size=48, num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                 tie_word_embeddings=False),
+    "granite": dict(intermediate_size=48, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                    attention_multiplier=0.3, logits_scaling=2.0, tie_word_embeddings=True),
 }
 
 
@@ -160,13 +168,13 @@ def token_data(n: int = 64) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(2))
 
 
-def reference_losses(family: str = "llama") -> List[float]:
+def reference_losses(family: str = "llama", steps: int = STEPS) -> List[float]:
     """One process, float32: the losses the Lightning run must reproduce (plain order, dp=1)."""
     model = build(family, torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = token_data()
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         x = data[(step * BATCH) % len(data):][:BATCH]
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
@@ -176,12 +184,13 @@ def reference_losses(family: str = "llama") -> List[float]:
     return out
 
 
-def lightning_case(rank: int, world: int, packages: List[str], family: str = "llama") -> Dict[str, Any]:
-    """:func:`lightning_run` under each Lightning package, one after another."""
-    return {p: lightning_run(p, world, family) for p in packages}
+def lightning_case(rank: int, world: int, packages: List[str], runs: Dict[str, int]) -> Dict[str, Any]:
+    """:func:`lightning_run` of each family in ``runs`` (its step count) under each Lightning
+    package, one after another: ``{"package/family": result}``."""
+    return {f"{p}/{f}": lightning_run(p, world, f, steps) for f, steps in runs.items() for p in packages}
 
 
-def lightning_run(package: str, world: int, family: str = "llama") -> Dict[str, Any]:
+def lightning_run(package: str, world: int, family: str = "llama", steps: int = STEPS) -> Dict[str, Any]:
     """A user's plain LightningModule holding a transformers causal LM; ``strategy="atp"``
     with no plan and ``mesh="auto"``: the planner picks the mesh from the model's shape."""
     import importlib
@@ -209,7 +218,7 @@ def lightning_run(package: str, world: int, family: str = "llama") -> Dict[str, 
             return DataLoader(token_data(), batch_size=BATCH, shuffle=False)
 
     module = CausalLM()
-    trainer = pl.Trainer(strategy="atp", accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
+    trainer = pl.Trainer(strategy="atp", accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
     strategy = trainer.strategy
@@ -217,7 +226,7 @@ def lightning_run(package: str, world: int, family: str = "llama") -> Dict[str, 
             "applied": strategy.applied_plan}
 
 
-def predicted(shape: Dict[str, Any], mesh: Tuple[int, int]) -> Dict[str, int]:
+def predicted(shape: Dict[str, Any], mesh: Tuple[int, int], chunks: int = 1) -> Dict[str, int]:
     """The runtime cost model's elements per (collective, axis) for one step of ``batch()``."""
     from atp_pipeline.config.schema import CostModel
     from atp_pipeline.planning.cost import comm_terms, predicted_elements
@@ -225,5 +234,5 @@ def predicted(shape: Dict[str, Any], mesh: Tuple[int, int]) -> Dict[str, int]:
 
     keep = {k: v for k, v in shape.items() if k in ModelShape.__dataclass_fields__}
     s = ModelShape(**keep)
-    got = predicted_elements(comm_terms(CostModel.runtime, s, mesh), BATCH * SEQ, s.layers)
+    got = predicted_elements(comm_terms(CostModel.runtime, s, mesh), BATCH * SEQ, s.layers, chunks)
     return {f"{k}/{a}": n for (k, a), n in got.items()}

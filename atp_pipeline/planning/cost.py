@@ -41,7 +41,7 @@ from fractions import Fraction
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.config.schema import CostModel
-from atp_pipeline.planning.shape import KV_PICK, KV_SCATTER, ModelShape, kv_placement
+from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_placement
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
 
@@ -60,6 +60,7 @@ class CommTerm:
     phase: str = "fwd+bwd"  # "fwd", "bwd" or "fwd+bwd" (Eq. 2 charges both alike)
     per_layer: bool = True
     per_token: bool = True  # False: ``elements_per_token`` elements per step, whatever the tokens (a loss total)
+    per_chunk: bool = False  # sent by each chunk (§4.1) whole: elements multiply with the chunks
 
 
 def eq2_terms(hidden: int, mesh: Tuple[int, int], ffn: Optional[int] = None,
@@ -135,6 +136,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                        F_(V), 1, "fwd", False))
     elif shape.head_layout == "vocab_split":
         terms += vocab_split_terms(shape, mesh)
+    elif shape.head_layout == "whole":  # the head run whole on the hidden gathered over d2
+        terms.append(t("head", "LM head run whole: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False))
     else:
         terms.append(t("head", "LM head (column-first)", ALL_REDUCE, 2, F_(V, d1), 1, "fwd", False))
         if shape.head_layout == "gathered":
@@ -147,6 +150,20 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if shape.gathered_embeddings:
         terms.append(t("embed", "embeddings run whole: gradient gathered over d2", ALL_GATHER, 2,
                        F_(shape.gathered_embeddings * h), 1, "bwd", False))
+    if shape.attention_layout == "whole":
+        # the family's code reads whole q/k/v: the projections gather their output over d1, the
+        # core takes this rank's d1 block of heads (gradient all-gathered back) and gathers its
+        # output over d1, and the output projection slices its input block (gradient gathered)
+        kv_d1 = layout != KV_GATHERED  # key/value heads split over d1 at the core
+        terms += [t("whole", "q/k/v linears: output gathered over d1", ALL_GATHER, 1, F_(q + 2 * kv), 1, "fwd"),
+                  t("whole", "core: this rank's d1 heads, gradient gathered over d1", ALL_GATHER, 1,
+                    F_(q + (2 * kv if kv_d1 else 0)), 1, "bwd"),
+                  t("whole", "core output gathered over d1", ALL_GATHER, 1, F_(q), 1, "fwd"),
+                  t("whole", "output linear: input block, gradient gathered over d1", ALL_GATHER, 1, F_(q), 1,
+                    "bwd")]
+    if shape.head_norm_params:
+        terms.append(t("qk_norm", "per-head q/k norms: weight gradient summed over d1", ALL_REDUCE, 1,
+                       F_(shape.head_norm_params), 1, "bwd", True, False, True))
     if layout == KV_SCATTER:
         terms.append(t("scatter", "key/value heads scattered over d2: gradient", ALL_GATHER, 2,
                        F_(2 * kv, d1), 1, "bwd"))
@@ -154,8 +171,9 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
         terms.append(t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
                        F_(2 * kv, d1), 1, "bwd"))
     else:
-        terms += [t("kv", "key/value linears: output gathered over d1", ALL_GATHER, 1, F_(2 * kv), 1, "fwd"),
-                  t("pick", "key/value heads picked per rank: gradient summed over d1", ALL_REDUCE, 1,
+        if shape.attention_layout != "whole":  # (whole: gathered with the queries above)
+            terms.append(t("kv", "key/value linears: output gathered over d1", ALL_GATHER, 1, F_(2 * kv), 1, "fwd"))
+        terms += [t("pick", "key/value heads picked per rank: gradient summed over d1", ALL_REDUCE, 1,
                     F_(2 * kv), 1, "bwd"),
                   t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
                     F_(2 * kv), 1, "bwd")]
@@ -195,17 +213,18 @@ def comm_terms(cost_model: CostModel, shape: ModelShape, mesh: Tuple[int, int]) 
     raise ValueError(f"unknown cost model {cost_model}")
 
 
-def term_elements(term: CommTerm, tokens: int, layers: int) -> Fraction:
+def term_elements(term: CommTerm, tokens: int, layers: int, chunks: int = 1) -> Fraction:
     """Elements the term moves per step and rank (input of an all-reduce, output of an all-gather)."""
     return term.elements_per_token * (tokens if term.per_token else 1) * term.passes * \
-        (layers if term.per_layer else 1)
+        (layers if term.per_layer else 1) * (chunks if term.per_chunk else 1)
 
 
-def predicted_elements(terms: List[CommTerm], tokens: int, layers: int) -> Dict[Tuple[str, str], int]:
+def predicted_elements(terms: List[CommTerm], tokens: int, layers: int,
+                       chunks: int = 1) -> Dict[Tuple[str, str], int]:
     """Elements per step by ``(collective, "d1"|"d2")`` — what the runtime's counter reports."""
     out: Dict[Tuple[str, str], Fraction] = defaultdict(Fraction)
     for term in terms:
-        out[(term.collective, f"d{term.dim}")] += term_elements(term, tokens, layers)
+        out[(term.collective, f"d{term.dim}")] += term_elements(term, tokens, layers, chunks)
     for key, value in out.items():
         if value.denominator != 1:
             raise ValueError(f"{key}: {value} elements is not whole; the mesh does not divide the model")

@@ -31,7 +31,7 @@ POSITIONS = ("learned", "rotary", "none")
 # split over d1 by vocabulary and over d2 by token, vocabulary-parallel loss; tied or not — tied,
 # the embedding's table is split by vocabulary over d1 too: parallel/vocab.py).
 NORM_LAYOUTS = ("stats", "gathered")
-HEAD_LAYOUTS = ("vocab_parallel", "gathered", "tied", "vocab_split")
+HEAD_LAYOUTS = ("vocab_parallel", "gathered", "tied", "vocab_split", "whole")
 KV_SCATTER, KV_PICK, KV_GATHERED = "scatter", "pick", "gathered"
 TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
 
@@ -61,6 +61,8 @@ class ModelShape:
     head_layout: str = ""  # "" -> "tied" if tied_embeddings else "vocab_parallel"
     final_norm: bool = True  # a norm after the last layer
     gathered_embeddings: int = 0  # embeddings run whole and sliced over d2 (e.g. OPT's positions)
+    attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
+    head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
@@ -78,9 +80,12 @@ class ModelShape:
             raise ValueError(f"model '{self.name}': position must be one of {POSITIONS}, got {self.position!r}")
         if not self.head_layout:
             object.__setattr__(self, "head_layout", "tied" if self.tied_embeddings else "vocab_parallel")
+        if self.attention_layout not in ("split", "whole"):
+            raise ValueError(f"model '{self.name}': attention_layout must be split or whole, "
+                             f"got {self.attention_layout!r}")
         if self.norm_layout not in NORM_LAYOUTS:
             raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
-        if self.head_layout not in HEAD_LAYOUTS or (self.head_layout != "vocab_split"
+        if self.head_layout not in HEAD_LAYOUTS or (self.head_layout not in ("vocab_split", "whole")
                                                      and (self.head_layout == "tied") != self.tied_embeddings):
             raise ValueError(f"model '{self.name}': head_layout must be one of {HEAD_LAYOUTS} ('tied' exactly when "
                              f"the embeddings are tied, 'vocab_split' either way), got {self.head_layout!r}")

@@ -1,35 +1,32 @@
-"""transformers causal LMs through the model seam: shape from the model's config, ATP's layout
-from what transformers already declares (``base_model_tp_plan``) plus a few lines per family
-where it declares nothing (:data:`FAMILIES`).
+"""transformers causal LMs through the model seam: shape and ATP's layout read from what
+transformers declares (``base_model_tp_plan``) and what the model's modules show
+(:mod:`atp_pipeline.models.hf.layout`), plus a table (:data:`FAMILIES`) only for what neither
+tells (GPT-2's fused ``Conv1D`` q|k|v).
 
 ATP's layout for a decoder (§3.2): activations between blocks split by hidden over d2;
-the attention's q/k/v (separate, or one fused projection: GPT-2's concatenated ``c_attn``,
-GPT-NeoX's per-head interleaved ``query_key_value``) column-first and its output
-projection row-first, with the core on local heads
-(:class:`~atp_pipeline.models.hf.attention.HFAttention`); the MLP's ``colwise`` linears
-(up/gate, fc1) column-first and its ``rowwise`` one (down, fc2) row-first, as transformers'
-``base_model_tp_plan`` marks them (``nn.Linear`` or GPT-2's ``Conv1D``); every norm run
-whole on the gathered hidden (style ``gathered``: the family's own norm runs, bit for
-bit); the token embedding and plain learned positions split by hidden, a position
-embedding whose ``forward`` derives the positions (OPT) run whole and sliced; the LM head
-column-first with its logits gathered, or — tied to the token embedding — sharing its
-split table (style ``tied``), so transformers' own loss runs on whole logits. The
-family's own ``forward`` runs throughout (rotary and partial rotary, parallel residual,
-learned positions), so nothing of the model is re-implemented.
+the attention's q/k/v column-first and its output projection row-first, with the core on
+local heads (:class:`~atp_pipeline.models.hf.attention.HFAttention`); the MLP's linears
+column-first and row-first; every norm run whole on the gathered hidden (style
+``gathered``: the family's own norm, bit for bit); per-head q/k norms kept whole with their
+gradients summed over d1; the token embedding and plain learned positions split by hidden,
+an embedding with a ``forward`` of its own (positions derived in it, a scaled embedding) run
+whole and sliced; the LM head column-first with its logits gathered, or — tied to the token
+embedding — sharing its split table (style ``tied``), so transformers' own loss runs on
+whole logits. The family's own ``forward`` runs throughout (rotary and partial rotary,
+parallel residual, learned positions, multipliers), so nothing of the model is
+re-implemented.
 
-A family not in :data:`FAMILIES`, or a configuration of one that the layout does not cover,
-is refused with one line naming its ``model_type``. Every module holding parameters must be
-covered by the plan: one that is not would see split activations, so the plan refuses it
-by name. Dropout is refused (ranks holding different blocks of a tensor would draw the
-same masks).
+What the layout cannot reproduce exactly is refused with one line naming it (mixture-of-
+experts or latent-attention projections, a fused q|k|v of unknown layout, a module with
+parameters no style reaches). Dropout draws per-rank masks (:mod:`atp_pipeline.parallel.rng`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -38,57 +35,53 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
+from atp_pipeline.models.hf.layout import AttentionSpec, derive, register_conv1d
 from atp_pipeline.parallel.apply import match_plan
+from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
-from atp_pipeline.parallel.linear import register_linear_kind
 from atp_pipeline.parallel.materialize import parameters_on_meta
 from atp_pipeline.parallel.styles import register_style
 from atp_pipeline.planning.shape import ModelShape
 
-_NORM = re.compile(r"(RMSNorm|LayerNorm)$")
 
 
 @dataclass(frozen=True)
 class Family:
-    """What ATP's layout needs of a transformers family beyond its config and its declared
-    ``base_model_tp_plan``: the attention style (projection names, a fused q|k|v's layout,
-    attributes its ``forward`` reshapes by), the MLP's colwise/rowwise linears where
-    transformers declares no plan (GPT-2, OPT), and how its config names the shape."""
+    """What ATP's layout needs of a family that transformers gives no tensor-parallel plan for
+    and whose modules cannot show it: its attention's projections (a fused q|k|v's layout)."""
 
-    attention: str = "hf_attention"
-    linears: Mapping[str, str] = field(default_factory=dict)  # only where base_model_tp_plan is absent
+    attention_spec: Optional[AttentionSpec] = None
+    linears: Mapping[str, str] = field(default_factory=dict)  # declared-style kinds, where needed
+    refuse: Callable[[Any], str] = lambda c: ""  # why a config of the family cannot be laid out
+
+
+FAMILIES: Dict[str, Family] = {
+    # GPT-2's c_attn is one Conv1D whose output is q|k|v concatenated; its forward splits by split_size
+    "gpt2": Family(attention_spec=AttentionSpec(qkv="c_attn", fused="concat", o="c_proj", per_rank=("split_size",)),
+                   refuse=lambda c: "cross-attention (add_cross_attention=True)" if c.add_cross_attention else ""),
+}
+FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's classes under another model_type
+
+
+@dataclass(frozen=True)
+class ShapeHints:
+    """How a config names what the shape reads, for the model types whose presets are planned
+    without importing transformers (``stage=plan`` on ``conf/model``): the shape read from a
+    built model must agree (tests/test_hf_models.py)."""
+
     ffn: Callable[[Any], int] = lambda c: int(c.intermediate_size)
     gated: bool = True
     norm: str = "rmsnorm"
     bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
     position: str = "rotary"
     qkv_fused: bool = False
-    final_norm: Callable[[Any], bool] = lambda c: True
-    gathered_positions: bool = False  # a position embedding whose forward derives the positions
-    refuse: Callable[[Any], str] = lambda c: ""  # why a config of the family cannot be laid out
 
 
-FAMILIES: Dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(bias=lambda c: True),
-    "gpt_neox": Family(attention="hf_attention(qkv=query_key_value, fused=heads, o=dense)", gated=False,
-                       norm="layernorm", bias=lambda c: bool(c.attention_bias), qkv_fused=True),
-    "gpt2": Family(attention="hf_attention(qkv=c_attn, fused=concat, o=c_proj, per_rank=split_size)",
-                   linears={"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
-                   ffn=lambda c: int(c.n_inner or 4 * c.hidden_size), gated=False, norm="layernorm",
-                   bias=lambda c: True, position="learned", qkv_fused=True,
-                   refuse=lambda c: "cross-attention (add_cross_attention=True)" if c.add_cross_attention else ""),
-    "opt": Family(attention="hf_attention(o=out_proj, per_rank=num_heads)",
-                  linears={"decoder.layers.*.fc1": "colwise", "decoder.layers.*.fc2": "rowwise"},
-                  ffn=lambda c: int(c.ffn_dim), gated=False, norm="layernorm", bias=lambda c: bool(c.enable_bias),
-                  position="learned", gathered_positions=True,
-                  final_norm=lambda c: bool(c.do_layer_norm_before and not c._remove_final_layer_norm),
-                  refuse=lambda c: (f"word_embed_proj_dim={c.word_embed_proj_dim} differs from hidden_size="
-                                    f"{c.hidden_size} (project_in/project_out)")
-                  if c.word_embed_proj_dim != c.hidden_size else ""),
+PRESET_SHAPES: Dict[str, ShapeHints] = {
+    "llama": ShapeHints(), "mistral": ShapeHints(), "qwen2": ShapeHints(bias=lambda c: True),
+    "gpt2": ShapeHints(ffn=lambda c: int(c.n_inner or 4 * c.hidden_size), gated=False, norm="layernorm",
+                       bias=lambda c: True, position="learned", qkv_fused=True),
 }
-SUPPORTED = tuple(FAMILIES)
 
 
 def is_hf_causal_lm(module: nn.Module) -> bool:
@@ -97,35 +90,95 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
         and hasattr(module, "config")
 
 
-def family_of(config: Any) -> Family:
-    """The :class:`Family` of a transformers config, or one line saying why there is none."""
+def family_of(config: Any) -> Optional[Family]:
+    """The :class:`Family` entry of a transformers config (None: its layout is read from
+    transformers' declaration and its modules), or one line saying why it is refused."""
     kind = getattr(config, "model_type", "?")
     family = FAMILIES.get(kind)
-    if family is None:
-        raise ConfigError(f"transformers model_type '{kind}' has no ATP layout yet (supported: "
-                          f"{', '.join(SUPPORTED)}); pass plan={{module pattern: style}} to ATPStrategy or set "
-                          f"the LightningModule's parallel_plan")
-    why = family.refuse(config)
+    why = family.refuse(config) if family is not None else ""
     if why:
         raise ConfigError(f"transformers model_type '{kind}': {why} is not laid out by ATP yet; pass a plan")
     return family
 
 
+def _decoder_only(config: Any) -> None:
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"transformers model_type '{kind}' is an encoder-decoder; ATP lays out decoder-only "
+                          f"causal LMs")
+
+
+SHAPE_ATTR = "_atp_hf_shape"
+
+
+def shape_of_model(module: nn.Module, name: str = "") -> ModelShape:
+    """A :class:`ModelShape` read off a transformers causal LM (built, or on the meta device):
+    its config's sizes and its layout's (:func:`~atp_pipeline.models.hf.layout.derive`). A model
+    already laid out answers with the shape read before (:meth:`HFCausalLMAdapter.parallel_plan`)."""
+    known = module.__dict__.get(SHAPE_ATTR)
+    if known is not None:
+        return known if not name else dataclasses.replace(known, name=name)
+    config = module.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layout = derive(module, family_of(config))
+    heads, hidden = int(text.num_attention_heads), int(text.hidden_size)
+    inp, out = module.get_input_embeddings(), module.get_output_embeddings()
+    tied = out is not None and out.weight is inp.weight
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and m is not inp]
+    final = any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules() for p, s in layout.plan.items()
+                if s.startswith("gathered(input=split") and "*" not in p)
+    return ModelShape(
+        name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
+        seq_len=int(getattr(text, "max_position_embeddings", None) or 2048), vocab_size=int(text.vocab_size),
+        ffn=layout.ffn, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads), gated=layout.gated, norm=layout.norm,
+        bias=layout.bias, position="learned" if embeddings else "rotary",
+        tied_embeddings=tied, norm_layout="gathered", head_layout=_head_layout(module, tied),
+        qkv_fused=layout.qkv_fused, final_norm=final,
+        gathered_embeddings=sum(type(m).forward is not nn.Embedding.forward for m in embeddings)
+        + int(type(inp).forward is not nn.Embedding.forward),
+        attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params)
+
+
+def _head_layout(module: nn.Module, tied: bool) -> str:
+    """How :meth:`HFCausalLMAdapter.parallel_plan` places the head: sharing the split table
+    (``tied``), column-first with gathered logits (``gathered``) or run whole (``whole``: an
+    embedding or head with a ``forward`` of its own)."""
+    inp, out = module.get_input_embeddings(), module.get_output_embeddings()
+    if tied:
+        return "tied" if type(inp).forward is nn.Embedding.forward else "whole"
+    return "gathered" if isinstance(out, nn.Linear) and type(out).forward is nn.Linear.forward else "whole"
+
+
 def shape_of_config(config: Any, name: str = "") -> ModelShape:
-    """A :class:`ModelShape` from a transformers ``PretrainedConfig`` of a supported family."""
-    family = family_of(config)
-    heads = int(config.num_attention_heads)
-    hidden = int(config.hidden_size)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    """A :class:`ModelShape` from a transformers ``PretrainedConfig``: a model of it built on the
+    meta device (no memory) and read by :func:`shape_of_model`; a preset's fields alone
+    (:class:`GivenFields`, no transformers import) through :data:`PRESET_SHAPES`."""
+    if isinstance(config, GivenFields):
+        return _preset_shape(config, name)
+    from transformers import AutoModelForCausalLM
+
+    _decoder_only(config)
+    config = copy.deepcopy(config)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    return shape_of_model(model, name)
+
+
+def _preset_shape(config: "GivenFields", name: str) -> ModelShape:
+    hints = PRESET_SHAPES.get(config.model_type)
+    if hints is None:
+        raise NotGiven("model_type")
+    heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
+    tied = bool(config.tie_word_embeddings)
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(config.num_hidden_layers),
-        seq_len=int(getattr(config, "max_position_embeddings", 2048)), vocab_size=int(config.vocab_size),
-        ffn=family.ffn(config), kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(config, "head_dim", None) or hidden // heads), gated=family.gated, norm=family.norm,
-        bias=family.bias(config), position=family.position,
+        seq_len=int(config.max_position_embeddings), vocab_size=int(config.vocab_size), ffn=hints.ffn(config),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+        gated=hints.gated, norm=hints.norm, bias=hints.bias(config), position=hints.position,
         tied_embeddings=tied, norm_layout="gathered", head_layout="tied" if tied else "gathered",
-        qkv_fused=family.qkv_fused, final_norm=family.final_norm(config),
-        gathered_embeddings=int(family.gathered_positions))
+        qkv_fused=hints.qkv_fused, final_norm=True, gathered_embeddings=0)
 
 
 PRETRAINED = "atp_pretrained"  # attribute of a model built by load_pretrained: its checkpoint directory
@@ -148,10 +201,6 @@ def load_pretrained(path: str, config: Any = None) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config)
     setattr(model, PRETRAINED, str(path))
     return model
-
-
-def _pattern(name: str) -> str:
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 _CONFIGS: Dict[tuple, Any] = {}
@@ -185,21 +234,19 @@ def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> 
     kind = fields.pop("model_type", None)
     if not pretrained and kind is None:
         raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
-                          f"model.hf.model_type (supported: {', '.join(SUPPORTED)})")
-    if not pretrained and kind not in SUPPORTED:
-        raise ConfigError(f"model '{name}': model.hf.model_type={kind!r} has no ATP layout yet "
-                          f"(supported: {', '.join(SUPPORTED)})")
+                          f"model.hf.model_type (a transformers model type, e.g. llama)")
     try:
         config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
             AutoConfig.for_model(kind, **fields)
     except (TypeError, ValueError, OSError) as exc:
         raise ConfigError(f"model '{name}': model.hf: {str(exc).splitlines()[0]}") from None
     family_of(config)
+    _decoder_only(config)
     return config
 
 
 class HFCausalLMAdapter(ModelAdapter):
-    """``*ForCausalLM`` of transformers (families in :data:`SUPPORTED`)."""
+    """``*ForCausalLM`` of transformers (any decoder-only family the layout covers)."""
 
     family = "hf"
 
@@ -208,7 +255,7 @@ class HFCausalLMAdapter(ModelAdapter):
 
     def shape(self, module: nn.Module) -> ModelShape:
         register_conv1d()
-        return shape_of_config(module.config)
+        return shape_of_model(module)
 
     @staticmethod
     def hf_config(cfg: Any) -> Any:
@@ -236,7 +283,7 @@ class HFCausalLMAdapter(ModelAdapter):
         name = str(get("name", ""))
         fields = dict(get("hf", None) or {})
         shape = None
-        if not _pretrained(cfg) and fields.get("model_type") in SUPPORTED:
+        if not _pretrained(cfg) and fields.get("model_type") in PRESET_SHAPES:
             try:
                 shape = shape_of_config(GivenFields(fields), name)
             except NotGiven:
@@ -277,51 +324,40 @@ class HFCausalLMAdapter(ModelAdapter):
         return model(input_ids=idx, labels=targets, shift_labels=targets).loss
 
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
-        """ATP's layout of ``module`` (§3.2) as a plan of styles, from the family's declared
-        ``base_model_tp_plan`` (or :attr:`Family.linears`) and its attention style."""
+        """ATP's layout of ``module`` (§3.2) as a plan of styles: the blocks from transformers'
+        declared ``base_model_tp_plan`` or the modules themselves
+        (:func:`~atp_pipeline.models.hf.layout.derive`), then the embeddings and the head."""
         register_conv1d()
         config = module.config
-        family = family_of(config)
+        _decoder_only(config)
         # training keeps no key/value cache: the blocks' chunks (§4.1) would share one and read each
         # other's keys (transformers turns it off itself only under gradient checkpointing)
         config.use_cache = False
-        base = module.base_model_prefix
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config:
+            text.use_cache = False
+        plan: Dict[str, Any] = dict(derive(module, family_of(config)).plan)
+        module.__dict__[SHAPE_ATTR] = shape_of_model(module)  # what adapter.shape answers once laid out
         names = dict(module.named_modules())
-        declared = dict(family.linears or getattr(config, "base_model_tp_plan", None) or {})
-        plan: Dict[str, Any] = {}
-        colwise_under: Dict[str, int] = {}  # column-first linears per parent (gate and up read one input)
-        for pattern, kind in declared.items():
-            if kind == "colwise":
-                parent = pattern.rpartition(".")[0]
-                colwise_under[parent] = colwise_under.get(parent, 0) + 1
-        attention = sorted({_pattern(n) for n, m in names.items() if type(m).__name__.endswith("Attention")})
-        for pattern in attention:
-            plan[pattern] = family.attention
-        for pattern, kind in declared.items():
-            full = f"{base}.{pattern}"
-            if any(fnmatch.fnmatchcase(full, a + ".*") for a in attention):
-                continue  # laid out by the attention style
-            matched = [m for n, m in names.items() if fnmatch.fnmatchcase(n, full)]
-            if kind.startswith("embedding") and matched and all(isinstance(m, nn.Embedding) for m in matched):
-                continue  # an embedding (e.g. GPT-NeoX's 'embedding_rowwise' since transformers 5.24): below
-            if kind not in ("colwise", "rowwise"):
-                raise ConfigError(f"transformers model_type '{config.model_type}': '{pattern}' is declared "
-                                  f"'{kind}', which ATP's layout does not cover; pass a plan")
-            shared = kind == "colwise" and colwise_under[pattern.rpartition(".")[0]] > 1
-            plan[full] = f"{'column' if kind == 'colwise' else 'row'}(input=split, output=split" + \
-                (", shared=true)" if shared else ")")
         by_object = {id(m): n for n, m in names.items()}
-        table = by_object[id(module.get_input_embeddings())]
-        plan[table] = "embedding(output=split)"
-        for n, m in names.items():  # other embeddings (learned positions)
-            if isinstance(m, nn.Embedding) and n != table:
+        inp, out = module.get_input_embeddings(), module.get_output_embeddings()
+        table = by_object[id(inp)]
+        split_table = type(inp).forward is nn.Embedding.forward  # one with a forward of its own runs whole
+        plan[table] = "embedding(output=split)" if split_table else "gathered(input=full, output=split)"
+        blocks = [b for b, _ in block_units(module)]
+        for n, m in names.items():  # other embeddings outside the blocks (learned positions)
+            if isinstance(m, nn.Embedding) and n != table and not any(n.startswith(b + ".") for b in blocks):
                 whole = type(m).forward is not nn.Embedding.forward  # its forward derives the positions
                 plan[n] = "gathered(input=full, output=split)" if whole else "embedding(output=split)"
-        for name in sorted({_pattern(n) for n, m in names.items() if _NORM.search(type(m).__name__)}):
-            plan[name] = "gathered(input=split, output=split)"
-        head = by_object[id(module.get_output_embeddings())]
-        tied = module.get_output_embeddings().weight is module.get_input_embeddings().weight
-        plan[head] = f"tied(table={table}, input=split)" if tied else "column(input=split, output=full)"
+        if out is None:
+            raise ConfigError(f"transformers model '{type(module).__name__}' has no output embeddings (LM head)")
+        head = by_object[id(out)]
+        tied = out.weight is inp.weight
+        if tied:
+            plan[head] = f"tied(table={table}, input=split)" if split_table else "gathered(input=split, output=full)"
+        else:
+            plan[head] = "column(input=split, output=full)" if isinstance(out, nn.Linear) and \
+                type(out).forward is nn.Linear.forward else "gathered(input=split, output=full)"
         self._check_covered(module, plan)
         return plan
 
@@ -349,14 +385,6 @@ def _register_styles() -> None:
     from atp_pipeline.models.hf.attention import HFAttention
 
     register_style(HFAttention.name, HFAttention)
-
-
-def register_conv1d() -> None:
-    """GPT-2's ``Conv1D`` (``y = x W + b``, ``W`` stored in x out) as a linear kind of the
-    ``column``/``row`` styles (called when a transformers model is laid out)."""
-    from transformers.pytorch_utils import Conv1D
-
-    register_linear_kind(Conv1D, transposed=True)
 
 
 ADAPTER = register_adapter(HFCausalLMAdapter())

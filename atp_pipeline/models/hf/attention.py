@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
+from atp_pipeline.parallel.mappings import gather_dim0, scatter_dim0
 from atp_pipeline.parallel.rng import LOCAL, region
 from atp_pipeline.parallel.styles import ParallelStyle, StyleContext
 
@@ -52,11 +53,38 @@ def atp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     """transformers' attention-function signature: ``query`` ``[b, heads/d1, s, hd]`` ->
     output ``[b, s, heads/d1, hd]`` (the module's own implementation on this rank's heads)."""
     heads: HeadSharding = module.atp_heads
+    whole = query.shape[1] == heads.heads and heads.comm.size("d1") > 1  # q/k/v gathered (style whole=true)
+    if whole:  # this rank's d1 block of heads, as a column-first projection would have given
+        query = _d1_block(query, heads)
+        if not heads.kv_gathered:
+            key, value = _d1_block(key, heads), _d1_block(value, heads)
     q, k, v, groups = heads.localize(query, key, value)
     target = module if groups is None else _Groups(module, groups)
     with region(LOCAL):  # attention dropout: this rank's own heads draw their own masks
         out, weights = _inner(module)(target, q, k, v, attention_mask, **kwargs)
-    return heads.gather(out, 2), weights
+    out = heads.gather(out, 2)
+    if whole:
+        out = gather_dim0(out.movedim(2, 0).contiguous(), heads.comm, "d1").movedim(0, 2)
+    return out, weights
+
+
+def _d1_block(t: torch.Tensor, heads: HeadSharding) -> torch.Tensor:
+    """``t`` ``[b, all heads, s, hd]`` -> this rank's d1 block of heads (gradient: all-gathered)."""
+    return scatter_dim0(t.transpose(0, 1).contiguous(), heads.comm, "d1").transpose(0, 1)
+
+
+def _sum_grads(module: nn.Module, comm: Any, axis: str) -> None:
+    """Keep ``module``'s parameters whole on every rank and sum their gradients over ``axis``
+    (a per-head q/k norm whose heads are split over ``axis``: transformers'
+    ``replicated_with_grad_allreduce``), through the counted Comm."""
+    for p in module.parameters():
+        p.register_hook(lambda g: _all_reduced(g, comm, axis))
+
+
+def _all_reduced(g: torch.Tensor, comm: Any, axis: str) -> torch.Tensor:
+    g = g.clone()
+    comm.all_reduce(g, axis)
+    return g
 
 
 def _register() -> None:
@@ -81,11 +109,14 @@ class HFAttention(ParallelStyle):
     name = "hf_attention"
 
     def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
-                 qkv: str = "", fused: str = "concat", per_rank: str = "") -> None:
+                 qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false") -> None:
         if fused not in FUSED:
             raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
+        if str(whole).lower() not in ("true", "false"):
+            raise ConfigError(f"style 'hf_attention': whole={whole!r} must be true or false")
         self.q, self.k, self.v, self.o, self.qkv, self.fused = q, k, v, o, qkv, fused
         self.per_rank = tuple(a for a in per_rank.split("+") if a)
+        self.whole = str(whole).lower() == "true"
 
     def options(self) -> Dict[str, str]:
         opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
@@ -94,6 +125,8 @@ class HFAttention(ParallelStyle):
             opts["o"] = self.o
         if self.per_rank:
             opts["per_rank"] = "+".join(self.per_rank)
+        if self.whole:
+            opts["whole"] = "true"
         return opts
 
     def projections(self) -> Tuple[str, ...]:
@@ -112,6 +145,28 @@ class HFAttention(ParallelStyle):
             if not isinstance(getattr(module, a, None), int):
                 raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no integer attribute "
                                   f"'{a}' (style '{self.describe()}', per_rank)")
+        self._per_head(fqn, module)
+
+    def _per_head(self, fqn: str, module: nn.Module) -> List[nn.Module]:
+        """The attention's modules with parameters besides its projections: per-head ones (q/k
+        norms: every parameter one ``head_dim`` vector) are kept whole, their gradients summed
+        over d1; one spanning all heads needs whole q/k/v (``whole=true``); anything else is
+        refused in one line."""
+        cfg = module.config
+        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        out = []
+        for name, sub in module.named_children():
+            params = list(sub.parameters())
+            if name in self.projections() or not params:
+                continue
+            sizes = {p.numel() for p in params}
+            if all(p.dim() == 1 for p in params) and (sizes == {hd} or self.whole):
+                out.append(sub)
+                continue
+            raise ConfigError(f"parallel plan: '{fqn}.{name}' ({type(sub).__name__}) holds parameters of sizes "
+                              f"{sorted(sizes)} inside the attention, neither per head ({hd}) nor under whole q/k/v; "
+                              f"style '{self.describe()}' cannot place it")
+        return out
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         _register()
@@ -119,7 +174,17 @@ class HFAttention(ParallelStyle):
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         sharding = HeadSharding(comm_for(ctx.mesh), heads, kv)
-        if self.qkv:
+        per_head = self._per_head(fqn, module)
+        if self.whole:
+            # the family's code reads whole q/k/v (a norm over all heads, fixed offsets into a
+            # fused q|k|v): the projections gather their output over d1, the core takes this
+            # rank's heads of them (atp_attention), and the output projection its input block
+            for p in (self.qkv,) if self.qkv else (self.q, self.k, self.v):
+                setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN, gather_output=True,
+                                                         shared_input=not self.qkv))
+            setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW,
+                                                          input_is_parallel=False))
+        elif self.qkv:
             setattr(module, self.qkv, ATPLinear.from_linear(getattr(module, self.qkv), ctx.mesh, COLUMN,
                                                             parts=3 if self.fused == "concat" else 1))
         else:
@@ -130,9 +195,19 @@ class HFAttention(ParallelStyle):
             for p in (self.k, self.v):
                 setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN,
                                                          gather_output=sharding.kv_gathered, shared_input=True))
-        setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
+        if not self.whole:
+            setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
+            if per_head and sharding.kv_gathered:
+                raise ConfigError(f"parallel plan: '{fqn}': per-head norms with {kv} key/value heads, fewer than "
+                                  f"d1 = {sharding.comm.size('d1')} (the key norm would run on all heads); use a "
+                                  f"mesh with d1 <= {kv}")
+            for sub in per_head:  # on this rank's d1 block of heads: gradients summed over d1
+                if sharding.comm.size("d1") > 1:
+                    _sum_grads(sub, sharding.comm, "d1")
         d1 = sharding.comm.size("d1")
         for a in self.per_rank:
+            if getattr(module, a) == kv and sharding.kv_gathered:
+                continue  # every rank holds all key/value heads
             setattr(module, a, getattr(module, a) // d1)
         module.atp_heads = sharding
         module.atp_inner_attention = cfg._attn_implementation or "eager"

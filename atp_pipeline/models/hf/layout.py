@@ -1,0 +1,370 @@
+"""ATP's layout of any transformers causal LM, read from what transformers declares and what
+the modules show (§3.2, Figure 6), as a plan of styles.
+
+Sources, in order:
+
+1. **transformers' declaration** — ``base_model_tp_plan`` (transformers' own 1-D tensor
+   parallelism): which linears are ``colwise`` and which ``rowwise``, which need the whole
+   output (``colwise_gather_output``/``rowwise_split_input``), packed projections, per-head
+   norms (``replicated_with_grad_allreduce``). ATP maps each to its 2-D counterpart:
+   column-first (output over d1, input over d2) and row-first;
+2. **a family entry** (:data:`~atp_pipeline.models.hf.adapter.FAMILIES`) only for families
+   that declare nothing and whose modules cannot show their layout (GPT-2's fused
+   ``Conv1D`` q|k|v, OPT's per-rank head count);
+3. **the modules themselves** — otherwise: in each repeated block, the attention module's
+   linears (those reading the hidden state are the q/k/v projections, the one writing it the
+   output projection) and the other linears (reading the hidden: column-first; writing it:
+   row-first).
+
+Everything else follows from the modules: every norm outside the attention runs whole on
+the gathered hidden (style ``gathered``: the family's own norm, bit for bit); per-head norms
+inside the attention keep their weights whole, their gradients summed over d1 (the ranks
+holding other heads); embeddings split by hidden (one with its own ``forward``, e.g. a
+scaled embedding, runs whole and is sliced); the LM head column-first (or tied to the
+embedding's split table). The family's own ``forward`` runs throughout.
+
+What the layout cannot reproduce exactly is refused with one line naming it: mixture-of-
+experts and latent-attention projections, a fused q|k|v whose layout nothing declares, an
+attention module holding its own parameters, and (by the adapter) any module with
+parameters the plan does not reach.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from torch import nn
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.fsdp import block_units
+from atp_pipeline.parallel.linear import as_linear, linear_kinds, register_linear_kind
+
+# transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
+# ``*_split_input``: the code around reads the whole output
+COLUMN_KINDS = ("colwise", "colwise_gather_output", "packed_colwise")
+ROW_KINDS = ("rowwise", "rowwise_split_input", "packed_rowwise")
+WHOLE_KINDS = ("colwise_gather_output", "rowwise_split_input")
+PER_HEAD = "replicated_with_grad_allreduce"
+EMBEDDING_KINDS = ("embedding_rowwise", "embedding_colwise")
+REFUSED_KINDS = {
+    "moe_tp_experts": "mixture-of-experts experts",
+    "moe_identity_expert": "mixture-of-experts identity experts",
+    "mla_kv_a_proj": "multi-head latent attention (a compressed key/value projection)",
+    "local_params": "parameters kept local to each rank",
+    "replicate": "a replicated module whose outputs are combined by hand",
+    "all_reduce": "a module whose output transformers all-reduces by hand",
+}
+NORM = re.compile(r"(Norm|LayerNorm|RMSNorm)\d*$")
+ATTENTION = re.compile(r"(Attention|Attn)", re.IGNORECASE)
+OUTPUT_NAME = re.compile(r"^(o|out|dense|c_proj|proj|wo|o_proj|out_proj|out_lin)$")
+ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
+        "k": re.compile(r"(^|_)(k|key)(_|$)|^wk$", re.IGNORECASE),
+        "v": re.compile(r"(^|_)(v|value)(_|$)|^wv$", re.IGNORECASE)}
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one attention module's projections are named and laid out."""
+
+    q: str = ""
+    k: str = ""
+    v: str = ""
+    o: str = ""
+    qkv: str = ""  # one fused projection instead of q/k/v
+    fused: str = ""  # its layout: "concat" (q|k|v) or "heads" (per head q, k, v)
+    whole: bool = False  # the code around needs whole q/k/v (transformers gathers them)
+    per_rank: Tuple[str, ...] = ()  # attributes counting the whole layer's heads, made per-rank
+
+    def style(self) -> str:
+        opts: List[str] = []
+        if self.qkv:
+            opts += [f"qkv={self.qkv}", f"fused={self.fused}"]
+        else:
+            opts += [f"q={self.q}", f"k={self.k}", f"v={self.v}"]
+        opts.append(f"o={self.o}")
+        if self.whole:
+            opts.append("whole=true")
+        if self.per_rank:
+            opts.append("per_rank=" + "+".join(self.per_rank))
+        return f"hf_attention({', '.join(opts)})"
+
+
+@dataclass
+class Layout:
+    """A model's plan and what the shape reads off it."""
+
+    plan: Dict[str, str] = field(default_factory=dict)
+    ffn: int = 0
+    gated: bool = False
+    qkv_fused: bool = False
+    bias: bool = False
+    norm: str = "rmsnorm"
+    gathered_embeddings: int = 0
+    whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
+    head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
+    source: str = ""  # "declared", "family" or "modules"
+
+
+def pattern(name: str, lists: Tuple[str, ...] = ()) -> str:
+    """``layers.3.mlp`` -> ``layers.*.mlp``: a module name as a pattern over the repeated
+    blocks — the index into one of ``lists`` (the blocks' ``nn.ModuleList``s; every numbered
+    component when none are given). Other numbered components (an ``nn.Sequential``'s) stay."""
+    if not lists:
+        return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+    for ml in sorted(lists, key=len, reverse=True):
+        m = re.match(re.escape(ml) + r"\.\d+(?=\.|$)", name)
+        if m:
+            return ml + ".*" + name[m.end():]
+    return name
+
+
+def declared_plan(config: Any) -> Dict[str, str]:
+    """transformers' ``base_model_tp_plan`` of ``config`` (or of its text config)."""
+    for c in (config, _text_config(config)):
+        plan = getattr(c, "base_model_tp_plan", None) if c is not None else None
+        if plan:
+            return dict(plan)
+    return {}
+
+
+def _text_config(config: Any) -> Any:
+    try:
+        return config.get_text_config()
+    except Exception:  # noqa: BLE001 — not every config has one
+        return None
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, linear_kinds())
+
+
+def _resolve(names: Mapping[str, nn.Module], base: str, pat: str) -> Tuple[str, List[str]]:
+    """A declared pattern (relative to the text model) as a full pattern and its matches: the
+    shortest prefix under which it matches a module (the base model, or its language model)."""
+    prefixes = sorted({base} | {n for n in names if n.startswith(base + ".") and n.count(".") <= 2}, key=len)
+    for pre in prefixes:
+        full = f"{pre}.{pat}" if pre else pat
+        hits = [n for n in names if fnmatch.fnmatchcase(n, full)]
+        if hits:
+            return full, hits
+    return f"{base}.{pat}", []
+
+
+def _heads(config: Any) -> Tuple[int, int, int]:
+    c = _text_config(config) or config
+    heads = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    return heads, kv, hd
+
+
+def derive(module: nn.Module, family: Any = None) -> Layout:
+    """ATP's layout of the transformers causal LM ``module`` (see the module docstring);
+    ``family``: its :class:`~atp_pipeline.models.hf.adapter.Family` entry, if it has one."""
+    register_conv1d()
+    config = module.config
+    kind = getattr(config, "model_type", "?")
+    names = dict(module.named_modules())
+    base = module.base_model_prefix
+    hidden = int((_text_config(config) or config).hidden_size)
+    heads, kv, hd = _heads(config)
+    declared = dict(family.linears) if family is not None and family.linears else declared_plan(config)
+    for pat, style in declared.items():
+        if style in REFUSED_KINDS:
+            raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' "
+                              f"({REFUSED_KINDS[style]}), which ATP's layout does not cover yet; pass a plan")
+    layout = Layout(source="family" if family is not None and family.linears else
+                    "declared" if declared else "modules")
+    # the linears of each repeated block, by full pattern: declared kind, or read off the modules
+    blocks = [n for n, _ in block_units(module)]
+    lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
+    kinds: Dict[str, str] = {}
+    per_head: List[str] = []
+    for pat, style in declared.items():
+        full, hits = _resolve(names, base, pat)
+        if not hits:
+            continue  # a module this configuration does not build
+        if style in EMBEDDING_KINDS:
+            if all(isinstance(names[h], nn.Embedding) for h in hits) and not any(
+                    h.startswith(b + ".") for h in hits for b in blocks):
+                continue  # an embedding outside the blocks: laid out below
+            raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' inside the "
+                              f"blocks, which ATP's layout does not cover; pass a plan")
+        if style == PER_HEAD:
+            per_head.append(full)
+            continue
+        if style not in COLUMN_KINDS + ROW_KINDS:
+            raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}', which ATP's "
+                              f"layout does not cover; pass a plan")
+        if not all(_is_linear(names[h]) for h in hits):
+            raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' but is a "
+                              f"{type(names[hits[0]]).__name__}, not a linear; pass a plan")
+        kinds[full] = style
+    if not declared:
+        kinds = _inspect_linears(names, blocks, hidden, lists)
+    if not kinds:
+        raise ConfigError(f"transformers model_type '{kind}': no repeated block with linear projections "
+                          f"(ATP lays out transformer blocks); pass a plan")
+
+    spec_given = family.attention_spec if family is not None else None
+    attention = _attention_modules(names, kinds) if spec_given is None else sorted(
+        {pattern(n, lists) for n, m in names.items() if ATTENTION.search(type(m).__name__)
+         and all(_is_linear(getattr(m, p, None)) for p in (spec_given.qkv, spec_given.o))})
+    plan: Dict[str, str] = {}
+    for att in attention:
+        spec = spec_given or _attention_spec(att, names, kinds, hidden, heads, kv, hd, declared=bool(declared),
+                                             kind=kind)
+        plan[att] = spec.style()
+        layout.qkv_fused = bool(spec.qkv)
+        layout.whole_attention = spec.whole
+        module_ = _first(names, att)
+        projections = {spec.q, spec.k, spec.v, spec.qkv, spec.o}
+        layout.head_norm_params = 0 if spec.whole else sum(
+            p.numel() for n, sub in module_.named_children() if n not in projections for p in sub.parameters())
+        layout.bias = layout.bias or any(getattr(_first(names, f"{att}.{p}"), "bias", None) is not None
+                                         for p in (spec.q, spec.qkv, spec.o) if p)
+    inside = lambda n: any(fnmatch.fnmatchcase(n, a + ".*") for a in attention)  # noqa: E731
+    for full in per_head:
+        if not inside(full):
+            raise ConfigError(f"transformers model_type '{kind}': '{full}' is declared '{PER_HEAD}' outside "
+                              f"the attention, which ATP's layout does not cover; pass a plan")
+    # the other linears (the MLP): column-first reading the hidden, row-first writing it
+    rest = {n: k for n, k in kinds.items() if not inside(n)}
+    by_parent: Dict[str, List[str]] = {}
+    for n in rest:
+        by_parent.setdefault(n.rpartition(".")[0], []).append(n)
+    for parent, members in by_parent.items():
+        cols = [n for n in members if rest[n] in COLUMN_KINDS]
+        rows = [n for n in members if rest[n] in ROW_KINDS]
+        inner = {as_linear(_first(names, n))[0] for n in rows}
+        if len(inner) > 1:
+            raise ConfigError(f"transformers model_type '{kind}': '{parent}' has row-first linears of different "
+                              f"widths {sorted(inner)}; pass a plan")
+        width = next(iter(inner), None)
+        for n in cols:
+            n_in, n_out, _, _ = as_linear(_first(names, n))
+            parts = n_out // width if width and n_out % width == 0 else 0
+            if n_in != hidden or parts not in (1, 2):
+                raise ConfigError(f"transformers model_type '{kind}': linear '{n}' ({n_in} -> {n_out}) does not "
+                                  f"read the hidden state into the width its row-first partner reads "
+                                  f"({width}); ATP's layout does not cover it; pass a plan")
+            opts = ["input=split", "output=split"] + (["parts=2"] if parts == 2 else []) + \
+                (["shared=true"] if len(cols) > 1 else [])
+            plan[n] = f"column({', '.join(opts)})"
+            layout.gated = layout.gated or parts == 2 or len(cols) > 1
+        for n in rows:
+            n_in, n_out, _, _ = as_linear(_first(names, n))
+            if n_out != hidden:
+                raise ConfigError(f"transformers model_type '{kind}': linear '{n}' ({n_in} -> {n_out}) does not "
+                                  f"write the hidden state; pass a plan")
+            plan[n] = "row(input=split, output=split)"
+            layout.ffn = layout.ffn or n_in
+    # norms outside the attention: the family's own norm on the gathered hidden
+    for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
+        if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
+            plan[name] = "gathered(input=split, output=split)"
+            low = type(_first(names, name)).__name__.lower()
+            layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
+    layout.plan = plan
+    return layout
+
+
+def _first(names: Mapping[str, nn.Module], pat: str) -> nn.Module:
+    return next(m for n, m in names.items() if fnmatch.fnmatchcase(n, pat))
+
+
+def _inspect_linears(names: Mapping[str, nn.Module], blocks: List[str], hidden: int,
+                     lists: Tuple[str, ...]) -> Dict[str, str]:
+    """The linears of the repeated blocks, read off their shapes (no declaration): those
+    reading the hidden state column-first, those writing it row-first; inside an attention
+    module all of them (its projections are sorted out by :func:`_attention_spec`)."""
+    out: Dict[str, str] = {}
+    for name, m in names.items():
+        if not _is_linear(m) or not any(name.startswith(b + ".") for b in blocks):
+            continue
+        n_in, n_out, _, _ = as_linear(m)
+        full = pattern(name, lists)
+        parent = names[name.rpartition(".")[0]]
+        if ATTENTION.search(type(parent).__name__):
+            out[full] = "rowwise" if n_out == hidden and n_in != hidden or (
+                n_out == hidden and OUTPUT_NAME.search(name.rpartition(".")[2])) else "colwise"
+        elif n_in == hidden and n_out != hidden:
+            out[full] = "colwise"
+        elif n_out == hidden and n_in != hidden:
+            out[full] = "rowwise"
+        else:
+            raise_name = name
+            raise ConfigError(f"linear '{raise_name}' ({n_in} -> {n_out}) neither reads nor writes the hidden "
+                              f"state ({hidden}); ATP's layout does not cover it; pass a plan")
+    return out
+
+
+def _attention_modules(names: Mapping[str, nn.Module], kinds: Mapping[str, str]) -> List[str]:
+    """Patterns of the attention modules: parents of laid-out linears whose class says so."""
+    out = set()
+    for n in kinds:
+        parent = n.rpartition(".")[0]
+        m = _first(names, n.rpartition(".")[0]) if parent else None
+        if m is not None and ATTENTION.search(type(m).__name__):
+            out.add(parent)
+    return sorted(out)
+
+
+def _attention_spec(att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str], hidden: int,
+                    heads: int, kv: int, hd: int, declared: bool, kind: str) -> AttentionSpec:
+    """The projections of the attention modules ``att`` (a pattern), from their linears' kinds
+    and shapes; refused in one line where they do not add up to q/k/v and an output."""
+    module = _first(names, att)
+    mine = {n.rpartition(".")[2]: k for n, k in kinds.items() if n.rpartition(".")[0] == att}
+    cols = [p for p, k in mine.items() if k in COLUMN_KINDS]
+    rows = [p for p, k in mine.items() if k in ROW_KINDS]
+    what = f"transformers model_type '{kind}': attention '{att}' ({type(module).__name__})"
+    if len(rows) != 1:
+        raise ConfigError(f"{what} has {len(rows)} output projections ({', '.join(rows) or 'none'}); "
+                          f"ATP's layout needs one; pass a plan")
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ConfigError(f"{what} holds parameters of its own ({', '.join(own)}), which ATP's layout does not "
+                          f"place; pass a plan")
+    whole = any(mine[p] in WHOLE_KINDS for p in cols)
+    width = {p: as_linear(getattr(module, p))[1] for p in cols}
+    if len(cols) == 3:
+        named = {r: next((p for p in cols if ROLE[r].search(p)), None) for r in ROLE}
+        q = named["q"] or next((p for p in cols if width[p] == heads * hd and p not in (named["k"], named["v"])), None)
+        k = named["k"] if named["k"] != q else None
+        v = named["v"] if named["v"] not in (q, k) else next((p for p in cols if p not in (q, k)), None)
+        if q is None or k is None or v is None or width[k] != kv * hd or width[v] != kv * hd:
+            raise ConfigError(f"{what}: projections {cols} are not q ({heads}x{hd}), k and v ({kv}x{hd}); "
+                              f"pass a plan")
+        return AttentionSpec(q=q, k=k, v=v, o=rows[0], whole=whole,
+                             per_rank=() if declared or whole else _per_rank(module, heads, kv))
+    if len(cols) == 1 and width[cols[0]] == (heads + 2 * kv) * hd:
+        if whole:
+            return AttentionSpec(qkv=cols[0], fused="concat", o=rows[0], whole=True)
+        if declared:  # declared colwise: transformers' own contiguous split is whole heads
+            return AttentionSpec(qkv=cols[0], fused="heads", o=rows[0])
+        raise ConfigError(f"{what}: the fused q|k|v projection '{cols[0]}' has no declared layout "
+                          f"(concatenated or per head); pass a plan")
+    raise ConfigError(f"{what}: projections {cols} do not add up to queries ({heads}x{hd}) and keys/values "
+                      f"({kv}x{hd}); pass a plan")
+
+
+def _per_rank(module: nn.Module, heads: int, kv: int) -> Tuple[str, ...]:
+    """Integer attributes of an attention module counting the whole layer's heads (its code may
+    reshape by them): made per-rank by the style."""
+    out = [a for a in HEAD_COUNT_ATTRS if getattr(module, a, None) == heads]
+    out += [a for a in KV_COUNT_ATTRS if getattr(module, a, None) == kv and a not in out]
+    return tuple(out)
+
+
+def register_conv1d() -> None:
+    """GPT-2's ``Conv1D`` (``y = x W + b``, ``W`` stored in x out) as a linear kind of the
+    ``column``/``row`` styles (called when a transformers model is laid out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    register_linear_kind(Conv1D, transposed=True)

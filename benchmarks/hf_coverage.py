@@ -1,0 +1,349 @@
+"""Every causal LM transformers registers, laid out by ATP with no plan of ours: the coverage sweep.
+
+    python -m benchmarks.hf_coverage                      # all of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    python -m benchmarks.hf_coverage --types llama,gpt2   # a subset
+
+For each model type it builds a tiny configuration (:func:`tiny_config`: the type's own
+defaults with every size field shrunk, dropout 0, float64) where transformers can build one
+on CPU without downloads, and on 4 gloo processes lays the model out with the HF adapter's
+plan (no plan given: derived from what transformers declares and what the modules show) on
+2x2 and 1x4; one forward and backward, the loss and every gradient against the single
+process. Each type ends in one of:
+
+* ``exact``   — loss and every gradient within 1e-9 (relative) on both meshes;
+* ``refused`` — the layout refused it in one line (the reason is recorded);
+* ``skipped`` — not a decoder-only model this sweep can build here (no tiny config,
+  an encoder-decoder or multimodal wrapper); the reason is recorded;
+* ``wrong``   — laid out but not exact (a bug: silently wrong);
+* ``error``   — anything else (a traceback: a bug).
+
+It writes ``<out>/hf_coverage.json`` and the table ``docs/hf_coverage.md`` (``--doc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+VOCAB, SEQ, BATCH = 128, 8, 2
+MESHES: Tuple[Tuple[int, int], ...] = ((2, 2), (1, 4))
+TOL = 1e-9  # float64 throughout
+TOL32 = 1e-6  # where the model's own code computes in float32 (float32_inside)
+
+# size fields and the tiny value each takes (whichever names a config uses)
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim", "n_embed", "word_embed_proj_dim")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+          "decoder_attention_heads")
+_KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
+_FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "inner_hidden_size",
+        "decoder_ffn_dim", "encoder_ffn_dim", "dim_feedforward", "mlp_dim", "hidden_dim", "ffn_hidden_dim")
+_POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TINY = dict(hidden=64, heads=8, kv=4, head_dim=8, layers=2, ffn=96, positions=64, experts=4)
+
+
+class Skip(Exception):
+    """A model type this sweep does not build (the message says why)."""
+
+
+def _shrink(config: Any) -> None:
+    """Shrink ``config`` (and its sub-configs) in place to :data:`TINY` sizes."""
+    d = config.__dict__
+    layers_before = next((int(d[k]) for k in _LAYERS if isinstance(d.get(k), int)), None)
+    for names, value in ((_HIDDEN, TINY["hidden"]), (_HEADS, TINY["heads"]), (_LAYERS, TINY["layers"]),
+                         (_FFN, TINY["ffn"]), (_POS, TINY["positions"]), (_EXPERTS, TINY["experts"])):
+        for k in names:
+            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+                d[k] = value
+    for k in _KV:
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+            d[k] = TINY["kv"] if d[k] > 1 else 1  # multi-query stays multi-query
+    if isinstance(d.get("head_dim"), int):
+        d["head_dim"] = TINY["head_dim"]
+    if isinstance(d.get("rotary_dim"), int):
+        d["rotary_dim"] = TINY["head_dim"] // 2  # partial rotary, as GPT-J and CodeGen ship it
+    for k in ("vocab_size",):
+        if isinstance(d.get(k), int):
+            d[k] = VOCAB
+    for k, v in list(d.items()):
+        low = k.lower()
+        if isinstance(v, float) and not isinstance(v, bool) and ("dropout" in low or "pdrop" in low) and v > 0:
+            d[k] = 0.0
+        if isinstance(v, int) and not isinstance(v, bool) and ("token_id" in low) and v >= VOCAB:
+            d[k] = VOCAB - 1
+        if isinstance(v, list) and layers_before and len(v) == layers_before and k != "architectures":
+            d[k] = v[:TINY["layers"]]  # per-layer lists (layer_types, ...)
+        if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (text_config, ...)
+            _shrink(v)
+    if isinstance(d.get("num_experts_per_tok"), int):
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
+    if isinstance(d.get("sliding_window"), int):
+        d["sliding_window"] = None if "use_sliding_window" in d else max(SEQ // 2, 2)
+    d["use_cache"] = False
+
+
+def tiny_config(model_type: str) -> Any:
+    """A tiny configuration of ``model_type``: its own defaults with the sizes shrunk."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as exc:  # noqa: BLE001 — transformers raises many kinds here
+        raise Skip(f"no default config: {_line(exc)}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise Skip("encoder-decoder")
+    _shrink(config)
+    return config
+
+
+def build(model_type: str) -> torch.nn.Module:
+    """The float64 causal LM of :func:`tiny_config`, built from seed 0, its 1-D parameters
+    (norm weights, biases) perturbed so a norm applied on the wrong slice cannot hide."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"does not build from a tiny config: {_line(exc)}") from None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def float32_inside(model: torch.nn.Module, idx: torch.Tensor) -> List[str]:
+    """The aten ops of a float64 model's forward and backward that compute in float32 (a norm
+    upcasting to float32 by design): there, the model's own rounding is float32's, and a
+    parallel run that sums the same terms in another grouping (a per-head norm's weight
+    gradient, summed per rank, then over ranks) agrees to float32's precision only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: List[str] = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() > 1
+                   for t in (out if isinstance(out, (tuple, list)) else (out,))):
+                name = str(func.overloadpacket)
+                if name not in seen:
+                    seen.append(name)
+            return out
+
+    probe = copy.deepcopy(model)
+    with _Watch():
+        probe(input_ids=idx, labels=idx).loss.backward()
+    return seen
+
+
+def _dense_step(model: torch.nn.Module, idx: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=idx, labels=idx).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) -> Dict[str, Any]:
+    """One model type on this rank's mesh(es) (collective: every rank calls it)."""
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.models.adapter import find_adapters, prefixed
+    from atp_pipeline.parallel.apply import apply_plan
+    from atp_pipeline.parallel.dense import dense_tensors
+    from atp_pipeline.parallel.mesh import init_mesh
+
+    row: Dict[str, Any] = {"type": model_type}
+    try:
+        dense = build(model_type)
+    except Skip as exc:
+        return {**row, "result": "skipped", "reason": str(exc)}
+    row["class"] = type(dense).__name__
+    try:  # the layout's refusal comes first (it needs no process group and no step)
+        found = find_adapters(copy.deepcopy(dense))
+        if not found:
+            return {**row, "result": "refused", "reason": "no adapter matches the model"}
+        (_, adapter, sub), = found
+        adapter.parallel_plan(sub)
+    except ConfigError as exc:
+        return {**row, "result": "refused", "reason": str(exc).splitlines()[0]}
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "result": "error", "reason": _line(exc), "trace": traceback.format_exc()[-2000:]}
+    idx = _batch()
+    try:
+        ref, ref_grads = _dense_step(dense, idx)
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "result": "skipped", "reason": f"the single-process model does not train: {_line(exc)}"}
+    f32 = float32_inside(dense, idx)
+    tol = TOL if not f32 else TOL32
+    if f32:
+        row["float32_ops"] = f32[:6]
+    worst: Dict[str, Any] = {}
+    for d1, d2 in meshes:
+        model = copy.deepcopy(dense)
+        try:
+            (name, adapter, sub), = find_adapters(model)
+            plan = prefixed(name, adapter.parallel_plan(sub))
+            apply_plan(model, plan, init_mesh((d1, d2)))
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=idx, labels=idx).loss
+            loss.backward()
+            grads = dense_tensors(model, grad=True)
+        except ConfigError as exc:
+            return {**row, "result": "refused", "reason": str(exc).splitlines()[0]}
+        except Exception as exc:  # noqa: BLE001
+            return {**row, "result": "error", "reason": _line(exc), "trace": traceback.format_exc()[-2000:],
+                    "mesh": f"{d1}x{d2}"}
+        loss_rel = abs(float(loss.detach()) - float(ref)) / abs(float(ref))
+        floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
+        errs = {n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(floor))
+                for n, g in ref_grads.items() if n in grads}
+        missing = sorted(set(ref_grads) - set(grads))
+        grad_rel = max(errs.values()) if errs else math.inf
+        mesh_row = {"loss_rel": loss_rel, "grad_rel": grad_rel, "worst": max(errs, key=errs.get) if errs else None,
+                    "missing": missing[:3]}
+        worst[f"{d1}x{d2}"] = mesh_row
+        if missing or not (loss_rel <= tol and grad_rel <= tol):
+            return {**row, "result": "wrong", "reason": f"{d1}x{d2}: loss {loss_rel:.1e}, grad {grad_rel:.1e} "
+                                                        f"({mesh_row['worst']}){' missing ' + str(missing[:3]) if missing else ''}",
+                    "meshes": worst}
+    return {**row, "result": "exact", "tolerance": tol, "meshes": worst,
+            "max_rel": max(max(m["loss_rel"], m["grad_rel"]) for m in worst.values())}
+
+
+def worker(rank: int, world: int, types: List[str]) -> List[Dict[str, Any]]:
+    import torch.distributed as dist
+
+    torch.set_default_dtype(torch.float32)
+    out = []
+    for t in types:
+        t0 = time.perf_counter()
+        row = check_type(t)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        # every rank must agree (a rank-local failure would otherwise hang the next collective)
+        results = [None] * world
+        dist.all_gather_object(results, row["result"])
+        if len(set(results)) > 1:
+            row = {**row, "result": "error", "reason": f"ranks disagree: {results}"}
+        out.append(row)
+    return out
+
+
+def all_types() -> List[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def declared(model_type: str) -> Optional[bool]:
+    """Whether transformers declares a tensor-parallel plan for the type (None: no config)."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001
+        return None
+    sub = getattr(c, "text_config", None)
+    return bool(getattr(c, "base_model_tp_plan", None) or getattr(sub, "base_model_tp_plan", None))
+
+
+def run(types: List[str], batch: int = 12, timeout: float = 900.0) -> List[Dict[str, Any]]:
+    """:func:`worker` over ``types`` on 4 processes, ``batch`` types a launch (a launch that
+    fails or hangs is retried type by type, so one bad type cannot hide the others)."""
+    from atp_pipeline.launch import spawn
+
+    rows: List[Dict[str, Any]] = []
+    for i in range(0, len(types), batch):
+        part = types[i:i + batch]
+        try:
+            rows += spawn(worker, 4, part, timeout=timeout)[0]
+        except Exception:  # noqa: BLE001 — retry one by one
+            for t in part:
+                try:
+                    rows += spawn(worker, 4, [t], timeout=timeout / 4)[0]
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"type": t, "result": "error", "reason": _line(exc)})
+    return rows
+
+
+def _doc(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    decl = [r for r in rows if r.get("declared")]
+    lines = [
+        "# transformers causal LMs laid out by ATP with no plan of ours",
+        "",
+        f"Written by `python -m benchmarks.hf_coverage --doc docs/hf_coverage.md` on {meta['date']} "
+        f"(transformers {meta['transformers']}, torch {meta['torch']}, {meta['machine']}; "
+        f"{meta['wall_s']:.0f} s). Every type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: a tiny float64 "
+        f"config of its own defaults, one forward and backward on 2x2 and 1x4 (4 gloo processes) against "
+        f"one process; exact = loss and every gradient within {TOL:g} (relative).",
+        "",
+        f"**{len(rows)} types:** " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
+                                               ("exact", "refused", "skipped", "wrong", "error")) + ".",
+        f"Declaring a tensor-parallel plan: {len(decl)} ({sum(r['result'] == 'exact' for r in decl)} exact); "
+        f"not declaring one: {len(rows) - len(decl)} "
+        f"({sum(r['result'] == 'exact' for r in rows if not r.get('declared'))} exact).",
+        "",
+        "| type | class | plan declared | result | reason / max relative error |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        detail = f"{r['max_rel']:.1e}" if r["result"] == "exact" else r.get("reason", "").replace("|", "\\|")
+        lines.append(f"| `{r['type']}` | {r.get('class', '')} | {'yes' if r.get('declared') else 'no'} | "
+                     f"{r['result']} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import platform
+
+    import transformers
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", default="all", help="comma-separated model types, or all")
+    p.add_argument("--out", default="outputs/benchmarks/hf_coverage")
+    p.add_argument("--doc", default=None, help="also write the markdown table here (e.g. docs/hf_coverage.md)")
+    args = p.parse_args(argv)
+    types = all_types() if args.types == "all" else args.types.split(",")
+    t0 = time.perf_counter()
+    rows = run(types)
+    for r in rows:
+        r["declared"] = declared(r["type"])
+    meta = {"date": time.strftime("%Y-%m-%d"), "transformers": transformers.__version__, "torch": torch.__version__,
+            "machine": f"{platform.machine()} CPU, gloo", "wall_s": time.perf_counter() - t0, "tolerance": TOL}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hf_coverage.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    if args.doc:
+        Path(args.doc).write_text(_doc(rows, meta))
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+        print(f"{r['type']:<28} {r['result']:<8} {r.get('reason', '')[:110]}")
+    print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"; wrote {out / 'hf_coverage.json'}")
+    return 1 if counts.get("wrong") or counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
