@@ -45,10 +45,10 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from atp_pipeline.parallel.materialize import shared_seed
 from atp_pipeline.parallel.mesh import device_of, shard_seed
 
 REPLICATED, SPLIT_D2, SPLIT_D1, LOCAL = "replicated", "split_d2", "split_d1", "local"
@@ -127,23 +127,13 @@ class RNGTracker:
             self.leave()
 
 
-def agreed_seed(mesh: DeviceMesh, seed: Optional[int] = None) -> int:
-    """``seed`` (default: ``torch.initial_seed()``, what ``torch.manual_seed`` or Lightning's
-    ``seed_everything`` set) as the mesh's first rank has it: broadcast along each mesh
-    dimension in turn, so ranks seeded differently (or not at all) still share the streams
-    they must share. A layout-time exchange of one integer, outside the counted collectives."""
-    value = torch.tensor([torch.initial_seed() if seed is None else int(seed)], dtype=torch.int64,
-                         device=device_of(mesh))
-    for dim in range(mesh.ndim):
-        if mesh.size(dim) > 1:
-            dist.broadcast(value, group=mesh.get_group(dim), group_src=0)
-    return int(value.item())
-
-
 def tracker_for(mesh: DeviceMesh, seed: Optional[int] = None) -> RNGTracker:
     """The :class:`RNGTracker` of this rank of ``mesh``: one stream per region, seeded from
-    the agreed seed and the coordinates the region's tensors are split over (plus dp)."""
-    base = agreed_seed(mesh, seed)
+    ``seed`` and the coordinates the region's tensors are split over (plus dp). By default
+    ``seed`` is global rank 0's ``torch.initial_seed()`` (what ``torch.manual_seed`` or
+    Lightning's ``seed_everything`` set), broadcast at layout time: ranks seeded differently,
+    or not at all, still share the streams they must share."""
+    base = shared_seed(device_of(mesh)) if seed is None else int(seed)
     names = tuple(mesh.mesh_dim_names or ())
     coord = dict(zip(names, mesh.get_coordinate() or ()))
     seeds = {name: shard_seed(base, f"dropout/{name}", tuple(int(coord.get(a, 0)) for a in ("dp", *axes)))

@@ -68,6 +68,7 @@ from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
                                          TiedHead, VocabParallelLoss)
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
+from atp_pipeline.parallel.rng import LOCAL, REPLICATED, fork_module
 from atp_pipeline.parallel.vocab import VocabSplitEmbedding, VocabSplitHead
 
 LAYOUTS = (FULL, SPLIT)
@@ -211,7 +212,9 @@ class Gathered(_InOutStyle):
     name = "gathered"
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        return run_gathered(module, ctx.mesh, self.input, self.output)
+        module = run_gathered(module, ctx.mesh, self.input, self.output)
+        fork_module(module, REPLICATED)  # its draws: on whole tensors, equal on every rank
+        return module
 
 
 class EmbeddingStyle(ParallelStyle):
@@ -385,6 +388,7 @@ class AttentionHeads(ParallelStyle):
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
+        fork_module(module, LOCAL)  # its draws (attention dropout): on this rank's own heads
         return module
 
 
