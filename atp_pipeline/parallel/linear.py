@@ -93,8 +93,9 @@ def shard_index(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Pla
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
-    """This rank's block of ``full`` under ``placements`` on the (d1, d2) ``mesh``."""
-    return full[shard_index(full.shape, mesh, placements)].contiguous()
+    """This rank's block of ``full`` under ``placements`` on the (d1, d2) ``mesh``, in storage of
+    its own (a contiguous block would otherwise stay a view keeping the whole tensor alive)."""
+    return full[shard_index(full.shape, mesh, placements)].clone(memory_format=torch.contiguous_format)
 
 
 def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> nn.Parameter:

@@ -129,7 +129,7 @@ def shape_of_model(module: nn.Module, name: str = "") -> ModelShape:
                 if s.startswith("gathered(input=split") and "*" not in p)
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
-        seq_len=int(getattr(text, "max_position_embeddings", None) or 2048), vocab_size=int(text.vocab_size),
+        seq_len=max(int(getattr(text, "max_position_embeddings", None) or 2048), 1), vocab_size=int(text.vocab_size),
         ffn=layout.ffn, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or hidden // heads), gated=layout.gated, norm=layout.norm,
         bias=layout.bias, position="learned" if embeddings else "rotary",

@@ -59,7 +59,7 @@ REFUSED_KINDS = {
 }
 NORM = re.compile(r"(Norm|LayerNorm|RMSNorm)\d*$")
 ATTENTION = re.compile(r"(Attention|Attn)", re.IGNORECASE)
-OUTPUT_NAME = re.compile(r"^(o|out|dense|c_proj|proj|wo|o_proj|out_proj|out_lin)$")
+OUTPUT_NAME = re.compile(r"^(o|out|dense|c_proj|proj|wo|o_proj|out_proj|out_lin)$", re.IGNORECASE)
 ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
         "k": re.compile(r"(^|_)(k|key)(_|$)|^wk$", re.IGNORECASE),
         "v": re.compile(r"(^|_)(v|value)(_|$)|^wv$", re.IGNORECASE)}
@@ -156,10 +156,20 @@ def _resolve(names: Mapping[str, nn.Module], base: str, pat: str) -> Tuple[str, 
 
 
 def _heads(config: Any) -> Tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of ``config``; refused in one line where the
+    config has none (a state-space or recurrent model) or they vary by layer."""
     c = _text_config(config) or config
-    heads = int(c.num_attention_heads)
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    kind = getattr(config, "model_type", "?")
+    try:
+        heads = int(c.num_attention_heads)
+        kv = int(getattr(c, "num_key_value_heads", None) or heads)
+        hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    except AttributeError:
+        raise ConfigError(f"transformers model_type '{kind}': its config has no attention heads (a state-space "
+                          f"or recurrent model); ATP lays out attention blocks; pass a plan") from None
+    except Exception as exc:  # noqa: BLE001 — e.g. transformers' per-layer attribute errors
+        raise ConfigError(f"transformers model_type '{kind}': head counts not read from its config "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); pass a plan") from None
     return heads, kv, hd
 
 
@@ -171,8 +181,8 @@ def derive(module: nn.Module, family: Any = None) -> Layout:
     kind = getattr(config, "model_type", "?")
     names = dict(module.named_modules())
     base = module.base_model_prefix
-    hidden = int((_text_config(config) or config).hidden_size)
     heads, kv, hd = _heads(config)
+    hidden = int((_text_config(config) or config).hidden_size)
     declared = dict(family.linears) if family is not None and family.linears else declared_plan(config)
     for pat, style in declared.items():
         if style in REFUSED_KINDS:
@@ -205,7 +215,9 @@ def derive(module: nn.Module, family: Any = None) -> Layout:
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' but is a "
                               f"{type(names[hits[0]]).__name__}, not a linear; pass a plan")
         kinds[full] = style
-    if not declared:
+    if not kinds:  # nothing declared, or only embeddings: read the blocks' linears off the modules
+        declared = {}
+        layout.source = "modules"
         kinds = _inspect_linears(names, blocks, hidden, lists)
     if not kinds:
         raise ConfigError(f"transformers model_type '{kind}': no repeated block with linear projections "
@@ -267,6 +279,11 @@ def derive(module: nn.Module, family: Any = None) -> Layout:
     # norms outside the attention: the family's own norm on the gathered hidden
     for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
         if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
+            widths = {int(q.numel()) for q in _first(names, name).parameters()}
+            if widths - {hidden}:
+                raise ConfigError(f"transformers model_type '{kind}': norm '{name}' ({type(_first(names, name)).__name__}) "
+                                  f"is over a width {sorted(widths - {hidden})} other than the hidden state ({hidden}), "
+                                  f"between split linears; ATP's layout does not cover it; pass a plan")
             plan[name] = "gathered(input=split, output=split)"
             low = type(_first(names, name)).__name__.lower()
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"

@@ -1,0 +1,54 @@
+"""The coverage sweep's subset that CI runs (issue 26; the whole sweep is the benchmark
+``python -m benchmarks.hf_coverage``, its table in docs/hf_coverage.md).
+
+Tiny configs of transformers' own defaults, laid out with no plan of ours on 2x2 and 1x4 (one
+4-process launch), float64, one forward and backward against the single process:
+
+* declared plans beyond the named families: Gemma-2 (scaled embedding run whole, tied head
+  run whole, logit and attention softcapping, four norms a block), Cohere (parallel attention
+  and MLP on one norm, logit scale), OLMo-2 (q/k norms over all heads: attention read whole);
+* no declared plan, laid out from the modules: StableLM (separate q/k/v, partial rotary),
+  BioGPT (learned positions with a forward of their own, scaled embedding);
+* refused in one line before any step: a mixture of experts (Mixtral), a state-space model
+  (Mamba), multi-head latent attention (DeepSeek-V2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="pip install transformers")
+
+from atp_pipeline.launch import spawn  # noqa: E402
+
+EXACT = ["gemma2", "cohere", "olmo2", "stablelm", "biogpt"]
+REFUSED = {"mixtral": "moe_tp_experts", "mamba": "no attention heads", "deepseek_v2": "mla_kv_a_proj"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    from benchmarks.hf_coverage import worker
+
+    per_rank = spawn(worker, 4, EXACT + list(REFUSED), timeout=600)
+    # every rank reached the same verdict on every type
+    assert all([x["result"] for x in r] == [x["result"] for x in per_rank[0]] for r in per_rank[1:])
+    return {r["type"]: r for r in per_rank[0]}
+
+
+@pytest.mark.parametrize("kind", EXACT)
+def test_laid_out_with_no_plan_is_exact_on_2x2_and_1x4(rows, kind):
+    r = rows[kind]
+    assert r["result"] == "exact", r
+    assert set(r["meshes"]) == {"2x2", "1x4"}
+    for mesh, m in r["meshes"].items():
+        assert m["loss_rel"] <= r["tolerance"] and m["grad_rel"] <= r["tolerance"], (kind, mesh, m)
+        assert not m["missing"], (kind, mesh)
+    # float64 throughout unless the family's own code computes in float32 (its norms)
+    assert r["tolerance"] == 1e-9 or r.get("float32_ops"), r
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_what_the_layout_cannot_cover_is_refused_in_one_line(rows, kind):
+    r = rows[kind]
+    assert r["result"] == "refused", r
+    assert "\n" not in r["reason"] and REFUSED[kind] in r["reason"] and "plan" in r["reason"], r["reason"]
