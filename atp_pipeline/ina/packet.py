@@ -159,13 +159,16 @@ class PacketFormat:
     (29, 277, 319)
     """
 
-    def __init__(self, payload_k: int = DEFAULT_K, bitmap_bits: int = DEFAULT_BITMAP_BITS) -> None:
+    def __init__(self, payload_k: int = DEFAULT_K, bitmap_bits: int = DEFAULT_BITMAP_BITS, views: bool = False) -> None:
         if payload_k < 1:
             raise ValueError(f"payload_k must be >= 1, got {payload_k}")
         if bitmap_bits < 1:
             raise ValueError(f"bitmap_bits must be >= 1, got {bitmap_bits}")
         self.payload_k = int(payload_k)
         self.bitmap_bits = int(bitmap_bits)
+        #: decode payloads as read-only big-endian views of the received bytes (no copy, no
+        #: byte swap; the live roles and workers, issue 28) instead of native int32 copies
+        self.views = bool(views)
         self.fields: Tuple[Field, ...] = atp_fields(bitmap_bits)
         self.header_bits = sum(f.bits for f in self.fields)
         self.header_bytes = self.header_bits // 8
@@ -179,6 +182,11 @@ class PacketFormat:
             self._spec.append((f.name, shift, (1 << f.bits) - 1))
         self._payload_dtype = np.dtype(">i4")
         self._enc_header, self._dec_header = _compile_codec(self._spec, self.header_bytes)
+
+    @property
+    def wire_dtype(self) -> np.dtype:
+        """The payload lanes as they travel: big-endian int32."""
+        return self._payload_dtype
 
     # -- introspection -----------------------------------------------------------------
     def layout(self) -> List[Tuple[str, int, int]]:
@@ -218,7 +226,7 @@ class PacketFormat:
         payload = np.asarray(pkt.payload)
         if payload.shape != (self.payload_k,):
             raise ValueError(f"payload must have {self.payload_k} lanes, got {np.shape(payload)}")
-        return h + payload.astype(self._payload_dtype).tobytes()
+        return h + payload.astype(self._payload_dtype, copy=False).tobytes()
 
     def decode(self, buf: bytes) -> Packet:
         """Inverse of :meth:`encode`; raises :class:`DecodeError` on any malformed buffer."""
@@ -230,7 +238,9 @@ class PacketFormat:
             raise DecodeError(f"app_type {p.app_type:#x} is not ATP")
         if p.reserved:
             raise DecodeError("reserved bits set")
-        p.payload = np.frombuffer(buf, dtype=self._payload_dtype, offset=self.header_bytes).astype(np.int32)
+        p.payload = np.frombuffer(buf, dtype=self._payload_dtype, offset=self.header_bytes)
+        if not self.views:
+            p.payload = p.payload.astype(np.int32)
         p.src = p.dst = -1
         p.size = self.wire_bytes
         return p

@@ -71,7 +71,10 @@ def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int
     """As :func:`quantize`, returning the boolean mask of saturated lanes; ``scale`` is one
     number or one per lane (the live engine's per-packet scales)."""
     lim = lane_limit(n_workers)
-    r = np.rint(np.asarray(x, dtype=np.float64) * np.asarray(scale, dtype=np.float64))  # scalar or per lane
+    r = np.asarray(x, dtype=np.float64) * np.asarray(scale, dtype=np.float64)  # scalar or per lane
+    np.rint(r, out=r)
+    if r.size and np.abs(r.min()) <= lim and np.abs(r.max()) <= lim:  # fast path: nothing saturates
+        return r.astype(np.int32), np.zeros(r.shape, dtype=bool)
     sat = ~(np.abs(r) <= lim)  # also true for NaN and ±inf
     if sat.any():  # slow path: clamp; NaN -> 0, ±inf -> ±Q(W)
         r = np.clip(np.where(np.isnan(r), 0.0, r), -lim, lim)

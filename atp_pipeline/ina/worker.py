@@ -139,7 +139,8 @@ class Worker:
         t = np.asarray(tensor, dtype=np.int32).ravel()
         k = self.k
         n = max(1, -(-len(t) // k))
-        buf = np.zeros(n * k, dtype=np.int32)
+        # in the wire's byte order when the format decodes to views (live): encoding is one copy
+        buf = np.zeros(n * k, dtype=self.fmt.wire_dtype if self.fmt.views else np.int32)
         buf[: len(t)] = t
         self.length = len(t)
         self.chunks = buf.reshape(n, k)

@@ -327,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     node: Optional[Role] = None
     try:
         try:
-            fmt = PacketFormat(a.payload_k, a.bitmap_bits)
+            fmt = PacketFormat(a.payload_k, a.bitmap_bits, views=a.impl == "python")  # BMv2 node: no payloads
             common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
             if a.role == "ps":
                 node = PSNode(fmt, shard=a.shard, **common)

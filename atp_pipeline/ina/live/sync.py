@@ -95,7 +95,7 @@ class ATPSync:
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
                             worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6), pool=cfg.pool)
         entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
-        fmt, kind = (SMLFormat(cfg.payload_k), SMLEngine) if sml else (PacketFormat(cfg.payload_k), Engine)
+        fmt, kind = (SMLFormat(cfg.payload_k), SMLEngine) if sml else (PacketFormat(cfg.payload_k, views=True), Engine)
         engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
                         entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
                         ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
