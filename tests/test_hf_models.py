@@ -97,6 +97,7 @@ def test_unsupported_family_is_one_line():
 @pytest.mark.parametrize("family, over, message", [
     ("gpt2", dict(add_cross_attention=True), "model_type 'gpt2': cross-attention"),
     ("opt", dict(word_embed_proj_dim=16), "module 'model.decoder.project_out' (Linear) holds parameters"),
+    ("opt", dict(layerdrop=0.1), "model_type 'opt': random layer skipping (layerdrop=0.1"),
 ])
 def test_what_the_layout_cannot_reproduce_is_refused_in_one_line(family, over, message):
     from atp_pipeline.models.adapter import find_adapters

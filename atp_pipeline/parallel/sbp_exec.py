@@ -599,6 +599,11 @@ def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPL
                           f"{type(module).__name__} (the plan has {', '.join(layout.strategies)})")
     if isinstance(module, SBPRoot):
         raise ConfigError(f"sbp plan: {type(module).__name__} is already laid out by an SBP plan")
+    drop = sorted(n for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0)
+    if drop:  # ranks holding other rows or blocks would draw the same masks (no RNG streams here yet)
+        raise ConfigError(f"sbp plan: dropout in {type(module).__name__} ('{drop[0]}' p={module.get_submodule(drop[0]).p:g}"
+                          f"{f' and {len(drop) - 1} more' if len(drop) > 1 else ''}) is not supported by the SBP "
+                          f"executor (no per-rank random streams); set it to 0 or use planner=atp")
     rows = RowLayout()
     for name, key in linears.items():
         parent_name, _, attr = name.rpartition(".")

@@ -96,6 +96,9 @@ def family_of(config: Any) -> Optional[Family]:
     kind = getattr(config, "model_type", "?")
     family = FAMILIES.get(kind)
     why = family.refuse(config) if family is not None else ""
+    layerdrop = getattr(config, "layerdrop", 0.0)
+    if isinstance(layerdrop, (int, float)) and layerdrop > 0:  # a draw between blocks, on split activations
+        why = f"random layer skipping (layerdrop={layerdrop:g}: ranks would skip different layers)"
     if why:
         raise ConfigError(f"transformers model_type '{kind}': {why} is not laid out by ATP yet; pass a plan")
     return family

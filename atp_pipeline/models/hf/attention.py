@@ -109,7 +109,8 @@ class HFAttention(ParallelStyle):
     name = "hf_attention"
 
     def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
-                 qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false") -> None:
+                 qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false", heads: str = "0",
+                 kv: str = "0", head_dim: str = "0") -> None:
         if fused not in FUSED:
             raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
         if str(whole).lower() not in ("true", "false"):
@@ -117,6 +118,9 @@ class HFAttention(ParallelStyle):
         self.q, self.k, self.v, self.o, self.qkv, self.fused = q, k, v, o, qkv, fused
         self.per_rank = tuple(a for a in per_rank.split("+") if a)
         self.whole = str(whole).lower() == "true"
+        # head counts of a module without a transformers config (its own core runs on this
+        # rank's d1 heads, replicated over d2)
+        self.heads, self.kv, self.head_dim = int(heads), int(kv) or int(heads), int(head_dim)
 
     def options(self) -> Dict[str, str]:
         opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
@@ -127,6 +131,8 @@ class HFAttention(ParallelStyle):
             opts["per_rank"] = "+".join(self.per_rank)
         if self.whole:
             opts["whole"] = "true"
+        if self.heads:
+            opts.update(heads=str(self.heads), kv=str(self.kv), head_dim=str(self.head_dim))
         return opts
 
     def projections(self) -> Tuple[str, ...]:
@@ -138,9 +144,9 @@ class HFAttention(ParallelStyle):
             if type(sub) not in linear_kinds():
                 raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no linear '{p}' "
                                   f"(style '{self.describe()}')")
-        if not hasattr(module, "config"):
-            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) is not a transformers "
-                              f"attention module (no config)")
+        if not hasattr(module, "config") and not self.heads:
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no transformers config; "
+                              f"give its head counts (style '{self.name}(..., heads=, kv=, head_dim=)')")
         for a in self.per_rank:
             if not isinstance(getattr(module, a, None), int):
                 raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no integer attribute "
@@ -152,8 +158,7 @@ class HFAttention(ParallelStyle):
         norms: every parameter one ``head_dim`` vector) are kept whole, their gradients summed
         over d1; one spanning all heads needs whole q/k/v (``whole=true``); anything else is
         refused in one line."""
-        cfg = module.config
-        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        hd = self._counts(module)[2]
         out = []
         for name, sub in module.named_children():
             params = list(sub.parameters())
@@ -168,11 +173,19 @@ class HFAttention(ParallelStyle):
                               f"style '{self.describe()}' cannot place it")
         return out
 
+    def _counts(self, module: nn.Module) -> Tuple[int, int, int]:
+        """(query heads, key/value heads, head dim): the options', else the module's config's."""
+        if self.heads:
+            return self.heads, self.kv, self.head_dim
+        cfg = module.config
+        heads = int(cfg.num_attention_heads)
+        return heads, int(getattr(cfg, "num_key_value_heads", None) or heads), \
+            int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
         _register()
-        cfg = module.config
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        cfg = getattr(module, "config", None)
+        heads, kv, _ = self._counts(module)
         sharding = HeadSharding(comm_for(ctx.mesh), heads, kv)
         per_head = self._per_head(fqn, module)
         if self.whole:
@@ -210,7 +223,8 @@ class HFAttention(ParallelStyle):
                 continue  # every rank holds all key/value heads
             setattr(module, a, getattr(module, a) // d1)
         module.atp_heads = sharding
-        module.atp_inner_attention = cfg._attn_implementation or "eager"
-        module.config = copy.copy(cfg)
-        module.config._attn_implementation_internal = IMPLEMENTATION
+        if cfg is not None:  # the core through transformers' AttentionInterface: this rank's heads over d2
+            module.atp_inner_attention = cfg._attn_implementation or "eager"
+            module.config = copy.copy(cfg)
+            module.config._attn_implementation_internal = IMPLEMENTATION
         return module

@@ -31,6 +31,8 @@ parameters the plan does not reach.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -64,6 +66,8 @@ ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
         "k": re.compile(r"(^|_)(k|key)(_|$)|^wk$", re.IGNORECASE),
         "v": re.compile(r"(^|_)(v|value)(_|$)|^wv$", re.IGNORECASE)}
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+BIAS_KWARGS = re.compile(r"alibi|position_bias", re.IGNORECASE)
+WIDTH_ATTRS = ("split_size", "embed_dim", "all_head_size")
 KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
@@ -79,6 +83,7 @@ class AttentionSpec:
     fused: str = ""  # its layout: "concat" (q|k|v) or "heads" (per head q, k, v)
     whole: bool = False  # the code around needs whole q/k/v (transformers gathers them)
     per_rank: Tuple[str, ...] = ()  # attributes counting the whole layer's heads, made per-rank
+    counts: Tuple[int, int, int] = (0, 0, 0)  # heads, kv heads, head dim: for a module without a config
 
     def style(self) -> str:
         opts: List[str] = []
@@ -91,6 +96,8 @@ class AttentionSpec:
             opts.append("whole=true")
         if self.per_rank:
             opts.append("per_rank=" + "+".join(self.per_rank))
+        if self.counts[0]:
+            opts += [f"heads={self.counts[0]}", f"kv={self.counts[1]}", f"head_dim={self.counts[2]}"]
         return f"hf_attention({', '.join(opts)})"
 
 
@@ -229,8 +236,15 @@ def derive(module: nn.Module, family: Any = None) -> Layout:
          and all(_is_linear(getattr(m, p, None)) for p in (spec_given.qkv, spec_given.o))})
     plan: Dict[str, str] = {}
     for att in attention:
-        spec = spec_given or _attention_spec(att, names, kinds, hidden, heads, kv, hd, declared=bool(declared),
-                                             kind=kind)
+        spec = spec_given or _attention_spec(module, att, names, kinds, hidden, heads, kv, hd,
+                                             declared=bool(declared), kind=kind)
+        if not hasattr(_first(names, att), "config"):
+            spec = dataclasses.replace(spec, counts=(heads, kv, hd))
+        if spec_given is None and not declared:  # read off the modules: shown to run on blocks of heads
+            why = runs_on_head_blocks(module, att, spec, heads, kv, hd, hidden)
+            if why:
+                raise ConfigError(f"transformers model_type '{kind}': attention '{att}' "
+                                  f"({type(_first(names, att)).__name__}): {why}; pass a plan")
         plan[att] = spec.style()
         layout.qkv_fused = bool(spec.qkv)
         layout.whole_attention = spec.whole
@@ -332,8 +346,8 @@ def _attention_modules(names: Mapping[str, nn.Module], kinds: Mapping[str, str])
     return sorted(out)
 
 
-def _attention_spec(att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str], hidden: int,
-                    heads: int, kv: int, hd: int, declared: bool, kind: str) -> AttentionSpec:
+def _attention_spec(root: nn.Module, att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str],
+                    hidden: int, heads: int, kv: int, hd: int, declared: bool, kind: str) -> AttentionSpec:
     """The projections of the attention modules ``att`` (a pattern), from their linears' kinds
     and shapes; refused in one line where they do not add up to q/k/v and an output."""
     module = _first(names, att)
@@ -344,7 +358,8 @@ def _attention_spec(att: str, names: Mapping[str, nn.Module], kinds: Mapping[str
     if len(rows) != 1:
         raise ConfigError(f"{what} has {len(rows)} output projections ({', '.join(rows) or 'none'}); "
                           f"ATP's layout needs one; pass a plan")
-    own = [n for n, _ in module.named_parameters(recurse=False)]
+    own = sorted({n for name, m in names.items() if fnmatch.fnmatchcase(name, att)
+                  for n, _ in m.named_parameters(recurse=False)})  # in any of the blocks
     if own:
         raise ConfigError(f"{what} holds parameters of its own ({', '.join(own)}), which ATP's layout does not "
                           f"place; pass a plan")
@@ -359,24 +374,186 @@ def _attention_spec(att: str, names: Mapping[str, nn.Module], kinds: Mapping[str
             raise ConfigError(f"{what}: projections {cols} are not q ({heads}x{hd}), k and v ({kv}x{hd}); "
                               f"pass a plan")
         return AttentionSpec(q=q, k=k, v=v, o=rows[0], whole=whole,
-                             per_rank=() if declared or whole else _per_rank(module, heads, kv))
+                             per_rank=() if declared or whole else _per_rank(module, heads, kv, hd))
     if len(cols) == 1 and width[cols[0]] == (heads + 2 * kv) * hd:
         if whole:
             return AttentionSpec(qkv=cols[0], fused="concat", o=rows[0], whole=True)
         if declared:  # declared colwise: transformers' own contiguous split is whole heads
             return AttentionSpec(qkv=cols[0], fused="heads", o=rows[0])
-        raise ConfigError(f"{what}: the fused q|k|v projection '{cols[0]}' has no declared layout "
-                          f"(concatenated or per head); pass a plan")
+        if kv != heads:
+            raise ConfigError(f"{what}: the fused q|k|v projection '{cols[0]}' of grouped-query attention has no "
+                              f"declared layout; pass a plan")
+        fused = probe_fused(root, att, cols[0], rows[0], heads, hd)
+        if fused is None:
+            raise ConfigError(f"{what}: the layout of the fused q|k|v projection '{cols[0]}' (concatenated or per "
+                              f"head) is not declared and a probe of the module could not tell; pass a plan")
+        return AttentionSpec(qkv=cols[0], fused=fused, o=rows[0], per_rank=_per_rank(module, heads, kv, hd))
     raise ConfigError(f"{what}: projections {cols} do not add up to queries ({heads}x{hd}) and keys/values "
                       f"({kv}x{hd}); pass a plan")
 
 
-def _per_rank(module: nn.Module, heads: int, kv: int) -> Tuple[str, ...]:
-    """Integer attributes of an attention module counting the whole layer's heads (its code may
-    reshape by them): made per-rank by the style."""
+def _per_rank(module: nn.Module, heads: int, kv: int, hd: int) -> Tuple[str, ...]:
+    """Integer attributes of an attention module counting the whole layer's heads, or the
+    features of all of them (its code may reshape or split by them): made per-rank by the style."""
     out = [a for a in HEAD_COUNT_ATTRS if getattr(module, a, None) == heads]
     out += [a for a in KV_COUNT_ATTRS if getattr(module, a, None) == kv and a not in out]
+    out += [a for a in WIDTH_ATTRS if getattr(module, a, None) == heads * hd]
     return tuple(out)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _capture(root: nn.Module, att: str) -> Optional[Tuple[nn.Module, tuple, dict]]:
+    """The first ``att`` module of ``root`` and the inputs a forward of ``root`` on 4 tokens
+    gives it (None: no parameters to run — meta device — or a model this call cannot run).
+    Refused in one line when it is passed position biases for all heads (ALiBi)."""
+    import torch
+
+    if any(p.is_meta for p in root.parameters()):
+        return None
+    target = _first(dict(root.named_modules()), att)
+    captured: Dict[str, Any] = {}
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["args"], captured["kwargs"] = args, kwargs
+        raise _Captured
+
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    training = root.training
+    root.eval()
+    try:
+        with torch.no_grad():
+            root(input_ids=torch.zeros(1, 4, dtype=torch.long, device=next(root.parameters()).device))
+    except _Captured:
+        pass
+    except Exception:  # noqa: BLE001 — a model this call cannot run: no answer
+        return None
+    finally:
+        handle.remove()
+        root.train(training)
+    if "args" not in captured:
+        return None
+    biases = [k for k, v in captured["kwargs"].items() if BIAS_KWARGS.search(k) and v is not None]
+    if biases:
+        raise ConfigError(f"attention '{att}' ({type(target).__name__}) is passed position biases for all heads "
+                          f"({', '.join(biases)}: ALiBi), which ATP's layout does not slice per rank; pass a plan")
+    return target, captured["args"], captured["kwargs"]
+
+
+def _run(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+    out = m(*args, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def probe_fused(root: nn.Module, att: str, qkv: str, o: str, heads: int, hd: int) -> Optional[str]:
+    """Which layout a fused multi-head q|k|v projection has — ``"concat"`` (all queries, then
+    keys, then values) or ``"heads"`` (each head's q, k and v together) — read off the module
+    itself (:func:`_capture`): run again with heads 0 and 1 swapped under each hypothesis (in
+    the projection's outputs and in the output projection's inputs), only the true layout
+    leaves the module's output unchanged. None: it cannot run here, or no single answer."""
+    import torch
+
+    got = _capture(root, att) if heads >= 2 else None
+    if got is None:
+        return None
+    target, args, kwargs = got
+    with torch.no_grad():
+        reference = _run(target, args, kwargs)
+        answers = []
+        for layout in ("concat", "heads"):
+            order = torch.arange(3 * heads * hd).view(*((3, heads, hd) if layout == "concat" else (heads, 3, hd)))
+            swapped = order.clone()
+            if layout == "concat":
+                swapped[:, [0, 1]] = order[:, [1, 0]]
+            else:
+                swapped[[0, 1]] = order[[1, 0]]
+            heads_order = torch.arange(heads * hd).view(heads, hd)
+            heads_order[[0, 1]] = heads_order[[1, 0]].clone()
+            probe = copy.deepcopy(target)
+            _permute(getattr(probe, qkv), swapped.reshape(-1), output=True)
+            _permute(getattr(probe, o), heads_order.reshape(-1), output=False)
+            if torch.allclose(_run(probe, args, kwargs), reference, rtol=1e-4, atol=1e-6):
+                answers.append(layout)
+    return answers[0] if len(answers) == 1 else None
+
+
+def runs_on_head_blocks(root: nn.Module, att: str, spec: AttentionSpec, heads: int, kv: int, hd: int,
+                        hidden: int, blocks: int = 2) -> Optional[str]:
+    """Why the attention ``att`` does not run on blocks of its heads (None: it does, or it
+    cannot be run here). Its inputs captured (:func:`_capture`), the module is run once per
+    block of ``heads/blocks`` query heads — the projections cut to the block's rows under
+    ``spec``, the output projection to its input columns, ``spec.per_rank`` attributes divided
+    — and the blocks' outputs (partial sums of the output projection, as on the ranks of d1)
+    must add up to the module's own output."""
+    import torch
+
+    if heads % blocks or kv % blocks:
+        return None
+    got = _capture(root, att)
+    if got is None:
+        return None
+    target, args, kwargs = got
+    total = None
+    with torch.no_grad():
+        whole = target(*args, **kwargs)
+        extra = [t for t in (whole[1:] if isinstance(whole, (tuple, list)) else ())
+                 if isinstance(t, torch.Tensor) and t.shape[-1:] == (hidden,)]
+        if extra:
+            return "it returns a tensor over the hidden state besides its output (added outside it, whole)"
+        reference = _run(target, args, kwargs)
+        for b in range(blocks):
+            probe = copy.deepcopy(target)
+            if spec.qkv:
+                width = 3 * heads * hd // blocks
+                rows = torch.arange(3 * heads * hd).view(3, blocks, -1)[:, b].reshape(-1) if spec.fused == "concat" \
+                    else torch.arange(b * width, (b + 1) * width)
+                _cut(getattr(probe, spec.qkv), rows, output=True)
+            else:
+                for name, n in ((spec.q, heads), (spec.k, kv), (spec.v, kv)):
+                    w = n * hd // blocks
+                    _cut(getattr(probe, name), torch.arange(b * w, (b + 1) * w), output=True)
+            w = heads * hd // blocks
+            _cut(getattr(probe, spec.o), torch.arange(b * w, (b + 1) * w), output=False)
+            for a in spec.per_rank:
+                setattr(probe, a, getattr(probe, a) // blocks)
+            try:
+                part = _run(probe, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 — the module's own code refuses a block
+                return f"its code does not run on a block of its heads ({type(exc).__name__}: " \
+                       f"{str(exc).splitlines()[0][:100]})"
+            bias = getattr(getattr(probe, spec.o), "bias", None)
+            if bias is not None and b:
+                part = part - bias
+            total = part if total is None else total + part
+    if total is None or total.shape != reference.shape or not torch.allclose(total, reference, rtol=1e-4,
+                                                                            atol=1e-5 * float(reference.abs().max())):
+        return "its output is not the sum over blocks of its heads (its code mixes heads)"
+    return None
+
+
+def _cut(linear: nn.Module, index: Any, output: bool) -> None:
+    """Keep only the output features (and bias) or input features ``index`` of a linear."""
+    transposed = not isinstance(linear, nn.Linear)  # Conv1D stores W in x out
+    dim = (1 if transposed else 0) if output else (0 if transposed else 1)
+    linear.weight = nn.Parameter(linear.weight.index_select(dim, index.to(linear.weight.device)))
+    if output and linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.index_select(0, index.to(linear.weight.device)))
+    if isinstance(linear, nn.Linear):
+        linear.out_features, linear.in_features = linear.weight.shape
+    elif hasattr(linear, "nf"):
+        linear.nf = linear.weight.shape[1]
+
+
+def _permute(linear: nn.Module, index: Any, output: bool) -> None:
+    """Reorder a linear's output features (and bias) or input features by ``index``."""
+    transposed = not isinstance(linear, nn.Linear)  # Conv1D stores W in x out
+    w = linear.weight
+    dim = (1 if transposed else 0) if output else (0 if transposed else 1)
+    w.copy_(w.index_select(dim, index.to(w.device)))
+    if output and linear.bias is not None:
+        linear.bias.copy_(linear.bias.index_select(0, index.to(w.device)))
 
 
 def register_conv1d() -> None:
