@@ -464,6 +464,19 @@ def _sbp_search(t: str) -> Tuple[str, str]:
     return _out(t, "benchmarks/sbp_search.json"), "1 seed, 1 s budget"
 
 
+def _hf_coverage(t: str) -> Tuple[str, str]:
+    t = set_opt(set_opt(t, "--types", "gpt2"), "--out", f"{TMP}/outputs/benchmarks/hf_coverage")
+    if _has_opt(t, "--doc"):
+        t = set_opt(t, "--doc", f"{TMP}/hf_coverage.md")  # never over the committed table
+    return t, "one type (the whole sweep is ~30 min; its subset runs in tests/test_hf_coverage.py)"
+
+
+def _vocab_loss_memory(t: str) -> Tuple[str, str]:
+    for flag, v in (("--vocab", "512"), ("--seq", "32"), ("--batch", "2")):
+        t = set_opt(t, flag, v)
+    return set_opt(t, "--out", f"{TMP}/outputs/benchmarks/vocab_loss"), "a 512-word vocabulary, 2 x 32 tokens"
+
+
 def _builders(t: str) -> Tuple[str, str]:
     return t, "as documented (instant)"
 
@@ -518,6 +531,8 @@ MODULE_RULES: Dict[str, ModuleRule] = {
     "benchmarks.hf_gpu": _hf_gpu,
     "benchmarks.plan_scale": _plan_scale,
     "benchmarks.sbp_search": _sbp_search,
+    "benchmarks.hf_coverage": _hf_coverage,
+    "benchmarks.vocab_loss_memory": _vocab_loss_memory,
     "atp_pipeline.run.calibrate": _calibrate,
     "atp_pipeline.run.calibrate_compute": _calibrate_compute,
     "atp_pipeline.topology.builders": _builders,

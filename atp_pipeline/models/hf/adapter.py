@@ -123,7 +123,7 @@ def shape_of_model(module: nn.Module, name: str = "") -> ModelShape:
         return known if not name else dataclasses.replace(known, name=name)
     config = module.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layout = derive(module, family_of(config))
+    layout = derive(module, family_of(config), probe=False)
     heads, hidden = int(text.num_attention_heads), int(text.hidden_size)
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight

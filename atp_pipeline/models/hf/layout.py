@@ -180,9 +180,11 @@ def _heads(config: Any) -> Tuple[int, int, int]:
     return heads, kv, hd
 
 
-def derive(module: nn.Module, family: Any = None) -> Layout:
+def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     """ATP's layout of the transformers causal LM ``module`` (see the module docstring);
-    ``family``: its :class:`~atp_pipeline.models.hf.adapter.Family` entry, if it has one."""
+    ``family``: its :class:`~atp_pipeline.models.hf.adapter.Family` entry, if it has one.
+    ``probe=False``: what the shape needs only — no module is run (a model on the meta
+    device, planned before it is built), a fused q|k|v of undeclared layout is taken as is."""
     register_conv1d()
     config = module.config
     kind = getattr(config, "model_type", "?")
@@ -237,10 +239,10 @@ def derive(module: nn.Module, family: Any = None) -> Layout:
     plan: Dict[str, str] = {}
     for att in attention:
         spec = spec_given or _attention_spec(module, att, names, kinds, hidden, heads, kv, hd,
-                                             declared=bool(declared), kind=kind)
+                                             declared=bool(declared), kind=kind, probe=probe)
         if not hasattr(_first(names, att), "config"):
             spec = dataclasses.replace(spec, counts=(heads, kv, hd))
-        if spec_given is None and not declared:  # read off the modules: shown to run on blocks of heads
+        if probe and spec_given is None and not declared:  # read off the modules: shown to run on blocks of heads
             why = runs_on_head_blocks(module, att, spec, heads, kv, hd, hidden)
             if why:
                 raise ConfigError(f"transformers model_type '{kind}': attention '{att}' "
@@ -347,7 +349,8 @@ def _attention_modules(names: Mapping[str, nn.Module], kinds: Mapping[str, str])
 
 
 def _attention_spec(root: nn.Module, att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str],
-                    hidden: int, heads: int, kv: int, hd: int, declared: bool, kind: str) -> AttentionSpec:
+                    hidden: int, heads: int, kv: int, hd: int, declared: bool, kind: str,
+                    probe: bool = True) -> AttentionSpec:
     """The projections of the attention modules ``att`` (a pattern), from their linears' kinds
     and shapes; refused in one line where they do not add up to q/k/v and an output."""
     module = _first(names, att)
@@ -383,7 +386,7 @@ def _attention_spec(root: nn.Module, att: str, names: Mapping[str, nn.Module], k
         if kv != heads:
             raise ConfigError(f"{what}: the fused q|k|v projection '{cols[0]}' of grouped-query attention has no "
                               f"declared layout; pass a plan")
-        fused = probe_fused(root, att, cols[0], rows[0], heads, hd)
+        fused = probe_fused(root, att, cols[0], rows[0], heads, hd) if probe else "concat"
         if fused is None:
             raise ConfigError(f"{what}: the layout of the fused q|k|v projection '{cols[0]}' (concatenated or per "
                               f"head) is not declared and a probe of the module could not tell; pass a plan")
