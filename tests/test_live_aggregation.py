@@ -130,9 +130,10 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
             if name == "sml":
                 mine, got = np.stack(w.chunks[w.P:]), w.result_q
             else:
-                q = quantize_mask(x.numpy(), eng.last_scale, world)[0]
-                mine, got = np.zeros(w.result.size, np.int32), w.result
-                mine[:q.size] = q
+                got = w.result  # a row of K lanes per packet; the engine's scale is one per packet
+                padded = np.zeros(got.size)
+                padded[:x.numel()] = x.numpy()
+                mine = quantize_mask(padded.reshape(got.shape), eng.last_scale, world)[0]
             total = torch.from_numpy(mine.astype(np.int64).reshape(got.shape))
             dist.all_reduce(total)
             out[key + "_int_exact"] = torch.equal(total, torch.from_numpy(got.astype(np.int64)))

@@ -69,9 +69,13 @@ def quantize(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, i
 
 def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int) -> Tuple[np.ndarray, np.ndarray]:
     """As :func:`quantize`, returning the boolean mask of saturated lanes; ``scale`` is one
-    number or one per lane (the live engine's per-packet scales)."""
+    number, or an array broadcast against ``x`` (the live engine's per-packet scales). A
+    float32 ``x`` is computed in float32: exact when the scale is a power of two."""
     lim = lane_limit(n_workers)
-    r = np.asarray(x, dtype=np.float64) * np.asarray(scale, dtype=np.float64)  # scalar or per lane
+    x = np.asarray(x)
+    if x.dtype != np.float32:  # float32 stays: exact with a power-of-two scale (the engine's)
+        x = x.astype(np.float64, copy=False)
+    r = x * np.asarray(scale, dtype=x.dtype)  # scalar, per lane, or broadcast (one per packet)
     np.rint(r, out=r)
     if r.size and np.abs(r.min()) <= lim and np.abs(r.max()) <= lim:  # fast path: nothing saturates
         return r.astype(np.int32), np.zeros(r.shape, dtype=bool)

@@ -56,8 +56,10 @@ class SMLPacket:
 
     def copy(self) -> "SMLPacket":
         p = SMLPacket.__new__(SMLPacket)
-        for s in SMLPacket.__slots__:
-            setattr(p, s, getattr(self, s))
+        p.job, p.slot, p.ver, p.is_result, p.worker, p.off, p.exp = (self.job, self.slot, self.ver, self.is_result,
+                                                                   self.worker, self.off, self.exp)
+        p.payload, p.src, p.dst, p.size, p.ecn, p.is_param = (self.payload, self.src, self.dst, self.size, self.ecn,
+                                                              self.is_param)
         return p
 
 

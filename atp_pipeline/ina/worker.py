@@ -133,15 +133,22 @@ class Worker:
 
     def start(self, tensor: np.ndarray, base_seq: int, now: float,
               saturated: Optional[np.ndarray] = None) -> List[Packet]:
-        """Begin pushing ``tensor`` (int32) as sequences ``base_seq …``; returns packets.
+        """Begin pushing ``tensor`` (int32; 1-D, or 2-D with a row of ``K`` lanes per packet) as
+        sequences ``base_seq …``; returns packets.
 
         ``saturated`` (bool per element) marks lanes clamped by quantization."""
-        t = np.asarray(tensor, dtype=np.int32).ravel()
         k = self.k
-        n = max(1, -(-len(t) // k))
         # in the wire's byte order when the format decodes to views (live): encoding is one copy
-        buf = np.zeros(n * k, dtype=self.fmt.wire_dtype if self.fmt.views else np.int32)
-        buf[: len(t)] = t
+        dtype = self.fmt.wire_dtype if self.fmt.views else np.int32
+        if np.ndim(tensor) == 2 and np.shape(tensor)[1] == k:  # already a row per packet (live engine)
+            buf = np.asarray(tensor).astype(dtype, copy=False).reshape(-1)
+            n = len(buf) // k
+            t = buf
+        else:
+            t = np.asarray(tensor, dtype=np.int32).ravel()
+            n = max(1, -(-len(t) // k))
+            buf = np.zeros(n * k, dtype=dtype)
+            buf[: len(t)] = t
         self.length = len(t)
         self.chunks = buf.reshape(n, k)
         self.chunk_rows = list(self.chunks)  # row views: list indexing is cheaper per packet
