@@ -71,8 +71,10 @@ def _shrink(config: Any) -> None:
         d["head_dim"] = TINY["head_dim"]
     if isinstance(d.get("rotary_dim"), int):
         d["rotary_dim"] = TINY["head_dim"] // 2  # partial rotary, as GPT-J and CodeGen ship it
-    for k in ("vocab_size",):
-        if isinstance(d.get(k), int):
+    if isinstance(d.get("vocab_size"), int):
+        d["vocab_size"] = VOCAB
+    for k, v in list(d.items()):  # every vocabulary (BLT's hash-embedding tables too)
+        if "vocab" in k.lower() and isinstance(v, int) and not isinstance(v, bool) and v > VOCAB:
             d[k] = VOCAB
     for k, v in list(d.items()):
         low = k.lower()
@@ -193,7 +195,10 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
         ref, ref_grads = _dense_step(dense, idx)
     except Exception as exc:  # noqa: BLE001
         return {**row, "result": "skipped", "reason": f"the single-process model does not train: {_line(exc)}"}
-    f32 = float32_inside(dense, idx)
+    try:
+        f32 = float32_inside(dense, idx)
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "result": "skipped", "reason": f"the single-process model does not train: {_line(exc)}"}
     tol = TOL if not f32 else TOL32
     if f32:
         row["float32_ops"] = f32[:6]
@@ -297,7 +302,9 @@ def _doc(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         f"(transformers {meta['transformers']}, torch {meta['torch']}, {meta['machine']}; "
         f"{meta['wall_s']:.0f} s). Every type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: a tiny float64 "
         f"config of its own defaults, one forward and backward on 2x2 and 1x4 (4 gloo processes) against "
-        f"one process; exact = loss and every gradient within {TOL:g} (relative).",
+        f"one process; exact = loss and every gradient within {TOL:g} (relative), or {TOL32:g} where the "
+        f"model's own code computes in float32 and the error is above {TOL:g} (marked: a per-head norm's "
+        f"weight gradient summed in float32 per rank, then over ranks).",
         "",
         f"**{len(rows)} types:** " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
                                                ("exact", "refused", "skipped", "wrong", "error")) + ".",
@@ -309,7 +316,8 @@ def _doc(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        detail = f"{r['max_rel']:.1e}" if r["result"] == "exact" else r.get("reason", "").replace("|", "\\|")
+        detail = (f"{r['max_rel']:.1e}" + (" (float32 inside the model)" if r["max_rel"] > TOL else "")) \
+            if r["result"] == "exact" else r.get("reason", "").replace("|", "\\|")
         lines.append(f"| `{r['type']}` | {r.get('class', '')} | {'yes' if r.get('declared') else 'no'} | "
                      f"{r['result']} | {detail} |")
     return "\n".join(lines) + "\n"

@@ -500,7 +500,10 @@ def runs_on_head_blocks(root: nn.Module, att: str, spec: AttentionSpec, heads: i
     target, args, kwargs = got
     total = None
     with torch.no_grad():
-        whole = target(*args, **kwargs)
+        try:
+            whole = target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 — the module fails on its own inputs here: no answer
+            return None
         extra = [t for t in (whole[1:] if isinstance(whole, (tuple, list)) else ())
                  if isinstance(t, torch.Tensor) and t.shape[-1:] == (hidden,)]
         if extra:
