@@ -18,7 +18,8 @@ live switch role (:mod:`atp_pipeline.ina.live.nodes`, ``--protocol switchml``):
   partial sum of ``W`` workers fits an int32 and the integer sums are exact. A tensor's first
   use of each slot is an exponent-only packet (no lanes). The result is
   ``Σq · 2^(e−B)``, the same bits on every worker whatever was lost on the way.
-* :class:`SMLFormat` — the wire format: the header of :data:`SML_FIELDS` (11 bytes) then
+* :class:`SMLFormat` — the wire format: the header of :data:`SML_FIELDS` (10 bytes, the size the
+  planner's estimate assumes) then
   ``K`` big-endian int32 lanes, or none for an exponent-only packet (``empty``).
 
 Loss is recovered by the per-slot timeout only; the two-version scheme assumes no
@@ -46,7 +47,8 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 #: SwitchML's header (as modelled): job, slot, version, result flag, exponent-only flag,
 #: worker, offset (the chunk's index in the worker's stream), shared exponent (biased).
 SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_result", 1), Field("empty", 1),
-              Field("pad", 5), Field("worker", 8), Field("off", 32), Field("exp", 8))
+              Field("pad", 5), Field("worker", 8), Field("off", 24), Field("exp", 8))
+MAX_ITEMS = 1 << 24  # stream items (chunks + one exponent-only packet per slot) of one tensor
 SML_HEADER_BYTES = sum(f.bits for f in SML_FIELDS) // 8
 
 
@@ -274,6 +276,8 @@ class SMLFloatWorker(SMLWorker):
             raise ValueError(f"a gradient of magnitude {float(peak.max()):.3g} exceeds SwitchML's exponent range")
         self.local_exp = (np.maximum(e, EXP_MIN) + EXP_BIAS).tolist()
         P = min(self.pool, n)
+        if P + n > MAX_ITEMS:
+            raise ValueError(f"{n} packets of {k} values exceed SwitchML's 24-bit packet offset: raise payload_k")
         self.P, self.n_chunks, self.stride = P, n, P
         self.n = P + n  # stream items
         self.chunks = [_EMPTY] * P + [None] * n  # type: ignore[list-item] - quantized when sent
@@ -311,9 +315,9 @@ class SMLFloatWorker(SMLWorker):
 
 
 class SMLFormat:
-    """SwitchML's wire format (module docstring): 11-byte header, then ``K`` lanes or none."""
+    """SwitchML's wire format (module docstring): 10-byte header, then ``K`` lanes or none."""
 
-    _HDR = struct.Struct(">HHBBIB")
+    _HDR = struct.Struct(">HHBBI")  # ... worker, then off (24 bits) and exp (8) in one word
 
     def __init__(self, payload_k: int) -> None:
         self.payload_k = int(payload_k)
@@ -325,14 +329,15 @@ class SMLFormat:
 
     def encode(self, p: SMLPacket) -> bytes:
         empty = p.payload.size == 0
-        h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5, p.worker, p.off, p.exp)
+        h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5, p.worker, p.off << 8 | p.exp)
         return h if empty else h + p.payload.astype(self._dtype).tobytes()
 
     def decode(self, buf: bytes) -> SMLPacket:
         hb = self.header_bytes
         if len(buf) < hb:
             raise DecodeError(f"truncated SwitchML packet: {len(buf)} bytes")
-        job, slot, flags, worker, off, exp = self._HDR.unpack_from(buf)
+        job, slot, flags, worker, word = self._HDR.unpack_from(buf)
+        off, exp = word >> 8, word & 0xFF
         empty = flags >> 5 & 1
         if flags & 0x1F or len(buf) != (hb if empty else self.atp_bytes):
             raise DecodeError(f"malformed SwitchML packet ({len(buf)} bytes, flags {flags:#x})")
