@@ -155,6 +155,8 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
         dist.barrier()
         sync.close()
         out[key + "_freed"] = sync.freed_at_teardown
+        if rank == 0:  # at once: a freed ephemeral port may be bound by anyone later
+            out[key + "_ports_left"] = [port for _, port in out[key + "_roles"] if port in _udp_ports()]
     return out
 
 
@@ -197,8 +199,8 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     assert len(r0["atp2_stats"]["racks"]) == 2 and r0["atp2_freed"] == 0
     roles = [pr for key in ("sml_lossy", "atp2", "atp2_lossy") for pr in r0[key + "_roles"]]
     assert len(roles) == 1 + 2 * 4
-    ports = _udp_ports()
-    assert not [pid for pid, _ in roles if _alive(pid)] and not [p for _, p in roles if p in ports]
+    assert not [pid for pid, _ in roles if _alive(pid)]
+    assert not [r0[key + "_ports_left"] for key in ("sml_lossy", "atp2", "atp2_lossy") if r0[key + "_ports_left"]]
 
 
 def _summary(d: Path) -> Dict[str, Any]:
@@ -206,12 +208,13 @@ def _summary(d: Path) -> Dict[str, Any]:
 
 
 def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
-    """``train.py aggregation=atp`` with two levels (``racks=2``, §4.1) against ring: same
-    losses, every sequence completed at both levels, and under 1% loss at every switch the
-    very same weights, nothing left allocated at any switch."""
+    """``train.py aggregation=atp`` against ring: same losses, the sequences aggregated in the
+    switch, and under 1% loss the very same weights, nothing left allocated. (Two levels and
+    SwitchML: test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing; their
+    30-step fits against ring: docs/ina-live.md.)"""
     steps = ["trainer.max_steps=8", "trainer.devices=4"]
-    two = ["aggregation=atp", "aggregation.racks=2", "aggregation.payload_k=256"]
-    runs = {"ring": ["mesh.dp=4"], "atp": two, "lossy": [*two, "aggregation.loss=0.01"]}
+    atp = ["aggregation=atp", "aggregation.payload_k=256"]
+    runs = {"ring": ["mesh.dp=4"], "atp": atp, "lossy": [*atp, "aggregation.loss=0.01", "aggregation.rto_s=0.05"]}
     for name, extra in runs.items():
         p = run_train([*FAST, *steps, *extra, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -222,17 +225,12 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     assert len(r_loss) == len(a_loss) == 8
     assert max(abs(a - b) for a, b in zip(r_loss, a_loss)) < 1e-3
     rows = [r for r in read_metrics(tmp_path / "atp" / "metrics.csv") if "atp_in_switch_frac" in r]
-    # (a spurious timeout on a loaded machine resends past the switches: not every sequence, almost)
-    assert rows and min(r["atp_in_switch_frac"] for r in rows) >= 0.9
-    assert min(min(r["atp_level1_frac"], r["atp_level2_frac"]) for r in rows) >= 0.9
+    # (a spurious timeout on a loaded machine resends past the switch: not every sequence, almost)
+    assert rows and min(r["atp_in_switch_frac"] for r in rows) >= 0.95
     assert all(r["atp_bytes"] > 0 and r["atp_sync_s"] > 0 for r in rows)
-    levels = atp["aggregation_roles"]["levels"]
-    assert levels["racks"] == 2 and levels["level1_frac"] >= 0.95 and levels["level2_frac"] >= 0.95, levels
     roles = lossy["aggregation_roles"]
-    assert roles["injected_loss"] > 0 and roles["switch_allocated_after"] == 0  # every switch of both levels
-    assert 0 < roles["levels"]["level2_frac"] < 1.0
-    # 1% loss at every switch: the very same weights as without loss (exact sums, scales from
-    # shared results only) -> same bits
+    assert roles["injected_loss"] > 0 and roles["switch_allocated_after"] == 0
+    # 1% loss: the very same weights as without loss (exact sums, scales from shared results only)
     assert lossy["final_loss"] == atp["final_loss"]
 
 
