@@ -445,8 +445,18 @@ def _capture(root: nn.Module, att: str) -> Optional[Tuple[nn.Module, tuple, dict
     return target, captured["args"], captured["kwargs"]
 
 
+def _call(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``m`` on captured inputs in evaluation mode (no dropout: a probe compares outputs)."""
+    training = m.training
+    m.eval()
+    try:
+        return m(*args, **kwargs)
+    finally:
+        m.train(training)
+
+
 def _run(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-    out = m(*args, **kwargs)
+    out = _call(m, args, kwargs)
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -501,7 +511,7 @@ def runs_on_head_blocks(root: nn.Module, att: str, spec: AttentionSpec, heads: i
     total = None
     with torch.no_grad():
         try:
-            whole = target(*args, **kwargs)
+            whole = _call(target, args, kwargs)
         except Exception:  # noqa: BLE001 — the module fails on its own inputs here: no answer
             return None
         extra = [t for t in (whole[1:] if isinstance(whole, (tuple, list)) else ())
