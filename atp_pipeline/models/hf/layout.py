@@ -277,6 +277,9 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         for n in cols:
             n_in, n_out, _, _ = as_linear(_first(names, n))
             parts = n_out // width if width and n_out % width == 0 else 0
+            if parts == 2 and not declared:  # [gate | up] or interleaved? only a declaration says
+                raise ConfigError(f"transformers model_type '{kind}': linear '{n}' ({n_in} -> {n_out}) packs two "
+                                  f"projections in a layout nothing declares; pass a plan")
             if n_in != hidden or parts not in (1, 2):
                 raise ConfigError(f"transformers model_type '{kind}': linear '{n}' ({n_in} -> {n_out}) does not "
                                   f"read the hidden state into the width its row-first partner reads "
