@@ -385,9 +385,6 @@ def aggregation_config(spec: Union[str, AggregationConfig, Mapping[str, Any]]) -
             raise ConfigError(f"strategy 'atp': unknown aggregation option(s) {sorted(unknown)}")
         d["mode"] = _mode(d.get("mode", "ring"))
         cfg = AggregationConfig(**d)
-    if cfg.mode == AggregationMode.switchml:
-        raise ConfigError("strategy 'atp': aggregation 'switchml' runs in the simulator only "
-                          "(python -m benchmarks.ina_experiments); live modes: ring, atp, ps")
     return cfg
 
 
