@@ -24,8 +24,6 @@ layout; at a boundary with code that needs the whole tensor, ``input``/``output`
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,14 +136,10 @@ class TiedHead(nn.Module):
     the same shard). The logits are whole on every rank (the model's own loss runs on them);
     d1 ranks compute the same head, so its FLOPs are not divided by d1."""
 
-    def __init__(self, table: ParallelEmbedding, mesh: DeviceMesh, input: str = FULL,
-                 bias: Optional[nn.Parameter] = None) -> None:
+    def __init__(self, table: ParallelEmbedding, mesh: DeviceMesh, input: str = FULL) -> None:
         super().__init__()
         self.comm, self.input = comm_for(mesh), input
         object.__setattr__(self, "table", table)  # not a submodule: the embedding owns the weight
-        # the head's own bias (CTRL, XLM): whole on every rank, added to the whole logits (its
-        # gradient, from replicated logit gradients, is the same on every rank)
-        self.bias = bias
 
     @property
     def weight(self) -> nn.Parameter:
@@ -155,8 +149,7 @@ class TiedHead(nn.Module):
         d2 = Axis.d2.value
         if self.input == FULL:
             x = split_last(x, self.comm, d2)
-        logits = reduce_from_axis(F.linear(x, self.table.weight.to_local()), self.comm, d2)
-        return logits if self.bias is None else logits + self.bias
+        return reduce_from_axis(F.linear(x, self.table.weight.to_local()), self.comm, d2)
 
 
 class VocabParallelLoss(nn.Module):

@@ -258,6 +258,11 @@ class Tied(ParallelStyle):
     def options(self) -> Dict[str, str]:
         return {"table": self.table, **({"input": self.input} if self.input != FULL else {})}
 
+    def check(self, fqn: str, module: nn.Module) -> None:
+        super().check(fqn, module)
+        if module.bias is not None:
+            raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}' supports a head without bias")
+
     def _find_table(self, fqn: str, root: Optional[nn.Module]) -> Optional[nn.Module]:
         """``table`` named relative to the head's enclosing modules, nearest first (a family's
         plan placed inside a user's module keeps its relative names)."""
@@ -274,7 +279,7 @@ class Tied(ParallelStyle):
         if not isinstance(table, ParallelEmbedding) or table.source_id != id(module.weight):
             raise ConfigError(f"parallel plan: '{fqn}': style 'tied' needs '{self.table}' styled 'embedding' "
                               f"and holding the same weight as '{fqn}' (tied embeddings)")
-        return TiedHead(table, ctx.mesh, self.input, bias=module.bias)
+        return TiedHead(table, ctx.mesh, self.input)
 
 
 class VocabLoss(ParallelStyle):
