@@ -467,7 +467,7 @@ def _sbp_search(t: str) -> Tuple[str, str]:
 def _hf_coverage(t: str) -> Tuple[str, str]:
     t = set_opt(set_opt(t, "--types", "mamba"), "--out", f"{TMP}/outputs/benchmarks/hf_coverage")
     if _has_opt(t, "--doc"):
-        t = set_opt(t, "--doc", f"{TMP}/hf_coverage.md")  # never over the committed table
+        t = set_opt(t, "--doc", f"{TMP}/outputs/benchmarks/hf_coverage/hf_coverage.md")  # never over the committed table
     return t, "one type, refused before any step (the whole sweep is ~30 min; its subset: tests/test_hf_coverage.py)"
 
 
