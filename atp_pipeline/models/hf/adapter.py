@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import fnmatch
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -51,7 +51,6 @@ class Family:
     and whose modules cannot show it: its attention's projections (a fused q|k|v's layout)."""
 
     attention_spec: Optional[AttentionSpec] = None
-    linears: Mapping[str, str] = field(default_factory=dict)  # declared-style kinds, where needed
     refuse: Callable[[Any], str] = lambda c: ""  # why a config of the family cannot be laid out
 
 

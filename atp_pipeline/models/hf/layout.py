@@ -114,7 +114,7 @@ class Layout:
     gathered_embeddings: int = 0
     whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
     head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
-    source: str = ""  # "declared", "family" or "modules"
+    source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
 
 def pattern(name: str, lists: Tuple[str, ...] = ()) -> str:
@@ -192,13 +192,12 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     base = module.base_model_prefix
     heads, kv, hd = _heads(config)
     hidden = int((_text_config(config) or config).hidden_size)
-    declared = dict(family.linears) if family is not None and family.linears else declared_plan(config)
+    declared = declared_plan(config)
     for pat, style in declared.items():
         if style in REFUSED_KINDS:
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' "
                               f"({REFUSED_KINDS[style]}), which ATP's layout does not cover yet; pass a plan")
-    layout = Layout(source="family" if family is not None and family.linears else
-                    "declared" if declared else "modules")
+    layout = Layout(source="declared" if declared else "modules")
     # the linears of each repeated block, by full pattern: declared kind, or read off the modules
     blocks = [n for n, _ in block_units(module)]
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
