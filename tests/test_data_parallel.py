@@ -198,3 +198,11 @@ def test_fsdp_units_come_from_the_module_tree_and_unwrappable_models_are_named()
     net.embed.weight = nn.Parameter(torch.randn(4, 8).t())
     assert fsdp_infeasibility(net) == "parameter 'embed.weight' is not contiguous (FSDP2 shards contiguous " \
                                       "parameters only)"
+    # a module whose gradients hooks sum over a tensor-parallel axis (the HF attention's per-head
+    # norms): FSDP re-creates parameters and would drop the hooks, so it is refused by name
+    net.embed.weight = nn.Parameter(torch.randn(8, 4))
+    from atp_pipeline.parallel.fsdp import GRAD_SUM
+
+    setattr(net.layers[0], GRAD_SUM, "d1")
+    assert fsdp_infeasibility(net).startswith("'layers.0' keeps its parameters whole with their gradients summed "
+                                              "over d1 by hooks")

@@ -47,6 +47,9 @@ def block_units(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     return units
 
 
+GRAD_SUM = "atp_grad_sum"  # attribute of a module whose parameters' gradients hooks sum over a mesh axis
+
+
 def fsdp_infeasibility(root: nn.Module, mesh: Optional[DeviceMesh] = None) -> Optional[str]:
     """Why FSDP cannot shard ``root`` over ``mesh``'s dp axis (None if it can); without a
     mesh (a model built on the meta device, before any process starts), what its
@@ -57,6 +60,11 @@ def fsdp_infeasibility(root: nn.Module, mesh: Optional[DeviceMesh] = None) -> Op
     if mesh is not None and mesh[Axis.dp.value].size() < 2:
         return "one data-parallel replica: there is nothing to shard over (dp = 1)"
     tp = {Axis.d1.value, Axis.d2.value} & set(names)
+    for name, module in root.named_modules():
+        axis = getattr(module, GRAD_SUM, None)
+        if axis:  # FSDP re-creates the parameters: the hooks summing their gradients would be lost
+            return (f"'{name}' keeps its parameters whole with their gradients summed over {axis} by hooks "
+                    f"(per-head norms), which FSDP's sharded parameters would drop")
     for name, p in root.named_parameters():
         if isinstance(p, DTensor):
             pnames = set(p.device_mesh.mesh_dim_names or ())

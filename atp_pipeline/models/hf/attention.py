@@ -23,6 +23,7 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
+from atp_pipeline.parallel.fsdp import GRAD_SUM
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
 from atp_pipeline.parallel.mappings import gather_dim0, scatter_dim0
 from atp_pipeline.parallel.rng import LOCAL, region
@@ -79,6 +80,7 @@ def _sum_grads(module: nn.Module, comm: Any, axis: str) -> None:
     ``replicated_with_grad_allreduce``), through the counted Comm."""
     for p in module.parameters():
         p.register_hook(lambda g: _all_reduced(g, comm, axis))
+    setattr(module, GRAD_SUM, axis)  # FSDP refuses it (its re-created parameters would lose the hooks)
 
 
 def _all_reduced(g: torch.Tensor, comm: Any, axis: str) -> torch.Tensor:
