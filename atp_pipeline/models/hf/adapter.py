@@ -35,7 +35,7 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
-from atp_pipeline.models.hf.layout import AttentionSpec, derive, register_conv1d
+from atp_pipeline.models.hf.layout import AttentionSpec, Layout, derive, register_conv1d
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
@@ -113,16 +113,17 @@ def _decoder_only(config: Any) -> None:
 SHAPE_ATTR = "_atp_hf_shape"
 
 
-def shape_of_model(module: nn.Module, name: str = "") -> ModelShape:
+def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] = None) -> ModelShape:
     """A :class:`ModelShape` read off a transformers causal LM (built, or on the meta device):
     its config's sizes and its layout's (:func:`~atp_pipeline.models.hf.layout.derive`). A model
-    already laid out answers with the shape read before (:meth:`HFCausalLMAdapter.parallel_plan`)."""
+    already laid out answers with the shape read before (:meth:`HFCausalLMAdapter.parallel_plan`,
+    which passes the ``layout`` it derived, so it is not derived twice)."""
     known = module.__dict__.get(SHAPE_ATTR)
     if known is not None:
         return known if not name else dataclasses.replace(known, name=name)
     config = module.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layout = derive(module, family_of(config), probe=False)
+    layout = layout or derive(module, family_of(config), probe=False)
     heads, hidden = int(text.num_attention_heads), int(text.hidden_size)
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
@@ -338,8 +339,9 @@ class HFCausalLMAdapter(ModelAdapter):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if text is not config:
             text.use_cache = False
-        plan: Dict[str, Any] = dict(derive(module, family_of(config)).plan)
-        module.__dict__[SHAPE_ATTR] = shape_of_model(module)  # what adapter.shape answers once laid out
+        layout = derive(module, family_of(config))
+        plan: Dict[str, Any] = dict(layout.plan)
+        module.__dict__[SHAPE_ATTR] = shape_of_model(module, layout=layout)  # adapter.shape, once laid out
         names = dict(module.named_modules())
         by_object = {id(m): n for n, m in names.items()}
         inp, out = module.get_input_embeddings(), module.get_output_embeddings()

@@ -42,7 +42,7 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
-from atp_pipeline.parallel.linear import as_linear, linear_kinds, register_linear_kind
+from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
 # ``*_split_input``: the code around reads the whole output
@@ -551,10 +551,16 @@ def runs_on_head_blocks(root: nn.Module, att: str, spec: AttentionSpec, heads: i
     return None
 
 
+def _feature_dim(linear: nn.Module, output: bool) -> int:
+    """The weight dimension holding a linear's output (or input) features, by its registered
+    kind (:func:`~atp_pipeline.parallel.linear.register_linear_kind`: Conv1D stores W in x out)."""
+    transposed = _transposed(type(linear))
+    return (1 if transposed else 0) if output else (0 if transposed else 1)
+
+
 def _cut(linear: nn.Module, index: Any, output: bool) -> None:
     """Keep only the output features (and bias) or input features ``index`` of a linear."""
-    transposed = not isinstance(linear, nn.Linear)  # Conv1D stores W in x out
-    dim = (1 if transposed else 0) if output else (0 if transposed else 1)
+    dim = _feature_dim(linear, output)
     linear.weight = nn.Parameter(linear.weight.index_select(dim, index.to(linear.weight.device)))
     if output and linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.index_select(0, index.to(linear.weight.device)))
@@ -566,10 +572,8 @@ def _cut(linear: nn.Module, index: Any, output: bool) -> None:
 
 def _permute(linear: nn.Module, index: Any, output: bool) -> None:
     """Reorder a linear's output features (and bias) or input features by ``index``."""
-    transposed = not isinstance(linear, nn.Linear)  # Conv1D stores W in x out
     w = linear.weight
-    dim = (1 if transposed else 0) if output else (0 if transposed else 1)
-    w.copy_(w.index_select(dim, index.to(w.device)))
+    w.copy_(w.index_select(_feature_dim(linear, output), index.to(w.device)))
     if output and linear.bias is not None:
         linear.bias.copy_(linear.bias.index_select(0, index.to(w.device)))
 
