@@ -101,35 +101,48 @@ def _coordinate(mesh: Any) -> Dict[str, int]:
     return {n: int(c) for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate())}
 
 
-def toy_case(shape: Tuple[int, int, int]) -> Dict[str, Any]:
+def toy_case(shape: Tuple[int, int, int], device: str = "cpu") -> Dict[str, Any]:
     """Two training forwards of the laid-out toy: each probe's masks, and whether the caller's
-    generator drew what it would have without the model (also after a forward that raised)."""
+    generator drew what it would have without the model (also after a forward that raised).
+    ``device="cuda"``: the toy, batch and mesh on this rank's GPU, dropout drawing from the
+    CUDA generator (ranks may share one GPU over gloo); the masks come back on the CPU."""
     from atp_pipeline.parallel import rng
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.parallel.mesh import init_mesh
 
-    mesh = init_mesh(shape)
+    cuda = device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    get_state = torch.cuda.get_rng_state if cuda else torch.get_rng_state
+    set_state = torch.cuda.set_rng_state if cuda else torch.set_rng_state
+    mesh = init_mesh(shape, device_type=device)
     torch.manual_seed(0)
-    model = Toy()
+    model = Toy().to(dev)
     torch.manual_seed(7)
     apply_plan(model, TOY_PLAN, mesh)
-    idx = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(5 + _coordinate(mesh)["dp"]))
-    before = torch.get_rng_state()
+    idx = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(5 + _coordinate(mesh)["dp"])).to(dev)
+    before = get_state()
     for _ in range(2):
         model(idx).sum().backward()
-    after_model = torch.rand(8)
-    torch.set_rng_state(before)
-    untouched = bool(torch.equal(after_model, torch.rand(8)))
-    before = torch.get_rng_state()
+    after_model = torch.rand(8, device=dev)
+    set_state(before)
+    untouched = bool(torch.equal(after_model, torch.rand(8, device=dev)))
+    before = get_state()
     try:
-        model(idx + 1000)  # out of the vocabulary: the embedding raises inside the laid-out forward
+        # out of the vocabulary: the embedding raises inside the laid-out forward (on CUDA, float
+        # indices: an out-of-range index there is a device-side assert that ends the process)
+        model(idx.float() if cuda else idx + 1000)
         raised = False
     except (IndexError, RuntimeError):
         raised = True
-    restored = raised and torch.equal(before, torch.get_rng_state()) and not rng._ACTIVE
-    masks = {name: [m.clone() for m in model.get_submodule(name).masks[:2]] for name in TOY_REGIONS}
+    restored = raised and torch.equal(before, get_state()) and not rng._ACTIVE
+    masks = {name: [m.cpu().clone() for m in model.get_submodule(name).masks[:2]] for name in TOY_REGIONS}
     return {"mesh": shape, "coord": _coordinate(mesh), "masks": masks, "untouched": untouched,
             "restored": bool(restored)}
+
+
+def toy_cases(rank: int, world: int, device: str = "cpu") -> Dict[str, Any]:
+    """:func:`toy_case` on every mesh of :data:`TOY_MESHES`, in one launch."""
+    return {"toy": [toy_case(shape, device) for shape in TOY_MESHES]}
 
 
 @contextmanager
@@ -218,6 +231,6 @@ HF_RUNS = (("gpt2", 1, 1), ("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 1, 2), ("gpt
 
 def dropout_case(rank: int, world: int) -> Dict[str, Any]:
     """Everything test_dropout.py checks, in one launch of ``world`` = 4 processes."""
-    toy = [toy_case(shape) for shape in TOY_MESHES]
+    toy = toy_cases(rank, world)["toy"]
     runs = [train_case(f, s, c, spy=i == 0, **HF_DROPOUT[f]) for i, (f, s, c) in enumerate(HF_RUNS)]
     return {"toy": toy, "runs": runs}

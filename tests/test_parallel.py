@@ -39,6 +39,7 @@ def test_parallel_gpt_matches_single_process(equivalence_runs):
     for rank_runs in equivalence_runs:
         for r in rank_runs:
             assert r["params"], "parallel parameters must be named like the dense model's"
+            assert r["host_gather"], f"{r['mesh']}: full_tensor(host=True) differs from DTensor.full_tensor()"
             assert r["loss_rel"] <= 1e-9, r
             assert r["grad_rel"] <= 1e-9, (r["mesh"], r["chunks"], r["worst"], r["grad_rel"])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,6 +18,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.models.gpt.parallel import parallelize_gpt
 from atp_pipeline.parallel import ATPLinear, comm_for, init_mesh
+from atp_pipeline.parallel.mesh import full_tensor
 from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.models.gpt.native import native_tensor_parallel
 from atp_pipeline.planning.shape import ModelShape
@@ -60,7 +62,11 @@ def equivalence(rank: int, world: int, meshes: List[Tuple[int, int]], chunk_list
             counted = {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()}
             calls = {f"{k}/{a}": c.calls for (k, a), c in comm.stats.totals.items()}
             grad_err = {n: _rel(p.grad.full_tensor(), ref_grads[n]) for n, p in model.named_parameters()}
-            out.append({"mesh": (d1, d2), "chunks": chunks,
+            # the host-copy gather (gloo with CUDA tensors) equals DTensor's own, bit for bit
+            host = chunks > 1 or all(torch.equal(full_tensor(t, host=True), t.full_tensor())
+                                     for p in model.parameters() if isinstance(p.data, DTensor)
+                                     for t in (p.data, p.grad))
+            out.append({"mesh": (d1, d2), "chunks": chunks, "host_gather": host,
                         "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
                         "grad_rel": max(grad_err.values()), "worst": max(grad_err, key=grad_err.get),
                         "params": sorted(grad_err) == sorted(ref_grads), "counted": counted,

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.linear import ATPLinear, shard_index
+from atp_pipeline.parallel.mesh import full_tensor
 
 # name -> the stored tensor, sliceable (``t[a:b, c:d]``), or None if the checkpoint lacks it
 Reader = Callable[[str], Optional[Any]]
@@ -48,7 +49,7 @@ def dense_tensors(root: nn.Module, grad: bool = False) -> Dict[str, torch.Tensor
                 if not is_param or t.grad is None:
                     continue
                 t = t.grad
-            out[prefix + key] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            out[prefix + key] = full_tensor(t) if isinstance(t, DTensor) else t.detach()
     return out
 
 

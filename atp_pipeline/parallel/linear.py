@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatter_dim0
-from atp_pipeline.parallel.mesh import device_of, shard_seed, tp_coordinate, tp_mesh
+from atp_pipeline.parallel.mesh import device_of, full_tensor, shard_seed, tp_coordinate, tp_mesh
 
 COLUMN, ROW = "column", "row"
 
@@ -191,7 +191,7 @@ class ATPLinear(nn.Module):
 
         def whole(p: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
             t = None if p is None else (p.grad if grad else p.data)
-            return None if t is None else ungroup_rows(t.full_tensor(), self.parts, n)
+            return None if t is None else ungroup_rows(full_tensor(t), self.parts, n)
 
         w = whole(self.weight)
         if w is not None and _transposed(self.source_kind):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import zlib
 from enum import Enum
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
 
@@ -92,3 +93,38 @@ def device_of(mesh: DeviceMesh) -> torch.device:
 def shard_seed(seed: int, name: str, coord: Tuple[int, ...]) -> int:
     """A seed for one shard of a layer: the same on every data-parallel replica of it."""
     return (seed * 1_000_003 + zlib.crc32(f"{name}@{tuple(coord)}".encode())) % (2**63)
+
+
+def full_tensor(t: DTensor, host: Optional[bool] = None) -> torch.Tensor:
+    """``t.full_tensor()``; where the mesh's process groups are gloo and ``t`` lives on a GPU
+    (ranks sharing one GPU: NCCL refuses two ranks on one device), gathered through host copies
+    with gloo's CPU collectives instead, since gloo's all-gather of CUDA tensors ends the
+    process (a segmentation fault, torch 2.11 on an H100). ``host`` forces either way (the
+    tests check the host path against ``full_tensor()`` on CPU). Collective over ``t``'s mesh."""
+    mesh = t.device_mesh
+    if host is None:
+        host = t.device.type != "cpu" and dist.get_backend(mesh.get_group(0)) == "gloo"
+    if not host:
+        return t.full_tensor()
+    out = t.to_local().detach().cpu()
+    for i in reversed(range(mesh.ndim)):  # mesh dim 0 splits outermost: gather the inner ones first
+        placement, group = t.placements[i], mesh.get_group(i)
+        if placement.is_partial():
+            op = getattr(placement, "reduce_op", "sum")
+            if op not in ("sum", "avg"):
+                raise ConfigError(f"full_tensor: a partial placement reducing by {op!r} is not gathered on gloo")
+            dist.all_reduce(out, group=group)
+            if op == "avg":
+                out /= dist.get_world_size(group)
+        elif placement.is_shard():
+            dim = placement.dim  # type: ignore[attr-defined]
+            sizes: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(sizes, out.shape[dim], group=group)
+            pad = list(out.shape)
+            pad[dim] = max(sizes)
+            held = torch.zeros(pad, dtype=out.dtype)
+            held.narrow(dim, 0, out.shape[dim]).copy_(out)
+            parts = [torch.empty_like(held) for _ in sizes]
+            dist.all_gather(parts, held, group=group)
+            out = torch.cat([q.narrow(dim, 0, n) for q, n in zip(parts, sizes)], dim)
+    return out.to(t.device)

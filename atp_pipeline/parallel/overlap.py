@@ -23,7 +23,10 @@ coroutine and the chunks take turns at every collective of the backward — a bl
 and each linear's input-gradient all-reduce, launched before its weight gradient computes
 (§4.2) and waited for after the other chunks had their turn. The parameters' gradients
 accumulate as in one graph; the inputs' gradients are the chunks' joined (split inputs) or
-summed (whole ones).
+summed (whole ones). On an accelerator the chunks' backwards run in turn instead, on the
+autograd engine's device thread (a backward started on a coroutine's thread would queue its
+work to that thread while it waits for the coroutines: a deadlock); the forward stays a
+wavefront.
 
 Which arguments are split: the block's first tensor argument defines the batch ``B``
 (dimension 0); every tensor argument with at least two dimensions and ``B`` rows is split
@@ -240,7 +243,16 @@ class _ChunkedBlock(torch.autograd.Function):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             return run_chunk
 
-        Wavefront([backward_of(c) for c in range(len(flat))]).run()
+        if any(t.device.type != "cpu" for f in flat for t in f):
+            # On an accelerator the autograd engine runs this backward on its device thread, and a
+            # backward started on another thread (a chunk's coroutine) queues its work to that same
+            # thread, which is waiting here: a deadlock (found on an H100). There each chunk's graph
+            # runs in turn on this thread instead (a re-entrant backward runs inline); the
+            # collectives are the same, in the same order on every rank.
+            for c in range(len(flat)):
+                backward_of(c)()
+        else:
+            Wavefront([backward_of(c) for c in range(len(flat))]).run()
         run.flat = []
         return (None, *(slot.grad() for slot in run.slots))
 
