@@ -16,10 +16,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.parallel.linear import ATPLinear, shard_index
+from atp_pipeline.parallel.linear import GROUPED, ATPLinear, group_rows, shard_index, ungroup_rows
 from atp_pipeline.parallel.mesh import full_tensor
 
 # name -> the stored tensor, sliceable (``t[a:b, c:d]``), or None if the checkpoint lacks it
@@ -45,12 +45,27 @@ def dense_tensors(root: nn.Module, grad: bool = False) -> Dict[str, torch.Tensor
                     out[prefix + key] = t
             continue
         for key, t, is_param in _own_tensors(module):
+            grouped = getattr(t, GROUPED, None)  # (dim, parts): rows stored grouped by rank block
             if grad:
                 if not is_param or t.grad is None:
                     continue
                 t = t.grad
-            out[prefix + key] = full_tensor(t) if isinstance(t, DTensor) else t.detach()
+            if isinstance(t, DTensor):
+                whole = full_tensor(t)
+                out[prefix + key] = whole if grouped is None else \
+                    ungroup_rows(whole, grouped[1], _blocks(t, grouped[0]), dim=grouped[0])
+            else:
+                out[prefix + key] = t.detach()
     return out
+
+
+def _blocks(t: DTensor, dim: int) -> int:
+    """Into how many blocks ``t``'s mesh splits dimension ``dim``."""
+    n = 1
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Shard) and p.dim == dim:
+            n *= t.device_mesh.size(i)
+    return n
 
 
 def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = lambda name: False) -> int:
@@ -76,7 +91,12 @@ def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = 
                     missing.append(prefix + key)
                 continue
             with torch.no_grad():
-                if isinstance(t, DTensor):
+                grouped = getattr(t, GROUPED, None)
+                if isinstance(t, DTensor) and grouped is not None:  # the whole tensor, grouped, then this rank's block
+                    whole = group_rows(torch.as_tensor(stored[tuple(slice(0, n) for n in t.shape)]), grouped[1],
+                                       _blocks(t, grouped[0]), dim=grouped[0])
+                    t.to_local().copy_(whole[shard_index(t.shape, t.device_mesh, t.placements)])
+                elif isinstance(t, DTensor):
                     t.to_local().copy_(stored[shard_index(t.shape, t.device_mesh, t.placements)])
                 else:
                     t.copy_(stored[tuple(slice(0, n) for n in t.shape)] if t.dim() else stored[()])

@@ -59,20 +59,25 @@ def as_linear(module: nn.Module) -> LinearView:
     return int(w.shape[1]), int(w.shape[0]), w, module.bias
 
 
-def group_rows(w: torch.Tensor, parts: int, n: int) -> torch.Tensor:
-    """Rows of ``w`` (dim 0) that are ``parts`` concatenated segments (a fused q|k|v), reordered
-    so that block ``i`` of ``n`` equal blocks holds block ``i`` of every segment: sharding the
-    result over ``n`` ranks gives each rank its part of each segment, in segment order."""
+GROUPED = "atp_grouped"  # attribute of a DTensor parameter stored with grouped rows: (dim, parts)
+
+
+def group_rows(w: torch.Tensor, parts: int, n: int, dim: int = 0) -> torch.Tensor:
+    """Rows of ``w`` (along ``dim``) that are ``parts`` concatenated segments (a fused q|k|v),
+    reordered so that block ``i`` of ``n`` equal blocks holds block ``i`` of every segment:
+    sharding the result over ``n`` ranks gives each rank its part of each segment, in segment order."""
     if parts == 1:
         return w
-    return w.reshape(parts, n, w.shape[0] // (parts * n), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+    v = w.movedim(dim, 0)
+    return v.reshape(parts, n, v.shape[0] // (parts * n), *v.shape[1:]).transpose(0, 1).reshape(v.shape).movedim(0, dim)
 
 
-def ungroup_rows(w: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+def ungroup_rows(w: torch.Tensor, parts: int, n: int, dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`group_rows`."""
     if parts == 1:
         return w
-    return w.reshape(n, parts, w.shape[0] // (parts * n), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+    v = w.movedim(dim, 0)
+    return v.reshape(n, parts, v.shape[0] // (parts * n), *v.shape[1:]).transpose(0, 1).reshape(v.shape).movedim(0, dim)
 
 
 def shard_index(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> Tuple[slice, ...]:

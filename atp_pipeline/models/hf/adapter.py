@@ -387,8 +387,10 @@ class HFCausalLMAdapter(ModelAdapter):
 
 def _register_styles() -> None:
     from atp_pipeline.models.hf.attention import HFAttention
+    from atp_pipeline.models.hf.experts import HFExperts
 
     register_style(HFAttention.name, HFAttention)
+    register_style(HFExperts.name, HFExperts)
 
 
 ADAPTER = register_adapter(HFCausalLMAdapter())

@@ -51,8 +51,9 @@ ROW_KINDS = ("rowwise", "rowwise_split_input", "packed_rowwise")
 WHOLE_KINDS = ("colwise_gather_output", "rowwise_split_input")
 PER_HEAD = "replicated_with_grad_allreduce"
 EMBEDDING_KINDS = ("embedding_rowwise", "embedding_colwise")
+EXPERTS = "moe_tp_experts"  # transformers' experts module (style hf_experts)
 REFUSED_KINDS = {
-    "moe_tp_experts": "mixture-of-experts experts",
+    EXPERTS: "mixture-of-experts experts",
     "moe_identity_expert": "mixture-of-experts identity experts",
     "mla_kv_a_proj": "multi-head latent attention (a compressed key/value projection)",
     "local_params": "parameters kept local to each rank",
@@ -114,6 +115,7 @@ class Layout:
     gathered_embeddings: int = 0
     whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
     head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
+    experts: int = 0  # experts per mixture-of-experts layer (style hf_experts; 0: none)
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
 
@@ -194,7 +196,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     hidden = int((_text_config(config) or config).hidden_size)
     declared = declared_plan(config)
     for pat, style in declared.items():
-        if style in REFUSED_KINDS:
+        if style in REFUSED_KINDS and style != EXPERTS:
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' "
                               f"({REFUSED_KINDS[style]}), which ATP's layout does not cover yet; pass a plan")
     layout = Layout(source="declared" if declared else "modules")
@@ -203,10 +205,14 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     kinds: Dict[str, str] = {}
     per_head: List[str] = []
+    experts: List[str] = []
     for pat, style in declared.items():
         full, hits = _resolve(names, base, pat)
         if not hits:
             continue  # a module this configuration does not build
+        if style == EXPERTS:
+            experts.append(full)
+            continue
         if style in EMBEDDING_KINDS:
             if all(isinstance(names[h], nn.Embedding) for h in hits) and not any(
                     h.startswith(b + ".") for h in hits for b in blocks):
@@ -294,6 +300,12 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                                   f"write the hidden state; pass a plan")
             plan[n] = "row(input=split, output=split)"
             layout.ffn = layout.ffn or n_in
+    for full in experts:
+        _lay_out_experts(plan, names, full, hidden, kind)
+        m = _first(names, full)
+        layout.experts = int(getattr(m, "num_experts", 0) or m.down_proj.shape[0])
+        layout.ffn = layout.ffn or int(m.down_proj.shape[1 if m.is_transposed else 2])  # an expert's intermediate
+        layout.gated = layout.gated or bool(m.has_gate)
     # norms outside the attention: the family's own norm on the gathered hidden
     for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
         if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
@@ -307,6 +319,28 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
     layout.plan = plan
     return layout
+
+
+def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full: str, hidden: int, kind: str) -> None:
+    """A declared experts module: every expert tensor-parallel (style ``hf_experts``); the other
+    modules with parameters in its mixture-of-experts block that nothing lays out (the router, a
+    shared expert's gate, an undeclared shared expert) run whole on the gathered hidden, their
+    output whole unless it is a hidden state (then split again)."""
+    from atp_pipeline.models.hf.experts import experts_infeasibility
+
+    why = experts_infeasibility(_first(names, full))
+    if why:
+        raise ConfigError(f"transformers model_type '{kind}': experts '{full}' ({type(_first(names, full)).__name__}): "
+                          f"{why}; ATP's layout does not cover it; pass a plan")
+    plan[full] = "hf_experts"
+    parent = full.rpartition(".")[0]
+    for child_name, child in _first(names, parent).named_children():
+        child_pat = f"{parent}.{child_name}"
+        if child_pat == full or next(child.parameters(), None) is None or \
+                any(p == child_pat or p.startswith(child_pat + ".") for p in plan):
+            continue
+        writes_hidden = any(_is_linear(m) and as_linear(m)[1] == hidden for m in child.modules())
+        plan[child_pat] = f"gathered(input=split, output={'split' if writes_hidden else 'full'})"
 
 
 def _first(names: Mapping[str, nn.Module], pat: str) -> nn.Module:
