@@ -28,7 +28,7 @@ headroom scheme keeps every aggregation path exact at the cost of ``log2(W)`` bi
 from __future__ import annotations
 
 import math
-from typing import Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -67,22 +67,31 @@ def quantize(x: np.ndarray, scale: float, n_workers: int) -> Tuple[np.ndarray, i
     return q, int(np.count_nonzero(sat))
 
 
-def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int) -> Tuple[np.ndarray, np.ndarray]:
+def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int, dtype: Any = np.int32,
+                  scratch: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """As :func:`quantize`, returning the boolean mask of saturated lanes; ``scale`` is one
     number, or an array broadcast against ``x`` (the live engine's per-packet scales). A
-    float32 ``x`` is computed in float32: exact when the scale is a power of two."""
+    float32 ``x`` is computed in float32: exact when the scale is a power of two.
+
+    ``dtype``: the integer type returned (int32 in any byte order: the live worker asks for
+    the wire's, so converting and byte-swapping are one pass, issue 28); ``scratch``: a float
+    array of ``x``'s shape and type to compute in instead of a new one."""
     lim = lane_limit(n_workers)
     x = np.asarray(x)
     if x.dtype != np.float32:  # float32 stays: exact with a power-of-two scale (the engine's)
         x = x.astype(np.float64, copy=False)
-    r = x * np.asarray(scale, dtype=x.dtype)  # scalar, per lane, or broadcast (one per packet)
+    sc = np.asarray(scale, dtype=x.dtype)
+    if scratch is not None and scratch.shape == x.shape and scratch.dtype == x.dtype:
+        r = np.multiply(x, sc, out=scratch)  # scalar, per lane, or broadcast (one per packet)
+    else:
+        r = x * sc
     np.rint(r, out=r)
     if r.size and np.abs(r.min()) <= lim and np.abs(r.max()) <= lim:  # fast path: nothing saturates
-        return r.astype(np.int32), np.zeros(r.shape, dtype=bool)
+        return r.astype(dtype), np.zeros(r.shape, dtype=bool)
     sat = ~(np.abs(r) <= lim)  # also true for NaN and ±inf
     if sat.any():  # slow path: clamp; NaN -> 0, ±inf -> ±Q(W)
         r = np.clip(np.where(np.isnan(r), 0.0, r), -lim, lim)
-    return r.astype(np.int32), sat
+    return r.astype(dtype), sat
 
 
 def dequantize(q: np.ndarray, scale: float) -> np.ndarray:

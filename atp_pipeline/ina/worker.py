@@ -124,11 +124,14 @@ class Worker:
         self._last_decrease = -1.0
 
     # ----------------------------------------------------------------------------- API
-    def start_float(self, grads: np.ndarray, scale: Union[float, np.ndarray], base_seq: int, now: float
-                    ) -> List[Packet]:
+    def start_float(self, grads: np.ndarray, scale: Union[float, np.ndarray], base_seq: int, now: float,
+                    scratch: Optional[np.ndarray] = None) -> List[Packet]:
         """Quantize (headroom scheme; one scale, or one per element) and start; packets with a
-        saturated lane carry ``overflow``."""
-        q, sat = quantize_mask(grads, scale, self.layout.n_workers)
+        saturated lane carry ``overflow``. The integers come out in the wire's byte order when
+        the format decodes to views (the live path: no second conversion); ``scratch``: a
+        float buffer like ``grads`` to quantize in (:func:`~atp_pipeline.ina.quant.quantize_mask`)."""
+        dtype = self.fmt.wire_dtype if self.fmt.views else np.int32
+        q, sat = quantize_mask(grads, scale, self.layout.n_workers, dtype=dtype, scratch=scratch)
         return self.start(q, base_seq, now, saturated=sat)
 
     def start(self, tensor: np.ndarray, base_seq: int, now: float,

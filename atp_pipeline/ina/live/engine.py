@@ -38,13 +38,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, poller_for, wait_readable
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, keep_freed_memory, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.quant import safe_scales
@@ -52,6 +52,7 @@ from atp_pipeline.ina.worker import Worker, WorkerConfig
 
 SEQ_LIMIT = 1 << 32
 INITIAL_RTO_S = 1.0
+PAD_SIZES = 4  # buffer sizes whose padded buffers an engine keeps (DDP: a few bucket sizes)
 BOUND_MEMORY = 4  # rounds of one buffer size whose per-packet bounds the next one takes the max of
 
 
@@ -106,6 +107,8 @@ class Engine:
         self._poller = poller_for(sock)
         self.seq = 0
         self._bound: Dict[int, Deque[np.ndarray]] = {}  # buffer size -> per-packet bounds of its last rounds
+        self._pads: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}  # see _padded
+        keep_freed_memory()  # the round's temporaries are reused from the heap, not faulted in again
         self._q: "queue.Queue[Any]" = queue.Queue()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"atp-worker-{job}.{worker_id}", daemon=True)
@@ -183,7 +186,7 @@ class Engine:
         at a few MB per round their page faults cost more than the protocol)."""
         n, k = x.size, self.fmt.payload_k
         npk = max(1, -(-n // k))
-        xp = np.zeros((npk, k), dtype=x.dtype)  # one padded copy, a row per packet
+        xp, scratch = self._padded(n, npk, x.dtype)  # a row per packet; the tail stays 0
         xp.reshape(-1)[:n] = x
         past = self._bound.get(n)
         bound = np.full(npk, self.cfg.initial_bound) if not past else np.max(past, axis=0)
@@ -193,7 +196,7 @@ class Engine:
             if self.seq + npk >= SEQ_LIMIT:
                 raise AggregationError(f"ATP job {self.job}: 32-bit sequence space exhausted")
             base = self.seq
-            pkts = w.start_float(xp, scale, base, time.monotonic())
+            pkts = w.start_float(xp, scale, base, time.monotonic(), scratch=scratch)
             self.seq += w.n
             self._send(pkts)
             self._run_round()
@@ -209,14 +212,28 @@ class Engine:
         if self.stats.rounds == 0:
             w.set_rto(self.cfg.worker.rto)
         self.last_scale = scale  # what the last round's integers mean, per packet (tests check Σ of them)
-        res = w.result.astype(x.dtype)
+        res = np.array(w.rows, dtype=x.dtype)  # one pass from the received lanes (wire order)
         res /= scale
-        peak = np.abs(res).max(axis=1)
+        peak = np.maximum(res.max(axis=1), -res.min(axis=1))
         whole = max(self.cfg.headroom * float(peak.max()), 1e-12)
         # a packet whose sum was 0 (e.g. embedding rows no token used) gets the whole tensor's bound
         self._bound.setdefault(n, deque(maxlen=BOUND_MEMORY)).append(
             np.where(peak > 0, np.maximum(self.cfg.headroom * peak, 1e-12), whole))
         return res.reshape(-1)[:n]
+
+    def _padded(self, n: int, npk: int, dtype: Any) -> Tuple[np.ndarray, np.ndarray]:
+        """The padded ``(packets, K)`` buffer and the quantization scratch of buffers of ``n``
+        values (kept per size: DDP syncs the same bucket sizes every step; a fresh array per
+        round cost its page faults and zeroing, issue 28). Only the first ``n`` values of the
+        buffer are ever written, so its padding stays 0."""
+        key = (n, np.dtype(dtype).str)
+        got = self._pads.pop(key, None)
+        if got is None:
+            got = (np.zeros((npk, self.fmt.payload_k), dtype=dtype), np.empty((npk, self.fmt.payload_k), dtype=dtype))
+            if len(self._pads) >= PAD_SIZES:  # the least recently used size goes
+                del self._pads[next(iter(self._pads))]
+        self._pads[key] = got  # (re)inserted last: dicts keep insertion order
+        return got
 
     def _send(self, pkts: List[Any]) -> None:
         """Encode and send, as few datagrams as fit (:mod:`.frames`)."""

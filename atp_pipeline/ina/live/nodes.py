@@ -96,9 +96,12 @@ class SwitchNode(Role):
             if stats.complete != before:  # ⑥ this packet completed its sequence at this switch
                 self.job_complete[pkt.job] = self.job_complete.get(pkt.job, 0) + 1
             for q in out:
-                self.forward(q)
+                # a parameter packet leaves as it came (② only frees an aggregator): its
+                # received bytes are forwarded, not encoded again (issue 28)
+                self.forward(q, buf if q is p and p.is_param else None)
 
-    def forward(self, p: Any) -> None:
+    def forward(self, p: Any, raw: Optional[bytes] = None) -> None:
+        """Route ``p`` (``raw``: its bytes, when the switch did not change it)."""
         route = self.routes.get(p.job)
         if route is None:
             self.unroutable += 1
@@ -106,7 +109,8 @@ class SwitchNode(Role):
         if self.backlog > self.ecn_threshold and not p.ecn:
             p = ecn_mark(p, self.backlog, self.ecn_threshold)
             self.ecn_marked += 1
-        data = self.fmt.encode(p)
+            raw = None
+        data = self.fmt.encode(p) if raw is None else raw
         up, down = route
         put = self.outbox.put
         if p.is_param:

@@ -16,7 +16,7 @@ import struct
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from atp_pipeline.ina.live.frames import Outbox, drain, poller_for, wait_readable
+from atp_pipeline.ina.live.frames import Outbox, drain, keep_freed_memory, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.packet import PacketFormat
 
@@ -56,6 +56,7 @@ class Role:
     def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
                  parent_pid: Optional[int] = None) -> None:
         self.fmt = fmt
+        keep_freed_memory()  # a role process allocates and frees datagram-sized buffers all the time
         self.sock = udp_socket(host, port)
         self.data_addr: Addr = self.sock.getsockname()
         self.lock = threading.Lock()

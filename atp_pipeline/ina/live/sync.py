@@ -92,10 +92,15 @@ class ATPSync:
             raise AggregationError(jbox[0][len("error: "):])
         jobs: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(jobs, jbox[0])
-        ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
-                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6), pool=cfg.pool)
         entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
         fmt, kind = (SMLFormat(cfg.payload_k), SMLEngine) if sml else (PacketFormat(cfg.payload_k, views=True), Engine)
+        # §5.4's window grows by one MTU per ACK in slow start: one packet on hardware, where a
+        # packet fills at most an MTU; a live packet may be one 64 KiB loopback datagram, so its
+        # window grows by at least a packet per ACK too (1,500 bytes made a window of 8 KiB packets
+        # take dozens of round trips to open, and a 68-packet sync several windows: issue 28)
+        ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
+                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6, mtu=max(1500, fmt.wire_bytes)),
+                            pool=cfg.pool)
         engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
                         entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
                         ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
