@@ -86,9 +86,10 @@ def _shrink(config: Any) -> None:
             d[k] = v[:TINY["layers"]]  # per-layer lists (layer_types, ...)
         if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (text_config, ...)
             _shrink(v)
-    if isinstance(d.get("num_experts_per_tok"), int):
-        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
-    if isinstance(d.get("sliding_window"), int):
+    for k in ("num_experts_per_tok", "moe_k", "top_k", "moe_topk"):  # experts per token: fewer than the experts
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+            d[k] = min(d[k], 2)
+    if isinstance(d.get("sliding_window"), int) and d.get("use_sliding_window") is not False:
         d["sliding_window"] = None if "use_sliding_window" in d else max(SEQ // 2, 2)
     d["use_cache"] = False
 

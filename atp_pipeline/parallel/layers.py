@@ -32,8 +32,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import sharded_parameter
-from atp_pipeline.parallel.mappings import (all_reduce_sum, gather_dim0, grad_contiguous, reduce_from_axis,
-                                           scatter_dim0, vocab_parallel_cross_entropy)
+from atp_pipeline.parallel.mappings import (all_reduce_sum, copy_to_axis, gather_dim0, grad_contiguous,
+                                           reduce_from_axis, scatter_dim0, vocab_parallel_cross_entropy)
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 FULL, SPLIT = "full", "split"
@@ -84,19 +84,26 @@ class ParallelLayerNorm(nn.Module):
         return gather_last(y, self.comm, d2) if self.output == FULL else y
 
 
-def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT) -> nn.Module:
+def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT,
+                 partial_grad: bool = False) -> nn.Module:
     """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its first
     input over d2 (``input="split"``), a forward hook slices its output over d2
     (``output="split"``). The module, its parameter names and its ``forward`` stay the
     user's; its parameters stay whole on every rank, and their gradients are identical
-    across the tensor-parallel ranks (computed from the same full tensors)."""
+    across the tensor-parallel ranks (computed from the same full tensors). ``partial_grad``
+    (``output="full"``): the output's gradient is all-reduced over d2 on its way back, for
+    code that combines the whole output with hidden-split tensors."""
     comm, d2 = comm_for(mesh), Axis.d2.value
 
     def before(mod: nn.Module, args: tuple) -> tuple:
         return (gather_last(args[0], comm, d2), *args[1:]) if input == SPLIT and args else args
 
     def after(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return split_last(out, comm, d2) if output == SPLIT else out
+        if output == SPLIT:
+            return split_last(out, comm, d2)
+        if partial_grad:  # its consumers' gradients are partial over d2 (``partial_grad``): sum them
+            return copy_to_axis(out, comm, d2) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+        return out
 
     if comm.size(d2) > 1:
         module.register_forward_pre_hook(before)

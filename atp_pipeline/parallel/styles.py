@@ -22,7 +22,9 @@ the axis the style reads or writes):
                d1, ``split`` output over d2
 ``layernorm``  ``nn.LayerNorm`` over a hidden dimension split across d2
 ``gathered``   any module run whole on its input gathered over d2 (its own ``forward``
-               runs: exact for any norm, e.g. an RMSNorm upcasting to float32)
+               runs: exact for any norm, e.g. an RMSNorm upcasting to float32);
+               ``partial_grad=true`` (``output=full``): the output's gradient is summed over
+               d2 (code combines it with hidden-split tensors, e.g. a gate scaling them)
 ``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
 ``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
                named by ``table=`` (tied embeddings): logits all-reduced over d2
@@ -211,8 +213,20 @@ class Gathered(_InOutStyle):
 
     name = "gathered"
 
+    def __init__(self, input: str = FULL, output: str = FULL, partial_grad: str = "false") -> None:
+        super().__init__(input, output)
+        if partial_grad not in ("true", "false") or (partial_grad == "true" and output != FULL):
+            raise ConfigError(f"style 'gathered': partial_grad={partial_grad!r} must be true or false (true with "
+                              f"output=full only)")
+        # a ``full`` output that code then combines with hidden-split tensors (a gate scaling a
+        # split hidden): its gradient arrives partial over d2 and is summed there
+        self.partial_grad = partial_grad == "true"
+
+    def options(self) -> Dict[str, str]:
+        return {**super().options(), **({"partial_grad": "true"} if self.partial_grad else {})}
+
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        module = run_gathered(module, ctx.mesh, self.input, self.output)
+        module = run_gathered(module, ctx.mesh, self.input, self.output, self.partial_grad)
         fork_module(module, REPLICATED)  # its draws: on whole tensors, equal on every rank
         return module
 

@@ -29,7 +29,7 @@ that a rank's block holds its part of the gate and of the up projection, and the
 from __future__ import annotations
 
 import types
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -73,6 +73,14 @@ class HFExperts(ParallelStyle):
 
     name = "hf_experts"
 
+    def __init__(self, per_rank: str = "") -> None:
+        # attributes of the enclosing mixture-of-experts block holding the hidden width, which its
+        # code reshapes by: made this rank's width (hidden / d2)
+        self.per_rank = tuple(a for a in per_rank.split("+") if a)
+
+    def options(self) -> Dict[str, str]:
+        return {"per_rank": "+".join(self.per_rank)} if self.per_rank else {}
+
     def check(self, fqn: str, module: nn.Module) -> None:
         why = experts_infeasibility(module)
         if why:
@@ -103,6 +111,15 @@ class HFExperts(ParallelStyle):
         module.down_proj = new2
         module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
         module.atp_comm = comm
+        if self.per_rank:
+            if ctx.root is None or "." not in fqn:
+                raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}(per_rank=...)' needs the enclosing block")
+            block = ctx.root.get_submodule(fqn.rpartition(".")[0])
+            for attr in self.per_rank:
+                if getattr(block, attr, None) != hidden:
+                    raise ConfigError(f"parallel plan: '{fqn}': the enclosing block's '{attr}' is not the hidden "
+                                      f"width {hidden}")
+                setattr(block, attr, hidden // d2)
         return module
 
 

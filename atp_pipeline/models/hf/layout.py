@@ -154,8 +154,12 @@ def _is_linear(m: nn.Module) -> bool:
 
 def _resolve(names: Mapping[str, nn.Module], base: str, pat: str) -> Tuple[str, List[str]]:
     """A declared pattern (relative to the text model) as a full pattern and its matches: the
-    shortest prefix under which it matches a module (the base model, or its language model)."""
+    shortest prefix under which it matches a module (the base model, or its language model; a
+    top-level child where the model's ``base_model_prefix`` names no module, as Llama 4's text
+    model under ``model``)."""
     prefixes = sorted({base} | {n for n in names if n.startswith(base + ".") and n.count(".") <= 2}, key=len)
+    if base not in names:
+        prefixes += sorted(n for n in names if n and "." not in n)
     for pre in prefixes:
         full = f"{pre}.{pat}" if pre else pat
         hits = [n for n in names if fnmatch.fnmatchcase(n, full)]
@@ -232,7 +236,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     if not kinds:  # nothing declared, or only embeddings: read the blocks' linears off the modules
         declared = {}
         layout.source = "modules"
-        kinds = _inspect_linears(names, blocks, hidden, lists)
+        kinds = _inspect_linears(names, blocks, hidden, lists, [e.rpartition(".")[0] for e in experts])
     if not kinds:
         raise ConfigError(f"transformers model_type '{kind}': no repeated block with linear projections "
                           f"(ATP lays out transformer blocks); pass a plan")
@@ -329,18 +333,26 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
     from atp_pipeline.models.hf.experts import experts_infeasibility
 
     why = experts_infeasibility(_first(names, full))
+    experts = int(getattr(_first(names, full), "num_experts", 0) or 0)
     if why:
         raise ConfigError(f"transformers model_type '{kind}': experts '{full}' ({type(_first(names, full)).__name__}): "
                           f"{why}; ATP's layout does not cover it; pass a plan")
-    plan[full] = "hf_experts"
     parent = full.rpartition(".")[0]
-    for child_name, child in _first(names, parent).named_children():
+    block = names[next(n for n in names if fnmatch.fnmatchcase(n, full)).rpartition(".")[0]]  # one holding experts
+    # the block's code reshaping by a width it keeps (GraniteMoE's input_size): this rank's width
+    widths = sorted(k for k, v in vars(block).items() if type(v) is int and v == hidden)
+    plan[full] = f"hf_experts(per_rank={'+'.join(widths)})" if widths else "hf_experts"
+    for child_name, child in block.named_children():
         child_pat = f"{parent}.{child_name}"
         if child_pat == full or next(child.parameters(), None) is None or \
                 any(p == child_pat or p.startswith(child_pat + ".") for p in plan):
             continue
-        writes_hidden = any(_is_linear(m) and as_linear(m)[1] == hidden for m in child.modules())
-        plan[child_pat] = f"gathered(input=split, output={'split' if writes_hidden else 'full'})"
+        if any(_is_linear(m) and as_linear(m)[1] == hidden for m in child.modules()):  # writes a hidden state
+            plan[child_pat] = "gathered(input=split, output=split)"
+        elif any(p.dim() == 2 and p.shape[0] == experts for p in child.parameters()):  # the router: its
+            plan[child_pat] = "gathered(input=split, output=full)"  # weights' gradients the experts complete
+        else:  # e.g. a shared expert's gate, scaling the split hidden: its gradient partial over d2
+            plan[child_pat] = "gathered(input=split, output=full, partial_grad=true)"
 
 
 def _first(names: Mapping[str, nn.Module], pat: str) -> nn.Module:
@@ -348,16 +360,20 @@ def _first(names: Mapping[str, nn.Module], pat: str) -> nn.Module:
 
 
 def _inspect_linears(names: Mapping[str, nn.Module], blocks: List[str], hidden: int,
-                     lists: Tuple[str, ...]) -> Dict[str, str]:
+                     lists: Tuple[str, ...], moe_blocks: List[str] = ()) -> Dict[str, str]:
     """The linears of the repeated blocks, read off their shapes (no declaration): those
     reading the hidden state column-first, those writing it row-first; inside an attention
-    module all of them (its projections are sorted out by :func:`_attention_spec`)."""
+    module all of them (its projections are sorted out by :func:`_attention_spec`). Those in
+    ``moe_blocks`` (the patterns of blocks holding declared experts: routers, shared experts)
+    are left to :func:`_lay_out_experts`."""
     out: Dict[str, str] = {}
     for name, m in names.items():
         if not _is_linear(m) or not any(name.startswith(b + ".") for b in blocks):
             continue
         n_in, n_out, _, _ = as_linear(m)
         full = pattern(name, lists)
+        if any(full.startswith(b + ".") for b in moe_blocks):
+            continue
         parent = names[name.rpartition(".")[0]]
         if ATTENTION.search(type(parent).__name__):
             out[full] = "rowwise" if n_out == hidden and n_in != hidden or (
