@@ -35,6 +35,12 @@ TINY: Dict[str, Dict[str, Any]] = {
                  tie_word_embeddings=False),
     "granite": dict(intermediate_size=48, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.3, logits_scaling=2.0, tie_word_embeddings=True),
+    # a mixture of experts (issue 26): layer 0 a dense MLP, layer 1 routed (4 experts, 2 a token,
+    # style hf_experts) beside a shared expert run whole and its sigmoid gate (gradient summed
+    # over d2), the router run whole
+    "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                      num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], num_key_value_heads=4,
+                      use_sliding_window=False, tie_word_embeddings=False),
 }
 
 
@@ -45,6 +51,8 @@ def build(family: str, dtype: torch.dtype = torch.float64, **over: Any) -> torch
     config = AutoConfig.for_model(family, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if getattr(type(model), "_can_set_experts_implementation", lambda: False)():
+        model.set_experts_implementation("eager")  # the default grouped GEMM computes in float32 at most
     # non-trivial norm weights and biases, so one applied on the wrong slice cannot hide
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -75,6 +75,7 @@ class SwitchImpl(str, Enum):
 class Stage(str, Enum):
     plan = "plan"  # compose -> plan -> report (no process is started)
     fit = "fit"  # compose -> plan -> build -> fit -> report
+    calibrate = "calibrate"  # measure this host for the topology: collectives, kernels, framework cost (issue 27)
 
 
 class DataSource(str, Enum):
@@ -337,6 +338,19 @@ class PathsConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """``stage=calibrate`` writes the topology's calibration (α-β per level and collective,
+    the compute profile) to ``<dir>/<topology name>.yaml``; ``stage=plan`` and ``stage=fit``
+    read it from there when the topology has no calibration of its own (``use``) and the
+    file was measured for the same levels (:mod:`atp_pipeline.run.calibration`)."""
+
+    dir: str = "outputs/calibration/profiles"
+    use: bool = True
+    passes: int = 3  # interleaved timed passes per measurement (median)
+    quick: bool = False  # a coarse sweep, one probe (a smoke run: tests)
+
+
+@dataclass
 class Config:
     stage: Stage = Stage.fit
     seed: int = 0
@@ -350,6 +364,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 SCHEMA_NAME = "atp_schema"

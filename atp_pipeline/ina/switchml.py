@@ -50,6 +50,7 @@ SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_re
               Field("pad", 5), Field("worker", 8), Field("off", 24), Field("exp", 8))
 MAX_ITEMS = 1 << 24  # stream items (chunks + one exponent-only packet per slot) of one tensor
 SML_HEADER_BYTES = sum(f.bits for f in SML_FIELDS) // 8
+F32_SHIFTS = (-126, 127)  # 2^s is a normal float32: a float32 chunk is scaled in float32, exactly
 
 
 class SMLPacket:
@@ -262,15 +263,23 @@ class SMLFloatWorker(SMLWorker):
         return self.on_packet(p, now)
 
     def start_float(self, x: np.ndarray, now: float) -> List[SMLPacket]:
-        """Begin streaming ``x`` (finite floats, ``|x| < 2^127``); the packets to send."""
-        x = np.asarray(x, dtype=np.float64).ravel()
+        """Begin streaming ``x`` (finite floats, ``|x| < 2^127``); the packets to send.
+
+        A float32 ``x`` stays float32 (issue 28: half the bytes per pass): scaling by a power of
+        two is exact in either type and the rounded integers are the same (a value whose
+        scaled magnitude would be subnormal in float32 rounds to 0 either way)."""
+        x = np.asarray(x).ravel()
+        if x.dtype != np.float32:
+            x = x.astype(np.float64, copy=False)
         k = self.k
         n = max(1, -(-len(x) // k))
-        buf = np.zeros(n * k, dtype=np.float64)
+        buf = np.zeros(n * k, dtype=x.dtype)
         buf[: len(x)] = x
         self.length, self.chunks_f = len(x), buf.reshape(n, k)
-        peak = np.abs(self.chunks_f).max(axis=1)
-        e = np.frexp(peak)[1]  # |x| < 2^e per chunk (frexp: peak = m·2^e, 0.5 ≤ m < 1)
+        peak = np.maximum(self.chunks_f.max(axis=1), -self.chunks_f.min(axis=1))
+        if not np.isfinite(peak).all():
+            raise ValueError("NaN/inf gradients")
+        e = np.frexp(peak)[1].astype(np.int64)  # |x| < 2^e per chunk (frexp: peak = m·2^e, 0.5 ≤ m < 1)
         e[peak == 0] = EXP_MIN
         if int(e.max()) > EXP_MAX:
             raise ValueError(f"a gradient of magnitude {float(peak.max()):.3g} exceeds SwitchML's exponent range")
@@ -294,9 +303,13 @@ class SMLFloatWorker(SMLWorker):
 
     def _send(self, slot: int, item: int, now: float, resend: int) -> SMLPacket:
         if item >= self.P and self.chunks[item] is None:
-            c = item - self.P
-            scale = 2.0 ** (self.bits - (self.shared[c] - EXP_BIAS))
-            self.chunks[item] = np.rint(self.chunks_f[c] * scale).astype(np.int32)
+            c = item - self.P  # q = rint(x · 2^(B−e)), straight to the wire's byte order
+            sh = self.bits - (self.shared[c] - EXP_BIAS)
+            xc = self.chunks_f[c]
+            if not F32_SHIFTS[0] <= sh <= F32_SHIFTS[1]:  # 2^sh is no float32 (normal): in float64
+                xc = xc.astype(np.float64)
+            q = xc * xc.dtype.type(2.0 ** sh)
+            self.chunks[item] = np.rint(q, out=q).astype(self.fmt.wire_dtype)
         p = super()._send(slot, item, now, resend)
         p.exp = self.local_exp[item] if item < self.n_chunks else 0
         return p
@@ -327,10 +340,15 @@ class SMLFormat:
         self.wire_bytes = self.atp_bytes + L2L4_OVERHEAD_BYTES
         self._dtype = np.dtype(">i4")
 
+    @property
+    def wire_dtype(self) -> np.dtype:
+        """The lanes as they travel: big-endian int32."""
+        return self._dtype
+
     def encode(self, p: SMLPacket) -> bytes:
         empty = p.payload.size == 0
         h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5, p.worker, p.off << 8 | p.exp)
-        return h if empty else h + p.payload.astype(self._dtype).tobytes()
+        return h if empty else h + p.payload.astype(self._dtype, copy=False).tobytes()
 
     def decode(self, buf: bytes) -> SMLPacket:
         hb = self.header_bytes

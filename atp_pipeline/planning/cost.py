@@ -129,6 +129,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
         t("f4", "MLP row-first linear", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
     ]
+    if shape.moe is not None:
+        terms = _routed_mlps(terms, shape, mesh)
     if shape.final_norm:
         terms += final
     if shape.head_layout == "tied":
@@ -178,6 +180,56 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                   t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
                     F_(2 * kv), 1, "bwd")]
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
+
+
+def _mlp_terms(width: int, up: int, hidden: int, mesh: Tuple[int, int], passes: int, what: str) -> List[CommTerm]:
+    """f3/f4 of an MLP of ``width`` with ``up`` column-first linears, ``passes`` times a step."""
+    d1, d2 = mesh
+    F_, t = Fraction, CommTerm
+    return [t("f3", f"{what} column-first linears", ALL_REDUCE, 2, F_(up * width, d1), passes, "fwd", False),
+            t("f3", f"{what} column-first linears: input gradient", ALL_REDUCE, 1, F_(hidden, d2), passes, "bwd",
+              False),
+            t("f4", f"{what} row-first linear", ALL_REDUCE, 1, F_(hidden, d2), passes, "fwd", False),
+            t("f4", f"{what} row-first linear: input gradient", ALL_REDUCE, 2, F_(width, d1), passes, "bwd", False)]
+
+
+def _routed_mlps(terms: List[CommTerm], shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """``terms`` with the MLPs of the ``moe.layers`` routed layers replaced by their experts
+    (style ``hf_experts``: each expert an ATP MLP on the rows routed to it, the collectives
+    batched over the experts — ``top_k`` rows a token in the up projection and the
+    intermediate's gradient; the routing weights' gradient over d1 and d2), a shared expert
+    laid out column-/row-first, and the modules run whole on the gathered hidden (the router:
+    the hidden gathered over d2; an output split again: its gradient gathered; a gate scaling
+    the split hidden: its gradient summed over d2)."""
+    moe = shape.moe
+    assert moe is not None
+    d1, d2 = mesh
+    h, k, f = shape.hidden, moe.top_k, moe.ffn
+    F_, t, n = Fraction, CommTerm, moe.layers
+    dense = shape.layers - n
+    out = [x for x in terms if x.op not in ("f3", "f4")]
+    if dense:
+        out += _mlp_terms(shape.ffn, shape.ffn_matrices - 1, h, mesh, dense, "dense layers' MLP")
+    if moe.shared_ffn:
+        out += _mlp_terms(moe.shared_ffn, shape.ffn_matrices - 1, h, mesh, n, "shared expert")
+    out += [t("experts", "experts' up projections (column-first), routed rows", ALL_REDUCE, 2,
+              F_(k * (moe.matrices - 1) * f, d1), n, "fwd", False),
+            t("experts", "experts' down projections (row-first), summed over the routed rows", ALL_REDUCE, 1,
+              F_(h, d2), n, "fwd", False),
+            t("experts", "experts' intermediate gradient, routed rows", ALL_REDUCE, 2, F_(k * f, d1), n, "bwd", False),
+            t("experts", "experts' input gradient", ALL_REDUCE, 1, F_(h, d2), n, "bwd", False),
+            t("experts", "routing weights' gradient over d1", ALL_REDUCE, 1, F_(k), n, "bwd", False),
+            t("experts", "routing weights' gradient over d2", ALL_REDUCE, 2, F_(k), n, "bwd", False)]
+    if moe.gathered:
+        out.append(t("router", "router (and the block's other whole modules): hidden gathered over d2", ALL_GATHER,
+                     2, F_(moe.gathered * h), n, "fwd", False))
+    if moe.split_outputs:
+        out.append(t("router", "whole modules' split outputs: gradient gathered over d2", ALL_GATHER, 2,
+                     F_(moe.split_outputs * h), n, "bwd", False))
+    if moe.partial_width:
+        out.append(t("router", "gates scaling the split hidden: gradient summed over d2", ALL_REDUCE, 2,
+                     F_(moe.partial_width), n, "bwd", False))
+    return out
 
 
 def vocab_split_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:

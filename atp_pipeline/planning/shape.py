@@ -37,6 +37,33 @@ TFLOP_TABLE2 = 2**40  # Table 2 quotes "TFLOPs" in units of 2^40 FLOPs
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts layers of a model, as numbers (their layout: every expert
+    tensor-parallel like an MLP, the router and the block's other unsplit modules run whole on
+    the gathered hidden; :mod:`atp_pipeline.models.hf.experts`)."""
+
+    experts: int
+    top_k: int
+    layers: int  # layers whose MLP is routed (the model's others have its dense MLP)
+    ffn: int  # an expert's intermediate width
+    gated: bool = True
+    shared_ffn: int = 0  # a shared expert laid out column-/row-first (0: none, or run whole)
+    gathered: int = 1  # modules run whole on the gathered hidden per layer (the router, ...)
+    split_outputs: int = 0  # of those, outputs split again over d2
+    partial_width: int = 0  # of those, output widths whose gradient is summed over d2
+
+    @property
+    def matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    def weights(self, hidden: int, shared_matrices: int, active: bool) -> int:
+        """Matrix weights of one routed layer's MLP: every expert's (``active``: the ``top_k`` a
+        token runs), a shared expert's and the router's."""
+        n = self.top_k if active else self.experts
+        return hidden * (n * self.matrices * self.ffn + shared_matrices * self.shared_ffn + self.experts)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer as numbers, plus the step (batch, dtype) it is planned for."""
 
@@ -63,11 +90,14 @@ class ModelShape:
     gathered_embeddings: int = 0  # embeddings run whole and sliced over d2 (e.g. OPT's positions)
     attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
     head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
+    moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
 
     def __post_init__(self) -> None:
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.moe, dict):  # read back from to_dict()
+            object.__setattr__(self, "moe", MoEShape(**self.moe))
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
         if not self.head_dim:
@@ -136,9 +166,18 @@ class ModelShape:
 
     @property
     def weights_per_layer(self) -> int:
-        """Matrix weights of one layer: q, k, v, o and the MLP's matrices."""
+        """Matrix weights of one layer: q, k, v, o and the MLP's matrices (with experts: the
+        average over the layers, every expert counted)."""
+        return self._weights(active=False)
+
+    def _weights(self, active: bool) -> int:
         h = self.hidden
-        return h * (2 * self.q_width + 2 * self.kv_width) + self.ffn_matrices * h * self.ffn
+        attention = h * (2 * self.q_width + 2 * self.kv_width)
+        dense = self.ffn_matrices * h * self.ffn
+        if self.moe is None:
+            return attention + dense
+        routed = self.moe.weights(h, self.ffn_matrices, active)
+        return attention + ((self.layers - self.moe.layers) * dense + self.moe.layers * routed) // self.layers
 
     @property
     def column_bias_per_layer(self) -> int:
@@ -162,7 +201,7 @@ class ModelShape:
     @property
     def flops_per_layer(self) -> int:
         b, s = self.batch_size, self.seq_len
-        forward = 2 * b * s * self.weights_per_layer + 4 * b * s * s * self.q_width
+        forward = 2 * b * s * self._weights(active=True) + 4 * b * s * s * self.q_width  # routed: top_k experts
         return 3 * forward
 
     @property

@@ -6,10 +6,11 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
 * **Compute**: every local kernel of the step at its *local* shape — the GEMMs of the
   column-/row-first linears (forward, input gradient, weight gradient), the attention core
   on ``heads/(d1·d2)`` heads, the norms and the elementwise kernels between them, the
-  optimizer — each timed by a :class:`ComputeProfile`: a measured time where the
-  calibration measured that very shape, else the kind's fitted ``t = α + work·γ`` (work =
-  FLOPs for GEMM and attention, elements otherwise). A profile is calibrated on the device
-  (``python -m atp_pipeline.run.calibrate_compute``, under the concurrency of training) or
+  optimizer — each timed by a :class:`ComputeProfile`: interpolated over a calibrated sweep
+  of shapes of its kind (log work vs log time between the nearest measured points), else
+  the kind's fitted ``t = α + work·γ`` (work = FLOPs for GEMM and attention, elements
+  otherwise). A profile is calibrated on the device (``python train.py stage=calibrate``,
+  under the concurrency of training; none of it is a plan of the models it predicts) or
   derived from the device's spec (``peak_TFLOPs`` with an efficiency curve, stated as such).
 * **Communication**: exactly the collectives of the runtime cost model
   (:func:`atp_pipeline.planning.cost.comm_terms` with ``cost_model=runtime``), each placed
@@ -30,16 +31,21 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   data-parallel gradient sync under the configured aggregation mode
   (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
 
-* **What the runtime pays beyond kernels and α-β** — three calibrated terms of the profile,
+* **What the runtime pays beyond kernels and α-β** — calibrated terms of the profile,
   each measured in the compute calibration's own run and named in every prediction
-  (:meth:`ComputeProfile.describe`): :class:`Dispatch`, the framework cost around each
-  kernel (per layout: ``seconds·(1 + kernel_factor) + per_kernel_s``; from the runtime's own
-  forward and backward with its collectives skipped); :class:`SyncFit`, what a collective
-  costs in a step when processes share the cores (``alpha + per_compute × compute since the
-  rank's previous collective``, from compute-then-collective loops) and the share ``hidden``
-  of a collective's overlap with compute that compute really hides (from
-  collective-during-compute loops; on CPU the transfer takes cycles from compute); and the
-  optimizer kernel timed as training runs it (foreach AdamW over DTensor parameters).
+  (:meth:`ComputeProfile.describe`): :class:`Framework`, the runtime's CPU work around each
+  kernel (``seconds·(1 + kernel_factor) + per_kernel_s``) and each collective call
+  (``per_collective_s + bytes·per_collective_byte_s``), one set for every model, fitted
+  from *probe* models' forward and backward with their collectives skipped;
+  :class:`SyncFit`, what a collective costs in a step when processes share the cores
+  (``alpha + per_compute × compute since the rank's previous collective``, from
+  compute-then-collective loops) and the share ``hidden`` of a collective's overlap with
+  compute that compute really hides (from collective-during-compute loops; on CPU the
+  transfer takes cycles from compute); the optimizer timed as training runs it (foreach
+  AdamW over DTensor parameters); and the *contention* factor: every calibrated time
+  (kernels, framework, sync, fitted α-β) scaled by the measured slowdown with the run's
+  processes on the host against the calibration's (a 2-process run on a 4-process
+  calibration of a 2-core host runs about twice as fast per kernel).
 
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
 clock, a wait moves it to the collective's end. ``exposed = step - compute`` is the
@@ -106,26 +112,27 @@ class KindFit:
     per_tensor_s: float = 0.0
 
 
-RUNTIME = "styles"  # the layout key of the runtime's framework cost: one runtime lays out every model
-
-
-def dispatch_key(layout: str, mesh: Mesh) -> str:
-    """The profile's key of a layout's framework cost calibrated on one mesh: ``layout@d1xd2``."""
-    return f"{layout}@{mesh[0]}x{mesh[1]}"
-
-
 @dataclass(frozen=True)
-class Dispatch:
-    """What the runtime pays around its kernels, per layout key (:data:`RUNTIME`):
-    ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``s, DTensor
-    ``to_local``, views, module calls, ``Comm`` bookkeeping) and ``kernel_factor``, the extra
-    fraction of the kernels' own time they take in the step (cache, allocator; negative where
-    the kernels run faster in the step's sequence than each timed alone with every rank at it). A kernel's
-    time in the step is ``seconds·(1 + kernel_factor) + per_kernel_s``. Calibrated from the
-    runtime's own forward and backward with its collectives skipped."""
+class Framework:
+    """What the runtime pays around its kernels and collectives beyond their own time (one
+    set for every model: the runtime is one program of styles whatever the family):
+    ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``\\ s,
+    DTensor ``to_local``, views, module calls) and ``kernel_factor``, the extra fraction of
+    the kernels' own time they take in the step (cache, allocator; negative where they run
+    faster in the step's sequence than each timed alone); and per collective call
+    ``per_collective_s`` plus ``per_collective_byte_s`` per byte it moves — the buffers,
+    copies, splits and concatenations around it on the rank's own CPU (the transfer itself
+    is the α-β). A kernel costs ``t·(1 + kernel_factor) + per_kernel_s`` in a step.
+    Calibrated from probe models' forward and backward with their collectives skipped
+    (:mod:`atp_pipeline.run.calibrate_compute`)."""
 
     per_kernel_s: float
     kernel_factor: float = 0.0
+    per_collective_s: float = 0.0
+    per_collective_byte_s: float = 0.0
+
+    def collective_seconds(self, nbytes: float) -> float:
+        return self.per_collective_s + nbytes * self.per_collective_byte_s
 
 
 @dataclass(frozen=True)
@@ -144,13 +151,54 @@ class SyncFit:
         return self.alpha_s + self.per_compute * compute_since
 
 
+def load_slowdown(processes: int, cores: int, foreign: float) -> float:
+    """How much slower ``processes`` CPU-bound ranks run on ``cores`` cores while other jobs
+    use ``foreign`` cores than on the quiet host: each rank gets ``min(1, cores/P)`` of a core
+    alone and ``min(1, (cores - foreign)/P)`` beside them (the scheduler shares what the other
+    jobs leave; at least a tenth of a core stays). 1 where ``cores`` is unknown (0)."""
+    if cores <= 0 or foreign <= 0:
+        return 1.0
+    quiet = min(1.0, cores / processes)
+    loaded = min(1.0, max(0.1, cores - foreign) / processes)
+    return quiet / loaded
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A model the calibration ran whole (forward and backward): its shape's identity
+    (:meth:`~atp_pipeline.planning.shape.ModelShape` fields, :func:`shape_key`), mesh, local
+    batch and sequence length. Validation refuses to count a point that matches one as out
+    of sample."""
+
+    name: str
+    key: str
+    mesh: Mesh
+    batch: int
+    seq_len: int
+
+    def to_config(self) -> Dict[str, Any]:
+        return {"name": self.name, "key": self.key, "mesh": list(self.mesh), "batch": self.batch,
+                "seq_len": self.seq_len}
+
+
+def shape_key(shape: ModelShape) -> str:
+    """A model's identity for in-sample checks: every layout-relevant field of its shape but
+    batch and sequence length (those are checked apart)."""
+    return (f"h{shape.hidden}/a{shape.heads}/kv{shape.kv_heads}/f{shape.ffn}/L{shape.layers}/V{shape.vocab_size}/"
+            f"{shape.norm}:{shape.norm_layout}/{shape.position}/{shape.head_layout}/"
+            f"{'gated' if shape.gated else 'plain'}/{'fused' if shape.qkv_fused else 'split'}/"
+            f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
+
+
 @dataclass(frozen=True)
 class ComputeProfile:
-    """How long a device's kernels take: fitted per kind, and measured points by exact shape.
+    """How long a device's kernels take: fitted per kind, and measured points by shape.
 
-    ``name``/``source`` say which calibration a prediction used; ``processes`` how many
-    processes shared the host while it was measured (training's concurrency); ``peak_flops``
-    is the per-device FLOP/s MFU is quoted against."""
+    ``name``/``source``/``date`` say which calibration a prediction used; ``processes`` how
+    many processes shared the host while it was measured; ``contention`` the measured factor
+    of every calibrated time with ``P`` processes on the host instead (1 at ``processes``:
+    CPU ranks share the cores; absent, 1); ``peak_flops`` is the per-device FLOP/s MFU is
+    quoted against; ``probes`` the models the calibration ran whole (:class:`Probe`)."""
 
     name: str
     source: str
@@ -158,28 +206,43 @@ class ComputeProfile:
     points: Mapping[Tuple[str, Tuple[int, ...]], float] = field(default_factory=dict)
     processes: int = 1
     peak_flops: float = 0.0
-    dispatch: Mapping[str, Dispatch] = field(default_factory=dict)  # by dispatch_key(layout[, mesh])
+    framework: Optional[Framework] = None
     sync: Optional[SyncFit] = None
     optimizer: str = ""  # how the optimizer kernel was run (the runtime's)
+    contention: Mapping[int, float] = field(default_factory=dict)
+    date: str = ""
+    probes: Tuple[Probe, ...] = ()
+    cores: int = 0  # the host's cores (what a measured load is shared out of: :func:`load_slowdown`)
 
-    def dispatch_of(self, layout: str, mesh: Optional[Mesh] = None) -> Tuple[str, Optional[Dispatch]]:
-        """The framework cost of ``layout`` on ``mesh``: the one calibrated on that mesh where
-        there is one (the runtime's work around a kernel differs by mesh: a d2 > 1 mesh splits
-        and gathers activations over d2), else the layout's fit over every mesh."""
-        for key in ((dispatch_key(layout, mesh),) if mesh is not None else ()) + (layout,):
-            if key in self.dispatch:
-                return key, self.dispatch[key]
-        return layout, None
+    def contention_factor(self, processes: int) -> float:
+        """The factor of calibrated times with ``processes`` on the host: measured where the
+        calibration measured that count, linear between counts, proportional beyond the
+        largest (every process wants a core), the smallest's below; 1 without a measurement."""
+        if not self.contention:
+            return 1.0
+        pts = sorted(self.contention.items())
+        if processes in self.contention:
+            return self.contention[processes]
+        if processes < pts[0][0]:
+            return pts[0][1]
+        if processes > pts[-1][0]:
+            return pts[-1][1] * processes / pts[-1][0]
+        for (p0, c0), (p1, c1) in zip(pts, pts[1:]):
+            if p0 <= processes <= p1:
+                return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
+        raise AssertionError("unreachable")
 
-    def step_kernel_seconds(self, k: Kernel, layout: str, mesh: Optional[Mesh] = None) -> float:
-        """A kernel's time in a step of a model laid out ``layout`` on ``mesh``: the kernel's
-        time with the runtime's framework cost around it (:class:`Dispatch`; the optimizer is
-        calibrated as the runtime runs it, whole)."""
+    def step_kernel_seconds(self, k: Kernel) -> float:
+        """A kernel's time in a step: the kernel's time with the runtime's framework cost
+        around it (:class:`Framework`; the optimizer is calibrated as the runtime runs it, whole)."""
         t = self.seconds(k)
-        d = self.dispatch_of(layout, mesh)[1]
-        if d is None or k.kind == OPTIMIZER:
+        if self.framework is None or k.kind == OPTIMIZER:
             return t
-        return t * (1.0 + d.kernel_factor) + d.per_kernel_s
+        return t * (1.0 + self.framework.kernel_factor) + self.framework.per_kernel_s
+
+    def collective_framework_seconds(self, nbytes: float) -> float:
+        """The runtime's own CPU work around one collective call moving ``nbytes``."""
+        return 0.0 if self.framework is None else self.framework.collective_seconds(nbytes)
 
     def sync_seconds(self, compute_since: float) -> float:
         return 0.0 if self.sync is None else self.sync.seconds(compute_since)
@@ -190,20 +253,27 @@ class ComputeProfile:
         hides (1: all; on CPU the transfer takes cycles from the ranks' compute)."""
         return 1.0 if self.sync is None else self.sync.hidden
 
-    def describe(self, layout: str, mesh: Optional[Mesh] = None) -> str:
-        """Which calibrations a prediction for ``layout`` (on ``mesh``) uses, in one line."""
-        parts = [f"kernels '{self.name}'"]
-        key, d = self.dispatch_of(layout, mesh)
-        if d is not None:
-            parts.append(f"dispatch[{key}] {d.per_kernel_s * 1e6:.1f} us/kernel + {d.kernel_factor:.1%}")
+    def describe(self, processes: Optional[int] = None) -> str:
+        """Which calibrations a prediction uses, in one line."""
+        parts = [f"kernels '{self.name}'" + (f" ({self.date})" if self.date else "")]
+        fw = self.framework
+        if fw is not None:
+            parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
+                         f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective")
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
                          f"per collective, {self.sync.hidden:.0%} of overlap hidden")
         if self.optimizer:
             parts.append(f"optimizer {self.optimizer}")
+        if processes is not None and self.contention:
+            parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
+                         f"(calibrated at {self.processes})")
         return "; ".join(parts)
 
     def seconds(self, k: Kernel) -> float:
+        """A kernel's time: the measured point of its shape; else, between measured points of
+        its kind, interpolated in log(work)-log(time) from the nearest below and above (a
+        sweep of shapes, not the plans' own); else the kind's fit ``α + work·γ``."""
         hit = self.points.get((k.kind, tuple(k.dims)))
         if hit is not None:
             return hit
@@ -212,7 +282,30 @@ class ComputeProfile:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
         if k.kind == OPTIMIZER:
             return fit.alpha_s + k.dims[0] * fit.per_tensor_s + k.work * fit.per_unit_s
+        curve = self._curves().get(k.kind)
+        if curve and k.work > 0 and curve[0][0] <= k.work <= curve[-1][0]:
+            w = math.log(k.work)
+            for (w0, t0), (w1, t1) in zip(curve, curve[1:]):
+                if w0 <= k.work <= w1:
+                    if w1 == w0:
+                        return t0
+                    a = (w - math.log(w0)) / (math.log(w1) - math.log(w0))
+                    return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
         return fit.alpha_s + k.work * fit.per_unit_s
+
+    def _curves(self) -> Dict[str, List[Tuple[float, float]]]:
+        """Per kind, the measured ``(work, seconds)`` points sorted by work (equal work: the median)."""
+        cached = self.__dict__.get("_curve_cache")
+        if cached is None:
+            by: Dict[str, Dict[float, List[float]]] = {}
+            for (kind, dims), t in self.points.items():
+                if kind != OPTIMIZER:
+                    w = Kernel(kind, dims).work
+                    if w > 0:
+                        by.setdefault(kind, {}).setdefault(w, []).append(t)
+            cached = {kind: [(w, sorted(ts)[len(ts) // 2]) for w, ts in sorted(d.items())] for kind, d in by.items()}
+            object.__setattr__(self, "_curve_cache", cached)
+        return cached
 
     # ------------------------------------------------------------------ topology yaml
     @classmethod
@@ -238,14 +331,17 @@ class ComputeProfile:
                 if kind not in KINDS or not us > 0:
                     raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
                 points[(str(kind), dims)] = us * 1e-6
-            dispatch = {}
-            for layout, d in dict(data.get("dispatch") or {}).items():
-                dd = Dispatch(float(d["per_kernel_us"]) * 1e-6, float(d.get("kernel_factor", 0.0)))
-                if not (dd.per_kernel_s >= 0 and dd.kernel_factor > -1 and math.isfinite(dd.per_kernel_s)
-                        and math.isfinite(dd.kernel_factor)):
-                    raise ConfigError(f"{where}.dispatch.{layout}: per_kernel_us, kernel_factor must be finite "
-                                      f"(per_kernel_us >= 0, kernel_factor > -1)")
-                dispatch[str(layout)] = dd
+            framework = None
+            if data.get("framework"):
+                fd = data["framework"]
+                framework = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor", 0.0)),
+                                      float(fd.get("per_collective_us", 0.0)) * 1e-6,
+                                      float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9)
+                vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s)
+                if not (min(vals) >= 0 and framework.kernel_factor > -1
+                        and all(math.isfinite(x) for x in (*vals, framework.kernel_factor))):
+                    raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
+                                      f"per_collective_ns_per_byte must be finite >= 0, kernel_factor > -1")
             sync = None
             if data.get("sync"):
                 sd = data["sync"]
@@ -254,9 +350,16 @@ class ComputeProfile:
                 if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
                         and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
                     raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
+            contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
+            if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
+                raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
+            probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
+                                 int(p["batch"]), int(p["seq_len"])) for p in data.get("probes") or [])
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
-                       dispatch=dispatch, sync=sync, optimizer=str(data.get("optimizer", "")))
+                       framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
+                       contention=contention, date=str(data.get("date", "")), probes=probes,
+                       cores=int(data.get("cores", 0)))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -264,17 +367,24 @@ class ComputeProfile:
 
     def to_config(self) -> Dict[str, Any]:
         g = lambda x: float(f"{x:.6g}")  # noqa: E731
-        return {"name": self.name, "source": self.source, "processes": self.processes,
+        fw = self.framework
+        return {"name": self.name, "source": self.source, **({"date": self.date} if self.date else {}),
+                "processes": self.processes, **({"cores": self.cores} if self.cores else {}),
                 "peak_GFLOPs": g(self.peak_flops / 1e9),
+                **({"contention": {int(p): g(c) for p, c in sorted(self.contention.items())}}
+                   if self.contention else {}),
                 "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
                              **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
                          for k, f in self.fits.items()},
                 **({"optimizer": self.optimizer} if self.optimizer else {}),
-                **({"dispatch": {k: {"per_kernel_us": g(d.per_kernel_s * 1e6), "kernel_factor": g(d.kernel_factor)}
-                                 for k, d in sorted(self.dispatch.items())}} if self.dispatch else {}),
+                **({"framework": {"per_kernel_us": g(fw.per_kernel_s * 1e6), "kernel_factor": g(fw.kernel_factor),
+                                  "per_collective_us": g(fw.per_collective_s * 1e6),
+                                  "per_collective_ns_per_byte": g(fw.per_collective_byte_s * 1e9)}}
+                   if fw is not None else {}),
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
+                **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 
     @classmethod
@@ -586,11 +696,12 @@ class CommClock:
     level (AutoDDL §3.2) where it has ``alpha_beta``, else Eq. 3–4 (:func:`collective_seconds`).
     ``emulated`` (a topology and a slowdown) adds the emulated interconnect of
     :mod:`atp_pipeline.parallel.emulation`: a collective ends no earlier than its modeled
-    time there (:func:`emulated_seconds`)."""
+    time there (:func:`emulated_seconds`). ``scale``: the compute profile's contention factor
+    for the run's processes (gloo's transfers on a shared host take CPU like compute)."""
 
     def __init__(self, topo: Topology, mesh: Mesh, bytes_per_element: int,
-                 emulated: Optional[Tuple[Topology, float]] = None) -> None:
-        self.mesh, self.q = mesh, bytes_per_element
+                 emulated: Optional[Tuple[Topology, float]] = None, scale: float = 1.0) -> None:
+        self.mesh, self.q, self.scale = mesh, bytes_per_element, scale
         self.ab = AlphaBeta.from_topology(topo) if topo.alpha_beta else None
         self.dims = {1: dimension_bandwidth(topo, mesh, 1), 2: dimension_bandwidth(topo, mesh, 2)}
         self.emulated = None if emulated is None else EmulatedLinks(emulated[0], mesh, emulated[1])
@@ -614,7 +725,7 @@ class CommClock:
         if size == 1:
             return 0.0
         if self.ab is not None:
-            t = self.ab.cost(Collective(collective), size, nbytes, stride)
+            t = self.scale * self.ab.cost(Collective(collective), size, nbytes, stride)
         else:
             bw = self.dims[dim]
             t = collective_seconds(collective, size, nbytes, bw.B_GBps, bw.B_prime_GBps)
@@ -649,12 +760,11 @@ class _Timeline:
     clock: CommClock
     profile: ComputeProfile
     q: int
-    layout: str = ""
-    mesh: Optional[Mesh] = None
+    scale: float = 1.0  # the profile's contention factor for the run's processes on the host
     now: float = 0.0
     compute: float = 0.0
     comm_total: float = 0.0
-    dispatch: float = 0.0  # framework cost around the kernels (in ``compute``)
+    dispatch: float = 0.0  # framework cost around the kernels and collectives (in ``compute``)
     sync: float = 0.0  # the host's synchronization cost added to collectives (in ``comm_total``)
     optimizer: float = 0.0  # (in ``compute``)
     since: float = 0.0  # compute since this rank's previous collective
@@ -667,7 +777,12 @@ class _Timeline:
         bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
         dur = real = bare
         if bare > 0:
-            extra = self.profile.sync_seconds(self.since)
+            fw = self.scale * self.profile.collective_framework_seconds(nbytes)  # the rank's CPU, before launch
+            self.now += fw
+            self.compute += fw
+            self.dispatch += fw
+            self.since += fw
+            extra = self.scale * self.profile.sync_seconds(self.since)
             dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
             real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
                     if self.clock.emulated is not None else dur)
@@ -685,11 +800,11 @@ class _Timeline:
             tag = item[0]
             if tag == "k":
                 k: Kernel = item[1]
-                dt = self.profile.step_kernel_seconds(k, self.layout, self.mesh)
+                dt = self.scale * self.profile.step_kernel_seconds(k)
                 if k.kind == OPTIMIZER:
                     self.optimizer += dt
                 else:
-                    self.dispatch += dt - self.profile.seconds(k)
+                    self.dispatch += dt - self.scale * self.profile.seconds(k)
                 self.now += dt
                 self.compute += dt
                 self.since += dt
@@ -732,20 +847,20 @@ def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
 
 
 def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
-             layout: str = "") -> Tuple[float, float, float]:
+             scale: float = 1.0) -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
     of each block as :mod:`~atp_pipeline.parallel.overlap` runs it (chunks take turns stage by
     stage, a stage ending where its chunk launches a collective, which the chunk waits for when
     its turn comes again), each block's backward the same way over the chunks' separate graphs
     (a backward stage also ends after a linear's weight gradient, its input-gradient
-    all-reduce in flight, §4.2). ``layout`` picks the profile's framework cost (:class:`Dispatch`)."""
-    tl = _run(prog, clock, profile, bytes_per_element, layout)
+    all-reduce in flight, §4.2). ``scale``: the profile's contention factor (every calibrated time)."""
+    tl = _run(prog, clock, profile, bytes_per_element, scale)
     return tl.now, tl.compute, tl.comm_total
 
 
 def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
-         layout: str) -> "_Timeline":
-    tl = _Timeline(clock, profile, bytes_per_element, layout, clock.mesh)
+         scale: float = 1.0) -> "_Timeline":
+    tl = _Timeline(clock, profile, bytes_per_element, scale)
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [_stages(items) for items in layer])
@@ -769,6 +884,7 @@ class StepSetting:
     aggregation: str = "ring"
     world: Optional[Topology] = None  # the topology of all dp replicas (their gradient sync)
     fsdp: bool = False  # parameters, gradients, optimizer state sharded over dp (memory)
+    host_load: float = 0.0  # cores other jobs use on the host meanwhile (0: a quiet host; :func:`load_slowdown`)
 
     def __post_init__(self) -> None:
         if self.chunks < 1 or self.dp < 1:
@@ -810,11 +926,16 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
         raise ConfigError(f"step model: batch {shape.batch_size} does not split over dp={setting.dp}")
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
-    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, RUNTIME)
+    processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
+    scale = profile.contention_factor(processes) * load_slowdown(processes, profile.cores, setting.host_load)
+    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, scale)
+    tl = _run(prog, clock, profile, shape.bytes_per_element, scale)
     step, compute = tl.now + gradsync_s, tl.compute
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(RUNTIME, mesh))
+                        tl.sync, profile.describe(processes)
+                        + (f"; other jobs' load {setting.host_load:.2f} of {profile.cores} cores: "
+                           f"x{load_slowdown(processes, profile.cores, setting.host_load):.3f}"
+                           if setting.host_load > 0 else ""))

@@ -1,5 +1,6 @@
 """The run layer: compose -> resolve -> plan -> report (``stage=plan``) and on to build ->
-fit -> report (``stage=fit``); also the sweep summary and calibration's measuring half.
+fit -> report (``stage=fit``); ``stage=calibrate`` measures this host for the topology
+(:mod:`atp_pipeline.run.calibration`); also the sweep summary and calibration's measuring half.
 
 :func:`run` is what ``train.py`` calls for a composed config. ``stage=plan`` imports
 neither the fit nor the worker modules (nor Lightning).
@@ -15,7 +16,12 @@ from omegaconf import DictConfig
 
 def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
     """Run the composed config; returns the run's summary row."""
-    fitting = str(getattr(cfg.stage, "value", cfg.stage)) == "fit"
+    stage = str(getattr(cfg.stage, "value", cfg.stage))
+    if stage == "calibrate":
+        from atp_pipeline.run.calibration import run_calibrate
+
+        return run_calibrate(cfg)
+    fitting = stage == "fit"
     if fitting:
         from atp_pipeline.launch import prestart
 

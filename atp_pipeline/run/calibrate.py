@@ -138,6 +138,9 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
                   max_batch: int) -> List[List[float]]:
     """Run every job (a list of zero-argument calls run back to back) ``passes`` times,
     interleaved, after ``warmup`` untimed runs; returns per job this rank's seconds per run.
+    A pass during which other jobs loaded the host is run again (at most ``passes`` more;
+    :func:`atp_pipeline.run.hostload.quiet_rounds`); a kept pass's times are scaled to the
+    quiet host (:func:`atp_pipeline.run.hostload.quiet_seconds`).
 
     All ranks call this with the same jobs. Before each timed batch the whole world passes
     a barrier; the batch repeats the job ``k`` times (``k`` from the slowest rank's
@@ -156,9 +159,12 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
         t = torch.tensor([(time.perf_counter() - t0) / max(1, warmup)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         reps.append(int(min(max_batch, max(1, round(batch_ms * 1e-3 / max(float(t), 1e-9))))))
-    out: List[List[float]] = [[] for _ in jobs]
+    from atp_pipeline.run.hostload import quiet_rounds, quiet_seconds
+
     order = list(range(len(jobs)))
-    for p in range(passes):
+
+    def one_pass(p: int) -> List[float]:
+        row = [0.0] * len(jobs)
         shift = (p * 7919) % len(jobs)  # a different interleaving each pass
         for j in order[shift:] + order[:shift]:
             job, k = jobs[j], reps[j]
@@ -167,8 +173,11 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
             for _ in range(k):
                 for call in job:
                     call()
-            out[j].append((time.perf_counter() - t0) / k)
-    return out
+            row[j] = (time.perf_counter() - t0) / k
+        return row
+    rows, foreign = quiet_rounds(passes, passes, one_pass)  # a pass other jobs loaded the host in is measured again
+    world = dist.get_world_size()  # the kept passes' times as on the quiet host
+    return [[quiet_seconds(row[j], world, f) for row, f in zip(rows, foreign)] for j in range(len(jobs))]
 
 
 def _sweep_worker(rank: int, world: int, spec: SweepSpec) -> List[List[float]]:

@@ -1,49 +1,48 @@
-"""Calibrate compute: time the kernels the plans run, at their local shapes, and write a profile.
+"""Calibrate compute: a sweep of kernels, probe models and loops on concurrent processes -> a profile.
 
-    python -m atp_pipeline.run.calibrate_compute --world 4 --topology cpu4 --models tiny,small,llama_tiny
+    python -m atp_pipeline.run.calibrate_compute --world 4 --topology outputs/conf/topology/cpu4.yaml
 
 The measuring half of the step-time model's compute (:mod:`atp_pipeline.planning.steptime`,
-which is pure). The shapes are *the plans' own*: for every model of ``--models`` (config
-names under ``--conf``/model), every candidate ``DeviceMesh(d1, d2)`` of ``--world``
-devices and every chunk count of ``--chunks`` the model can run, the step model's program
-lists its local kernels (GEMMs of the forward, input and weight gradients; attention core
-forward and backward; norms; elementwise kernels; the optimizer over the rank's parameter
-tensors); the distinct ones are measured.
+which is pure); ``python train.py stage=calibrate`` (:mod:`atp_pipeline.run.calibration`) runs it
+after the collectives. Nothing measured here is a plan of a model the step model then predicts
+(issue 27: the model must generalize, and the validation checks it on models, batches and
+sequence lengths the calibration never ran):
 
-**Concurrency.** Training runs ``world`` processes on this host at once, every rank running
-the same kernel at the same time; so the kernels are timed the same way: ``--world``
-processes (:func:`atp_pipeline.launch.spawn`, one thread each, as in training), a barrier,
-then every rank runs the kernel ``k`` times back to back (``k`` chosen from a warm-up so
-a batch lasts about ``--batch-ms``); a kernel's time is the slowest rank's mean per call
-(a step's ranks meet at every collective, so the slowest one sets the pace), and the median over ``--passes`` passes interleaved over all kernels (a burst of
-load from elsewhere hits every kernel alike). Kernels run as the runtime runs them: under
-autograd (forward kernels record their backward; backward kernels by ``torch.autograd``
-where the runtime uses it), parameters of the optimizer as DTensors with training's AdamW.
+* **kernels** — a sweep of shapes per kind (:func:`sweep_kernels`): GEMMs over a grid of token
+  counts and widths in both orientations, attention over batch x heads x sequence x head size,
+  norms and elementwise kernels over element counts, foreach AdamW over DTensor parameters
+  (training's, ``lightning.module.adamw``) over tensor counts x elements. The step model
+  interpolates between the measured points (log work, log time) and fits ``α + work·γ``
+  per kind beyond them.
+* **framework** — the runtime's CPU work around kernels and collectives (:class:`Framework`):
+  the *probe* models (:data:`PROBES`: synthetic sizes of the families the runtime lays out)
+  run their forward and backward on every candidate mesh and chunk count with every
+  collective skipped (``Comm`` still books it, the buffers and copies around it still run);
+  ``T = K·(1 + f) + n·o + m·a + B·b`` is fitted over all of them at once (``K`` the profile's
+  time of the plan's ``n`` kernels, ``m`` collective calls moving ``B`` bytes).
+* **sync** — on every group layout of the candidate meshes' dimensions, ``m`` GEMMs then a
+  blocking all-reduce / all-gather (``m`` = 0, 1, 4, 16; 16 KiB and 256 KiB): what a loop
+  takes over the profile's compute plus the topology's α-β is fitted as ``α + r·compute``;
+  the same loops with the collective launched before the GEMMs and waited after give the
+  share of that overlap compute really hides.
+* **contention** — the slowdown of CPU work with 1, 2, …, ``world`` processes on the host
+  against ``world`` (:func:`measure_contention`): a run with fewer processes than the
+  calibration's is predicted from the same profile.
 
-**What the runtime pays beyond the kernels** (skipped with ``--kernels-only``), measured in
-the same launch, interleaved with the kernels:
-
-* *dispatch* — every candidate plan's parallel model, built as training builds it, runs its
-  forward and backward with every collective skipped (``Comm`` still books it); per layout,
-  ``T = K·(1 + f) + n·o`` is fitted over the plans (``K`` the profile's time of the plan's
-  ``n`` kernels): ``o`` per kernel (Python, autograd Functions, DTensor ``to_local``,
-  views, module calls), ``f`` of the kernels' own time;
-* *sync* — on every group layout of the candidate meshes' dimensions, ``m`` GEMMs then a
-  blocking all-reduce / all-gather (``m`` = 0, 1, 4, 16; 16 KiB and 256 KiB) under the same
-  concurrency: what a loop takes over the profile's compute plus the topology's α-β is
-  fitted as ``α + r·compute``; the same loops with the collective launched before the GEMMs
-  and waited after give the share of that overlap compute really hides;
-* *optimizer* — foreach AdamW (training's, ``lightning.module.adamw``) over DTensor
-  parameters on a (d1, d2) mesh, at each plan's tensor count and elements and at half and
-  twice the tensors (``α + tensors·τ + elements·γ``).
+**Concurrency and load.** Training runs ``world`` processes on this host at once, every rank
+running the same kernel at the same time; so everything is timed that way: ``--world``
+processes (:func:`atp_pipeline.launch.spawn`, one thread each), a barrier, then every rank runs
+the measurement ``k`` times back to back (``k`` from a warm-up so a batch lasts about
+``--batch-ms``); a measurement's time is the slowest rank's mean per call, and the median over
+``--passes`` passes interleaved over all measurements. A pass during which other jobs loaded
+the host is measured again (:mod:`atp_pipeline.run.hostload`).
 
 **Output.** The topology ``--topology`` (a config name under ``--conf`` or
-``outputs/conf``, or a YAML path: e.g. the one the collective calibration
-:mod:`atp_pipeline.run.calibrate` wrote) with ``device.compute`` = the profile: measured
-points by kernel and shape, a fit ``t = α + work·γ`` per kernel kind for other shapes
-(least squares on relative residuals), the peak GEMM throughput measured (MFU's
-denominator), and its name and source, which every prediction quotes. Written to
-``--out`` (default ``outputs/conf/topology/<name>.yaml``).
+``outputs/conf``, or a YAML path) with ``device.compute`` = the profile: measured points,
+fits per kind, the framework, sync and contention terms, the peak GEMM throughput measured
+(MFU's denominator), the probes it ran (the validation's in-sample check), its name, date
+and source, which every prediction quotes. Written to ``--out`` (default
+``outputs/conf/topology/<name>.yaml``).
 """
 
 from __future__ import annotations
@@ -54,16 +53,17 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
 from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
-                                            POINTWISE, CommClock, ComputeProfile, Dispatch, Kernel, KindFit, SyncFit,
-                                            RUNTIME, _all_items, build_program, dispatch_key)
+                                            POINTWISE, CommClock, ComputeProfile, Framework, Kernel, KindFit, Probe,
+                                            SyncFit, _all_items, build_program, shape_key)
 
 CONF = Path("conf")
 OPTIMIZER_DESC = "AdamW foreach=True over DTensor parameters (lightning.module.adamw)"
@@ -72,30 +72,49 @@ SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
-MIN_FACTOR = -0.95  # the least a mesh's dispatch kernel_factor may be: a kernel never takes 0 s
+MIN_FACTOR = -0.5  # the least the framework's kernel_factor may be: a kernel never takes 0 s
+CONTENTION_KERNELS = (Kernel(GEMM, (32, 16, 16)), Kernel(GEMM, (512, 128, 256)), Kernel(POINTWISE, (65536,)))
+
+# The probe models: what the framework cost is fitted from. Synthetic sizes of the families
+# the runtime lays out (built-in GPT, transformers' llama and gpt2 configs), each a config
+# of conf/model with overrides; none is a model, batch or sequence length the validation uses.
+PROBES: Dict[str, Tuple[str, ...]] = {
+    "probe_gpt_s": ("model=tiny", "model.hidden=48", "model.heads=4", "model.layers=1",
+                    "model.seq_len=48", "model.batch_size=6"),
+    "probe_gpt_m": ("model=tiny", "model.hidden=96", "model.heads=4", "model.layers=2",
+                    "model.seq_len=96", "model.batch_size=6"),
+    "probe_llama": ("model=llama_tiny", "model.hf.hidden_size=48", "model.hf.intermediate_size=96",
+                    "model.hf.num_attention_heads=4", "model.hf.num_key_value_heads=2",
+                    "model.hf.num_hidden_layers=1", "model.seq_len=48", "model.batch_size=6"),
+    "probe_gpt2": ("model=gpt2_tiny", "model.hf.hidden_size=48", "model.hf.num_attention_heads=4",
+                   "model.hf.num_hidden_layers=1", "model.seq_len=48", "model.batch_size=6"),
+}
 
 
-# ------------------------------------------------------------------------ which kernels
-def plan_kernels(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> List[Kernel]:
-    """The distinct local kernels of every candidate mesh × chunk count of ``shapes``
-    (:class:`~atp_pipeline.planning.shape.ModelShape`) on ``world`` devices."""
-    from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
-
-    seen: Set[Kernel] = set()
-    for shape in shapes:
-        for mesh in candidate_meshes(world):
-            if mesh_infeasibility(shape, mesh):
-                continue
-            for c in chunks:
-                if shape.batch_size % c:
-                    continue
-                prog, _ = build_program(shape, mesh, shape.batch_size, c)
-                seen.update(item[1] for item in _all_items(prog) if item[0] == "k")
-    for k in [k for k in seen if k.kind == OPTIMIZER]:  # other tensor counts: alpha, per tensor, per element apart
-        t, e = k.dims
-        seen.update({Kernel(OPTIMIZER, (max(1, t // 2), e)), Kernel(OPTIMIZER, (2 * t, e))})
-    seen.add(SYNC_GEMM)
-    return sorted(seen, key=lambda k: (k.kind, k.dims))
+# ------------------------------------------------------------------------ what is measured
+def sweep_kernels(quick: bool = False) -> List[Kernel]:
+    """A sweep of shapes per kernel kind (not any plan's own): GEMMs ``[M,K]@[K,N]`` over a
+    grid of token counts and widths in both orientations (a forward/input-gradient GEMM has
+    the tokens outside, a weight gradient inside), attention over batch x heads x sequence x
+    head size, norms and elementwise kernels over element counts, the optimizer over tensor
+    counts x elements. ``quick``: a coarser grid (tests)."""
+    tokens = (32, 256, 2048) if quick else (32, 128, 512, 2048)
+    widths = (16, 128) if quick else (16, 64, 256)
+    outs = (16, 256) if quick else (16, 64, 256, 1024)
+    gemm = {(m, k, n) for m in tokens for k in widths for n in outs}
+    gemm |= {(k, m, n) for m in tokens for k in widths for n in outs if m >= 256}  # weight gradients
+    gemm.add(SYNC_GEMM.dims)
+    attn = [(b, a, s, d) for b in (2, 8) for a in (1, 4) for s in (32, 128) for d in (8, 32)]
+    if quick:
+        attn = [(2, 1, 32, 8), (8, 4, 128, 32)]
+    elems = (1024, 16384, 262144) if quick else (1024, 8192, 65536, 524288)
+    opt = ([(8, 20000), (32, 200000)] if quick else
+           [(8, 20000), (32, 20000), (8, 400000), (32, 400000), (64, 100000)])
+    out = [Kernel(GEMM, d) for d in sorted(gemm)]
+    out += [Kernel(kind, d) for kind in (ATTN_FWD, ATTN_BWD) for d in attn]
+    out += [Kernel(kind, (n,)) for kind in (NORM_FWD, NORM_BWD, POINTWISE) for n in elems]
+    out += [Kernel(OPTIMIZER, d) for d in opt]
+    return out
 
 
 Plan = Tuple[int, int, int, int]  # (model index, d1, d2, chunks)
@@ -103,8 +122,8 @@ Pattern = Tuple[int, int, int, str, int, int, str]  # (d1, d2, dim, collective, 
 
 
 def plan_points(shapes: Sequence[Any], world: int, chunks: Sequence[int]) -> List[Plan]:
-    """Every candidate (mesh, chunks) of every model: the runtime's forward and backward of
-    each is timed with its collectives skipped (the framework cost, :class:`Dispatch`)."""
+    """Every candidate (mesh, chunks) of every probe: the runtime's forward and backward of
+    each is timed with its collectives skipped (the framework cost, :class:`Framework`)."""
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
 
     return [(i, mesh[0], mesh[1], c) for i, shape in enumerate(shapes) for mesh in candidate_meshes(world)
@@ -278,9 +297,13 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
 
 def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms: float,
             plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
-            patterns: Sequence[Pattern] = ()) -> List[List[float]]:
+            patterns: Sequence[Pattern] = (), progress: str = "") -> List[List[float]]:
     import torch
     import torch.distributed as dist
+
+    def tick(n: int) -> None:  # rank 0 counts finished measurements for the parent's progress bar
+        if progress and rank == 0:
+            Path(progress).write_text(str(n))
 
     fns = ([_runner(k, rank, world) for k in kernels] + [_plan_runner(p, models, rank) for p in plans]
            + [_pattern_runner(p, rank) for p in patterns])
@@ -294,8 +317,12 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
         r = torch.tensor([max(1, min(200, int(batch_ms * 1e-3 / dt)))])
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         reps.append(int(r))
-    out: List[List[float]] = [[] for _ in kernels]
-    for _ in range(passes):
+    from atp_pipeline.run.hostload import quiet_rounds, quiet_seconds
+
+    finished = [0]
+
+    def one_pass(_: int) -> List[float]:
+        row = []
         for i, fn in enumerate(fns):
             dist.barrier()
             t0 = time.perf_counter()
@@ -304,20 +331,63 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
             mine = torch.tensor([(time.perf_counter() - t0) / reps[i]], dtype=torch.float64)
             every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
-            out[i].append(max(float(t) for t in every))
-    return out
+            row.append(max(float(t) for t in every))
+            finished[0] += 1
+            tick(finished[0])
+        return row
+    rows, foreign = quiet_rounds(passes, passes, one_pass)  # passes with other jobs' load measured again
+    # the kept passes' times as on the quiet host (what other jobs took of the cores given back)
+    return ([[quiet_seconds(row[i], world, f) for row, f in zip(rows, foreign)] for i in range(len(fns))]
+            + ([foreign] if rank == 0 else []))  # type: ignore[list-item]
 
 
 def measure(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float = 10.0,
             timeout: float = 1800.0, plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
-            patterns: Sequence[Pattern] = ()) -> List[float]:
+            patterns: Sequence[Pattern] = (), progress: str = "") -> List[float]:
     """Seconds per call of each kernel, then of each plan's collective-free forward and
     backward, then of each compute-then-collective pattern, on ``world`` concurrent
-    processes (median over interleaved passes of the slowest rank)."""
+    processes (median over interleaved passes of the slowest rank; a pass during which
+    other jobs loaded the host is measured again, :mod:`atp_pipeline.run.hostload`).
+    ``progress``: a file rank 0 keeps the count of finished measurements in."""
+    return measure_with_load(kernels, world, passes, batch_ms, timeout, plans, models, patterns, progress)[0]
+
+
+def measure_with_load(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float = 10.0,
+                      timeout: float = 1800.0, plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
+                      patterns: Sequence[Pattern] = (), progress: str = "") -> Tuple[List[float], List[float]]:
+    """:func:`measure`, and the other jobs' load (cores) during each kept pass."""
     from atp_pipeline.launch import spawn
 
-    runs = spawn(_worker, world, kernels, passes, batch_ms, plans, models, patterns, timeout=timeout)[0]
-    return [statistics.median(r) for r in runs]
+    runs = spawn(_worker, world, kernels, passes, batch_ms, plans, models, patterns, progress,
+                 timeout=timeout)[0]
+    return [statistics.median(r) for r in runs[:-1]], list(runs[-1])
+
+
+def contention_counts(world: int) -> List[int]:
+    """Process counts the contention factor is measured at: 1, 2, 4, ... and ``world``."""
+    out, p = [], 1
+    while p < world:
+        out.append(p)
+        p *= 2
+    return out + [world]
+
+
+def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0, rounds: int = 3,
+                       timeout: float = 600.0) -> Dict[int, float]:
+    """The slowdown of CPU work with ``P`` processes on the host against ``world`` of them
+    (:meth:`~atp_pipeline.planning.steptime.ComputeProfile.contention_factor`): the geometric
+    mean over :data:`CONTENTION_KERNELS` (an overhead-bound GEMM, a compute-bound one, an
+    elementwise kernel) of their time on ``P`` concurrent processes over their time on
+    ``world``; each count is its own launch, the counts interleaved over ``rounds`` rounds
+    (median per kernel and count)."""
+    counts = contention_counts(world)
+    got: Dict[int, List[List[float]]] = {p: [] for p in counts}
+    for _ in range(rounds):
+        for p in counts:
+            got[p].append(measure(list(CONTENTION_KERNELS), p, passes, batch_ms, timeout))
+    med = {p: [statistics.median(r[i] for r in rs) for i in range(len(CONTENTION_KERNELS))] for p, rs in got.items()}
+    ref = med[world]
+    return {p: float(np.exp(np.mean([np.log(t / r) for t, r in zip(ts, ref)]))) for p, ts in med.items()}
 
 
 # ------------------------------------------------------------------------ fitting
@@ -334,44 +404,37 @@ def fit_kind(kernels: Sequence[Kernel], seconds: Sequence[float]) -> KindFit:
     return KindFit(float(x[0]), float(x[1]))
 
 
-def plan_kernel_sum(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], chunks: int) -> Tuple[float, int]:
-    """The profile's seconds and count of a plan's kernels but the optimizer (its forward and backward)."""
-    prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
-    ks = [it[1] for it in _all_items(prog) if it[0] == "k" and it[1].kind != OPTIMIZER]
-    return sum(profile.seconds(k) for k in ks), len(ks)
+def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], chunks: int,
+                  batch: Optional[int] = None) -> Tuple[float, int, int, float]:
+    """What the framework cost of a plan's forward and backward is fitted over: the
+    profile's seconds ``K`` of its ``n`` kernels (but the optimizer), its ``m`` collective
+    calls and the bytes ``B`` they move (:func:`~atp_pipeline.planning.steptime.build_program`)."""
+    prog, _ = build_program(shape, mesh, shape.batch_size if batch is None else batch, chunks)
+    items = list(_all_items(prog))
+    ks = [it[1] for it in items if it[0] == "k" and it[1].kind != OPTIMIZER]
+    colls = [it[1] for it in items if it[0] in ("sync", "async", "linear")]
+    nbytes = float(sum(c.elements for c in colls)) * shape.bytes_per_element
+    return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes
 
 
-def fit_dispatch(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
-                 seconds: Sequence[float]) -> Dict[str, Dispatch]:
-    """``T = K·(1 + f) + n·o`` (T a plan's measured collective-free forward and backward, K the
-    profile's sum of its n kernels), relative least squares, per layout over every plan
-    (``o, f >= 0``: the fallback for a mesh not calibrated) and per layout and mesh
-    (:func:`~atp_pipeline.planning.steptime.dispatch_key`): the runtime's work around a
-    kernel differs by mesh (on d2 > 1 it splits and gathers activations over d2). On one
-    mesh ``f >= -0.95`` (kernels timed each on its own with every rank at it at once can run
-    faster in a plan's sequence: warm caches, ranks out of phase) where the plans there
-    tell ``f`` from ``o`` (kernels of different mean times); else ``o`` alone."""
-    out: Dict[str, Dispatch] = {}
-    sums = [plan_kernel_sum(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]  # (K, n) per plan
-    for layout in (RUNTIME,):
-        ours = list(zip(plans, sums, seconds))
-        out[layout] = _fit_o_f([(kn, t) for _, kn, t in ours], 0.0)
-        for mesh in sorted({(p[1], p[2]) for p, _, _ in ours}):
-            out[dispatch_key(layout, mesh)] = _fit_o_f([(kn, t) for p, kn, t in ours if (p[1], p[2]) == mesh],
-                                                       MIN_FACTOR)
-    return out
+def framework_seconds(fw: Framework, features: Tuple[float, int, int, float]) -> float:
+    """A plan's collective-free forward and backward under ``fw``: ``K·(1 + f) + n·o + m·a + B·b``."""
+    k, n, m, nbytes = features
+    return k * (1 + fw.kernel_factor) + n * fw.per_kernel_s + m * fw.per_collective_s + nbytes * fw.per_collective_byte_s
 
 
-def _fit_o_f(points: Sequence[Tuple[Tuple[float, int], float]], min_factor: float) -> Dispatch:
-    """``(o, f)`` of ``T = K·(1 + f) + n·o`` over ``((K, n), T)`` points, ``f >= min_factor``,
-    ``o >= 0``; ``o`` alone where the points' kernels have about one mean time."""
-    A = np.array([[k / t, n / t] for (k, n), t in points])
-    y = np.array([(t - k) / t for (k, _), t in points])
-    per_kernel = [k / n for (k, n), _ in points]
-    if max(per_kernel) < 1.1 * min(per_kernel):  # f and o not told apart
-        return Dispatch(float(nnls(A[:, 1:], y)[0]), 0.0)
-    f, o = bounded_lstsq(A, y, [min_factor, 0.0])
-    return Dispatch(float(o), float(f))
+def fit_framework(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
+                  seconds: Sequence[float]) -> Framework:
+    """``T = K·(1 + f) + n·o + m·a + B·b`` over every probe plan (T its measured collective-free
+    forward and backward; :func:`plan_features`), one set for all models and meshes, relative
+    least squares with ``f >= -0.5`` (kernels can run faster in a plan's sequence than each
+    timed alone: warm caches) and ``o, a, b >= 0``
+    (:func:`~atp_pipeline.planning.calibrate.bounded_lstsq`)."""
+    feats = [plan_features(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]
+    A = np.array([[k / t, n / t, m / t, b / t] for (k, n, m, b), t in zip(feats, seconds)])
+    y = np.array([(t - k) / t for (k, _, _, _), t in zip(feats, seconds)])
+    f, o, a, b = bounded_lstsq(A, y, [MIN_FACTOR, 0.0, 0.0, 0.0])
+    return Framework(float(o), float(f), float(a), float(b))
 
 
 def pattern_prediction(profile: ComputeProfile, topo: Any, pat: Pattern) -> Tuple[float, float]:
@@ -411,8 +474,11 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
 
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
-                 topo: Any = None, patterns: Sequence[Pattern] = (),
-                 pattern_seconds: Sequence[float] = ()) -> ComputeProfile:
+                 topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
+                 contention: Optional[Mapping[int, float]] = None, probe_names: Sequence[str] = ()) -> ComputeProfile:
+    """The profile of a calibration's measurements: kernel points and per-kind fits, the
+    framework cost fitted over the probe plans, the sync fit over the loops, the contention
+    factors, and the probes it ran (``probe_names`` name ``shapes``)."""
     fits: Dict[str, KindFit] = {}
     for kind in KINDS:
         idx = [i for i, k in enumerate(kernels) if k.kind == kind]
@@ -420,17 +486,26 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
             raise ConfigError(f"compute calibration: no kernel of kind '{kind}' was measured")
         fits[kind] = fit_kind([kernels[i] for i in idx], [seconds[i] for i in idx])
     gemm = [(k.work / s) for k, s in zip(kernels, seconds) if k.kind == GEMM]
-    source = (f"measured {_dt.date.today().isoformat()} on {platform.node() or 'this host'} "
-              f"({platform.machine()}, {world} processes at once, 1 thread each, {len(kernels)} kernels"
-              + (f", {len(plans)} collective-free plan steps" if plans else "")
-              + (f", {len(patterns)} compute-then-collective loops" if patterns else "") + ")")
-    profile = ComputeProfile(name=name, source=source, fits=fits,
-                             points={(k.kind, k.dims): s for k, s in zip(kernels, seconds)},
-                             processes=world, peak_flops=max(gemm), optimizer=OPTIMIZER_DESC)
-    dispatch = fit_dispatch(profile, shapes, plans, plan_seconds) if plans else {}
-    sync = fit_sync(profile, topo, patterns, pattern_seconds) if patterns else None
-    return ComputeProfile(name=name, source=source, fits=fits, points=profile.points, processes=world,
-                          peak_flops=profile.peak_flops, dispatch=dispatch, sync=sync, optimizer=OPTIMIZER_DESC)
+    source = (f"measured on {platform.node() or 'this host'} "
+              f"({platform.machine()}, {world} processes at once, 1 thread each, a sweep of {len(kernels)} kernels"
+              + (f", {len(plans)} collective-free probe steps of {len(shapes)} probe models" if plans else "")
+              + (f", {len(patterns)} compute-then-collective loops" if patterns else "")
+              + (f", contention at {'/'.join(str(p) for p in sorted(contention))} processes" if contention else "")
+              + ")")
+    base = ComputeProfile(name=name, source=source, fits=fits,
+                          points={(k.kind, k.dims): s for k, s in zip(kernels, seconds)},
+                          processes=world, peak_flops=max(gemm), optimizer=OPTIMIZER_DESC)
+    framework = fit_framework(base, shapes, plans, plan_seconds) if plans else None
+    sync = fit_sync(base, topo, patterns, pattern_seconds) if patterns else None
+    names = list(probe_names) or [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
+    probes = tuple(Probe(names[mi], shape_key(shapes[mi]), (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len)
+                   for mi, d1, d2, c in plans)
+    from atp_pipeline.run.hostload import cores
+
+    return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores(),
+                          peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
+                          contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
+                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes)
 
 
 # ------------------------------------------------------------------------ the command
@@ -446,13 +521,18 @@ def load_topology_yaml(ref: str, conf: Path) -> Tuple[Dict[str, Any], Path]:
     raise ConfigError(f"calibrate_compute: --topology {ref}: no such topology ({', '.join(map(str, cands))})")
 
 
-def model_shapes(names: Sequence[str], conf: Path) -> List[Any]:
-    """The shapes of ``<conf>/model/<name>.yaml`` (as the run resolves them)."""
+def compose_models(entries: Sequence[Tuple[str, Sequence[str]]], conf: Path) -> List[Tuple[Any, Dict[str, Any]]]:
+    """Per ``(name, overrides)`` (``overrides`` of the config: ``model=<config>``, then
+    ``model.<key>=...``), the shape as the run resolves it and what a worker needs to build
+    the model as training does (family, typed config, batch, sequence length, vocabulary)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
 
     from atp_pipeline.config import register_mesh_source, register_schemas
-    from atp_pipeline.run.resolve import model_shape
+    from atp_pipeline.config.schema import ModelConfig
+    from atp_pipeline.models.adapter import get_adapter
 
     register_schemas()
     register_mesh_source()
@@ -460,43 +540,109 @@ def model_shapes(names: Sequence[str], conf: Path) -> List[Any]:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(conf.resolve())):
-            for n in names:
-                if not (conf / "model" / f"{n}.yaml").is_file():
-                    raise ConfigError(f"calibrate_compute: --models: no model '{n}' in {conf / 'model'}")
-                out.append(model_shape(compose("config", overrides=[f"model={n}"])))
+            for name, overrides in entries:
+                base = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+                if base is None or not (conf / "model" / f"{base}.yaml").is_file():
+                    raise ConfigError(f"model '{name}': no model config '{base}' in {conf / 'model'}")
+                try:
+                    cfg = compose("config", overrides=[*overrides, f"model.name={name}"])
+                except HydraException as exc:
+                    raise ConfigError(f"model '{name}': {exc}") from None
+                try:
+                    shape = get_adapter(cfg.model.family).shape_from_config(cfg.model)  # as the run resolves it
+                except ValueError as exc:
+                    raise ConfigError(f"model '{name}': {exc}") from None
+                typed = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                        OmegaConf.to_container(cfg.model, resolve=True))
+                out.append((shape, {"family": str(typed.family), "model_config": typed, "batch": shape.batch_size,
+                                    "seq_len": shape.seq_len, "vocab": shape.vocab_size}))
     finally:
         GlobalHydra.instance().clear()
     return out
 
 
-def model_spec(name: str, shape: Any, conf: Path) -> Dict[str, Any]:
-    """What a worker needs to build model ``name`` as training does (family, typed config,
-    batch, sequence length, vocabulary)."""
-    from omegaconf import OmegaConf
+def probe_entries(names: Sequence[str]) -> List[Tuple[str, Sequence[str]]]:
+    """The :data:`PROBES` of ``names`` as :func:`compose_models` entries."""
+    bad = [n for n in names if n not in PROBES]
+    if bad:
+        raise ConfigError(f"calibrate_compute: unknown probe(s) {', '.join(bad)} (one of {', '.join(PROBES)})")
+    return [(n, PROBES[n]) for n in names]
 
-    from atp_pipeline.config.schema import ModelConfig
 
-    typed = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                            OmegaConf.to_container(OmegaConf.load(conf / "model" / f"{name}.yaml"), resolve=True))
-    return {"family": str(typed.family), "model_config": typed, "batch": shape.batch_size,
-            "seq_len": shape.seq_len, "vocab": shape.vocab_size}
+@dataclass(frozen=True)
+class ComputeRun:
+    """What one compute calibration measures (:func:`calibrate_compute`)."""
+
+    world: int
+    probes: Tuple[str, ...] = tuple(PROBES)
+    chunks: Tuple[int, ...] = (1, 2)
+    passes: int = 3
+    batch_ms: float = 8.0
+    quick: bool = False  # a coarser kernel sweep (tests)
+    framework: bool = True  # probes (framework cost), loops (sync), contention
+
+
+def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
+                      progress: Optional[Any] = None) -> ComputeProfile:
+    """Measure and fit a compute profile for ``topo`` (its α-β prices the loops' collectives).
+    ``progress(phase, done, total)``, if given, is called as measurements finish."""
+    import tempfile
+    import threading
+
+    kernels = sweep_kernels(run.quick)
+    built = compose_models(probe_entries(run.probes), conf) if run.framework else []
+    shapes = [sh for sh, _ in built]
+    plans = plan_points(shapes, run.world, run.chunks) if run.framework else []
+    patterns = sync_patterns(run.world) if run.framework else []
+    total = (len(kernels) + len(plans) + len(patterns)) * run.passes
+    with tempfile.TemporaryDirectory() as tmp:
+        tick = Path(tmp) / "progress"
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(0.5):
+                try:
+                    if progress is not None:
+                        progress("kernels, probes, loops", min(total, int(tick.read_text() or 0)), total)
+                except (OSError, ValueError):
+                    pass
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
+        try:
+            got = measure(kernels, run.world, run.passes, run.batch_ms, plans=plans,
+                          models=[spec for _, spec in built], patterns=patterns, progress=str(tick))
+        finally:
+            done.set()
+            watcher.join()
+    if progress is not None:
+        progress("kernels, probes, loops", total, total)
+    contention = None
+    if run.framework:
+        contention = measure_contention(run.world, run.passes, run.batch_ms, rounds=1 if run.quick else 3)
+        if progress is not None:
+            progress("contention", 1, 1)
+    nk, npl = len(kernels), len(plans)
+    return make_profile(name, kernels, got[:nk], run.world, shapes, plans, got[nk:nk + npl], topo, patterns,
+                        got[nk + npl:], contention, list(run.probes) if run.framework else ())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m atp_pipeline.run.calibrate_compute",
-                                description="Time the plans' local kernels on concurrent processes and write "
-                                            "a compute profile into a topology (issue 15).")
+                                description="Time a sweep of kernels, probe models and compute-then-collective "
+                                            "loops on concurrent processes and write a compute profile into a "
+                                            "topology (issue 27).")
     p.add_argument("--world", type=int, default=4, help="processes at once (training's), default 4")
     p.add_argument("--topology", default="local", help="topology to extend: a config name or a YAML path")
     p.add_argument("--name", default=None, help="name of the written topology (default: <topology>_compute)")
-    p.add_argument("--models", default="tiny,small,llama_tiny", help="models whose plans' kernels to measure")
-    p.add_argument("--chunks", default="1,2", help="chunk counts (§4.1) the plans may use")
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--batch-ms", type=float, default=10.0)
+    p.add_argument("--probes", default=",".join(PROBES), help="probe models the framework cost is fitted from")
+    p.add_argument("--chunks", default="1,2", help="chunk counts (§4.1) the probes run")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--batch-ms", type=float, default=8.0)
+    p.add_argument("--quick", action="store_true", help="a coarser kernel sweep")
     p.add_argument("--conf", type=Path, default=CONF)
     p.add_argument("--out", default=None, help="YAML path (default outputs/conf/topology/<name>.yaml)")
     p.add_argument("--kernels-only", action="store_true",
-                   help="no framework-cost (dispatch) and synchronization (sync) terms")
+                   help="no framework cost (probes), synchronization (loops) or contention terms")
     args = p.parse_args(argv)
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.topology.model import Topology
@@ -504,7 +650,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.world < 1 or args.passes < 1 or not args.batch_ms > 0:
             raise ConfigError("calibrate_compute: --world and --passes must be >= 1, --batch-ms > 0")
-        chunks = [int(c) for c in args.chunks.split(",")]
+        chunks = tuple(int(c) for c in args.chunks.split(","))
         if any(c < 1 for c in chunks):
             raise ConfigError(f"calibrate_compute: --chunks {args.chunks} must be positive integers")
         base, base_path = load_topology_yaml(args.topology, args.conf)
@@ -512,43 +658,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if topo.world_size != args.world:
             raise ConfigError(f"calibrate_compute: topology '{topo.name}' has {topo.world_size} devices, "
                               f"--world is {args.world}")
-        names = [m for m in args.models.split(",") if m]
-        shapes = model_shapes(names, args.conf)
-        kernels = plan_kernels(shapes, args.world, chunks)
-        plans = [] if args.kernels_only else plan_points(shapes, args.world, chunks)
-        patterns = [] if args.kernels_only else sync_patterns(args.world)
-        models = [model_spec(n, sh, args.conf) for n, sh in zip(names, shapes)] if plans else []
+        run = ComputeRun(args.world, tuple(x for x in args.probes.split(",") if x), chunks, args.passes,
+                         args.batch_ms, args.quick, not args.kernels_only)
+        probe_entries(run.probes)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_BAD_INPUT
     name = args.name or f"{base['name']}_compute"
-    print(f"timing {len(kernels)} kernels of the plans of {args.models} on {args.world} concurrent processes, "
-          f"{args.passes} passes; {len(plans)} plans' collective-free forward+backward; "
-          f"{len(patterns)} compute-then-collective loops")
     t0 = time.perf_counter()
-    got = measure(kernels, args.world, args.passes, args.batch_ms, plans=plans, models=models, patterns=patterns)
-    nk, npl = len(kernels), len(plans)
-    seconds, plan_s, pattern_s = got[:nk], got[nk:nk + npl], got[nk + npl:]
-    profile = make_profile(name, kernels, seconds, args.world, shapes, plans, plan_s, topo, patterns, pattern_s)
-    for kind, f in profile.fits.items():
-        print(f"  {kind:<14} alpha {f.alpha_s * 1e6:8.1f} us  {f.per_unit_s * 1e9:9.4f} ns/unit"
-              + (f"  {f.per_tensor_s * 1e6:.1f} us/tensor" if f.per_tensor_s else ""))
-    print(f"  peak GEMM throughput {profile.peak_flops / 1e9:.2f} GFLOP/s per process")
-    for (mi, d1, d2, c), t in zip(plans, plan_s):
-        k, n = plan_kernel_sum(profile, shapes[mi], (d1, d2), c)
-        d = profile.dispatch_of(RUNTIME, (d1, d2))[1]
-        print(f"  plan {names[mi]:<11} {d1}x{d2}/c{c}: fwd+bwd {t * 1e3:7.1f} ms, kernels {k * 1e3:7.1f} ms "
-              f"({n} kernels), model {(k * (1 + d.kernel_factor) + n * d.per_kernel_s) * 1e3:7.1f} ms")
-    for layout, d in profile.dispatch.items():
-        print(f"  dispatch[{layout}]: {d.per_kernel_s * 1e6:.1f} us per kernel + {d.kernel_factor:.1%} of its time")
-    for pat, t in zip(patterns, pattern_s):
-        comp, coll = pattern_prediction(profile, topo, pat)
-        print(f"  loop {pat[0]}x{pat[1]} d{pat[2]} {pat[3]:<10} {pat[4]:>7} B {pat[6]:<5} {pat[5]:>2} GEMMs: "
-              f"{t * 1e6:8.0f} us = compute {comp * 1e6:6.0f} + collective {coll * 1e6:6.0f} "
-              f"+ extra {(t - comp - coll) * 1e6:6.0f}")
-    if profile.sync is not None:
-        print(f"  sync: {profile.sync.alpha_s * 1e6:.1f} us + {profile.sync.per_compute:.3f} x compute per collective;"
-              f" {profile.sync.hidden:.1%} of a collective's overlap with compute hidden")
+    profile = calibrate_compute(run, topo, name, args.conf)
+    print_profile(profile)
     out_cfg = dict(base)
     out_cfg["name"] = name
     out_cfg["device"] = {**(base.get("device") or {}), "compute": profile.to_config()}
@@ -557,9 +676,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     write_topology(out_cfg, out, f"# {base_path} with device.compute measured by `python -m "
                                  f"atp_pipeline.run.calibrate_compute {' '.join(sys.argv[1:] if argv is None else argv)}`"
-                                 f"\n# (issue 15: the step-time model's compute profile)\n")
+                                 f"\n# (issue 27: the step-time model's compute profile)\n")
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def print_profile(profile: ComputeProfile) -> None:
+    """The fitted terms, one line each."""
+    for kind, f in profile.fits.items():
+        print(f"  {kind:<14} alpha {f.alpha_s * 1e6:8.1f} us  {f.per_unit_s * 1e9:9.4f} ns/unit"
+              + (f"  {f.per_tensor_s * 1e6:.1f} us/tensor" if f.per_tensor_s else ""))
+    print(f"  peak GEMM throughput {profile.peak_flops / 1e9:.2f} GFLOP/s per process")
+    print(f"  {profile.describe(profile.processes)}")
+    if profile.contention:
+        print("  contention: " + ", ".join(f"{p} processes x{c:.2f}" for p, c in sorted(profile.contention.items())))
 
 
 if __name__ == "__main__":

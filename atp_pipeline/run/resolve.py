@@ -265,7 +265,9 @@ class Planned:
 def resolve_plan(cfg: DictConfig) -> Planned:
     """Shape, devices, dp and the plan (on the devices of one data-parallel replica)."""
     shape = model_shape(cfg)
-    topo = Topology.from_config(cfg.topology)
+    from atp_pipeline.run.calibration import with_calibration
+
+    topo = with_calibration(Topology.from_config(cfg.topology), cfg.calibration)
     devices = cfg.trainer.devices or needed_devices(cfg) or topo.world_size
     if devices > topo.world_size:
         asked = (f"trainer.devices={devices}" if cfg.trainer.devices else

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import socket
 import struct
 import threading
@@ -76,6 +77,9 @@ class Role:
         if op == "shutdown":
             self.stop_event.set()
             return True
+        if op == "cpu":  # CPU seconds this role process has used (benchmarks.live_sync's accounting)
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise ValueError(f"unknown control operation {op!r}")

@@ -116,6 +116,14 @@ class Layout:
     whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
     head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
     experts: int = 0  # experts per mixture-of-experts layer (style hf_experts; 0: none)
+    top_k: int = 0  # experts each token is routed to
+    moe_layers: int = 0  # layers holding experts (the others a dense MLP of width ``ffn``)
+    moe_ffn: int = 0  # an expert's intermediate width
+    moe_gated: bool = False
+    moe_shared_ffn: int = 0  # a shared expert laid out column/row-first beside the routed ones
+    moe_gathered: int = 0  # per MoE layer: modules run whole on the gathered hidden (router, ...)
+    moe_split_outputs: int = 0  # of those, outputs split again over d2 (a whole-run shared expert)
+    moe_partial_width: int = 0  # of those, output widths whose gradient is summed over d2 (a gate)
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
 
@@ -272,6 +280,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                               f"the attention, which ATP's layout does not cover; pass a plan")
     # the other linears (the MLP): column-first reading the hidden, row-first writing it
     rest = {n: k for n, k in kinds.items() if not inside(n)}
+    moe_blocks = [e.rpartition(".")[0] for e in experts]
     by_parent: Dict[str, List[str]] = {}
     for n in rest:
         by_parent.setdefault(n.rpartition(".")[0], []).append(n)
@@ -303,13 +312,27 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                 raise ConfigError(f"transformers model_type '{kind}': linear '{n}' ({n_in} -> {n_out}) does not "
                                   f"write the hidden state; pass a plan")
             plan[n] = "row(input=split, output=split)"
-            layout.ffn = layout.ffn or n_in
+            if any(parent.startswith(b + ".") for b in moe_blocks):  # a shared expert beside the routed ones
+                layout.moe_shared_ffn = layout.moe_shared_ffn or n_in
+            else:
+                layout.ffn = layout.ffn or n_in
     for full in experts:
         _lay_out_experts(plan, names, full, hidden, kind)
         m = _first(names, full)
         layout.experts = int(getattr(m, "num_experts", 0) or m.down_proj.shape[0])
-        layout.ffn = layout.ffn or int(m.down_proj.shape[1 if m.is_transposed else 2])  # an expert's intermediate
-        layout.gated = layout.gated or bool(m.has_gate)
+        layout.moe_ffn = int(m.down_proj.shape[1 if m.is_transposed else 2])  # an expert's intermediate
+        layout.moe_gated = bool(m.has_gate)
+        layout.moe_layers = sum(fnmatch.fnmatchcase(n, full) for n in names)
+        layout.top_k = _top_k(module.config, layout.experts)
+        for child, style in plan.items():
+            if child.rpartition(".")[0] == full.rpartition(".")[0] and style.startswith("gathered("):
+                layout.moe_gathered += 1
+                layout.moe_split_outputs += "output=split" in style
+                if "partial_grad=true" in style:
+                    layout.moe_partial_width += int(sum(as_linear(x)[1] for x in _first(names, child).modules()
+                                                        if _is_linear(x)))
+    if experts and not layout.ffn:
+        layout.ffn = layout.moe_ffn  # every layer's MLP is routed
     # norms outside the attention: the family's own norm on the gathered hidden
     for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
         if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
@@ -353,6 +376,17 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
             plan[child_pat] = "gathered(input=split, output=full)"  # weights' gradients the experts complete
         else:  # e.g. a shared expert's gate, scaling the split hidden: its gradient partial over d2
             plan[child_pat] = "gathered(input=split, output=full, partial_grad=true)"
+
+
+def _top_k(config: Any, experts: int) -> int:
+    """Experts per token, from the config (the names transformers' MoE configs use)."""
+    text = _text_config(config) or config
+    for key in ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_experts_per_token"):
+        v = getattr(text, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= experts:
+            return v
+    raise ConfigError(f"transformers model_type '{getattr(config, 'model_type', '?')}': experts per token not "
+                      f"found in its config; pass a plan")
 
 
 def _first(names: Mapping[str, nn.Module], pat: str) -> nn.Module:

@@ -1,0 +1,166 @@
+"""``python train.py stage=calibrate``: calibrate this host for the topology in use, in one
+command, and find that calibration again in ``stage=plan`` and ``stage=fit`` (issue 27).
+
+**Measure** (one launch per part, on the topology's ``world`` gloo processes at once, as
+training runs them; a progress bar):
+
+1. collectives — the four of Table 2 on every group layout that tiles the world, three
+   message sizes (4 KiB, 64 KiB, 1 MiB), α-β fitted per level and collective
+   (:func:`atp_pipeline.run.calibrate.measure`, :func:`atp_pipeline.planning.calibrate.fit_calibration`;
+   the levels are the topology's own);
+2. compute — a sweep of kernel shapes per kind, probe models' collective-free forward and
+   backward on every candidate mesh (the framework cost), compute-then-collective loops
+   (sync), and the contention factor at 1, 2, …, world processes
+   (:func:`atp_pipeline.run.calibrate_compute.calibrate_compute`). No model, batch or
+   sequence length the user plans is measured: the step-time model predicts them from these
+   terms (:mod:`atp_pipeline.planning.steptime`).
+
+**Write** ``<calibration.dir>/<topology>.yaml``: the topology with the fitted bandwidths and
+``alpha_beta`` and ``device.compute`` = the profile (its date, host and probes in it), plus
+the collective fit's report beside it (``<topology>_collectives.{json,csv,png}``… as
+:func:`~atp_pipeline.planning.calibrate.write_report` names them).
+
+**Find** (:func:`with_calibration`): a topology with neither ``alpha_beta`` nor
+``device.compute`` of its own takes the file's when ``calibration.use`` and the file's levels
+(names and counts) are the topology's; the plan's notes name the file, its SHA-256 and date.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.topology.model import Topology
+
+COLLECTIVE_SIZES = (4096, 65536, 1048576)  # bytes: latency-, mid- and bandwidth-bound
+QUICK_PROBES = ("probe_gpt_s",)
+
+
+def calibration_file(directory: str, topology: str) -> Path:
+    """Where ``stage=calibrate`` writes topology ``topology``'s calibration."""
+    return Path(directory) / f"{topology}.yaml"
+
+
+def file_digest(path: Path) -> str:
+    """The first 12 hex digits of the file's SHA-256 (which calibration a prediction used)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def _levels(topo: Topology) -> Tuple[Tuple[str, int], ...]:
+    return tuple((lv.name, lv.count) for lv in topo.levels)
+
+
+def with_calibration(topo: Topology, calibration: Any) -> Topology:
+    """``topo`` with the calibration ``stage=calibrate`` wrote for it (``calibration``: the
+    :class:`~atp_pipeline.config.schema.CalibrationConfig`), if it has none of its own and
+    the file is for the same levels; its note names the file (SHA-256, date). Otherwise
+    ``topo`` unchanged (with a note where a file exists but does not fit)."""
+    if not calibration.use or topo.alpha_beta or topo.device.get("compute"):
+        return topo
+    path = calibration_file(str(calibration.dir), topo.name)
+    if not path.is_file():
+        return topo
+    import yaml
+
+    try:
+        found = Topology.from_config(yaml.safe_load(path.read_text()))
+    except (ConfigError, yaml.YAMLError, TypeError, ValueError) as exc:
+        raise ConfigError(f"calibration file {path}: {str(exc).splitlines()[0]} "
+                          f"(run `python train.py stage=calibrate topology={topo.name}` again)") from None
+    if _levels(found) != _levels(topo):
+        note = (f"calibration file {path} is for levels {_levels(found)}, not topology '{topo.name}''s "
+                f"{_levels(topo)}: not used (python train.py stage=calibrate topology={topo.name})")
+        return dataclasses.replace(topo, note="; ".join(x for x in (topo.note, note) if x))
+    compute = found.device.get("compute") or {}
+    note = (f"calibration {path} (sha256 {file_digest(path)}, measured {compute.get('date', '?')}): "
+            f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
+    device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
+    return dataclasses.replace(topo, levels=found.levels, alpha_beta=found.alpha_beta, device=device,
+                               note="; ".join(x for x in (topo.note, note) if x))
+
+
+class _Bar:
+    """A rich progress bar over the calibration's parts (the compute part advances per
+    finished measurement)."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]{task.description:<28}"), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                 transient=False)
+        self.tasks: Dict[str, Any] = {}
+
+    def __enter__(self) -> "_Bar":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.progress.add_task(phase, total=total)
+        self.progress.update(self.tasks[phase], completed=done, total=total)
+
+
+def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
+    """``stage=calibrate``: measure, fit and write the topology's calibration; the summary row."""
+    from atp_pipeline.planning.calibrate import fit_calibration, level_specs, write_report, write_topology
+    from atp_pipeline.run import calibrate as coll
+    from atp_pipeline.run.calibrate_compute import PROBES, ComputeRun, calibrate_compute, print_profile
+
+    topo = Topology.from_config(cfg.topology)
+    world = topo.world_size
+    cal = cfg.calibration
+    if cal.passes < 1:
+        raise ConfigError(f"calibration.passes={cal.passes} must be >= 1")
+    if str(topo.device.get("name") or "cpu") not in ("cpu", "unknown"):
+        raise ConfigError(f"stage=calibrate measures this host's CPU processes (gloo); topology '{topo.name}' "
+                          f"describes {topo.device.get('name')} devices")
+    if world < 2:
+        raise ConfigError(f"stage=calibrate needs a topology of >= 2 devices (collectives); '{topo.name}' has {world}")
+    out = calibration_file(str(cal.dir), topo.name)
+    levels = level_specs(world, [lv.count for lv in topo.levels], [lv.name for lv in topo.levels])
+    spec = coll.SweepSpec(world=world, sizes=COLLECTIVE_SIZES[:2] if cal.quick else COLLECTIVE_SIZES,
+                          passes=cal.passes, warmup=1, batch_ms=2.0 if cal.quick else 8.0)
+    run = ComputeRun(world, QUICK_PROBES if cal.quick else tuple(PROBES), (1, 2), cal.passes,
+                     2.0 if cal.quick else 8.0, quick=cal.quick)
+    print(f"calibrating '{topo.name}' on {world} processes of this host: collectives "
+          f"({len(spec.group_layouts())} group layouts x 4 collectives x {len(spec.sizes)} sizes), a kernel sweep, "
+          f"{len(run.probes)} probe models, compute-then-collective loops, contention; {cal.passes} passes")
+    t0 = time.perf_counter()
+    with _Bar() as bar:
+        bar("collectives (alpha-beta)", 0, 1)
+        res = fit_calibration(coll.measure(spec), topo.name, levels)
+        bar("collectives (alpha-beta)", 1, 1)
+        calibrated = dict(res.topology)
+        calibrated["description"] = topo.description
+        with_ab = Topology.from_config(calibrated)
+        profile = calibrate_compute(run, with_ab, f"{topo.name}@{_host()}", progress=bar)
+    calibrated["device"] = {**dict(topo.device), "compute": profile.to_config()}
+    write_topology(calibrated, out, f"# Calibration of topology '{topo.name}' on {_host()} by `python train.py "
+                                    f"stage=calibrate` ({profile.date}, issue 27); stage=plan and stage=fit read it\n"
+                                    f"# for topology={topo.name} (calibration.dir={cal.dir}).\n")
+    write_report(res, out.parent, f"{topo.name}_collectives")
+    wall = time.perf_counter() - t0
+    print(f"collectives: {len(res.samples)} points, held-out median relative error {res.heldout_median_error:.1%}")
+    print_profile(profile)
+    print(f"wrote {out} (sha256 {file_digest(out)}) in {wall:.0f} s; `python train.py stage=plan` "
+          f"(topology={topo.name}) now predicts steps from it")
+    sys.stdout.flush()
+    return {"stage": "calibrate", "topology": topo.name, "calibration": str(out), "sha256": file_digest(out),
+            "wall_s": wall}
+
+
+def _host() -> str:
+    import platform
+
+    return platform.node() or "host"
