@@ -1,22 +1,29 @@
-"""Validate the step-time model: predicted vs measured step time over a grid (issue 15).
+"""Validate the step-time model out of sample: predicted vs measured steps over a grid (issue 27).
 
-    python -m benchmarks.step_validation --topology cpu4c --models tiny,small
-    python -m benchmarks.step_validation --topology cpu4c --models llama_tiny --chunks 1 --tag llama
+    python train.py stage=calibrate                      # the calibration (this host, topology local)
+    python -m benchmarks.step_validation --models llama_tiny,gpt2_tiny,small --variants 8x64,4x128 --worlds 4,2
 
-Run from the repository root. ``--topology`` is a topology with a compute profile
-(``device.compute``, :mod:`atp_pipeline.run.calibrate_compute`) and, for gloo's collectives,
-a fitted ``alpha_beta`` (:mod:`atp_pipeline.run.calibrate`): a config name under
-``conf/topology`` or ``outputs/conf/topology``, or a YAML path. Calibration and validation
-are separate runs: this command measures steps only.
+Run from the repository root. The calibration is the one ``stage=plan`` would use:
+``--topology`` (default ``local``) with the file ``stage=calibrate`` wrote for it in
+``--calibration-dir`` (:func:`atp_pipeline.run.calibration.with_calibration`), or a YAML path of
+a topology that carries its own ``alpha_beta`` and ``device.compute``. This command measures
+steps only; it never calibrates.
 
-**Grid.** Every model of ``--models`` × mesh of ``--meshes`` × chunk count of ``--chunks``
-(those the model runs: a model laid out module by module has no chunked execution) × two
-interconnects: no emulation (gloo as it is) and the emulated ``--emulate`` topology
-(default ``ic1``, restricted to ``--world`` devices, collectives stretched ``--slowdown``
-times, :mod:`atp_pipeline.parallel.emulation`).
+**Out of sample by construction.** A point is *in sample* when the calibration ran its
+model (the same shape: :func:`atp_pipeline.planning.steptime.shape_key`) or ran any probe at
+its mesh with its batch and sequence length (the profile's ``probes``). Such points are
+refused (exit 2, listed) unless ``--allow-in-sample``, which keeps them flagged
+(``in_sample``) and out of the out-of-sample figures.
 
-**Measure.** One launch of ``--world`` gloo processes per model builds every point's
-parallel model from the same dense one (the family's own plan,
+**Grid.** Every model of ``--models`` (configs of ``conf/model``) × batch × sequence length of
+``--variants`` (``<batch>x<seq>``) × process count of ``--worlds`` (each on the topology's
+first ``w`` devices, :meth:`~atp_pipeline.topology.model.Topology.restrict`) × every mesh of
+``w`` devices the model can run × chunk count of ``--chunks``; with ``--emulate <topology>``
+each point also on that emulated interconnect (``--slowdown``;
+:mod:`atp_pipeline.parallel.emulation`), reported apart from the real (gloo) points.
+
+**Measure.** One launch of ``w`` gloo processes per model variant and process count builds
+every point's parallel model from the same dense one (the family's own plan,
 :func:`atp_pipeline.parallel.apply.apply_plan`) with AdamW, as training does; a step is
 forward + backward + optimizer step between two barriers. Every point first runs
 ``--warmup`` untimed steps; then ``--repeats`` rounds interleave the points (a rotated
@@ -24,13 +31,19 @@ order each round), each round timing ``--steps`` steps per point; a point's time
 median of all its timed steps (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
-chunks and interconnect, from the topology's calibration.
+chunks, processes and interconnect, from the calibration, and for the load other jobs put on
+the host while the point was measured (``StepSetting.host_load``: the mean over the kept
+rounds of :mod:`atp_pipeline.run.hostload`'s foreign load, by
+:func:`~atp_pipeline.planning.steptime.load_slowdown`); the prediction for the quiet host is
+reported beside it (``predicted_quiet_s``, and its own figures).
 
-**Report** (``--out``): ``<tag>.json`` and ``<tag>.csv`` (every point predicted vs measured,
-with the prediction's compute / exposed-communication split), ``<tag>.png`` (scatter,
-log-log, with the y = x line), and the figures: median and worst relative error,
-Spearman's ρ over all points, and per group (one model × one interconnect) whether the
-predicted best point (mesh and chunks) is the measured best.
+**Report** (``--out``): ``<tag>.json`` (meta: the calibration file, its SHA-256 and date, the
+profile's terms; every point predicted vs measured with the prediction's split and the
+calibration it used; the figures), ``<tag>.csv``, ``<tag>.png`` (scatter, log-log, y = x,
+±10 %). Figures per class (real, emulated; in-sample points apart): median and worst
+relative error, Spearman's ρ per model, and per group (one model variant × process count
+× interconnect: its meshes and chunk counts) whether the predicted best point is the
+measured best.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
     from atp_pipeline.parallel import comm_for, init_mesh
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.parallel.emulation import TopologyEmulator
+    from atp_pipeline.run.hostload import quiet_rounds
     from atp_pipeline.topology.model import Topology
 
     adapter = get_adapter(spec["family"])
@@ -67,7 +81,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
     idx = torch.randint(0, V, (b, s), generator=g)
     tgt = torch.randint(0, V, (b, s), generator=g)
     emu_topo = Topology.from_config(spec["emulate"]) if spec["emulate"] else None
-    runners: List[Tuple[str, Any, Any]] = []
+    runners: List[Tuple[str, Any, Any, Any]] = []
     for key in spec["points"]:
         d1, d2, chunks, emulated = key
         mesh = init_mesh((d1, d2))
@@ -95,15 +109,19 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
 
     for _, model, opt, _ in runners:
         timed(model, opt, spec["warmup"])
-    times: Dict[str, List[float]] = {k: [] for k, _, _, _ in runners}
-    waits: Dict[str, List[float]] = {k: [] for k, _, _, _ in runners}
-    for r in range(spec["repeats"]):
+    def one_round(r: int) -> Dict[str, Tuple[List[float], float]]:
         order = runners[r % len(runners):] + runners[:r % len(runners)]
+        got = {}
         for k, model, opt, comm in order:
             comm.stats.reset()
-            times[k] += timed(model, opt, spec["steps"])
-            waits[k].append(sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"])
-    return {"times": times, "waits": waits} if rank == 0 else None
+            got[k] = (timed(model, opt, spec["steps"]),
+                      sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"])
+        return got
+    # rounds during which other jobs loaded the host are measured again (atp_pipeline.run.hostload)
+    kept, foreign = quiet_rounds(spec["repeats"], spec["repeats"], one_round)
+    times = {k: [t for rd in kept for t in rd[k][0]] for k, _, _, _ in runners}
+    waits = {k: [rd[k][1] for rd in kept] for k, _, _, _ in runners}
+    return {"times": times, "waits": waits, "foreign": foreign} if rank == 0 else None
 
 
 def _loadavg() -> Optional[List[float]]:
@@ -115,50 +133,95 @@ def _loadavg() -> Optional[List[float]]:
         return None
 
 
-def _load_topology(ref: str, conf: Path) -> Any:
+def load_calibrated(ref: str, calibration_dir: str, conf: Path) -> Tuple[Any, Dict[str, Any]]:
+    """The topology ``ref`` with the calibration ``stage=plan`` would use, and where it came
+    from (file, SHA-256, date): a YAML path that carries its own calibration, or a config
+    name with ``stage=calibrate``'s file for it."""
+    from types import SimpleNamespace
+
+    from atp_pipeline.errors import ConfigError
     from atp_pipeline.run.calibrate_compute import load_topology_yaml
+    from atp_pipeline.run.calibration import calibration_file, file_digest, with_calibration
     from atp_pipeline.topology.model import Topology
 
-    data, _ = load_topology_yaml(ref, conf)
-    return Topology.from_config(data)
+    data, path = load_topology_yaml(ref, conf)
+    topo = Topology.from_config(data)
+    if topo.device.get("compute"):
+        source = path
+    else:
+        topo = with_calibration(topo, SimpleNamespace(use=True, dir=calibration_dir))
+        source = calibration_file(calibration_dir, topo.name)
+        if not topo.device.get("compute"):
+            raise ConfigError(f"step_validation: topology '{topo.name}' has no calibration ({source} missing or "
+                              f"for other levels): run `python train.py stage=calibrate topology={topo.name}`")
+    compute = topo.device["compute"]
+    return topo, {"file": str(source), "sha256": file_digest(Path(source)), "date": compute.get("date", ""),
+                  "profile": compute.get("name", ""), "source": compute.get("source", "")}
 
 
 def rel_error(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas
 
 
+def in_sample(profile: Any, shape: Any, mesh: Tuple[int, int], world: int) -> str:
+    """Why a point is in the calibration's sample ('' if it is not): the calibration ran its
+    model, or a probe at its mesh with its batch and sequence length."""
+    from atp_pipeline.planning.steptime import shape_key
+
+    key = shape_key(shape)
+    for p in profile.probes:
+        if p.key == key:
+            return f"model calibrated (probe {p.name})"
+        if p.mesh == mesh and p.batch == shape.batch_size and p.seq_len == shape.seq_len and world == profile.processes:
+            return f"mesh {mesh[0]}x{mesh[1]} with batch {p.batch} and sequence {p.seq_len} calibrated (probe {p.name})"
+    return ""
+
+
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Median / worst relative error, Spearman's ρ, and predicted-best = measured-best per group."""
+    """Median / worst relative error, Spearman's ρ overall and per model, and predicted-best =
+    measured-best per group (model variant × processes × interconnect)."""
     from atp_pipeline.planning.calibrate import spearman
 
+    if not rows:
+        return {"points": 0}
     errs = [r["rel_error"] for r in rows]
     groups: Dict[str, Dict[str, Any]] = {}
-    for key in sorted({(r["model"], r["interconnect"]) for r in rows}):
-        pts = [r for r in rows if (r["model"], r["interconnect"]) == key]
+    for key in sorted({r["group"] for r in rows}):
+        pts = [r for r in rows if r["group"] == key]
         pb = min(pts, key=lambda r: r["predicted_s"])
         mb = min(pts, key=lambda r: r["measured_s"])
         second = sorted(p["measured_s"] for p in pts)[1] if len(pts) > 1 else mb["measured_s"]
-        groups[f"{key[0]} / {key[1]}"] = {
+        groups[key] = {
             "predicted_best": pb["point"], "measured_best": mb["point"], "agree": pb["point"] == mb["point"],
             "measured_margin": second / mb["measured_s"] - 1,
+            "predicted_best_measured_slower_by": pb["measured_s"] / mb["measured_s"] - 1,
             "spearman": spearman([p["predicted_s"] for p in pts], [p["measured_s"] for p in pts])
             if len(pts) > 1 else None}
+    models = {m: spearman([r["predicted_s"] for r in rows if r["model"] == m],
+                          [r["measured_s"] for r in rows if r["model"] == m])
+              for m in sorted({r["model"] for r in rows}) if sum(r["model"] == m for r in rows) > 1}
     return {"points": len(rows), "median_rel_error": statistics.median(errs), "worst_rel_error": max(errs),
             "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
-            "groups": groups, "best_agrees_in_every_group": all(g["agree"] for g in groups.values())}
+            "spearman_per_model": models,
+            "best_agrees": f"{sum(g['agree'] for g in groups.values())} of {len(groups)}",
+            "best_agree_share": sum(g["agree"] for g in groups.values()) / len(groups),
+            "short_share": sum(r["predicted_s"] < r["measured_s"] for r in rows) / len(rows),
+            "groups": groups}
 
 
 def plot(rows: List[Dict[str, Any]], summary: Dict[str, Any], path: Path, title: str) -> None:
     from atp_pipeline.figures import axes
 
-    with axes(path, (6.0, 5.0)) as ax:
+    with axes(path, (6.5, 5.5)) as ax:
         marks = {1: "o", 2: "s", 4: "^"}
-        for key in sorted({(r["model"], r["interconnect"]) for r in rows}):
-            for chunks in sorted({r["chunks"] for r in rows}):
-                pts = [r for r in rows if (r["model"], r["interconnect"]) == key and r["chunks"] == chunks]
-                if pts:
-                    ax.scatter([p["measured_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts],
-                               marker=marks.get(chunks, "D"), s=30, label=f"{key[0]}, {key[1]}, chunks {chunks}")
+        for model in sorted({r["model"] for r in rows}):
+            for world in sorted({r["processes"] for r in rows}):
+                for chunks in sorted({r["chunks"] for r in rows}):
+                    pts = [r for r in rows if (r["model"], r["processes"], r["chunks"]) == (model, world, chunks)]
+                    if pts:
+                        ax.scatter([p["measured_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts],
+                                   marker=marks.get(chunks, "D"), s=22, facecolors="none" if world != 4 else None,
+                                   label=f"{model}, {world} proc., chunks {chunks}")
         lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.3
         hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.3
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="y = x")
@@ -169,112 +232,203 @@ def plot(rows: List[Dict[str, Any]], summary: Dict[str, Any], path: Path, title:
         ax.set_xlabel("measured step (ms, median)")
         ax.set_ylabel("predicted step (ms)")
         ax.set_title(f"{title}\nmedian error {summary['median_rel_error']:.1%}, worst "
-                     f"{summary['worst_rel_error']:.1%}, Spearman {summary['spearman']:.3f}", fontsize=9)
-        ax.legend(fontsize=6)
+                     f"{summary['worst_rel_error']:.1%}, Spearman {summary['spearman']:.3f}, "
+                     f"best {summary['best_agrees']}", fontsize=8)
+        ax.legend(fontsize=5, ncol=2)
+
+
+def _write(out: Path, tag: str, rows: List[Dict[str, Any]], meta: Dict[str, Any],
+           summary: Optional[Dict[str, Any]] = None) -> None:
+    """``<tag>.json`` (meta, the figures per class, every point) and ``<tag>.csv``."""
+    if not rows:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "summary": summary or {}, "rows": rows}, indent=2) + "\n")
+    with (out / f"{tag}.csv").open("w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+def parse_variants(text: str) -> List[Tuple[int, int]]:
+    from atp_pipeline.errors import ConfigError
+
+    out = []
+    for v in (x for x in text.split(",") if x):
+        try:
+            b, s = (int(x) for x in v.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"step_validation: --variants: '{v}' is not <batch>x<seq>") from None
+        if b < 1 or s < 1:
+            raise ConfigError(f"step_validation: --variants: '{v}' needs batch and seq >= 1")
+        out.append((b, s))
+    return out
+
+
+def variant_overrides(name: str, batch: int, seq: int, conf: Path) -> List[str]:
+    """``model=<name>`` with the batch and sequence length; a transformers config's learned
+    positions (``hf.max_position_embeddings``) widened to the sequence where shorter."""
+    from omegaconf import OmegaConf
+
+    over = [f"model={name}", f"model.batch_size={batch}", f"model.seq_len={seq}"]
+    path = conf / "model" / f"{name}.yaml"
+    if path.is_file():
+        hf = OmegaConf.load(path).get("hf") or {}
+        if int(hf.get("max_position_embeddings", seq)) < seq:
+            over.append(f"model.hf.max_position_embeddings={seq}")
+    return over
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_validation", description=__doc__.split("\n\n")[0])
-    p.add_argument("--topology", required=True, help="calibrated topology (name or YAML path) of --world devices")
-    p.add_argument("--models", default="tiny,small")
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--meshes", default="4x1,2x2,1x4")
+    p.add_argument("--topology", default="local", help="topology (name or YAML path) of the calibration")
+    p.add_argument("--calibration-dir", default="outputs/calibration/profiles",
+                   help="where stage=calibrate wrote the topology's calibration")
+    p.add_argument("--models", default="llama_tiny,gpt2_tiny,small")
+    p.add_argument("--variants", default="8x64,4x128", help="<batch>x<seq>, comma-separated")
+    p.add_argument("--worlds", default="4,2", help="process counts")
+    p.add_argument("--meshes", default="", help="only these meshes (<d1>x<d2>, comma-separated); default all")
     p.add_argument("--chunks", default="1,2")
-    p.add_argument("--emulate", default="ic1", help="topology of the emulated interconnect ('' for none)")
+    p.add_argument("--emulate", default="", help="topology of an emulated interconnect ('' for none)")
     p.add_argument("--slowdown", type=float, default=3000.0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--tag", default="gpt")
+    p.add_argument("--allow-in-sample", action="store_true",
+                   help="measure points the calibration ran (flagged, reported apart) instead of refusing")
+    p.add_argument("--tag", default="steps")
     p.add_argument("--out", default="outputs/benchmarks/step_validation")
     p.add_argument("--conf", type=Path, default=CONF)
     args = p.parse_args(argv)
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
-    from atp_pipeline.planning.search import mesh_infeasibility
-    from atp_pipeline.planning.steptime import RUNTIME, StepSetting, estimate_step, profile_of
-    from atp_pipeline.run.calibrate_compute import model_shapes, model_spec
+    from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step, profile_of
+    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml
 
     try:
-        topo = _load_topology(args.topology, args.conf)
-        if topo.world_size != args.world:
-            raise ConfigError(f"step_validation: topology '{topo.name}' has {topo.world_size} devices, "
-                              f"--world is {args.world}")
+        topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
         profile = profile_of(topo)
-        if profile is None:
-            raise ConfigError(f"step_validation: topology '{topo.name}' has no compute profile (device.compute; "
-                              f"python -m atp_pipeline.run.calibrate_compute) and no peak_TFLOPs")
-        emu = _load_topology(args.emulate, args.conf).restrict(args.world) if args.emulate else None
-        meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+        worlds = [int(w) for w in args.worlds.split(",") if w]
+        if any(w < 1 or w > topo.world_size for w in worlds):
+            raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
+                              f"(topology '{topo.name}')")
+        only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
         chunk_list = [int(c) for c in args.chunks.split(",")]
         names = [m for m in args.models.split(",") if m]
-        shapes = model_shapes(names, args.conf)
-        if any(d1 * d2 != args.world for d1, d2 in meshes):
-            raise ConfigError(f"step_validation: --meshes {args.meshes} must each have {args.world} devices")
+        variants = parse_variants(args.variants)
+        entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
+        built = compose_models(entries, args.conf)
+        emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
         if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0:
             raise ConfigError("step_validation: --steps, --repeats >= 1, --warmup >= 0, --slowdown > 0")
+        plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
+        refused: List[str] = []
+        for (label, _), (shape, spec), in zip(entries, built):
+            model = label.split("@")[0]
+            for w in worlds:
+                emu = emu_full.restrict(w) if emu_full is not None else None
+                pts = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
+                       for (d1, d2) in candidate_meshes(w) if not only or (d1, d2) in only
+                       for c in chunk_list
+                       if mesh_infeasibility(shape, (d1, d2)) is None and shape.batch_size % c == 0]
+                for d1, d2, c, e in pts:
+                    why = in_sample(profile, shape, (d1, d2), w)
+                    if why and not args.allow_in_sample:
+                        refused.append(f"{label} {d1}x{d2}/c{c}: {why}")
+                plan.append((model, shape, spec, w, pts))
+        if refused:
+            raise ConfigError(f"step_validation: {len(refused)} points are in the calibration's sample "
+                              f"(--allow-in-sample to measure them flagged): {'; '.join(refused[:4])}"
+                              + (" ..." if len(refused) > 4 else ""))
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_BAD_INPUT
     rows: List[Dict[str, Any]] = []
+    foreign_load: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
     load_start = _loadavg()
-    for name, shape in zip(names, shapes):
-        points = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
-                  for (d1, d2) in meshes for c in chunk_list
-                  if mesh_infeasibility(shape, (d1, d2)) is None
-                  and shape.batch_size % c == 0]
-        spec = {**model_spec(name, shape, args.conf), "points": points,
-                "emulate": emu.to_dict() if emu is not None else None, "slowdown": args.slowdown,
-                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-        print(f"{name}: measuring {len(points)} points on {args.world} processes ...", flush=True)
-        got = spawn(_worker, args.world, spec, timeout=3600)[0]
+    for model, shape, spec, w, points in plan:
+        if not points:
+            continue
+        emu = emu_full.restrict(w) if emu_full is not None else None
+        sub = topo.restrict(w)
+        spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
+                "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+        print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
+        got = spawn(_worker, w, spec, timeout=3600)[0]
         times, waits = got["times"], got["waits"]
+        foreign_load.append({"model": shape.name, "processes": w, "rounds": got["foreign"]})
+        variant = f"b{shape.batch_size} s{shape.seq_len}"
+        load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
         for d1, d2, c, e in points:
-            est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=c), profile,
-                                emulated=(emu, args.slowdown) if e else None)
-            meas = statistics.median(times[json.dumps([d1, d2, c, e])])
-            rows.append({"model": name, "interconnect": f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo",
+            emulated = (emu, args.slowdown) if e else None
+            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c, host_load=load), profile, emulated)
+            quiet = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)
+            key = json.dumps([d1, d2, c, e])
+            meas = statistics.median(times[key])
+            inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
+            why = in_sample(profile, shape, (d1, d2), w)
+            rows.append({"model": model, "batch": shape.batch_size, "seq_len": shape.seq_len, "processes": w,
+                         "interconnect": inter, "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
+                         "in_sample": why, "group": f"{model} {variant} / {w} proc. / {inter}",
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, "predicted_s": est.step_s, "rel_error": rel_error(est.step_s, meas),
+                         "host_load_cores": load, "predicted_quiet_s": quiet.step_s,
+                         "rel_error_quiet": rel_error(quiet.step_s, meas),
                          "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
-                         "predicted_total_comm_s": est.total_comm_s, "predicted_dispatch_s": est.dispatch_s,
+                         "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
                          "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
-                         "samples": len(times[json.dumps([d1, d2, c, e])]),
-                         "measured_comm_wait_s": statistics.median(waits[json.dumps([d1, d2, c, e])])})
-    summary = summarize(rows)
-    meta = {"topology": topo.name, "profile": profile.name, "profile_source": profile.source,
-            "calibration": {n: profile.describe(RUNTIME) for n, sh in zip(names, shapes)},
+                         "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
+                         "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
+        _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
+    classes = {c: summarize([r for r in rows if r["class"] == c]) for c in sorted({r["class"] for r in rows})}
+    for c in list(classes):  # the same points against the prediction for a quiet host (no load term)
+        classes[f"{c}, predicted for a quiet host"] = summarize(
+            [{**r, "predicted_s": r["predicted_quiet_s"], "rel_error": r["rel_error_quiet"]}
+             for r in rows if r["class"] == c])
+    meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
+            "contention": {str(k): v for k, v in sorted(profile.contention.items())},
+            "probes": sorted({p.name for p in profile.probes}),
             "load_average": {"start": load_start, "end": _loadavg()},
-            "world": args.world, "emulate": args.emulate, "slowdown": args.slowdown, "steps": args.steps,
-            "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0}
+            "foreign_load_cores": foreign_load,  # other jobs' CPU during each kept round (hostload)
+            "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0,
+            "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
-    with (out / f"{args.tag}.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    plot(rows, summary, out / f"{args.tag}.png", f"step-time model vs measured: {', '.join(names)}, "
-                                                 f"{args.world} processes")
-    print(f"{'model':<11} {'interconnect':<22} {'point':<9} {'measured ms':>11} {'predicted ms':>12} "
-          f"{'compute':>8} {'exposed':>8} {'waited':>8} {'error':>7}")
+    _write(out, args.tag, rows, meta, classes)
+    real = [r for r in rows if r["class"] == "real"] or rows
+    plot(real, summarize(real), out / f"{args.tag}.png",
+         f"step-time model vs measured, out of sample ({real[0]['class']}): {', '.join(names)}")
+    print(f"{'model':<11} {'b x s':<8} {'proc':>4} {'interconnect':<20} {'point':<9} {'measured ms':>11} "
+          f"{'predicted ms':>12} {'compute':>8} {'exposed':>8} {'waited':>8} {'error':>7}")
     for r in rows:
-        print(f"{r['model']:<11} {r['interconnect']:<22} {r['point']:<9} {r['measured_s'] * 1e3:11.1f} "
-              f"{r['predicted_s'] * 1e3:12.1f} {r['predicted_compute_s'] * 1e3:8.1f} "
-              f"{r['predicted_exposed_comm_s'] * 1e3:8.1f} {r['measured_comm_wait_s'] * 1e3:8.1f} {r['rel_error']:7.1%}")
-    print(f"{summary['points']} points: median relative error {summary['median_rel_error']:.1%}, worst "
-          f"{summary['worst_rel_error']:.1%}, Spearman rho {summary['spearman']:.3f}")
-    for g, v in summary["groups"].items():
-        print(f"  {g}: predicted best {v['predicted_best']}, measured best {v['measured_best']} "
-              f"({'agree' if v['agree'] else 'DISAGREE'}; runner-up {v['measured_margin']:.1%} slower; "
-              f"rho {v['spearman']:.2f})")
-    for n, c in meta["calibration"].items():
-        print(f"  {n}: {c}")
+        print(f"{r['model']:<11} {r['batch']:>2}x{r['seq_len']:<5} {r['processes']:>4} {r['interconnect']:<20} "
+              f"{r['point']:<9} {r['measured_s'] * 1e3:11.1f} {r['predicted_s'] * 1e3:12.1f} "
+              f"{r['predicted_compute_s'] * 1e3:8.1f} {r['predicted_exposed_comm_s'] * 1e3:8.1f} "
+              f"{r['measured_comm_wait_s'] * 1e3:8.1f} {r['rel_error']:7.1%}"
+              + (f"  IN SAMPLE: {r['in_sample']}" if r["in_sample"] else ""))
+    for cls, s in classes.items():
+        print(f"{cls}: {s['points']} points: median relative error {s['median_rel_error']:.1%}, worst "
+              f"{s['worst_rel_error']:.1%}, Spearman rho {s['spearman']:.3f} (per model: "
+              + ", ".join(f"{m} {v:.2f}" for m, v in s["spearman_per_model"].items())
+              + f"); predicted best = measured best in {s['best_agrees']} groups; {s['short_share']:.0%} predicted short")
+        for g, v in s["groups"].items():
+            if not v["agree"]:
+                print(f"  {g}: predicted best {v['predicted_best']}, measured best {v['measured_best']} "
+                      f"(measured {v['predicted_best_measured_slower_by']:.1%} slower; rho {v['spearman']:.2f})")
+    print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "
+          f"{profile.describe()}")
     print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
     print(f"wrote {out / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
     return 0
+
+
+def topology_from(data: Dict[str, Any]) -> Any:
+    from atp_pipeline.topology.model import Topology
+
+    return Topology.from_config(data)
 
 
 if __name__ == "__main__":

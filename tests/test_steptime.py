@@ -3,6 +3,7 @@ is the runtime's, objective=comm keeps today's selections, calibration round tri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -129,9 +130,9 @@ def test_objective_comm_reproduces_todays_selections_on_every_preset():
 
 def _calibrated_topology(tmp_path: Path) -> Path:
     from atp_pipeline.planning.calibrate import write_topology
-    from atp_pipeline.run.calibrate_compute import make_profile, plan_kernels
+    from atp_pipeline.run.calibrate_compute import make_profile, sweep_kernels
 
-    kernels = plan_kernels([GPT], 4, [1, 2])
+    kernels = sweep_kernels()
     # a made-up device: 1 us per call plus 1 ns per unit of work (optimizer: 3 us per tensor)
     seconds = [3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
                for k in kernels]
@@ -151,10 +152,15 @@ def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
     gemm = prof.fits[st.GEMM]
     assert gemm.alpha_s == pytest.approx(1e-6, rel=1e-3) and gemm.per_unit_s == pytest.approx(1e-9, rel=1e-3)
     assert prof.fits[st.OPTIMIZER].per_tensor_s == pytest.approx(3e-6, rel=1e-3)
-    k = st.Kernel(st.GEMM, (GPT.tokens_per_step, 32, 96))  # a measured point: its own time
+    k = st.Kernel(st.GEMM, (128, 64, 256))  # a measured point: its own time
     assert prof.seconds(k) == pytest.approx(1e-6 + 1e-9 * k.work, rel=1e-5)
-    unseen = st.Kernel(st.GEMM, (7, 7, 7))  # not measured: the fit
+    unseen = st.Kernel(st.GEMM, (7, 7, 7))  # below the sweep: the fit
     assert prof.seconds(unseen) == pytest.approx(1e-6 + 1e-9 * 686, rel=1e-3)
+    between = st.Kernel(st.GEMM, (GPT.tokens_per_step, 32, 96))  # inside the sweep: log-log interpolation
+    lo, hi = [max(p for p in prof._curves()[st.GEMM] if p[0] <= between.work),
+              min(p for p in prof._curves()[st.GEMM] if p[0] >= between.work)]
+    assert lo[1] <= prof.seconds(between) <= hi[1] and lo[0] < between.work < hi[0]
+    assert prof.seconds(between) == pytest.approx(1e-6 + 1e-9 * between.work, rel=0.05)
     plan = make_plan(topo, GPT, MeshConfig(), PlannerConfig())
     assert plan.objective.value == "step"
     assert all(c.step is not None and c.step.profile == "fake4" for c in plan.candidates)
@@ -188,10 +194,10 @@ def test_report_shows_step_time_tokens_and_mfu(compose_cfg, tmp_path):
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_no_compute_profile_falls_back_to_communication_with_a_note(compose_cfg):
+def test_no_compute_profile_falls_back_to_communication_with_a_note(compose_cfg, tmp_path):
     from atp_pipeline.run.resolve import plan_from_config
 
-    plan = plan_from_config(compose_cfg("topology=local", "model=tiny"))
+    plan = plan_from_config(compose_cfg("topology=local", "model=tiny", f"calibration.dir={tmp_path}"))
     assert plan.objective.value == "comm" and plan.label == "4x1"
     assert any("no compute profile" in n for n in plan.notes)
 
@@ -221,22 +227,47 @@ def _two() -> Topology:
                                                          "group_GBps": 1}]})
 
 
-def test_dispatch_adds_the_runtimes_cost_around_each_kernel_but_the_optimizer():
-    """A kernel's time in the step is seconds·(1 + kernel_factor) + per_kernel_s, per layout."""
-    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, dispatch={st.RUNTIME: st.Dispatch(4e-6, 0.5)})
+def test_framework_cost_is_added_around_each_kernel_and_collective_but_the_optimizer():
+    """A kernel costs seconds·(1 + kernel_factor) + per_kernel_s in the step, a collective call
+    per_collective_s + bytes·per_collective_byte_s of the rank's CPU before it launches."""
+    fw = st.Framework(4e-6, 0.5, 7e-6, 1e-12)
+    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, framework=fw)
     gemm, opt = st.Kernel(st.GEMM, (8, 8, 8)), st.Kernel(st.OPTIMIZER, (3, 100))
-    assert prof.step_kernel_seconds(gemm, st.RUNTIME) == pytest.approx(10e-6 * 1.5 + 4e-6)
-    assert prof.step_kernel_seconds(gemm, "other") == pytest.approx(10e-6)  # not calibrated: bare
-    assert prof.step_kernel_seconds(opt, st.RUNTIME) == pytest.approx(10e-6)  # timed as the runtime runs it
+    assert prof.step_kernel_seconds(gemm) == pytest.approx(10e-6 * 1.5 + 4e-6)
+    assert prof.step_kernel_seconds(opt) == pytest.approx(10e-6)  # timed as the runtime runs it
+    assert st.ComputeProfile("q", "test", _flat(10.0).fits).step_kernel_seconds(gemm) == pytest.approx(10e-6)
     free = Topology.from_config({"name": "f", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1e12,
                                                          "group_GBps": 1e12}]})
     est = st.estimate_step(free, GPT, (2, 2), st.StepSetting(chunks=2), prof)
     prog, _ = st.build_program(GPT, (2, 2), GPT.batch_size, 2)
-    n = sum(1 for i in st._all_items(prog) if i[0] == "k" and i[1].kind != st.OPTIMIZER)
-    assert est.dispatch_s == pytest.approx(n * (5e-6 + 4e-6))
+    items = list(st._all_items(prog))
+    n = sum(1 for i in items if i[0] == "k" and i[1].kind != st.OPTIMIZER)
+    colls = [i[1] for i in items if i[0] in ("sync", "async", "linear")]
+    nbytes = float(sum(c.elements for c in colls)) * GPT.bytes_per_element
+    coll_fw = len(colls) * 7e-6 + nbytes * 1e-12
+    assert est.dispatch_s == pytest.approx(n * (5e-6 + 4e-6) + coll_fw)
     assert est.optimizer_s == pytest.approx(10e-6)
-    assert est.compute_s == pytest.approx(n * 19e-6 + 10e-6)
-    assert "dispatch[styles] 4.0 us/kernel + 50.0%" in est.calibration
+    assert est.compute_s == pytest.approx(n * 19e-6 + 10e-6 + coll_fw)
+    assert "framework 4.0 us/kernel + 50.0%, 7.0 us + 0.001 ns/B per collective" in est.calibration
+
+
+def test_contention_scales_every_calibrated_time_by_the_runs_processes():
+    """The profile measured at 4 processes; a 2-process run on the host takes the measured
+    factor of every calibrated time (kernels, framework, the fitted alpha-beta); counts
+    between are interpolated, beyond the largest proportional."""
+    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, processes=4, framework=st.Framework(2e-6),
+                             contention={1: 0.45, 2: 0.5, 4: 1.0})
+    assert [prof.contention_factor(p) for p in (1, 2, 3, 4, 8)] == pytest.approx([0.45, 0.5, 0.75, 1.0, 2.0])
+    ab = {"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+          "alpha_beta": [{"level": "p", "alpha_us": 50.0, "GBps": 1.0}]}
+    four = Topology.from_config(ab)
+    at4 = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+    at2 = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
+    bare = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(),
+                            st.ComputeProfile("p", "test", prof.fits, processes=4, framework=prof.framework))
+    assert at2.step_s == pytest.approx(0.5 * bare.step_s) and at2.compute_s == pytest.approx(0.5 * bare.compute_s)
+    assert "contention x0.500 at 2 processes (calibrated at 4)" in at2.calibration
+    assert "contention x1.000 at 4 processes" in at4.calibration
 
 
 def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_emulation():
@@ -282,28 +313,36 @@ def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_com
 
 
 def test_profile_with_runtime_terms_round_trips_and_names_them():
+    probe = st.Probe("probe_gpt_s", st.shape_key(GPT), (2, 2), 6, 48)
     prof = st.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(st.GEMM, (2, 3, 4)): 7e-6},
-                             dispatch={"styles@2x2": st.Dispatch(12e-6, 0.25), "styles": st.Dispatch(30e-6)},
-                             sync=st.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True")
+                             framework=st.Framework(30e-6, 0.25, 400e-6, 2e-9),
+                             sync=st.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True",
+                             contention={1: 0.5, 4: 1.0}, date="2026-11-26T13:00:00Z", probes=(probe,))
     back = st.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
     assert back.to_config() == prof.to_config()
-    assert back.dispatch["styles"].per_kernel_s == pytest.approx(30e-6)
+    assert dataclasses.astuple(back.framework) == pytest.approx(dataclasses.astuple(prof.framework))
+    assert back.probes == (probe,) and back.contention == {1: 0.5, 4: 1.0}
     assert (back.sync.alpha_s, back.sync.per_compute, back.sync.hidden) == pytest.approx((150e-6, 0.125, 0.75))
-    line = back.describe("styles")
-    assert line == ("kernels 'cal'; dispatch[styles] 30.0 us/kernel + 0.0%; sync 150 us + 0.125 x compute "
-                    "per collective, 75% of overlap hidden; optimizer AdamW foreach=True")
+    line = back.describe(1)
+    assert line == ("kernels 'cal' (2026-11-26T13:00:00Z); framework 30.0 us/kernel + 25.0%, 400.0 us + 2.000 ns/B "
+                    "per collective; sync 150 us + 0.125 x compute per collective, 75% of overlap hidden; "
+                    "optimizer AdamW foreach=True; contention x0.500 at 1 processes (calibrated at 1)")
     with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
         st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
     with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
         st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
-    with pytest.raises(ConfigError, match=r"dispatch.styles: per_kernel_us, kernel_factor"):
-        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"styles": {"per_kernel_us": "nan"}}})
+    with pytest.raises(ConfigError, match=r"framework: per_kernel_us, per_collective_us, .* kernel_factor > -1"):
+        st.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "kernel_factor": -1}})
+    with pytest.raises(ConfigError, match=r"contention: processes >= 1 -> finite factor > 0"):
+        st.ComputeProfile.from_config({**prof.to_config(), "contention": {0: 1.0}})
 
 
 def test_calibration_fits_recover_the_runtime_terms_exactly():
+    """From a sweep of kernel shapes (none a plan's own), probe plans' collective-free steps
+    and compute-then-collective loops made by known terms, the fits give those terms back."""
     from atp_pipeline.run import calibrate_compute as cc
 
-    kernels = cc.plan_kernels([GPT, LLAMA], 4, [1, 2])
+    kernels = cc.sweep_kernels()
     # optimizer: 40 us + 3 us per tensor + 1 ns per element (foreach: a per-step constant)
     seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
                for k in kernels]
@@ -311,14 +350,10 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     opt = base.fits[st.OPTIMIZER]
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
-    assert len(plans) == 2 * 3 * 2  # each model: 3 meshes x 2 chunk counts (one runtime chunks every model)
-    want = (20e-6, 0.25)
-    plan_s = []
-    for mi, d1, d2, c in plans:
-        shape = (GPT, LLAMA)[mi]
-        k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
-        o, f = want
-        plan_s.append(k * (1 + f) + n * o)
+    assert len(plans) == 2 * 3 * 2  # each probe: 3 meshes x 2 chunk counts (one runtime chunks every model)
+    want = st.Framework(20e-6, 0.25, 300e-6, 1e-9)
+    plan_s = [cc.framework_seconds(want, cc.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
+              for mi, d1, d2, c in plans]
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
                                                           "group_GBps": 1}]})
     patterns = cc.sync_patterns(4)
@@ -329,12 +364,17 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
         comp, coll = cc.pattern_prediction(base, topo, p)
         d = coll + 100e-6 + 0.3 * comp
         pat_s.append(comp + d if p[6] == cc.SYNC else max(comp + 0.6 * min(comp, d), d))
-    prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s)
+    prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s,
+                           {1: 0.5, 2: 0.5, 4: 1.0}, ["gpt", "llama"])
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
-    d = prof.dispatch[st.RUNTIME]
-    assert (d.per_kernel_s, d.kernel_factor) == pytest.approx(want, rel=1e-6, abs=1e-12)
+    fw = prof.framework
+    assert (fw.per_kernel_s, fw.kernel_factor, fw.per_collective_s, fw.per_collective_byte_s) == pytest.approx(
+        (20e-6, 0.25, 300e-6, 1e-9), rel=1e-5)
     assert (prof.sync.alpha_s, prof.sync.per_compute) == pytest.approx((100e-6, 0.3), rel=1e-6)
-    assert "12 collective-free plan steps" in prof.source and prof.optimizer.startswith("AdamW foreach=True")
+    assert "12 collective-free probe steps of 2 probe models" in prof.source and prof.optimizer.startswith("AdamW")
+    assert {p.name for p in prof.probes} == {"gpt", "llama"} and prof.contention[2] == 0.5
+    assert {(p.mesh, p.batch, p.seq_len) for p in prof.probes if p.name == "gpt"} == {
+        (m, GPT.batch_size, GPT.seq_len) for m in ((4, 1), (2, 2), (1, 4))}
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():
@@ -358,13 +398,15 @@ def test_calibration_times_the_runtime_terms_on_processes():
     runtime's collective-free forward and backward of a plan, a compute-then-collective loop."""
     from atp_pipeline.run import calibrate_compute as cc
 
-    tiny = _shape("tiny")
+    (tiny, spec), = cc.compose_models(cc.probe_entries(["probe_gpt_s"]), CONF)
+    assert (tiny.hidden, tiny.layers, tiny.batch_size, tiny.seq_len) == (48, 1, 6, 48)
     plans = [p for p in cc.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
     patterns = [p for p in cc.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
     kernels = [st.Kernel(st.OPTIMIZER, (4, 1000))]
-    got = cc.measure(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
-                     models=[cc.model_spec("tiny", tiny, CONF)], patterns=patterns)
+    got, foreign = cc.measure_with_load(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
+                                        models=[spec], patterns=patterns)
     assert len(got) == 4 and all(0 < t < 5 for t in got)
+    assert len(foreign) == 1 and foreign[0] >= 0  # other jobs' load in the kept pass, in cores
 
 
 def test_bounded_least_squares_is_the_constrained_optimum():
@@ -386,39 +428,3 @@ def test_bounded_least_squares_is_the_constrained_optimum():
         bounded_lstsq(A, y, [0.0])
 
 
-def test_dispatch_is_fitted_per_mesh_with_a_kernel_factor_below_zero():
-    """The runtime's work around a kernel differs by mesh (d2 > 1 splits and gathers
-    activations): the calibration fits it per layout and mesh, where kernels that run faster
-    in a plan's sequence than each timed alone (f < 0) are found as such, and a layout whose
-    plans cannot tell f from o (one plan per mesh) gets o alone; the layout-wide fit stays the
-    fallback for meshes not calibrated."""
-    from atp_pipeline.run import calibrate_compute as cc
-
-    kernels = cc.plan_kernels([GPT, LLAMA], 4, [1, 2])
-    seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
-               for k in kernels]
-    base = cc.make_profile("x", kernels, seconds, 4)
-    plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
-    truth = {(st.RUNTIME, (4, 1)): (200e-6, -0.3), (st.RUNTIME, (2, 2)): (300e-6, -0.2),
-             (st.RUNTIME, (1, 4)): (320e-6, 0.1)}
-    plan_s = []
-    for mi, d1, d2, c in plans:
-        shape = (GPT, LLAMA)[mi]
-        k, n = cc.plan_kernel_sum(base, shape, (d1, d2), c)
-        o, f = truth[(st.RUNTIME, (d1, d2))]
-        plan_s.append(k * (1 + f) + n * o)
-    dispatch = cc.fit_dispatch(base, [GPT, LLAMA], plans, plan_s)
-    for (layout, mesh), (o, f) in truth.items():
-        d = dispatch[st.dispatch_key(layout, mesh)]
-        assert (d.per_kernel_s, d.kernel_factor) == pytest.approx((o, f), rel=1e-6, abs=1e-12), (layout, mesh)
-    assert dispatch[st.RUNTIME].kernel_factor >= 0
-    prof = st.ComputeProfile.from_config({**base.to_config(), "dispatch": {
-        k: {"per_kernel_us": d.per_kernel_s * 1e6, "kernel_factor": d.kernel_factor} for k, d in dispatch.items()}})
-    assert prof.dispatch_of(st.RUNTIME, (2, 2)) == ("styles@2x2", prof.dispatch["styles@2x2"])
-    assert prof.dispatch_of(st.RUNTIME, (8, 1)) == ("styles", prof.dispatch["styles"])  # fallback
-    k = next(k for k in kernels if k.kind == st.GEMM)
-    assert prof.step_kernel_seconds(k, st.RUNTIME, (4, 1)) == pytest.approx(prof.seconds(k) * 0.7 + 200e-6)
-    assert "dispatch[styles@4x1] 200.0 us/kernel + -30.0%" in prof.describe(st.RUNTIME, (4, 1))
-    with pytest.raises(ConfigError, match=r"kernel_factor > -1"):
-        st.ComputeProfile.from_config({**base.to_config(), "dispatch": {"styles": {"per_kernel_us": 1,
-                                                                                          "kernel_factor": -1}}})

@@ -1,0 +1,68 @@
+"""``python train.py stage=calibrate`` (issue 27): one command writes the topology's
+calibration, ``stage=plan`` finds it without a flag and predicts steps from it, and the step
+validation refuses points the calibration ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from atp_pipeline.planning import steptime as st
+from atp_pipeline.planning.calibrate import write_topology
+
+from .conftest import CONF
+
+
+def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose_cfg, tmp_path, capsys):
+    """A quick calibration of a 2-process 'local' (its own levels), found by the plan by the
+    topology's name; a file for other levels is named and not used."""
+    from atp_pipeline.run import run
+    from atp_pipeline.run.resolve import plan_from_config
+
+    two = ("topology=local", "topology.levels.0.count=2", f"calibration.dir={tmp_path}")
+    row = run(compose_cfg("stage=calibrate", "calibration.quick=true", "calibration.passes=1", *two))
+    path = tmp_path / "local.yaml"
+    assert row["calibration"] == str(path) and path.is_file()
+    out = capsys.readouterr().out
+    assert "kernels, probes, loops" in out and f"wrote {path}" in out  # the progress bar's parts, the file
+    prof = st.ComputeProfile.from_config(__import__("yaml").safe_load(path.read_text())["device"]["compute"])
+    assert prof.processes == 2 and set(prof.contention) == {1, 2} and prof.framework is not None
+    assert {p.name for p in prof.probes} == {"probe_gpt_s"} and prof.date
+    plan = plan_from_config(compose_cfg(*two, "model=tiny"))
+    assert plan.objective.value == "step" and all(c.step is not None for c in plan.candidates)
+    assert plan.profile.name == prof.name
+    assert any(f"calibration {path} (sha256 {row['sha256']}" in n for n in plan.notes)
+    other = plan_from_config(compose_cfg("topology=local", f"calibration.dir={tmp_path}", "model=tiny"))
+    assert other.objective.value == "comm"  # 4 processes: the file is for 2
+    assert any("is for levels (('process', 2),)" in n and "not used" in n for n in other.notes)
+    off = plan_from_config(compose_cfg(*two, "calibration.use=false", "model=tiny"))
+    assert off.objective.value == "comm"
+
+
+def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
+    """A point whose model a probe was, or whose mesh, batch and sequence length a probe ran
+    with, is in sample: refused in one line (exit 2), or flagged with --allow-in-sample."""
+    from benchmarks import step_validation as sv
+
+    tiny = st.ModelShape(name="tiny", hidden=64, heads=8, layers=2, seq_len=64, vocab_size=256, ffn=256,
+                         batch_size=8)
+    other = st.ModelShape(name="other", hidden=32, heads=4, layers=1, seq_len=64, vocab_size=256, ffn=128,
+                          batch_size=8)
+    probes = (st.Probe("p_tiny", st.shape_key(tiny), (4, 1), 6, 48), st.Probe("p_b", "x", (2, 2), 8, 64))
+    prof = st.ComputeProfile("c", "test", {k: st.KindFit(1e-6, 1e-9) for k in st.KINDS}, processes=4,
+                             probes=probes)
+    assert sv.in_sample(prof, tiny, (1, 4), 4) == "model calibrated (probe p_tiny)"
+    assert sv.in_sample(prof, other, (2, 2), 4).startswith("mesh 2x2 with batch 8 and sequence 64 calibrated")
+    assert sv.in_sample(prof, other, (2, 2), 2) == "" and sv.in_sample(prof, other, (4, 1), 4) == ""
+    cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
+           "device": {"name": "cpu", "compute": prof.to_config()}}
+    write_topology(cfg, tmp_path / "cal4.yaml")
+    code = sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "8x64",
+                    "--worlds", "4", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("error: step_validation: 6 points are in the calibration's sample (--allow-in-sample")
+    assert "tiny@8x64 4x1/c1: model calibrated (probe p_tiny)" in err[0]
+    assert not (tmp_path / "out").exists()
