@@ -333,6 +333,8 @@ def test_profile_with_runtime_terms_round_trips_and_names_them():
         st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
     with pytest.raises(ConfigError, match=r"framework: per_kernel_us, per_collective_us, .* kernel_factor > -1"):
         st.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "kernel_factor": -1}})
+    with pytest.raises(ConfigError, match=r"device.compute: unknown key\(s\) dispatch \(a profile of an older schema"):
+        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"styles": {"per_kernel_us": 1}}})
     with pytest.raises(ConfigError, match=r"contention: processes >= 1 -> finite factor > 0"):
         st.ComputeProfile.from_config({**prof.to_config(), "contention": {0: 1.0}})
 

@@ -190,6 +190,10 @@ def shape_key(shape: ModelShape) -> str:
             f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
 
 
+PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits",
+                          "optimizer", "framework", "sync", "probes", "points"})
+
+
 @dataclass(frozen=True)
 class ComputeProfile:
     """How long a device's kernels take: fitted per kind, and measured points by shape.
@@ -311,6 +315,10 @@ class ComputeProfile:
     @classmethod
     def from_config(cls, data: Mapping[str, Any], where: str = "device.compute") -> "ComputeProfile":
         """From a topology's ``device.compute`` (written by the compute calibration)."""
+        unknown = sorted(set(data) - PROFILE_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (a profile of an older schema? "
+                              f"calibrate again: python train.py stage=calibrate)")
         try:
             fits = {}
             for kind, f in dict(data["fits"]).items():
