@@ -31,11 +31,12 @@ order each round), each round timing ``--steps`` steps per point; a point's time
 median of all its timed steps (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
-chunks, processes and interconnect, from the calibration, and for the load other jobs put on
-the host while the point was measured (``StepSetting.host_load``: the mean over the kept
+chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts (a quiet
+host). Beside it, for the load other jobs put on the host while the point was measured
+(``predicted_loaded_s``, its own figures: ``StepSetting.host_load`` = the mean over the kept
 rounds of :mod:`atp_pipeline.run.hostload`'s foreign load, by
-:func:`~atp_pipeline.planning.steptime.load_slowdown`); the prediction for the quiet host is
-reported beside it (``predicted_quiet_s``, and its own figures).
+:func:`~atp_pipeline.planning.steptime.load_slowdown`; it assumes CPU-bound ranks, so it
+overstates the slowdown of ranks that wait on each other).
 
 **Report** (``--out``): ``<tag>.json`` (meta: the calibration file, its SHA-256 and date, the
 profile's terms; every point predicted vs measured with the prediction's split and the
@@ -306,6 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
     from atp_pipeline.planning.steptime import StepSetting, estimate_step, profile_of
     from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml
+    from atp_pipeline.run.hostload import wait_quiet
 
     try:
         topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
@@ -357,6 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
+        wait_quiet(30.0)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         got = spawn(_worker, w, spec, timeout=3600)[0]
         times, waits = got["times"], got["waits"]
         foreign_load.append({"model": shape.name, "processes": w, "rounds": got["foreign"]})
@@ -364,8 +367,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
-            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c, host_load=load), profile, emulated)
-            quiet = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)
+            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)  # what stage=plan says
+            loaded = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c, host_load=load), profile, emulated)
             key = json.dumps([d1, d2, c, e])
             meas = statistics.median(times[key])
             inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
@@ -375,8 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "in_sample": why, "group": f"{model} {variant} / {w} proc. / {inter}",
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, "predicted_s": est.step_s, "rel_error": rel_error(est.step_s, meas),
-                         "host_load_cores": load, "predicted_quiet_s": quiet.step_s,
-                         "rel_error_quiet": rel_error(quiet.step_s, meas),
+                         "host_load_cores": load, "predicted_loaded_s": loaded.step_s,
+                         "rel_error_loaded": rel_error(loaded.step_s, meas),
                          "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
                          "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
                          "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
@@ -384,9 +387,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
     classes = {c: summarize([r for r in rows if r["class"] == c]) for c in sorted({r["class"] for r in rows})}
-    for c in list(classes):  # the same points against the prediction for a quiet host (no load term)
-        classes[f"{c}, predicted for a quiet host"] = summarize(
-            [{**r, "predicted_s": r["predicted_quiet_s"], "rel_error": r["rel_error_quiet"]}
+    for c in list(classes):  # the same points against the prediction for the load other jobs put on the host
+        classes[f"{c}, predicted for the measured host load"] = summarize(
+            [{**r, "predicted_s": r["predicted_loaded_s"], "rel_error": r["rel_error_loaded"]}
              for r in rows if r["class"] == c])
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
             "contention": {str(k): v for k, v in sorted(profile.contention.items())},

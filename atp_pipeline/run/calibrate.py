@@ -139,8 +139,7 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
     """Run every job (a list of zero-argument calls run back to back) ``passes`` times,
     interleaved, after ``warmup`` untimed runs; returns per job this rank's seconds per run.
     A pass during which other jobs loaded the host is run again (at most ``passes`` more;
-    :func:`atp_pipeline.run.hostload.quiet_rounds`); a kept pass's times are scaled to the
-    quiet host (:func:`atp_pipeline.run.hostload.quiet_seconds`).
+    :func:`atp_pipeline.run.hostload.quiet_rounds`).
 
     All ranks call this with the same jobs. Before each timed batch the whole world passes
     a barrier; the batch repeats the job ``k`` times (``k`` from the slowest rank's
@@ -159,7 +158,7 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
         t = torch.tensor([(time.perf_counter() - t0) / max(1, warmup)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         reps.append(int(min(max_batch, max(1, round(batch_ms * 1e-3 / max(float(t), 1e-9))))))
-    from atp_pipeline.run.hostload import quiet_rounds, quiet_seconds
+    from atp_pipeline.run.hostload import quiet_rounds
 
     order = list(range(len(jobs)))
 
@@ -175,9 +174,8 @@ def timed_batches(rank: int, jobs: Sequence[Any], warmup: int, passes: int, batc
                     call()
             row[j] = (time.perf_counter() - t0) / k
         return row
-    rows, foreign = quiet_rounds(passes, passes, one_pass)  # a pass other jobs loaded the host in is measured again
-    world = dist.get_world_size()  # the kept passes' times as on the quiet host
-    return [[quiet_seconds(row[j], world, f) for row, f in zip(rows, foreign)] for j in range(len(jobs))]
+    rows, _ = quiet_rounds(passes, passes, one_pass)  # a pass other jobs loaded the host in is measured again
+    return [[row[j] for row in rows] for j in range(len(jobs))]
 
 
 def _sweep_worker(rank: int, world: int, spec: SweepSpec) -> List[List[float]]:

@@ -317,7 +317,7 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
         r = torch.tensor([max(1, min(200, int(batch_ms * 1e-3 / dt)))])
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         reps.append(int(r))
-    from atp_pipeline.run.hostload import quiet_rounds, quiet_seconds
+    from atp_pipeline.run.hostload import quiet_rounds
 
     finished = [0]
 
@@ -336,9 +336,7 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
             tick(finished[0])
         return row
     rows, foreign = quiet_rounds(passes, passes, one_pass)  # passes with other jobs' load measured again
-    # the kept passes' times as on the quiet host (what other jobs took of the cores given back)
-    return ([[quiet_seconds(row[i], world, f) for row, f in zip(rows, foreign)] for i in range(len(fns))]
-            + ([foreign] if rank == 0 else []))  # type: ignore[list-item]
+    return [[row[i] for row in rows] for i in range(len(fns))] + ([foreign] if rank == 0 else [])  # type: ignore[list-item]
 
 
 def measure(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float = 10.0,
@@ -589,6 +587,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     import tempfile
     import threading
 
+    from atp_pipeline.run.hostload import wait_quiet
+
     kernels = sweep_kernels(run.quick)
     built = compose_models(probe_entries(run.probes), conf) if run.framework else []
     shapes = [sh for sh, _ in built]
@@ -609,6 +609,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         watcher = threading.Thread(target=poll, daemon=True)
         watcher.start()
         try:
+            if not run.quick:
+                wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
             got = measure(kernels, run.world, run.passes, run.batch_ms, plans=plans,
                           models=[spec for _, spec in built], patterns=patterns, progress=str(tick))
         finally:

@@ -116,6 +116,7 @@ def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
     from atp_pipeline.planning.calibrate import fit_calibration, level_specs, write_report, write_topology
     from atp_pipeline.run import calibrate as coll
     from atp_pipeline.run.calibrate_compute import PROBES, ComputeRun, calibrate_compute, print_profile
+    from atp_pipeline.run.hostload import wait_quiet
 
     topo = Topology.from_config(cfg.topology)
     world = topo.world_size
@@ -139,6 +140,8 @@ def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
     t0 = time.perf_counter()
     with _Bar() as bar:
         bar("collectives (alpha-beta)", 0, 1)
+        if not cal.quick:
+            wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
         res = fit_calibration(coll.measure(spec), topo.name, levels)
         bar("collectives (alpha-beta)", 1, 1)
         calibrated = dict(res.topology)

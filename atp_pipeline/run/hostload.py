@@ -9,10 +9,10 @@ CPU time over the round (``/proc/stat``: user, nice, system, irq, softirq and st
 hypervisor's other guests included) minus the CPU time of the ranks themselves
 (``time.process_time`` of every rank, gathered) is the foreign load, in cores. A round with
 more than :data:`QUIET_CORES` of foreign load is measured again, up to ``retries`` times; what
-each kept round saw is recorded, and the calibration scales a kept round's times to the quiet
-host by the CPU-sharing model :func:`~atp_pipeline.planning.steptime.load_slowdown`
-(:func:`quiet_seconds`); the validation instead predicts for the load its rounds saw. Without
-``/proc/stat`` (not Linux) every round counts as quiet.
+each kept round saw is recorded (the validation also predicts for it,
+:func:`~atp_pipeline.planning.steptime.load_slowdown`). Before a launch the parent waits a
+while for a quiet host (:func:`wait_quiet`). Without ``/proc/stat`` (not Linux) every round
+counts as quiet.
 """
 
 from __future__ import annotations
@@ -56,17 +56,23 @@ class Round:
         return float(verdict)
 
 
+def wait_quiet(max_s: float = 60.0, threshold: float = QUIET_CORES, window_s: float = 2.0) -> float:
+    """Before a launch (from the parent, its own processes idle): wait until the host's busy
+    CPU over a ``window_s`` window is at most ``threshold`` cores, at most ``max_s`` seconds;
+    returns the last window's load (cores)."""
+    t_end = time.perf_counter() + max_s
+    while True:
+        b0, t0 = host_busy_s(), time.perf_counter()
+        time.sleep(window_s)
+        b1 = host_busy_s()
+        load = 0.0 if b0 is None or b1 is None else (b1 - b0) / (time.perf_counter() - t0)
+        if load <= threshold or time.perf_counter() >= t_end:
+            return load
+
+
 def cores() -> int:
     """The host's cores (what other jobs' load is shared out of)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
-
-
-def quiet_seconds(seconds: float, processes: int, foreign: float) -> float:
-    """A time measured on ``processes`` ranks while other jobs used ``foreign`` cores, as on
-    the quiet host (:func:`~atp_pipeline.planning.steptime.load_slowdown`)."""
-    from atp_pipeline.planning.steptime import load_slowdown
-
-    return seconds / load_slowdown(processes, cores(), foreign)
 
 
 def quiet_rounds(wanted: int, retries: int, run_round, threshold: float = QUIET_CORES) -> Tuple[List[object], List[float]]:
