@@ -20,7 +20,10 @@ Packets travel batched, several per datagram (``atp_pipeline.ina.live.frames``).
 Per mode it reports the median step time (forward + backward with gradient sync +
 optimizer step), the median time of one gradient sync of the flat gradient alone, the
 per-worker gradient-sync throughput (gradient bytes / sync time, GB/s) and both relative
-to ring *measured in the same run*. Writes JSON, CSV and a bar chart into ``--out``.
+to ring *measured in the same run*, and the CPU time one sync costs: every rank's process
+(all its threads; gloo's for ring) plus the role processes the mode uses (switches, PS
+shards; each asked for its own) — on a host with fewer cores than processes, a sync cannot take
+less wall time than its CPU time over the cores. Writes JSON, CSV and a bar chart into ``--out``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -79,7 +83,9 @@ def _worker(rank: int, world: int, mcfg: ModelConfig, configs: Dict[str, Aggrega
         models[name] = ddp
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     flat = torch.randn(n_params, generator=g) * 1e-2
-    rows: Dict[str, Dict[str, List[float]]] = {n: {"step": [], "sync": []} for n in syncs}
+    rows: Dict[str, Dict[str, List[float]]] = {n: {"step": [], "sync": [], "cpu": [], "roles_cpu": []} for n in syncs}
+    roles = {n: ([e.control for e in [s.services.switch, *s.services.racks, *s.services.ps]]
+                 if s is not None and rank == 0 else []) for n, s in syncs.items()}
     for rep in range(repeats + 1):  # round 0 warms up
         for name, ddp in models.items():
             dist.barrier()
@@ -91,6 +97,7 @@ def _worker(rank: int, world: int, mcfg: ModelConfig, configs: Dict[str, Aggrega
                 if rep:
                     rows[name]["step"].append(time.perf_counter() - t0)
             dist.barrier()
+            c0, r0 = _cpu_s(), _roles_cpu_s(roles[name])
             for _ in range(steps):  # the flat gradient alone
                 buf = flat.clone()
                 t0 = time.perf_counter()
@@ -100,12 +107,28 @@ def _worker(rank: int, world: int, mcfg: ModelConfig, configs: Dict[str, Aggrega
                     syncs[name].engine.all_reduce(buf)
                 if rep:
                     rows[name]["sync"].append(time.perf_counter() - t0)
+            if rep:  # CPU time per sync: this rank's process (all its threads), rank 0 also the roles'
+                rows[name]["cpu"].append((_cpu_s() - c0) / steps)
+                rows[name]["roles_cpu"].append((_roles_cpu_s(roles[name]) - r0) / steps)
     info = {n: (s.step_metrics(with_roles=rank == 0) if s is not None else {}) for n, s in syncs.items()}
     dist.barrier()
     for s in syncs.values():
         if s is not None:
             s.close()
     return {"n_params": n_params, "rows": rows, "info": info}
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _roles_cpu_s(controls: List[Any]) -> float:
+    """CPU seconds (user + system) the role processes at ``controls`` have used (asked of each)."""
+    from atp_pipeline.ina.live.rpc import call
+
+    return sum(float(call(c, "cpu", what="role")) for c in controls)
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
@@ -129,13 +152,19 @@ def main(argv: Any = None) -> Dict[str, Any]:
     for name in res[0]["rows"]:
         step = statistics.median(v for r in res for v in r["rows"][name]["step"])
         sync = statistics.median(v for r in res for v in r["rows"][name]["sync"])
+        # CPU per sync: the sum over the ranks of each one's median, plus the role processes' (rank 0 reads them)
+        workers_cpu = sum(statistics.median(r["rows"][name]["cpu"]) for r in res)
+        roles_cpu = statistics.median(res[0]["rows"][name]["roles_cpu"])  # (rank 0 asked the roles)
         table.append({"mode": name, "step_ms": 1e3 * step, "sync_ms": 1e3 * sync,
                       "gbps_per_worker": 4 * n / sync / 1e9,
-                      "in_switch_frac": res[0]["info"][name].get("atp_in_switch_frac")})
+                      "in_switch_frac": res[0]["info"][name].get("atp_in_switch_frac"),
+                      "workers_cpu_ms": 1e3 * workers_cpu, "roles_cpu_ms": 1e3 * roles_cpu,
+                      "cpu_ms": 1e3 * (workers_cpu + roles_cpu)})
     ring = table[0]
     for row in table:
         row["step_vs_ring"] = row["step_ms"] / ring["step_ms"]
         row["sync_vs_ring"] = row["sync_ms"] / ring["sync_ms"]
+        row["cpu_vs_ring"] = row["cpu_ms"] / ring["cpu_ms"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"world": a.world, "model": a.model, "params": n, "gradient_bytes": 4 * n, "steps": a.steps,
@@ -165,7 +194,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     for r in table:
         print(f"  {r['mode']:>14}: step {r['step_ms']:7.1f} ms ({r['step_vs_ring']:.2f}x ring), sync "
               f"{r['sync_ms']:7.1f} ms ({r['sync_vs_ring']:.2f}x), {r['gbps_per_worker']:.4f} GB/s per worker"
-              + (f", {100 * r['in_switch_frac']:.1f}% in switch" if r["in_switch_frac"] is not None else ""))
+              + (f", {100 * r['in_switch_frac']:.1f}% in switch" if r["in_switch_frac"] is not None else "")
+              + f"; CPU {r['cpu_ms']:.1f} ms a sync ({r['cpu_vs_ring']:.2f}x; roles {r['roles_cpu_ms']:.1f})")
     print(f"wrote {out}")
     return doc
 
