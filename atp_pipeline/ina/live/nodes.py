@@ -19,7 +19,8 @@ completed sequence) goes straight to that worker: on hardware it would cross the
 whose ② step finds nothing to deallocate for a completed sequence.
 
 Congestion (§5.4): the emulator's queue is its socket's receive buffer. Every few packets
-it reads the buffer's occupancy (``SO_MEMINFO``) and, above ``ecn_threshold`` bytes, marks
+it reads the buffer's occupancy (``SO_MEMINFO``) and, above ``ecn_threshold`` bytes (default
+an eighth of the buffer the kernel granted, at least 256 KiB), marks
 the packets it sends with :func:`~atp_pipeline.ina.switch.ecn_mark` — the same egress
 marking the simulator's links apply — so the workers' AIMD backs off before the buffer
 overflows. Datagrams the kernel drops on a full buffer are counted (``socket_drops``).
@@ -46,6 +47,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -63,9 +65,13 @@ class SwitchNode(Role):
     role = "switch"
 
     def __init__(self, fmt: PacketFormat, n_aggregators: int, loss: float = 0.0, duplicate: float = 0.0,
-                 seed: int = 0, ecn_threshold: int = 256 << 10, **kw: Any) -> None:
+                 seed: int = 0, ecn_threshold: Optional[int] = None, **kw: Any) -> None:
         super().__init__(fmt, **kw)
         self.faults(loss, duplicate, seed)
+        if ecn_threshold is None:  # an eighth of the receive buffer the kernel granted (issue 28: a fixed
+            # 256 KiB is four 64 KiB datagrams, so one window of each of 4 workers was marked nearly
+            # every round and at 2,048 values a packet held the windows at their 16-packet minimum)
+            ecn_threshold = max(256 << 10, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 8)
         self.state = SwitchState(n_aggregators, fmt.payload_k, fmt.bitmap_bits)
         self.routes: Dict[int, Tuple[List[Addr], List[Addr]]] = {}
         self.unroutable = 0
