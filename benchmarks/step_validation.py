@@ -31,12 +31,9 @@ order each round), each round timing ``--steps`` steps per point; a point's time
 median of all its timed steps (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
-chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts (a quiet
-host). Beside it, for the load other jobs put on the host while the point was measured
-(``predicted_loaded_s``, its own figures: ``StepSetting.host_load`` = the mean over the kept
-rounds of :mod:`atp_pipeline.run.hostload`'s foreign load, by
-:func:`~atp_pipeline.planning.steptime.load_slowdown`; it assumes CPU-bound ranks, so it
-overstates the slowdown of ranks that wait on each other).
+chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts. The
+other jobs' load on the host while a point was measured (the mean over its launch's kept
+rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
 
 **Report** (``--out``): ``<tag>.json`` (meta: the calibration file, its SHA-256 and date, the
 profile's terms; every point predicted vs measured with the prediction's split and the
@@ -368,7 +365,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
             est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)  # what stage=plan says
-            loaded = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c, host_load=load), profile, emulated)
             key = json.dumps([d1, d2, c, e])
             meas = statistics.median(times[key])
             inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
@@ -378,8 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "in_sample": why, "group": f"{model} {variant} / {w} proc. / {inter}",
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, "predicted_s": est.step_s, "rel_error": rel_error(est.step_s, meas),
-                         "host_load_cores": load, "predicted_loaded_s": loaded.step_s,
-                         "rel_error_loaded": rel_error(loaded.step_s, meas),
+                         "host_load_cores": load,
                          "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
                          "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
                          "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
@@ -387,10 +382,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
     classes = {c: summarize([r for r in rows if r["class"] == c]) for c in sorted({r["class"] for r in rows})}
-    for c in list(classes):  # the same points against the prediction for the load other jobs put on the host
-        classes[f"{c}, predicted for the measured host load"] = summarize(
-            [{**r, "predicted_s": r["predicted_loaded_s"], "rel_error": r["rel_error_loaded"]}
-             for r in rows if r["class"] == c])
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
             "contention": {str(k): v for k, v in sorted(profile.contention.items())},
             "probes": sorted({p.name for p in profile.probes}),

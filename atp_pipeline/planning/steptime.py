@@ -151,18 +151,6 @@ class SyncFit:
         return self.alpha_s + self.per_compute * compute_since
 
 
-def load_slowdown(processes: int, cores: int, foreign: float) -> float:
-    """How much slower ``processes`` CPU-bound ranks run on ``cores`` cores while other jobs
-    use ``foreign`` cores than on the quiet host: each rank gets ``min(1, cores/P)`` of a core
-    alone and ``min(1, (cores - foreign)/P)`` beside them (the scheduler shares what the other
-    jobs leave; at least a tenth of a core stays). 1 where ``cores`` is unknown (0)."""
-    if cores <= 0 or foreign <= 0:
-        return 1.0
-    quiet = min(1.0, cores / processes)
-    loaded = min(1.0, max(0.1, cores - foreign) / processes)
-    return quiet / loaded
-
-
 @dataclass(frozen=True)
 class Probe:
     """A model the calibration ran whole (forward and backward): its shape's identity
@@ -216,7 +204,7 @@ class ComputeProfile:
     contention: Mapping[int, float] = field(default_factory=dict)
     date: str = ""
     probes: Tuple[Probe, ...] = ()
-    cores: int = 0  # the host's cores (what a measured load is shared out of: :func:`load_slowdown`)
+    cores: int = 0  # the host's cores when calibrated (how many the ``processes`` shared)
 
     def contention_factor(self, processes: int) -> float:
         """The factor of calibrated times with ``processes`` on the host: measured where the
@@ -892,7 +880,6 @@ class StepSetting:
     aggregation: str = "ring"
     world: Optional[Topology] = None  # the topology of all dp replicas (their gradient sync)
     fsdp: bool = False  # parameters, gradients, optimizer state sharded over dp (memory)
-    host_load: float = 0.0  # cores other jobs use on the host meanwhile (0: a quiet host; :func:`load_slowdown`)
 
     def __post_init__(self) -> None:
         if self.chunks < 1 or self.dp < 1:
@@ -935,7 +922,7 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
-    scale = profile.contention_factor(processes) * load_slowdown(processes, profile.cores, setting.host_load)
+    scale = profile.contention_factor(processes)
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, scale)
     tl = _run(prog, clock, profile, shape.bytes_per_element, scale)
     step, compute = tl.now + gradsync_s, tl.compute
@@ -943,7 +930,4 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(processes)
-                        + (f"; other jobs' load {setting.host_load:.2f} of {profile.cores} cores: "
-                           f"x{load_slowdown(processes, profile.cores, setting.host_load):.3f}"
-                           if setting.host_load > 0 else ""))
+                        tl.sync, profile.describe(processes))

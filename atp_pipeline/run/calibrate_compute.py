@@ -498,9 +498,10 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
     names = list(probe_names) or [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
     probes = tuple(Probe(names[mi], shape_key(shapes[mi]), (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len)
                    for mi, d1, d2, c in plans)
-    from atp_pipeline.run.hostload import cores
+    import os
 
-    return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores(),
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+    return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
                           contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
                               "%Y-%m-%dT%H:%M:%SZ"), probes=probes)

@@ -9,9 +9,8 @@ CPU time over the round (``/proc/stat``: user, nice, system, irq, softirq and st
 hypervisor's other guests included) minus the CPU time of the ranks themselves
 (``time.process_time`` of every rank, gathered) is the foreign load, in cores. A round with
 more than :data:`QUIET_CORES` of foreign load is measured again, up to ``retries`` times; what
-each kept round saw is recorded (the validation also predicts for it,
-:func:`~atp_pipeline.planning.steptime.load_slowdown`). Before a launch the parent waits a
-while for a quiet host (:func:`wait_quiet`). Without ``/proc/stat`` (not Linux) every round
+each kept round saw is recorded. Before a launch the parent waits a while for a quiet host
+(:func:`wait_quiet`). Without ``/proc/stat`` (not Linux) every round
 counts as quiet.
 """
 
@@ -68,11 +67,6 @@ def wait_quiet(max_s: float = 60.0, threshold: float = QUIET_CORES, window_s: fl
         load = 0.0 if b0 is None or b1 is None else (b1 - b0) / (time.perf_counter() - t0)
         if load <= threshold or time.perf_counter() >= t_end:
             return load
-
-
-def cores() -> int:
-    """The host's cores (what other jobs' load is shared out of)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
 
 
 def quiet_rounds(wanted: int, retries: int, run_round, threshold: float = QUIET_CORES) -> Tuple[List[object], List[float]]:
