@@ -84,20 +84,20 @@ def test_shape_is_read_from_the_model():
 
 
 def test_unsupported_family_is_one_line():
-    """A mixture-of-experts family (transformers declares its experts ``moe_tp_experts``) is
-    refused in one line that names the model type, the declaration and what to do."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A family whose declared layout ATP does not cover (multi-head latent attention: transformers
+    declares ``mla_kv_a_proj``) is refused in one line that names the model type, the
+    declaration and what to do."""
+    from transformers import AutoModelForCausalLM
 
     from atp_pipeline.models.adapter import find_adapters
+    from benchmarks.hf_coverage import tiny_config
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "mixtral", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_local_experts=2))
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
     (_, adapter, sub), = find_adapters(model)
     with pytest.raises(ConfigError) as err:
         adapter.parallel_plan(sub)
     msg = str(err.value)
-    assert "\n" not in msg and "model_type 'mixtral'" in msg and "moe_tp_experts" in msg and "plan" in msg
+    assert "\n" not in msg and "model_type 'deepseek_v2'" in msg and "mla_kv_a_proj" in msg and "plan" in msg
 
 
 @pytest.mark.parametrize("family, over, message", [

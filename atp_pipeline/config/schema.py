@@ -72,6 +72,13 @@ class SwitchImpl(str, Enum):
     bmv2 = "bmv2"  # BMv2 simple_switch running the compiled p4/v1model/atp.p4 (veth pairs, own netns)
 
 
+class Transport(str, Enum):
+    """How the live SwitchML path moves lanes between processes (``aggregation.transport``)."""
+
+    udp = "udp"  # the lanes in the UDP datagrams (every live mode; the default)
+    shm = "shm"  # headers in UDP datagrams, lanes in shared memory (switchml only; one host)
+
+
 class Stage(str, Enum):
     plan = "plan"  # compose -> plan -> report (no process is started)
     fit = "fit"  # compose -> plan -> build -> fit -> report
@@ -264,11 +271,12 @@ class AggregationConfig:
 
     ``racks`` (``atp`` only) splits the workers into that many racks, each behind a first-level
     switch, all feeding the second-level switch at the PS's rack (ATP §4.1 two-level
-    aggregation). ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
+    aggregation). ``transport=shm`` (``switchml`` only) keeps the lanes in shared memory and sends
+    only the headers as datagrams (``atp_pipeline.ina.live.shm``). ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
     §6): a static partition of ``pool`` slots × 2 versions at one switch that is itself the
     aggregation endpoint (no PS), per-packet shared exponents, per-slot timeouts ``rto_s``.
     Knobs of one mode given to another are refused (``racks``, ``aggregators``, ``n_ps``,
-    ``duplicate``, ``switch``, ``switch_impl`` are ATP's; ``pool`` is SwitchML's).
+    ``duplicate``, ``switch``, ``switch_impl`` are ATP's; ``pool`` and ``transport`` are SwitchML's).
     """
 
     mode: AggregationMode = AggregationMode.ring
@@ -285,6 +293,7 @@ class AggregationConfig:
     p4_program: Optional[str] = None  # switch_impl=bmv2: v1model source (default: <checkout>/p4/v1model/atp.p4)
     racks: int = 1  # atp: first-level switches (racks of workers); > 1: two-level aggregation (§4.1)
     pool: int = 64  # switchml: slots of the job's static partition (2 versions each)
+    transport: Transport = Transport.udp  # switchml: lanes in the datagrams, or in shared memory (one host)
 
 
 @dataclass

@@ -50,6 +50,7 @@ SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_re
               Field("pad", 5), Field("worker", 8), Field("off", 24), Field("exp", 8))
 MAX_ITEMS = 1 << 24  # stream items (chunks + one exponent-only packet per slot) of one tensor
 SML_HEADER_BYTES = sum(f.bits for f in SML_FIELDS) // 8
+SHM_FLAG = 0x10  # flags bit: the lanes are in the sender's shared memory (SMLFormat(shm=True))
 F32_SHIFTS = (-126, 127)  # 2^s is a normal float32: a float32 chunk is scaled in float32, exactly
 
 
@@ -69,11 +70,14 @@ class SMLPacket:
 class SMLSwitchJob:
     """One job's static partition on the switch: ``pool`` slots × 2 versions."""
 
-    def __init__(self, job: int, n_workers: int, pool: int, k: int, mcast: int, worker_hosts: List[int]) -> None:
+    def __init__(self, job: int, n_workers: int, pool: int, k: int, mcast: int, worker_hosts: List[int],
+                 values: Optional[np.ndarray] = None) -> None:
         self.job, self.W, self.pool, self.k = job, n_workers, pool, k
         self.mcast = mcast
         self.hosts = worker_hosts
-        self.values = np.zeros((2, pool, k), dtype=np.int32)
+        #: the slots' sums, version-major; ``values``: an int32 array of that shape to keep them in
+        #: (the shared-memory transport's, which the workers read the results from)
+        self.values = np.zeros((2, pool, k), dtype=np.int32) if values is None else values
         self.count = np.zeros((2, pool), dtype=np.int64).tolist()
         self.seen = [[0] * pool, [0] * pool]  # bitmaps per version
         self.exp = [[0] * pool, [0] * pool]  # max of the contributions' exponents per version
@@ -247,19 +251,39 @@ class SMLFloatWorker(SMLWorker):
     its slot quantizes it), so chunk ``c`` is quantized with the exponent returned with
     item ``c``'s result."""
 
-    def __init__(self, job: int, wid: int, n_workers: int, pool: int, k: int, rto: float) -> None:
+    def __init__(self, job: int, wid: int, n_workers: int, pool: int, k: int, rto: float,
+                 lanes: Optional[np.ndarray] = None, results: Optional[np.ndarray] = None) -> None:
+        """``lanes``/``results`` (both or neither): the shared-memory transport's int32 arrays of
+        shape ``(2, pool, k)`` — this worker's, where it quantizes the chunk it sends through
+        slot ``s`` in version ``v`` (``lanes[v, s]``), and the switch's job registers, where it
+        reads a result. A slot-version is rewritten only after every worker has read the result
+        it held: a worker sends the slot's next chunk (the other version) only once it has that
+        result, and the version after that needs every worker's contribution to the other one —
+        SwitchML's shadow copy is what makes the sharing safe."""
         super().__init__(job, wid, wid, None, pool, k, rto)
         self.bits = int(math.floor(math.log2(lane_limit(n_workers))))  # B: 2^B ≤ Q(W)
-        self.fmt = SMLFormat(k)
+        if (lanes is None) != (results is None):
+            raise ValueError("the shared-memory transport needs both the worker's lanes and the switch's results")
+        for a in (lanes, results):
+            if a is not None and (a.shape != (2, pool, k) or a.dtype != np.int32):
+                raise ValueError(f"shared-memory lanes must be int32 of shape (2, {pool}, {k}), got {a.dtype} {a.shape}")
+        self.lanes, self.results = lanes, results
+        self.fmt = SMLFormat(k, shm=lanes is not None)
         self.malformed = 0
 
     def on_bytes(self, buf: bytes, now: float) -> List[SMLPacket]:
-        """A received datagram's packet (decoded; malformed ones counted and dropped)."""
+        """A received datagram's packet (decoded; malformed ones counted and dropped; a result
+        whose lanes are in shared memory gets them from the switch's registers)."""
         try:
             p = self.fmt.decode(buf)
         except DecodeError:
             self.malformed += 1
             return []
+        if p.payload is None:
+            if self.results is None or not 0 <= p.slot < self.pool:
+                self.malformed += 1
+                return []
+            p.payload = self.results[p.ver, p.slot]
         return self.on_packet(p, now)
 
     def start_float(self, x: np.ndarray, now: float) -> List[SMLPacket]:
@@ -309,7 +333,13 @@ class SMLFloatWorker(SMLWorker):
             if not F32_SHIFTS[0] <= sh <= F32_SHIFTS[1]:  # 2^sh is no float32 (normal): in float64
                 xc = xc.astype(np.float64)
             q = xc * xc.dtype.type(2.0 ** sh)
-            self.chunks[item] = np.rint(q, out=q).astype(self.fmt.wire_dtype)
+            np.rint(q, out=q)
+            if self.lanes is None:
+                self.chunks[item] = q.astype(self.fmt.wire_dtype)
+            else:  # into this worker's shared lanes of the slot's next version (SMLWorker._send flips it)
+                dst = self.lanes[self.uses[slot] & 1, slot]
+                dst[...] = q  # |q| < 2^B: exact in int32
+                self.chunks[item] = dst
         p = super()._send(slot, item, now, resend)
         p.exp = self.local_exp[item] if item < self.n_chunks else 0
         return p
@@ -332,8 +362,12 @@ class SMLFormat:
 
     _HDR = struct.Struct(">HHBBI")  # ... worker, then off (24 bits) and exp (8) in one word
 
-    def __init__(self, payload_k: int) -> None:
+    def __init__(self, payload_k: int, shm: bool = False) -> None:
         self.payload_k = int(payload_k)
+        #: the shared-memory transport (``aggregation.transport=shm``): a packet with lanes travels
+        #: as its header with :data:`SHM_FLAG` set, its lanes stay in the sender's shared memory
+        #: (decoded with ``payload=None``: the receiver attaches them, :class:`SMLFloatWorker`)
+        self.shm = bool(shm)
         self.header_bytes = self._HDR.size
         assert self.header_bytes == SML_HEADER_BYTES
         self.atp_bytes = self.header_bytes + 4 * self.payload_k  # the largest packet (a full one)
@@ -347,8 +381,10 @@ class SMLFormat:
 
     def encode(self, p: SMLPacket) -> bytes:
         empty = p.payload.size == 0
-        h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5, p.worker, p.off << 8 | p.exp)
-        return h if empty else h + p.payload.astype(self._dtype, copy=False).tobytes()
+        shm = SHM_FLAG if self.shm and not empty else 0
+        h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5 | shm, p.worker,
+                           p.off << 8 | p.exp)
+        return h if empty or shm else h + p.payload.astype(self._dtype, copy=False).tobytes()
 
     def decode(self, buf: bytes) -> SMLPacket:
         hb = self.header_bytes
@@ -356,12 +392,12 @@ class SMLFormat:
             raise DecodeError(f"truncated SwitchML packet: {len(buf)} bytes")
         job, slot, flags, worker, word = self._HDR.unpack_from(buf)
         off, exp = word >> 8, word & 0xFF
-        empty = flags >> 5 & 1
-        if flags & 0x1F or len(buf) != (hb if empty else self.atp_bytes):
+        empty, shm = flags >> 5 & 1, flags & SHM_FLAG
+        if flags & 0x0F or (shm and (empty or not self.shm)) or len(buf) != (hb if empty or shm else self.atp_bytes):
             raise DecodeError(f"malformed SwitchML packet ({len(buf)} bytes, flags {flags:#x})")
         p = SMLPacket.__new__(SMLPacket)
         p.job, p.slot, p.ver, p.is_result, p.worker, p.off, p.exp = job, slot, flags >> 7, flags >> 6 & 1, worker, off, exp
-        p.payload = _EMPTY if empty else np.frombuffer(buf, dtype=self._dtype, offset=hb).astype(np.int32)
+        p.payload = _EMPTY if empty else None if shm else np.frombuffer(buf, dtype=self._dtype, offset=hb).astype(np.int32)
         p.src = p.dst = -1
         p.size, p.ecn, p.is_param = len(buf) + L2L4_OVERHEAD_BYTES, 0, 0
         return p
@@ -373,7 +409,7 @@ class SMLFormat:
         mv = memoryview(buf)
         o = 0
         while o < n:
-            size = hb if o + 4 < n and buf[o + 4] >> 5 & 1 else full
+            size = hb if o + 4 < n and buf[o + 4] & (0x20 | SHM_FLAG) else full  # exponent-only or lanes in shm
             out.append(mv[o:o + size])  # type: ignore[arg-type]
             o += size
         return out

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.parallel.linear import GROUPED, ATPLinear, group_rows, shard_index, ungroup_rows
+from atp_pipeline.parallel.linear import GROUPED, ATPLinear, shard_index, ungroup_rows
 from atp_pipeline.parallel.mesh import full_tensor
 
 # name -> the stored tensor, sliceable (``t[a:b, c:d]``), or None if the checkpoint lacks it
@@ -45,7 +45,7 @@ def dense_tensors(root: nn.Module, grad: bool = False) -> Dict[str, torch.Tensor
                     out[prefix + key] = t
             continue
         for key, t, is_param in _own_tensors(module):
-            grouped = getattr(t, GROUPED, None)  # (dim, parts): rows stored grouped by rank block
+            grouped = getattr(module, GROUPED, {}).get(key)  # (dim, parts): rows stored grouped by rank block
             if grad:
                 if not is_param or t.grad is None:
                     continue
@@ -66,6 +66,22 @@ def _blocks(t: DTensor, dim: int) -> int:
         if isinstance(p, Shard) and p.dim == dim:
             n *= t.device_mesh.size(i)
     return n
+
+
+def _grouped_block(stored: Any, t: DTensor, dim: int, parts: int) -> torch.Tensor:
+    """This rank's block of ``t``, whose rows along ``dim`` are stored grouped
+    (:func:`~atp_pipeline.parallel.linear.group_rows`), read from the dense ``stored`` tensor:
+    its part of each of the ``parts`` segments, each read as one slice."""
+    index = list(shard_index(t.shape, t.device_mesh, t.placements))
+    n, rows = _blocks(t, dim), t.shape[dim]
+    per = rows // (parts * n)  # rows of one segment in one block
+    block = index[dim].start // (rows // n)
+    pieces = []
+    for p in range(parts):
+        start = p * (rows // parts) + block * per
+        index[dim] = slice(start, start + per)
+        pieces.append(torch.as_tensor(stored[tuple(index)]))
+    return torch.cat(pieces, dim=dim)
 
 
 def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = lambda name: False) -> int:
@@ -91,11 +107,9 @@ def load_dense(root: nn.Module, read: Reader, optional: Callable[[str], bool] = 
                     missing.append(prefix + key)
                 continue
             with torch.no_grad():
-                grouped = getattr(t, GROUPED, None)
-                if isinstance(t, DTensor) and grouped is not None:  # the whole tensor, grouped, then this rank's block
-                    whole = group_rows(torch.as_tensor(stored[tuple(slice(0, n) for n in t.shape)]), grouped[1],
-                                       _blocks(t, grouped[0]), dim=grouped[0])
-                    t.to_local().copy_(whole[shard_index(t.shape, t.device_mesh, t.placements)])
+                grouped = getattr(module, GROUPED, {}).get(key)
+                if isinstance(t, DTensor) and grouped is not None:
+                    t.to_local().copy_(_grouped_block(stored, t, *grouped))
                 elif isinstance(t, DTensor):
                     t.to_local().copy_(stored[shard_index(t.shape, t.device_mesh, t.placements)])
                 else:

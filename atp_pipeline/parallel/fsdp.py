@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm
+from atp_pipeline.parallel.linear import GROUPED
 from atp_pipeline.parallel.mesh import Axis
 
 ROOT_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -65,6 +66,9 @@ def fsdp_infeasibility(root: nn.Module, mesh: Optional[DeviceMesh] = None) -> Op
         if axis:  # FSDP re-creates the parameters: the hooks summing their gradients would be lost
             return (f"'{name}' keeps its parameters whole with their gradients summed over {axis} by hooks "
                     f"(per-head norms), which FSDP's sharded parameters would drop")
+        if getattr(module, GROUPED, None):  # FSDP re-creates the parameters in its own layout
+            return (f"'{name}' stores parameters with rows grouped by rank (packed experts), a layout FSDP's "
+                    f"sharded parameters would drop")
     for name, p in root.named_parameters():
         if isinstance(p, DTensor):
             pnames = set(p.device_mesh.mesh_dim_names or ())

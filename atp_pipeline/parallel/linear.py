@@ -59,7 +59,7 @@ def as_linear(module: nn.Module) -> LinearView:
     return int(w.shape[1]), int(w.shape[0]), w, module.bias
 
 
-GROUPED = "atp_grouped"  # attribute of a DTensor parameter stored with grouped rows: (dim, parts)
+GROUPED = "atp_grouped"  # attribute of a module: {parameter name: (dim, parts)} stored with grouped rows
 
 
 def group_rows(w: torch.Tensor, parts: int, n: int, dim: int = 0) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, keep_freed_memory, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
+from atp_pipeline.ina.live.shm import lanes_of, release
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.quant import safe_scales
 from atp_pipeline.ina.worker import Worker, WorkerConfig
@@ -66,6 +67,9 @@ class EngineConfig:
     max_rescale: int = 6
     worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(rto=0.05, max_window_bytes=2e6))
     pool: int = 64  # SwitchML: slots of the job's partition (:class:`SMLEngine`)
+    #: SwitchML's shared-memory transport (:mod:`.shm`): this worker's lane segment and the
+    #: switch's register segment (the engine releases both at :meth:`Engine.close`)
+    shm: Optional[Tuple[Any, Any]] = None
 
 
 @dataclass
@@ -146,6 +150,11 @@ class Engine:
             self.sock.close()
         except OSError:
             pass
+        if self.cfg.shm is not None:  # the worker's arrays over the segments go first
+            self.worker = None
+            own, peer = self.cfg.shm
+            release(peer, unlink=False)
+            release(own, unlink=True)
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
@@ -329,8 +338,11 @@ class SMLEngine(Engine):
     def _new_worker(self) -> Any:
         from atp_pipeline.ina.switchml import SMLFloatWorker
 
+        lanes = results = None
+        if self.cfg.shm is not None:  # the shared-memory transport (:mod:`.shm`)
+            lanes, results = (lanes_of(s, self.cfg.pool, self.fmt.payload_k) for s in self.cfg.shm)
         return SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
-                              max(self.cfg.worker.rto, INITIAL_RTO_S))
+                              max(self.cfg.worker.rto, INITIAL_RTO_S), lanes=lanes, results=results)
 
     def _sum(self, x: np.ndarray) -> np.ndarray:
         """The sum over the job's workers: ``Σq · 2^(e−B)`` per chunk (exact integer sums)."""

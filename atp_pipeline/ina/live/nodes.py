@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
+from atp_pipeline.ina.live.shm import SharedLanes
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
 from atp_pipeline.ina.switchml import SMLFormat, SMLSwitch, SMLSwitchJob
@@ -186,9 +187,16 @@ class SMLSwitchNode(Role):
         self.job_packets: Dict[int, int] = {}
         self.removed: Dict[int, int] = {}  # job -> slots freed at teardown
         self.finished: Dict[int, Dict[str, int]] = {}
+        self.shm: Dict[int, SharedLanes] = {}  # job -> its segments (shared-memory transport)
 
     def info(self) -> Dict[str, Any]:
-        return {**super().info(), "protocol": "switchml"}
+        return {**super().info(), "protocol": "switchml", "transport": "shm" if self.fmt.shm else "udp"}
+
+    def close(self) -> None:
+        """Unlink the segments of jobs still installed."""
+        for seg in self.shm.values():
+            seg.close()
+        self.shm.clear()
 
     def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
         if not self.copies():
@@ -198,6 +206,12 @@ class SMLSwitchNode(Role):
         except DecodeError:
             self.malformed += 1
             return
+        if p.payload is None:  # shared-memory transport: the lanes are in the sender's segment
+            seg = self.shm.get(p.job)
+            if seg is None or not 0 <= p.worker < len(seg.lanes) or not 0 <= p.slot < seg.pool:
+                self.malformed += 1
+                return
+            p.payload = seg.lanes[p.worker][p.ver, p.slot]
         self.job_packets[p.job] = self.job_packets.get(p.job, 0) + 1
         for q in self.sml(p, None):
             workers = self.routes[q.job]
@@ -208,23 +222,44 @@ class SMLSwitchNode(Role):
                 for a in workers:
                     self.outbox.put(data, a)
 
-    def op_add_job(self, up: List[Any], down: List[List[Any]], job: Optional[int] = None, pool: int = 64) -> int:
-        """Install a job: its static partition (``pool`` slots × 2 versions) and multicast group."""
+    def op_add_job(self, up: List[Any], down: List[List[Any]], job: Optional[int] = None, pool: int = 64,
+                   shm: Optional[List[str]] = None) -> int:
+        """Install a job: its static partition (``pool`` slots × 2 versions) and multicast group;
+        ``shm`` (the shared-memory transport): the workers' lane segments, worker-id order — the
+        partition's registers then live in a segment of this switch's (:meth:`op_shm`)."""
         if job is None:
             job = next(j for j in range(1, 1 << 16) if j not in self.routes)
         elif job in self.routes:
             raise ValueError(f"job {job} is already installed on this switch")
         if not 1 <= pool <= 1 << 16 or not 1 <= len(down) <= 255:
             raise ValueError(f"SwitchML job: pool={pool} must be 1..65536 and workers {len(down)} 1..255")
+        if (shm is not None) != self.fmt.shm or (shm is not None and len(shm) != len(down)):
+            raise ValueError("this switch's transport is " + ("shm: one lane segment per worker needed"
+                                                              if self.fmt.shm else "udp: no lane segments"))
+        values = None
+        if shm is not None:
+            seg = self.shm[job] = SharedLanes(shm, pool, self.fmt.payload_k)
+            values = seg.registers
         self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
-        self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))))
+        self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))),
+                                          values=values)
         return job
+
+    def op_shm(self, job: int) -> str:
+        """The name of the shared-memory segment holding job ``job``'s registers (``(2, pool, K)``
+        int32), where its workers read the results."""
+        return self.shm[job].name
 
     def op_remove_job(self, job: int) -> int:
         """Teardown: the job's partition is freed. Returns 0: a static partition holds no
         per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
         js = self.sml.jobs.pop(job, None)
+        seg = self.shm.pop(job, None)
+        if seg is not None:
+            if js is not None:
+                js.values = js.values.copy()  # (its counters stay readable; the segment goes)
+            seg.close()
         if js is None:
             return 0
         self.finished[job] = dict(js.stats)
@@ -323,6 +358,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--die-with-parent", action="store_true")
     ap.add_argument("--protocol", choices=("atp", "switchml"), default="atp",
                     help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml.py)")
+    ap.add_argument("--transport", choices=("udp", "shm"), default="udp",
+                    help="switch --protocol switchml: lanes in the datagrams (udp) or in shared memory (shm)")
     ap.add_argument("--impl", choices=("python", "bmv2"), default="python",
                     help="switch: the emulator (python) or BMv2 running the compiled P4 program (bmv2)")
     ap.add_argument("--p4", default="p4/v1model/atp.p4", help="switch --impl bmv2: the v1model program")
@@ -344,7 +381,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             elif a.protocol == "switchml":
                 if a.impl != "python" or a.duplicate:
                     raise ValueError("SwitchML runs on the emulator only and injects loss only")
-                node = SMLSwitchNode(SMLFormat(a.payload_k), a.loss, a.seed, **common)
+                node = SMLSwitchNode(SMLFormat(a.payload_k, shm=a.transport == "shm"), a.loss, a.seed, **common)
+            elif a.transport != "udp":
+                raise ValueError("--transport shm is SwitchML's (--protocol switchml)")
             elif a.impl == "bmv2":
                 node = _bmv2_node(a, fmt, common)
             else:

@@ -71,8 +71,8 @@ class Services:
         try:
             aggs = cfg.aggregators if cfg.mode == "atp" else 0  # ps: every packet to the PS
             impl = ["--impl", "bmv2", "--p4", p4_program(cfg)] if cfg.switch_impl == SwitchImpl.bmv2 else []
-            proto = ["--protocol", "switchml"] if sml else ["--aggregators", str(aggs), "--duplicate",
-                                                            str(cfg.duplicate), *impl]
+            proto = ["--protocol", "switchml", "--transport", getattr(cfg.transport, "value", str(cfg.transport))
+                     ] if sml else ["--aggregators", str(aggs), "--duplicate", str(cfg.duplicate), *impl]
             for i in range(n_switches):  # loss injected at every switch's ingress, each its own seed
                 procs.append(_launch(["switch", *proto, "--loss", str(cfg.loss), "--seed", str(cfg.seed + 7919 * i)],
                                      cfg.payload_k))
@@ -174,13 +174,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None, pool: int = 0) -> int:
+def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None, pool: int = 0,
+            shm: Optional[Sequence[str]] = None) -> int:
     """Install one ATP job (its workers' UDP addresses in worker-id order); its id. With racks,
     the second-level switch picks the id and every rack switch gets the same (§5.1).
-    ``pool > 0``: a SwitchML job, its static partition of ``pool`` slots at the switch."""
+    ``pool > 0``: a SwitchML job, its static partition of ``pool`` slots at the switch; ``shm``:
+    its workers' lane segments (the shared-memory transport, :mod:`.shm`)."""
     if pool:
         return int(call(svc.switch.control, "add_job", what="switch", up=[], down=[list(a) for a in workers],
-                        job=job, pool=pool))
+                        job=job, pool=pool, **({"shm": list(shm)} if shm is not None else {})))
     ps_data = [list(e.data) for e in svc.ps]
     R = len(svc.racks)
     if R and len(workers) % R:

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.rpc import AggregationError, call
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
 from atp_pipeline.ina.live.services import Services, add_job, remove_job
 from atp_pipeline.ina.live.role import udp_socket
+from atp_pipeline.ina.live.shm import attach, create_lanes, release
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.switchml import SMLFormat
 from atp_pipeline.ina.worker import WorkerConfig
@@ -75,32 +76,37 @@ class ATPSync:
             raise AggregationError(f"the ATP roles use {services.payload_k} values per packet, "
                                    f"the run asks for {cfg.payload_k}")
         sml = cfg.mode == AggregationMode.switchml
+        shm = sml and cfg.transport == Transport.shm
         sock = udp_socket()
+        lanes = create_lanes(cfg.pool, cfg.payload_k) if shm else None  # this worker's lane segment
         members: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(members, (sock.getsockname(), world_rank), group=group)
+        dist.all_gather_object(members, (sock.getsockname(), world_rank, lanes[0].name if lanes else None),
+                               group=group)
         addrs = [tuple(m[0]) for m in members]
         ranks = [m[1] for m in members]
         me = dist.get_rank(group)
-        jbox: List[Any] = [None]
+        jbox: List[Any] = [None, None]
         if me == 0:
             try:
-                jbox = [add_job(services, addrs, pool=cfg.pool if sml else 0)]
+                job = add_job(services, addrs, pool=cfg.pool if sml else 0, shm=[m[2] for m in members] if shm else None)
+                jbox = [job, call(services.switch.control, "shm", what="switch", job=job) if shm else None]
             except AggregationError as e:
-                jbox = [f"error: {e}"]
+                jbox = [f"error: {e}", None]
         dist.broadcast_object_list(jbox, src=ranks[0], group=group)
         if isinstance(jbox[0], str):
+            release(lanes[0] if lanes else None, unlink=True)
             raise AggregationError(jbox[0][len("error: "):])
         jobs: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(jobs, jbox[0])
         entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
-        fmt, kind = (SMLFormat(cfg.payload_k), SMLEngine) if sml else (PacketFormat(cfg.payload_k, views=True), Engine)
+        fmt, kind = (SMLFormat(cfg.payload_k, shm=shm), SMLEngine) if sml else (PacketFormat(cfg.payload_k, views=True), Engine)
         # §5.4's window grows by one MTU per ACK in slow start: one packet on hardware, where a
         # packet fills at most an MTU; a live packet may be one 64 KiB loopback datagram, so its
         # window grows by at least a packet per ACK too (1,500 bytes made a window of 8 KiB packets
         # take dozens of round trips to open, and a 68-packet sync several windows: issue 28)
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
                             worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6, mtu=max(1500, fmt.wire_bytes)),
-                            pool=cfg.pool)
+                            pool=cfg.pool, shm=(lanes[0], attach(jbox[1])) if lanes else None)
         engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
                         entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
                         ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))

@@ -105,7 +105,7 @@ class HFExperts(ParallelStyle):
         # tp mesh placements (d1, d2): up projection out over d1, in over d2; down projection
         # in (the intermediate) over d1, out (the hidden) over d2
         new1 = sharded_parameter(w1_grouped, ctx.mesh, [Shard(out_dim), Shard(in_dim)])
-        setattr(new1, GROUPED, (out_dim, parts))
+        setattr(module, GROUPED, {first: (out_dim, parts)})  # on the module: materializing re-creates parameters
         new2 = sharded_parameter(w2.detach(), ctx.mesh, [Shard(in_dim), Shard(out_dim)])
         setattr(module, first, new1)
         module.down_proj = new2

@@ -32,6 +32,9 @@ def sbp_linears(module: nn.Module, plan: Mapping[str, Any], shape: ModelShape) -
     module docstring); one-line :class:`ConfigError` when they are not the chain of ``shape``."""
     from atp_pipeline.models.hf.attention import HFAttention
 
+    if shape.moe is not None:
+        raise ConfigError(f"transformers model '{type(module).__name__}': routed experts (a mixture of experts) are "
+                          f"outside the SBP layer chain (AutoDDL §4.5); use planner=atp")
     names = dict(module.named_modules())
     head = next((n for n, m in names.items() if m is module.get_output_embeddings()), None)
     out: Dict[str, str] = {}

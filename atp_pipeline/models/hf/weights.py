@@ -29,7 +29,8 @@ def safetensors_reader(path: str, model: nn.Module) -> Callable[[str], Optional[
     parameter names of ``model``: checkpoint keys are renamed as transformers' own loading
     renames them (its per-family ``WeightRenaming``s, e.g. GPT-NeoX's ``embed_out`` ->
     ``lm_head``); a key saved without the base model's prefix is found too. A checkpoint
-    needing a conversion other than a renaming (fused or split tensors) is refused."""
+    needing a conversion other than a renaming (experts saved one by one) is loaded whole by
+    transformers instead (:func:`_converted_reader`)."""
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
@@ -50,8 +51,7 @@ def safetensors_reader(path: str, model: nn.Module) -> Callable[[str], Optional[
     stored: Dict[str, str] = {}
     for key in files:
         if apply_converters(key, converters)[1] is not None:
-            raise ConfigError(f"model.pretrained={path}: '{key}' needs transformers' conversion (not a renaming), "
-                              f"which ATP's shard-wise loading does not do; load the model with from_pretrained")
+            return _converted_reader(path, model)
         stored[apply_renamings(key, renamings)] = key
     prefix = getattr(model, "base_model_prefix", "")
     handles: Dict[Path, Any] = {}
@@ -67,6 +67,26 @@ def safetensors_reader(path: str, model: nn.Module) -> Callable[[str], Optional[
         return None
 
     return read
+
+
+def _converted_reader(path: str, model: nn.Module) -> Callable[[str], Optional[Any]]:
+    """A checkpoint whose tensors transformers converts on loading (not just renames: a mixture
+    of experts saved one expert at a time, fused into 3-D tensors in memory): loaded whole by
+    transformers' own ``from_pretrained`` on this rank (on the CPU, in the model's dtype), then
+    read by name — every rank reads the whole checkpoint, not only its blocks."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        dense = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise ConfigError(f"model.pretrained={path}: transformers could not load it: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if type(dense) is not type(model):
+        raise ConfigError(f"model.pretrained={path}: transformers loads a {type(dense).__name__}, not the "
+                          f"{type(model).__name__} being laid out")
+    state = dense.state_dict()
+    return lambda name: state.get(name)
 
 
 def export_pretrained(model: nn.Module, out_dir: str) -> Optional[Path]:
