@@ -48,6 +48,7 @@ and source, which every prediction quotes. Written to ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import platform
 import statistics
@@ -612,8 +613,9 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         try:
             if not run.quick:
                 wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
-            got = measure(kernels, run.world, run.passes, run.batch_ms, plans=plans,
-                          models=[spec for _, spec in built], patterns=patterns, progress=str(tick))
+            got, foreign = measure_with_load(kernels, run.world, run.passes, run.batch_ms, plans=plans,
+                                             models=[spec for _, spec in built], patterns=patterns,
+                                             progress=str(tick))
         finally:
             done.set()
             watcher.join()
@@ -625,8 +627,10 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         if progress is not None:
             progress("contention", 1, 1)
     nk, npl = len(kernels), len(plans)
-    return make_profile(name, kernels, got[:nk], run.world, shapes, plans, got[nk:nk + npl], topo, patterns,
-                        got[nk + npl:], contention, list(run.probes) if run.framework else ())
+    profile = make_profile(name, kernels, got[:nk], run.world, shapes, plans, got[nk:nk + npl], topo, patterns,
+                           got[nk + npl:], contention, list(run.probes) if run.framework else ())
+    load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
+    return dataclasses.replace(profile, source=profile.source + load)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
