@@ -13,7 +13,9 @@ noise hits every mode alike:
   speed: fewer Python-level packet events per byte, at the price of datagrams far larger
   than an Ethernet MTU);
 * ``atp2-K`` (``--modes`` has ``atp2``): the same with two racks, two-level aggregation (§4.1);
-* ``switchml-K`` (``--modes`` has ``switchml``): SwitchML live (``--pool`` slots).
+* ``switchml-K`` (``--modes`` has ``switchml``): SwitchML live (``--pool`` slots);
+* ``switchml_shm-K`` (``--modes`` has ``switchml_shm``): the same with the shared-memory
+  transport (headers as UDP datagrams, lanes in shared memory: ``atp_pipeline.ina.live.shm``).
 
 Packets travel batched, several per datagram (``atp_pipeline.ina.live.frames``).
 
@@ -40,7 +42,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode, ModelConfig
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, ModelConfig, Transport
 from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.launch import spawn
 from benchmarks.tp_step import CONF, load_model
@@ -57,8 +59,11 @@ def _configs(modes: List[str], payloads: List[int], pool: int) -> Dict[str, Aggr
                 out[f"atp2-{k}"] = AggregationConfig(mode=AggregationMode.atp, payload_k=k, racks=2)
             elif m == "switchml":
                 out[f"switchml-{k}"] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool)
+            elif m == "switchml_shm":
+                out[f"switchml_shm-{k}"] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool,
+                                                             transport=Transport.shm)
             else:
-                raise SystemExit(f"--modes: unknown mode {m!r} (atp, atp2, switchml)")
+                raise SystemExit(f"--modes: unknown mode {m!r} (atp, atp2, switchml, switchml_shm)")
     return out
 
 
@@ -136,7 +141,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--payloads", default="62,2048", help="values per packet, comma-separated")
-    ap.add_argument("--modes", default="atp", help="live modes measured beside ring: atp, atp2, switchml")
+    ap.add_argument("--modes", default="atp", help="live modes measured beside ring: atp, atp2, switchml, switchml_shm")
     ap.add_argument("--pool", type=int, default=AggregationConfig().pool, help="switchml: slots")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)

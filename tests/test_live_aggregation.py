@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.live import bmv2_node
 from atp_pipeline.ina.live.services import Services
@@ -126,6 +126,7 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
     dist.all_gather_object(xs, x.numpy())
     out: Dict[str, Any] = {"exact": exact, "xmax": xmax.item()}
     runs = {"sml_lossy": (dict(mode=AggregationMode.switchml, pool=8, loss=0.02), 1),
+            "sml_shm_lossy": (dict(mode=AggregationMode.switchml, pool=8, loss=0.02, transport=Transport.shm), 1),
             "atp2": (dict(mode=AggregationMode.atp, racks=2), 2), "atp2_lossy": (dict(mode=AggregationMode.atp,
                                                                                        racks=2, loss=0.02), 2)}
     for key, (kw, rounds) in runs.items():
@@ -135,9 +136,13 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
         out[key] = [eng.all_reduce(x.clone()) for _ in range(rounds)]
         w = eng.worker
         if key.startswith("sml"):
-            mine, got = np.stack(w.chunks[w.P:]), w.result_q
             ref = _run(xs, pool=8, k=256, loss=0.0, seed=0, rounds=1)[0][0].result_float
             out[key + "_core"] = np.array_equal(ref, out[key][-1].numpy())
+            if "shm" in key:  # its lanes were rewritten slot-version by slot-version: the check is that
+                segs = [eng.cfg.shm[0].name, eng.cfg.shm[1].name]  # its results are the UDP run's bits
+                mine = got = np.zeros(1, dtype=np.int32)
+            else:
+                mine, got = np.stack(w.chunks[w.P:]), w.result_q
         else:
             got = w.result  # a row of K lanes per packet; the engine's scale is one per packet
             padded = np.zeros(got.size)
@@ -145,7 +150,8 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
             mine = quantize_mask(padded.reshape(got.shape), eng.last_scale, world)[0]
         total = torch.from_numpy(mine.astype(np.int64).reshape(got.shape))
         dist.all_reduce(total)
-        out[key + "_int_exact"] = torch.equal(total, torch.from_numpy(got.astype(np.int64)))
+        out[key + "_int_exact"] = (torch.equal(total, torch.from_numpy(got.astype(np.int64))) if "shm" not in key
+                                   else torch.equal(out[key][-1], out["sml_lossy"][-1]))
         out[key + "_metrics"] = sync.step_metrics(with_roles=rank == 0)
         dist.barrier()
         if rank == 0:
@@ -154,6 +160,9 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
                                                                  *sync.services.ps]]
         dist.barrier()
         sync.close()
+        if "shm" in key:  # the workers' segments and the switch's are unlinked (once rank 0 tore the job down)
+            dist.barrier()
+            out[key + "_segments_left"] = [n for n in segs if Path("/dev/shm", n.lstrip("/")).exists()]
         out[key + "_freed"] = sync.freed_at_teardown
         if rank == 0:  # at once: a freed ephemeral port may be bound by anyone later
             out[key + "_ports_left"] = [port for _, port in out[key + "_roles"] if port in _udp_ports()]
@@ -168,7 +177,9 @@ def _udp_ports() -> set:
 
 
 def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
-    """Must-show (issue 28): ``aggregation=switchml`` and ``aggregation=atp racks=2`` on 4
+    """Must-show (issue 28): ``aggregation=switchml`` (over UDP and with the shared-memory
+    transport, whose results must be the UDP run's bits and whose segments must be unlinked)
+    and ``aggregation=atp racks=2`` on 4
     ranks — the aggregated integers equal the exact sums of every rank's integers, results
     bit-identical on all ranks and with 2% loss, within the quantization bound of the exact
     float64 sum; both levels complete every sequence without loss; no role process or
@@ -176,7 +187,7 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     res = spawn(_modes_worker, 4, timeout=300)
     r0 = res[0]
     exact = r0["exact"]
-    for key in ("sml_lossy", "atp2", "atp2_lossy"):
+    for key in ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy"):
         assert all(r[key + "_int_exact"] for r in res), key
         for r in res[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r[key], r0[key])), key
@@ -187,8 +198,10 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
         assert r0[key + "_stats"]["switch"]["injected_loss"] > 0 or not key.endswith("lossy")
     # exact integer sums, scales from shared data only: loss changes no bit
     assert all(r["sml_lossy_core"] for r in res)  # = the loss-free protocol core on the same inputs
+    assert all(r["sml_shm_lossy_core"] for r in res)  # shared-memory transport: the very same bits
+    assert not [r["sml_shm_lossy_segments_left"] for r in res if r["sml_shm_lossy_segments_left"]]
     assert all(torch.equal(a, b) for a, b in zip(r0["atp2"], r0["atp2_lossy"]))
-    for key in ("sml_lossy", "atp2_lossy"):
+    for key in ("sml_lossy", "sml_shm_lossy", "atp2_lossy"):
         assert r0[key + "_metrics"]["atp_retransmits"] > 0
     jobs = r0["sml_lossy_stats"]["switch"]["jobs"]
     assert sum(j["complete"] for j in jobs.values()) > 0 and r0["sml_lossy_stats"]["ps"] == []
@@ -197,10 +210,11 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     lossy = r0["atp2_lossy_metrics"]
     assert 0.5 < lossy["atp_level2_frac"] < 1.0 and 0.5 < lossy["atp_level1_frac"] <= 1.0, lossy
     assert len(r0["atp2_stats"]["racks"]) == 2 and r0["atp2_freed"] == 0
-    roles = [pr for key in ("sml_lossy", "atp2", "atp2_lossy") for pr in r0[key + "_roles"]]
-    assert len(roles) == 1 + 2 * 4
+    keys = ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy")
+    roles = [pr for key in keys for pr in r0[key + "_roles"]]
+    assert len(roles) == 2 + 2 * 4
     assert not [pid for pid, _ in roles if _alive(pid)]
-    assert not [r0[key + "_ports_left"] for key in ("sml_lossy", "atp2", "atp2_lossy") if r0[key + "_ports_left"]]
+    assert not [r0[key + "_ports_left"] for key in keys if r0[key + "_ports_left"]]
 
 
 def _summary(d: Path) -> Dict[str, Any]:
@@ -565,6 +579,7 @@ def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
     assert err("aggregation=ps", "aggregation.racks=2") == "aggregation.racks=2 applies to aggregation=atp, not ps"
     assert err("aggregation=ring", "aggregation.racks=2", dp=1).endswith("not ring")
     assert err("aggregation=atp", "aggregation.pool=128") == "aggregation.pool=128 applies to aggregation=switchml, not atp"
+    assert err("aggregation=atp", "aggregation.transport=shm").endswith("applies to aggregation=switchml, not atp")
     for knob in ("aggregation.aggregators=1024", "aggregation.n_ps=2", "aggregation.duplicate=0.01",
                  "aggregation.switch=127.0.0.1:1"):
         assert err("aggregation=switchml", knob).endswith("not switchml"), knob
@@ -573,7 +588,8 @@ def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
         "aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program")
     assert err("aggregation=atp", "aggregation.racks=2", "aggregation.switch_impl=bmv2").startswith(
         "aggregation.switch_impl=bmv2 with aggregation.racks=2: the BMv2 switch role installs one-rack plans")
-    for ok in (["aggregation=atp", "aggregation.racks=2"], ["aggregation=switchml", "aggregation.pool=16"]):
+    for ok in (["aggregation=atp", "aggregation.racks=2"], ["aggregation=switchml", "aggregation.pool=16"],
+               ["aggregation=switchml", "aggregation.transport=shm"]):
         check_aggregation(compose_cfg(*ok).aggregation, 4)
 
 

@@ -22,15 +22,25 @@ from atp_pipeline.ina.sim import switchml as sim
 from atp_pipeline.ina.switchml import EXP_BIAS, SMLFloatWorker, SMLFormat, SMLSwitch, SMLSwitchJob
 
 
-def _run(xs: List[np.ndarray], pool: int, k: int, loss: float, seed: int, rounds: int = 2
+def _run(xs: List[np.ndarray], pool: int, k: int, loss: float, seed: int, rounds: int = 2, shm: bool = False
          ) -> Tuple[List[SMLFloatWorker], List[List[np.ndarray]], int]:
-    """Drive W float workers and the switch through the wire codec with random loss."""
+    """Drive W float workers and the switch through the wire codec with random loss (``shm``:
+    the shared-memory transport, the lanes in arrays the switch and the workers share)."""
     W = len(xs)
-    fmt = SMLFormat(k)
+    fmt = SMLFormat(k, shm=shm)
     sw = SMLSwitch()
-    sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)))
-    ws = [SMLFloatWorker(1, w, W, pool, k, rto=1.0) for w in range(W)]
+    regs = np.zeros((2, pool, k), dtype=np.int32) if shm else None
+    sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), values=regs)
+    lanes = [np.zeros((2, pool, k), dtype=np.int32) if shm else None for _ in range(W)]
+    ws = [SMLFloatWorker(1, w, W, pool, k, rto=1.0, lanes=lanes[w], results=regs) for w in range(W)]
     rng = np.random.default_rng(seed)
+
+    def decode(buf: bytes) -> core.SMLPacket:  # the switch role's attach (nodes.SMLSwitchNode.handle)
+        p = fmt.decode(buf)
+        if p.payload is None:
+            p.payload = lanes[p.worker][p.ver, p.slot]
+        return p
+
     dropped = 0
     sent_q: List[List[np.ndarray]] = []
     for _ in range(rounds):
@@ -42,7 +52,7 @@ def _run(xs: List[np.ndarray], pool: int, k: int, loss: float, seed: int, rounds
                 if rng.random() < loss:
                     dropped += 1
                     continue
-                for r in sw(fmt.decode(buf), None):
+                for r in sw(decode(buf), None):
                     data = fmt.encode(r)
                     down += [(r.dst, data)] if r.dst >= 0 else [(w, data) for w in range(W)]
             up = []
@@ -84,6 +94,30 @@ def test_shared_exponents_give_exact_integer_sums_under_loss():
     assert np.abs(res[0] - total).max() <= 3 * 2.0 ** (max(ws[0].shared) - EXP_BIAS - ws[0].bits)
     clean, _, _ = _run(xs, pool, k, loss=0.0, seed=1)
     assert np.array_equal(clean[0].result_float, res[0])  # loss changes nothing, bit for bit
+
+
+def test_shared_memory_transport_gives_the_same_bits_under_loss():
+    """``aggregation.transport=shm``: headers travel (10 bytes), lanes stay in shared arrays;
+    the shadow copies keep every slot-version until all workers have read it: under 10% loss
+    the results are the UDP path's, bit for bit."""
+    rng = np.random.default_rng(5)
+    xs = [rng.normal(size=203) * 10.0 ** e for e in (-2, 0, 1)]
+    ws, _, dropped = _run(xs, pool=4, k=16, loss=0.1, seed=2, rounds=3, shm=True)
+    assert dropped > 0 and sum(w.stats.retransmits for w in ws) > 0
+    ref, _, _ = _run(xs, pool=4, k=16, loss=0.0, seed=2, rounds=1)
+    assert all(np.array_equal(w.result_float, ref[0].result_float) for w in ws)
+    fmt = SMLFormat(16, shm=True)
+    p = core.SMLPacket.__new__(core.SMLPacket)
+    p.job, p.slot, p.ver, p.is_result, p.worker, p.off, p.exp = 1, 2, 1, 0, 0, 5, 130
+    p.payload = np.arange(16, dtype=np.int32)
+    data = fmt.encode(p)
+    assert len(data) == 10 and fmt.decode(data).payload is None  # the lanes are attached by the receiver
+    assert fmt.split(data * 3) == [data] * 3
+    try:
+        SMLFormat(16).decode(data)  # a UDP receiver refuses a shared-memory header
+        raise AssertionError("decoded")
+    except core.DecodeError:
+        pass
 
 
 def test_frames_cut_back_exactly_and_batches_keep_order():
