@@ -189,7 +189,11 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         pb = min(pts, key=lambda r: r["predicted_s"])
         mb = min(pts, key=lambda r: r["measured_s"])
         second = sorted(p["measured_s"] for p in pts)[1] if len(pts) > 1 else mb["measured_s"]
+        bias = statistics.median(p["measured_s"] / p["predicted_s"] for p in pts)
+        within = [abs(p["measured_s"] / (p["predicted_s"] * bias) - 1) for p in pts]
         groups[key] = {
+            "host_load_cores": statistics.mean(p.get("host_load_cores", 0.0) for p in pts),
+            "bias": bias, "within_median_rel_error": statistics.median(within), "within_worst_rel_error": max(within),
             "predicted_best": pb["point"], "measured_best": mb["point"], "agree": pb["point"] == mb["point"],
             "measured_margin": second / mb["measured_s"] - 1,
             "predicted_best_measured_slower_by": pb["measured_s"] / mb["measured_s"] - 1,
@@ -204,6 +208,12 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             "best_agrees": f"{sum(g['agree'] for g in groups.values())} of {len(groups)}",
             "best_agree_share": sum(g["agree"] for g in groups.values()) / len(groups),
             "short_share": sum(r["predicted_s"] < r["measured_s"] for r in rows) / len(rows),
+            # the errors left once each group's common factor (its median measured/predicted: what the
+            # host's load at the group's launch does to all its points alike) is divided out
+            "within_group_median_rel_error": statistics.median(
+                abs(r["measured_s"] / (r["predicted_s"] * groups[r["group"]]["bias"]) - 1) for r in rows),
+            "within_group_worst_rel_error": max(
+                abs(r["measured_s"] / (r["predicted_s"] * groups[r["group"]]["bias"]) - 1) for r in rows),
             "groups": groups}
 
 
@@ -233,6 +243,52 @@ def plot(rows: List[Dict[str, Any]], summary: Dict[str, Any], path: Path, title:
                      f"{summary['worst_rel_error']:.1%}, Spearman {summary['spearman']:.3f}, "
                      f"best {summary['best_agrees']}", fontsize=8)
         ax.legend(fontsize=5, ncol=2)
+
+
+def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str) -> Dict[str, Any]:
+    """The figures per class, ``<tag>.{json,csv,png}``, and the table printed."""
+    classes = {c: summarize([r for r in rows if r["class"] == c]) for c in sorted({r["class"] for r in rows})}
+    _write(out, tag, rows, meta, classes)
+    real = [r for r in rows if r["class"] == "real"] or rows
+    plot(real, summarize(real), out / f"{tag}.png", f"step-time model vs measured, out of sample "
+                                                    f"({real[0]['class']}): {', '.join(sorted({r['model'] for r in real}))}")
+    print(f"{'model':<11} {'b x s':<8} {'proc':>4} {'interconnect':<20} {'point':<9} {'measured ms':>11} "
+          f"{'predicted ms':>12} {'compute':>8} {'exposed':>8} {'waited':>8} {'error':>7} {'load':>5}")
+    for r in rows:
+        print(f"{r['model']:<11} {r['batch']:>2}x{r['seq_len']:<5} {r['processes']:>4} {r['interconnect']:<20} "
+              f"{r['point']:<9} {r['measured_s'] * 1e3:11.1f} {r['predicted_s'] * 1e3:12.1f} "
+              f"{r['predicted_compute_s'] * 1e3:8.1f} {r['predicted_exposed_comm_s'] * 1e3:8.1f} "
+              f"{r['measured_comm_wait_s'] * 1e3:8.1f} {r['rel_error']:7.1%} {r.get('host_load_cores', 0.0):5.2f}"
+              + (f"  IN SAMPLE: {r['in_sample']}" if r["in_sample"] else ""))
+    for cls, s in classes.items():
+        print(f"{cls}: {s['points']} points: median relative error {s['median_rel_error']:.1%}, worst "
+              f"{s['worst_rel_error']:.1%}, Spearman rho {s['spearman']:.3f} (per model: "
+              + ", ".join(f"{m} {v:.2f}" for m, v in s["spearman_per_model"].items())
+              + f"); predicted best = measured best in {s['best_agrees']} groups; {s['short_share']:.0%} predicted short;"
+              f" within a group (its common factor divided out): median {s['within_group_median_rel_error']:.1%}, "
+              f"worst {s['within_group_worst_rel_error']:.1%}")
+        for g, v in s["groups"].items():
+            print(f"  {g}: load {v['host_load_cores']:.2f} cores, measured/predicted x{v['bias']:.2f}; best "
+                  + ("agrees" if v["agree"] else f"predicted {v['predicted_best']}, measured {v['measured_best']} "
+                                                 f"(measured {v['predicted_best_measured_slower_by']:.1%} slower)"))
+    return classes
+
+
+def resummarize(path: Path, out: Path, tag: str) -> int:
+    """``--rows``: an earlier run's figures, files and plot again from its rows (this code's
+    figures; the rows and their calibration unchanged)."""
+    from atp_pipeline.cli import EXIT_BAD_INPUT
+
+    try:
+        data = json.loads(path.read_text())
+        rows, meta = data["rows"], dict(data["meta"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        sys.stderr.write(f"error: step_validation: --rows {path}: not a validation run ({type(exc).__name__}: {exc})\n")
+        return EXIT_BAD_INPUT
+    meta["resummarized_from"] = str(path)
+    report(rows, meta, out, tag)
+    print(f"wrote {out / tag}.{{json,csv,png}} (from the rows of {path})")
+    return 0
 
 
 def _write(out: Path, tag: str, rows: List[Dict[str, Any]], meta: Dict[str, Any],
@@ -294,10 +350,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--allow-in-sample", action="store_true",
                    help="measure points the calibration ran (flagged, reported apart) instead of refusing")
+    p.add_argument("--rows", default=None,
+                   help="an earlier run's <tag>.json: its figures and plot again from its rows, nothing measured")
     p.add_argument("--tag", default="steps")
     p.add_argument("--out", default="outputs/benchmarks/step_validation")
     p.add_argument("--conf", type=Path, default=CONF)
     args = p.parse_args(argv)
+    if args.rows:
+        return resummarize(Path(args.rows), Path(args.out), args.tag)
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
@@ -381,7 +441,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
                          "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
-    classes = {c: summarize([r for r in rows if r["class"] == c]) for c in sorted({r["class"] for r in rows})}
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
             "contention": {str(k): v for k, v in sorted(profile.contention.items())},
             "probes": sorted({p.name for p in profile.probes}),
@@ -390,32 +449,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0,
             "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
-    out = Path(args.out)
-    _write(out, args.tag, rows, meta, classes)
-    real = [r for r in rows if r["class"] == "real"] or rows
-    plot(real, summarize(real), out / f"{args.tag}.png",
-         f"step-time model vs measured, out of sample ({real[0]['class']}): {', '.join(names)}")
-    print(f"{'model':<11} {'b x s':<8} {'proc':>4} {'interconnect':<20} {'point':<9} {'measured ms':>11} "
-          f"{'predicted ms':>12} {'compute':>8} {'exposed':>8} {'waited':>8} {'error':>7}")
-    for r in rows:
-        print(f"{r['model']:<11} {r['batch']:>2}x{r['seq_len']:<5} {r['processes']:>4} {r['interconnect']:<20} "
-              f"{r['point']:<9} {r['measured_s'] * 1e3:11.1f} {r['predicted_s'] * 1e3:12.1f} "
-              f"{r['predicted_compute_s'] * 1e3:8.1f} {r['predicted_exposed_comm_s'] * 1e3:8.1f} "
-              f"{r['measured_comm_wait_s'] * 1e3:8.1f} {r['rel_error']:7.1%}"
-              + (f"  IN SAMPLE: {r['in_sample']}" if r["in_sample"] else ""))
-    for cls, s in classes.items():
-        print(f"{cls}: {s['points']} points: median relative error {s['median_rel_error']:.1%}, worst "
-              f"{s['worst_rel_error']:.1%}, Spearman rho {s['spearman']:.3f} (per model: "
-              + ", ".join(f"{m} {v:.2f}" for m, v in s["spearman_per_model"].items())
-              + f"); predicted best = measured best in {s['best_agrees']} groups; {s['short_share']:.0%} predicted short")
-        for g, v in s["groups"].items():
-            if not v["agree"]:
-                print(f"  {g}: predicted best {v['predicted_best']}, measured best {v['measured_best']} "
-                      f"(measured {v['predicted_best_measured_slower_by']:.1%} slower; rho {v['spearman']:.2f})")
+    report(rows, meta, Path(args.out), args.tag)
     print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "
           f"{profile.describe()}")
     print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
-    print(f"wrote {out / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
+    print(f"wrote {Path(args.out) / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
     return 0
 
 
