@@ -67,8 +67,16 @@ def _shrink(config: Any) -> None:
     for k in _KV:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
             d[k] = TINY["kv"] if d[k] > 1 else 1  # multi-query stays multi-query
-    if isinstance(d.get("head_dim"), int):
-        d["head_dim"] = TINY["head_dim"]
+    if isinstance(d.get("head_dim"), int) or ("head_dim" in d and d["head_dim"] is None):
+        d["head_dim"] = TINY["head_dim"]  # (None: some families' code then divides by it)
+    for k in _KV:
+        if k in d and d[k] is None:
+            d[k] = TINY["heads"]  # unset: as many key/value heads as query heads
+    for k in list(d):
+        if k.endswith("intermediate_size") and d[k] is None:
+            d[k] = TINY["ffn"]
+    if d.get("rope_parameters") == {} and isinstance(d.get("layer_types"), list):
+        d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(d["layer_types"])}
     if isinstance(d.get("rotary_dim"), int):
         d["rotary_dim"] = TINY["head_dim"] // 2  # partial rotary, as GPT-J and CodeGen ship it
     if isinstance(d.get("vocab_size"), int):

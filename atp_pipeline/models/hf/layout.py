@@ -60,7 +60,7 @@ REFUSED_KINDS = {
     "replicate": "a replicated module whose outputs are combined by hand",
     "all_reduce": "a module whose output transformers all-reduces by hand",
 }
-NORM = re.compile(r"(Norm|LayerNorm|RMSNorm)\d*$")
+NORM = re.compile(r"(Norm|LayerNorm|RMSNorm)\d*P?$")  # Nemotron's LayerNorm1P too
 ATTENTION = re.compile(r"(Attention|Attn)", re.IGNORECASE)
 OUTPUT_NAME = re.compile(r"^(o|out|dense|c_proj|proj|wo|o_proj|out_proj|out_lin)$", re.IGNORECASE)
 ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
