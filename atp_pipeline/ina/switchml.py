@@ -268,6 +268,7 @@ class SMLFloatWorker(SMLWorker):
             if a is not None and (a.shape != (2, pool, k) or a.dtype != np.int32):
                 raise ValueError(f"shared-memory lanes must be int32 of shape (2, {pool}, {k}), got {a.dtype} {a.shape}")
         self.lanes, self.results = lanes, results
+        self._pad: Optional[np.ndarray] = None  # the padded copy of the last tensor (start_float)
         self.fmt = SMLFormat(k, shm=lanes is not None)
         self.malformed = 0
 
@@ -297,7 +298,9 @@ class SMLFloatWorker(SMLWorker):
             x = x.astype(np.float64, copy=False)
         k = self.k
         n = max(1, -(-len(x) // k))
-        buf = np.zeros(n * k, dtype=x.dtype)
+        buf = self._pad if self._pad is not None and self._pad.size == n * k and self._pad.dtype == x.dtype else None
+        if buf is None:  # kept while the size stays (the padding is never written: it stays 0)
+            buf = self._pad = np.zeros(n * k, dtype=x.dtype)
         buf[: len(x)] = x
         self.length, self.chunks_f = len(x), buf.reshape(n, k)
         peak = np.maximum(self.chunks_f.max(axis=1), -self.chunks_f.min(axis=1))
@@ -353,8 +356,15 @@ class SMLFloatWorker(SMLWorker):
     @property
     def result_float(self) -> np.ndarray:
         """``Σq · 2^(e−B)`` per chunk: the sum over the job's workers (float64)."""
+        return self.result_as(np.float64)
+
+    def result_as(self, dtype: Any) -> np.ndarray:
+        """:attr:`result_float` rounded once to ``dtype`` (each product is formed in float64, where
+        it is exact, and rounded on the way out: no float64 copy of the whole result)."""
         e = np.asarray(self.shared, dtype=np.float64) - EXP_BIAS
-        return (self.result_q * np.exp2(e - self.bits)[:, None]).ravel()[: self.length]
+        out = np.empty(self.result_q.shape, dtype=dtype)
+        np.multiply(self.result_q, np.exp2(e - self.bits)[:, None], out=out, casting="same_kind")
+        return out.ravel()[: self.length]
 
 
 class SMLFormat:

@@ -356,7 +356,7 @@ class SMLEngine(Engine):
         self._run_round()
         if self.stats.rounds == 0:
             w.rto = self.cfg.worker.rto
-        return w.result_float
+        return w.result_as(x.dtype)  # = result_float rounded once to the tensor's type
 
     def _progress(self) -> int:
         return self.worker.n_got
