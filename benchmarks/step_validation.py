@@ -221,14 +221,15 @@ def plot(rows: List[Dict[str, Any]], summary: Dict[str, Any], path: Path, title:
     from atp_pipeline.figures import axes
 
     with axes(path, (6.5, 5.5)) as ax:
-        marks = {1: "o", 2: "s", 4: "^"}
+        colors = {m: f"C{i}" for i, m in enumerate(sorted({r["model"] for r in rows}))}
+        marks = {(4, 1): "o", (4, 2): "s", (2, 1): "x", (2, 2): "+"}  # (processes, chunks); others: "D"
         for model in sorted({r["model"] for r in rows}):
             for world in sorted({r["processes"] for r in rows}):
                 for chunks in sorted({r["chunks"] for r in rows}):
                     pts = [r for r in rows if (r["model"], r["processes"], r["chunks"]) == (model, world, chunks)]
                     if pts:
                         ax.scatter([p["measured_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts],
-                                   marker=marks.get(chunks, "D"), s=22, facecolors="none" if world != 4 else None,
+                                   marker=marks.get((world, chunks), "D"), s=26, color=colors[model],
                                    label=f"{model}, {world} proc., chunks {chunks}")
         lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.3
         hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.3

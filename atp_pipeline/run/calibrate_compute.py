@@ -371,22 +371,59 @@ def contention_counts(world: int) -> List[int]:
     return out + [world]
 
 
-def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0, rounds: int = 3,
-                       timeout: float = 600.0) -> Dict[int, float]:
+def _contention_worker(rank: int, world: int, counts: Sequence[int], passes: int,
+                       batch_ms: float) -> List[List[List[float]]]:
+    """Per pass, per count ``P`` (interleaved), per contention kernel: the slowest of the first
+    ``P`` ranks' seconds per call while the others wait at the next barrier."""
+    import torch
+    import torch.distributed as dist
+
+    fns = [_runner(k, rank, world) for k in CONTENTION_KERNELS]
+    reps = []
+    for fn in fns:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        r = torch.tensor([max(1, min(2000, int(batch_ms * 1e-3 / max(time.perf_counter() - t0, 1e-7))))])
+        dist.all_reduce(r, op=dist.ReduceOp.MIN)
+        reps.append(int(r))
+    out = []
+    for p in range(passes):
+        row = []
+        for count in (counts if p % 2 == 0 else list(reversed(counts))):
+            times = []
+            for fn, k in zip(fns, reps):
+                dist.barrier()
+                mine = 0.0
+                if rank < count:
+                    t0 = time.perf_counter()
+                    for _ in range(k):
+                        fn()
+                    mine = (time.perf_counter() - t0) / k
+                t = torch.tensor([mine], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times.append(float(t))
+            row.append((count, times))
+        out.append([times for _, times in sorted(row)])
+    return out
+
+
+def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0, timeout: float = 600.0) -> Dict[int, float]:
     """The slowdown of CPU work with ``P`` processes on the host against ``world`` of them
     (:meth:`~atp_pipeline.planning.steptime.ComputeProfile.contention_factor`): the geometric
     mean over :data:`CONTENTION_KERNELS` (an overhead-bound GEMM, a compute-bound one, an
     elementwise kernel) of their time on ``P`` concurrent processes over their time on
-    ``world``; each count is its own launch, the counts interleaved over ``rounds`` rounds
-    (median per kernel and count)."""
+    ``world``. One launch of ``world`` processes; in every pass the counts take turns (the
+    first ``P`` ranks run, the others wait at a barrier), so a burst of other jobs' load hits
+    every count alike; median per kernel and count over the passes."""
+    from atp_pipeline.launch import spawn
+
     counts = contention_counts(world)
-    got: Dict[int, List[List[float]]] = {p: [] for p in counts}
-    for _ in range(rounds):
-        for p in counts:
-            got[p].append(measure(list(CONTENTION_KERNELS), p, passes, batch_ms, timeout))
-    med = {p: [statistics.median(r[i] for r in rs) for i in range(len(CONTENTION_KERNELS))] for p, rs in got.items()}
+    runs = spawn(_contention_worker, world, counts, passes, batch_ms, timeout=timeout)[0]
+    med = {c: [statistics.median(run[ci][ki] for run in runs) for ki in range(len(CONTENTION_KERNELS))]
+           for ci, c in enumerate(counts)}
     ref = med[world]
-    return {p: float(np.exp(np.mean([np.log(t / r) for t, r in zip(ts, ref)]))) for p, ts in med.items()}
+    return {c: float(np.exp(np.mean([np.log(t / r) for t, r in zip(ts, ref)]))) for c, ts in med.items()}
 
 
 # ------------------------------------------------------------------------ fitting
@@ -623,7 +660,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         progress("kernels, probes, loops", total, total)
     contention = None
     if run.framework:
-        contention = measure_contention(run.world, run.passes, run.batch_ms, rounds=1 if run.quick else 3)
+        contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
         if progress is not None:
             progress("contention", 1, 1)
     nk, npl = len(kernels), len(plans)
