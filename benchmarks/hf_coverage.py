@@ -194,7 +194,9 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
     try:  # the layout's refusal comes first (it needs no process group and no step)
         found = find_adapters(copy.deepcopy(dense))
         if not found:
-            return {**row, "result": "refused", "reason": "no adapter matches the model"}
+            from atp_pipeline.models.hf.adapter import not_a_causal_lm
+
+            return {**row, "result": "refused", "reason": not_a_causal_lm(dense)}
         (_, adapter, sub), = found
         adapter.parallel_plan(sub)
     except ConfigError as exc:

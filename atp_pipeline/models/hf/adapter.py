@@ -89,6 +89,17 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
         and hasattr(module, "config")
 
 
+def not_a_causal_lm(module: nn.Module) -> str:
+    """Why the HF adapter does not take the transformers model ``module`` (one line), for a
+    model ``AutoModelForCausalLM`` builds but :func:`is_hf_causal_lm` declines."""
+    cls = type(module).__name__
+    if cls.endswith("ForConditionalGeneration"):
+        what = "a multimodal model (a text decoder beside other encoders)"
+    else:
+        what = "not a *ForCausalLM / *LMHeadModel class (an encoder-style model used as a decoder)"
+    return f"transformers model '{cls}' is {what}; ATP's HF adapter lays out decoder-only causal LMs; pass a plan"
+
+
 def family_of(config: Any) -> Optional[Family]:
     """The :class:`Family` entry of a transformers config (None: its layout is read from
     transformers' declaration and its modules), or one line saying why it is refused."""
