@@ -423,7 +423,9 @@ def _step_validation(t: str) -> Tuple[str, str]:
     t = set_opt(set_opt(set_opt(t, "--models", "gpt2_tiny"), "--variants", "2x32"), "--worlds", "2")
     t = set_opt(set_opt(set_opt(set_opt(t, "--chunks", "1"), "--steps", "1"), "--warmup", "0"), "--repeats", "1")
     t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/step_validation")  # never over the committed run in docs/
-    return t, "gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step"
+    t = set_opt(t, "--topology", "docs/step_validation/local.yaml")  # the committed calibration (stage=calibrate is planned here)
+    return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, "
+               "from the committed calibration docs/step_validation/local.yaml")
 
 
 def _sbp_calibration(t: str) -> Tuple[str, str]:
