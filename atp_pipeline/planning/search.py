@@ -129,9 +129,9 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
 
     candidates = tuple(evaluate(topo, model, m, cost_model, setting, profile) for m in candidate_meshes(n))
     if objective == Objective.step and profile is None:
-        notes.append(f"planner.objective=step: topology '{topo.name}' has no compute profile (device.compute; "
-                     f"python -m atp_pipeline.run.calibrate_compute) and its device no peak_TFLOPs, so no step "
-                     f"time is predicted; selected by communication (Eq. 2-4)")
+        notes.append(f"planner.objective=step: topology '{topo.name}' has no compute profile (device.compute) and "
+                     f"its device no peak_TFLOPs, so no step time is predicted; selected by communication (Eq. 2-4). "
+                     f"Calibrate this host once: python train.py stage=calibrate topology={topo.name}")
         objective = Objective.comm
     by_mesh = {c.mesh: c for c in candidates}
 
