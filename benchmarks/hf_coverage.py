@@ -94,6 +94,9 @@ def _shrink(config: Any) -> None:
             d[k] = v[:TINY["layers"]]  # per-layer lists (layer_types, ...)
         if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (text_config, ...)
             _shrink(v)
+    if any(k in d and d[k] is None for k in _EXPERTS):  # experts left unset by the defaults (Dots1)
+        d.update({k: TINY["experts"] for k in _EXPERTS if k in d and d[k] is None})
+        d.update({k: v for k, v in (("num_experts_per_tok", 2), ("n_shared_experts", 1)) if k in d and d[k] is None})
     for k in ("num_experts_per_tok", "moe_k", "top_k", "moe_topk"):  # experts per token: fewer than the experts
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
             d[k] = min(d[k], 2)
