@@ -134,7 +134,8 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
     default = AggregationConfig()
     for key, modes in MODE_KNOBS.items():
         if mode not in modes and getattr(cfg, key) != getattr(default, key):
-            raise ConfigError(f"aggregation.{key}={getattr(cfg, key)} applies to aggregation="
+            value = getattr(getattr(cfg, key), "value", getattr(cfg, key))  # an enum by its value
+            raise ConfigError(f"aggregation.{key}={value} applies to aggregation="
                               f"{'/'.join(m.value for m in modes)}, not {mode.value}")
     if cfg.racks < 1 or dp % cfg.racks:
         raise ConfigError(f"aggregation.racks={cfg.racks} must divide the {dp} data-parallel workers (mesh.dp): "
