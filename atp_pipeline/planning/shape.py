@@ -259,6 +259,8 @@ def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
                 f"{d1}x{d2} = {d1 * d2} devices")
     if shape.hidden % d2 or shape.hidden % d1 or shape.ffn % d1:
         return f"hidden {shape.hidden} (FFN {shape.ffn}) of model '{shape.name}' does not split over d1={d1} and d2={d2}"
+    if shape.moe is not None and shape.moe.ffn % d1:
+        return f"experts' intermediate {shape.moe.ffn} of model '{shape.name}' does not split over d1={d1}"
     if shape.kv_heads % d1 and d1 % shape.kv_heads:
         return (f"{shape.kv_heads} key/value heads of model '{shape.name}' neither split over nor "
                 f"replicate evenly across d1={d1}")

@@ -136,7 +136,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     weights = copy_to_axis(copy_to_axis(top_k_weights, comm, d1), comm, d2).reshape(-1)  # multiply partial outputs
     experts = top_k_index.reshape(-1)
     token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
-    hit = [int(e) for e in torch.unique(experts) if int(e) < self.num_experts]  # num_experts: a dropped pair
+    count = int(getattr(self, "num_experts", w1.shape[0]))
+    hit = [int(e) for e in torch.unique(experts) if int(e) < count]  # num_experts: a dropped pair (sentinel)
     rows = [torch.nonzero(experts == e).squeeze(1) for e in hit]
     if not rows:  # the same on every rank: routing is replicated
         return torch.zeros_like(hidden_states)
