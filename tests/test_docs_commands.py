@@ -420,6 +420,13 @@ def _calibrate_compute(t: str) -> Tuple[str, str]:
 
 
 def _step_validation(t: str) -> Tuple[str, str]:
+    if get_opt(t, "--topology") == "docs/step_validation/local.yaml" and get_opt(t, "--calibration-dir") is None:
+        # against the committed calibration: the committed run's rows are its measurements, and the
+        # measuring form runs for docs/step-time.md's command; here its summary of those rows
+        t = f"python -m benchmarks.step_validation --rows docs/step_validation/steps.json " \
+            f"--out {TMP}/outputs/benchmarks/step_validation_rows --tag steps"
+        return t, ("the committed run against that calibration (docs/step_validation/steps.json) re-summarized, "
+                   "nothing measured (docs/step-time.md's command runs the measuring form)")
     t = set_opt(set_opt(set_opt(t, "--models", "gpt2_tiny"), "--variants", "2x32"), "--worlds", "2")
     t = set_opt(set_opt(set_opt(set_opt(t, "--chunks", "1"), "--steps", "1"), "--warmup", "0"), "--repeats", "1")
     t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/step_validation")  # never over the committed run in docs/
