@@ -41,7 +41,7 @@ from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
 from atp_pipeline.parallel.materialize import parameters_on_meta
 from atp_pipeline.parallel.styles import register_style
-from atp_pipeline.planning.shape import ModelShape, MoEShape
+from atp_pipeline.planning.shape import ModelShape
 
 
 
@@ -152,9 +152,7 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         gathered_embeddings=sum(type(m).forward is not nn.Embedding.forward for m in embeddings)
         + int(type(inp).forward is not nn.Embedding.forward),
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
-        moe=MoEShape(layout.experts, layout.top_k, layout.moe_layers, layout.moe_ffn, layout.moe_gated,
-                     layout.moe_shared_ffn, layout.moe_gathered, layout.moe_split_outputs, layout.moe_partial_width)
-        if layout.experts else None)
+        moe=layout.moe)
 
 
 def _head_layout(module: nn.Module, tied: bool) -> str:

@@ -43,6 +43,7 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
+from atp_pipeline.planning.shape import MoEShape
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
 # ``*_split_input``: the code around reads the whole output
@@ -115,15 +116,7 @@ class Layout:
     gathered_embeddings: int = 0
     whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
     head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
-    experts: int = 0  # experts per mixture-of-experts layer (style hf_experts; 0: none)
-    top_k: int = 0  # experts each token is routed to
-    moe_layers: int = 0  # layers holding experts (the others a dense MLP of width ``ffn``)
-    moe_ffn: int = 0  # an expert's intermediate width
-    moe_gated: bool = False
-    moe_shared_ffn: int = 0  # a shared expert laid out column/row-first beside the routed ones
-    moe_gathered: int = 0  # per MoE layer: modules run whole on the gathered hidden (router, ...)
-    moe_split_outputs: int = 0  # of those, outputs split again over d2 (a whole-run shared expert)
-    moe_partial_width: int = 0  # of those, output widths whose gradient is summed over d2 (a gate)
+    moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
 
@@ -281,6 +274,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     # the other linears (the MLP): column-first reading the hidden, row-first writing it
     rest = {n: k for n, k in kinds.items() if not inside(n)}
     moe_blocks = [e.rpartition(".")[0] for e in experts]
+    shared_ffn = 0  # a shared expert laid out column-/row-first beside the routed ones
     by_parent: Dict[str, List[str]] = {}
     for n in rest:
         by_parent.setdefault(n.rpartition(".")[0], []).append(n)
@@ -313,26 +307,13 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                                   f"write the hidden state; pass a plan")
             plan[n] = "row(input=split, output=split)"
             if any(parent.startswith(b + ".") for b in moe_blocks):  # a shared expert beside the routed ones
-                layout.moe_shared_ffn = layout.moe_shared_ffn or n_in
+                shared_ffn = shared_ffn or n_in
             else:
                 layout.ffn = layout.ffn or n_in
     for full in experts:
-        _lay_out_experts(plan, names, full, hidden, kind)
-        m = _first(names, full)
-        layout.experts = int(getattr(m, "num_experts", 0) or m.down_proj.shape[0])
-        layout.moe_ffn = int(m.down_proj.shape[1 if m.is_transposed else 2])  # an expert's intermediate
-        layout.moe_gated = bool(m.has_gate)
-        layout.moe_layers = sum(fnmatch.fnmatchcase(n, full) for n in names)
-        layout.top_k = _top_k(module.config, layout.experts)
-        for child, style in plan.items():
-            if child.rpartition(".")[0] == full.rpartition(".")[0] and style.startswith("gathered("):
-                layout.moe_gathered += 1
-                layout.moe_split_outputs += "output=split" in style
-                if "partial_grad=true" in style:
-                    layout.moe_partial_width += int(sum(as_linear(x)[1] for x in _first(names, child).modules()
-                                                        if _is_linear(x)))
-    if experts and not layout.ffn:
-        layout.ffn = layout.moe_ffn  # every layer's MLP is routed
+        layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn)
+    if layout.moe is not None and not layout.ffn:
+        layout.ffn = layout.moe.ffn  # every layer's MLP is routed
     # norms outside the attention: the family's own norm on the gathered hidden
     for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
         if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
@@ -348,34 +329,46 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     return layout
 
 
-def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full: str, hidden: int, kind: str) -> None:
+def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full: str, hidden: int, kind: str,
+                     config: Any, shared_ffn: int) -> MoEShape:
     """A declared experts module: every expert tensor-parallel (style ``hf_experts``); the other
     modules with parameters in its mixture-of-experts block that nothing lays out (the router, a
     shared expert's gate, an undeclared shared expert) run whole on the gathered hidden, their
-    output whole unless it is a hidden state (then split again)."""
+    output whole unless it is a hidden state (then split again). Returns the routed layers'
+    numbers, as the planners read them."""
     from atp_pipeline.models.hf.experts import experts_infeasibility
 
-    why = experts_infeasibility(_first(names, full))
-    experts = int(getattr(_first(names, full), "num_experts", 0) or 0)
+    m = _first(names, full)
+    why = experts_infeasibility(m)
     if why:
-        raise ConfigError(f"transformers model_type '{kind}': experts '{full}' ({type(_first(names, full)).__name__}): "
+        raise ConfigError(f"transformers model_type '{kind}': experts '{full}' ({type(m).__name__}): "
                           f"{why}; ATP's layout does not cover it; pass a plan")
+    experts = int(getattr(m, "num_experts", 0) or m.down_proj.shape[0])
     parent = full.rpartition(".")[0]
     block = names[next(n for n in names if fnmatch.fnmatchcase(n, full)).rpartition(".")[0]]  # one holding experts
     # the block's code reshaping by a width it keeps (GraniteMoE's input_size): this rank's width
     widths = sorted(k for k, v in vars(block).items() if type(v) is int and v == hidden)
     plan[full] = f"hf_experts(per_rank={'+'.join(widths)})" if widths else "hf_experts"
+    gathered = split_outputs = partial_width = 0
     for child_name, child in block.named_children():
         child_pat = f"{parent}.{child_name}"
         if child_pat == full or next(child.parameters(), None) is None or \
                 any(p == child_pat or p.startswith(child_pat + ".") for p in plan):
             continue
-        if any(_is_linear(m) and as_linear(m)[1] == hidden for m in child.modules()):  # writes a hidden state
+        gathered += 1
+        if any(_is_linear(x) and as_linear(x)[1] == hidden for x in child.modules()):  # writes a hidden state
             plan[child_pat] = "gathered(input=split, output=split)"
+            split_outputs += 1
         elif any(p.dim() == 2 and p.shape[0] == experts for p in child.parameters()):  # the router: its
             plan[child_pat] = "gathered(input=split, output=full)"  # weights' gradients the experts complete
         else:  # e.g. a shared expert's gate, scaling the split hidden: its gradient partial over d2
             plan[child_pat] = "gathered(input=split, output=full, partial_grad=true)"
+            partial_width += sum(as_linear(x)[1] for x in child.modules() if _is_linear(x))
+    return MoEShape(experts=experts, top_k=_top_k(config, experts),
+                    layers=sum(fnmatch.fnmatchcase(n, full) for n in names),
+                    ffn=int(m.down_proj.shape[1 if m.is_transposed else 2]),  # an expert's intermediate
+                    gated=bool(m.has_gate), shared_ffn=shared_ffn, gathered=gathered, split_outputs=split_outputs,
+                    partial_width=partial_width)
 
 
 def _top_k(config: Any, experts: int) -> int:
