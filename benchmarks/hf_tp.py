@@ -72,6 +72,7 @@ import torch.distributed as dist
 
 from atp_pipeline.launch import spawn
 from atp_pipeline.planning.search import candidate_meshes
+from atp_pipeline.planning.shape import layout_infeasibility
 from benchmarks.tp_step import CONF, load_topology
 
 LR = 0.05
@@ -168,7 +169,7 @@ def atp_runners(dense: torch.nn.Module, x: torch.Tensor, spec: Dict[str, Any]) -
         model = copy.deepcopy(dense)
         (name, adapter, sub), = find_adapters(model)
         r = Runner(f"atp {d1}x{d2}", "atp", mesh=(d1, d2), emulated=topo is not None)
-        r.error = adapter.mesh_infeasibility(adapter.shape(sub), d1, d2)
+        r.error = layout_infeasibility(adapter.shape(sub), d1, d2)
         if r.error is None:
             mesh = init_mesh((d1, d2))
             apply_plan(model, prefixed(name, adapter.parallel_plan(sub)), mesh)

@@ -4,7 +4,7 @@
 
 1. **Calibration** (:mod:`atp_pipeline.run.calibrate`, one launch of ``--world`` gloo
    processes): the four collectives over every group layout and message size, α/β fitted
-   per level by least squares (:mod:`atp_pipeline.planning.calibrate`); criterion:
+   per level by least squares (:mod:`atp_pipeline.planning.alphabeta_fit`); criterion:
    held-out median relative error ≤ 25 %. Writes the topology
    ``<out>/conf/topology/<name>.yaml`` and loads it back through
    :meth:`Topology.from_config` and :meth:`AlphaBeta.from_topology` — the path
@@ -37,7 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from atp_pipeline.planning import calibrate as cal
+from atp_pipeline.planning import alphabeta_fit as cal
+from atp_pipeline.planning.lstsq import spearman
 from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, compile_problem, transformer
 from atp_pipeline.planning.sbp.schedule import schedule
 from atp_pipeline.planning.sbp.space import Problem
@@ -154,7 +155,7 @@ def run(world: int, out: Path, name: str, strategies: int, hidden: int, heads: i
                      "measured_s": m, "runs": list(runs), "collectives": len(sch),
                      "calls": sum(c.times for c in sch),
                      "volume_bytes_per_device": problem.volume(a)})
-    rho = cal.spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     for r in sorted(rows, key=lambda r: r["measured_s"]):
         print(f"  {r['name'] or 'S' + str(r['id']):<16} {r['strategy']:<40} predicted "
               f"{r['predicted_s'] * 1e3:8.2f} ms  measured {r['measured_s'] * 1e3:8.2f} ms")

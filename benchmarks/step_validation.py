@@ -10,7 +10,7 @@ a topology that carries its own ``alpha_beta`` and ``device.compute``. This comm
 steps only; it never calibrates.
 
 **Out of sample by construction.** A point is *in sample* when the calibration ran its
-model (the same shape: :func:`atp_pipeline.planning.steptime.shape_key`) or ran any probe at
+model (the same shape: :func:`atp_pipeline.planning.compute_profile.shape_key`) or ran any probe at
 its mesh with its batch and sequence length (the profile's ``probes``). Such points are
 refused (exit 2, listed) unless ``--allow-in-sample``, which keeps them flagged
 (``in_sample``) and out of the out-of-sample figures.
@@ -164,7 +164,7 @@ def rel_error(pred: float, meas: float) -> float:
 def in_sample(profile: Any, shape: Any, mesh: Tuple[int, int], world: int) -> str:
     """Why a point is in the calibration's sample ('' if it is not): the calibration ran its
     model, or a probe at its mesh with its batch and sequence length."""
-    from atp_pipeline.planning.steptime import shape_key
+    from atp_pipeline.planning.compute_profile import shape_key
 
     key = shape_key(shape)
     for p in profile.probes:
@@ -178,7 +178,7 @@ def in_sample(profile: Any, shape: Any, mesh: Tuple[int, int], world: int) -> st
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Median / worst relative error, Spearman's ρ overall and per model, and predicted-best =
     measured-best per group (model variant × processes × interconnect)."""
-    from atp_pipeline.planning.calibrate import spearman
+    from atp_pipeline.planning.lstsq import spearman
 
     if not rows:
         return {"points": 0}
@@ -363,7 +363,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
-    from atp_pipeline.planning.steptime import StepSetting, estimate_step, profile_of
+    from atp_pipeline.planning.compute_profile import profile_of
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
     from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml
     from atp_pipeline.run.hostload import wait_quiet
 

@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning import calibrate as cal
+from atp_pipeline.planning import alphabeta_fit as cal
+from atp_pipeline.planning.alphabeta_fit import Sample
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
-from atp_pipeline.planning.calibrate import Sample
+from atp_pipeline.planning.lstsq import spearman
 from atp_pipeline.planning.sbp import (AlphaBeta, Collective, LinkLevel, MemoryModel,
                                        compile_problem, transformer)
 from atp_pipeline.planning.sbp.schedule import schedule
@@ -120,9 +121,9 @@ def test_schedule_is_exactly_what_the_model_charges() -> None:
 
 
 def test_spearman_with_ties() -> None:
-    assert cal.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert cal.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert cal.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
 
 
 def test_bad_input_is_one_line(capsys) -> None:

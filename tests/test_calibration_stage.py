@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from atp_pipeline.planning import steptime as st
-from atp_pipeline.planning.calibrate import write_topology
+from atp_pipeline.planning import compute_profile as cp, kernels as kn
+from atp_pipeline.planning.alphabeta_fit import write_topology
+from atp_pipeline.planning.shape import ModelShape
 
 from .conftest import CONF
 
@@ -27,7 +28,7 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert row["calibration"] == str(path) and path.is_file()
     out = capsys.readouterr().out
     assert "kernels, probes, loops" in out and f"wrote {path}" in out  # the progress bar's parts, the file
-    prof = st.ComputeProfile.from_config(__import__("yaml").safe_load(path.read_text())["device"]["compute"])
+    prof = cp.ComputeProfile.from_config(__import__("yaml").safe_load(path.read_text())["device"]["compute"])
     assert prof.processes == 2 and set(prof.contention) == {1, 2} and prof.framework is not None
     assert {p.name for p in prof.probes} == {"probe_gpt_s"} and prof.date
     plan = plan_from_config(compose_cfg(*two, "model=tiny"))
@@ -46,12 +47,12 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
     with, is in sample: refused in one line (exit 2), or flagged with --allow-in-sample."""
     from benchmarks import step_validation as sv
 
-    tiny = st.ModelShape(name="tiny", hidden=64, heads=8, layers=2, seq_len=64, vocab_size=256, ffn=256,
+    tiny = ModelShape(name="tiny", hidden=64, heads=8, layers=2, seq_len=64, vocab_size=256, ffn=256,
                          batch_size=8)
-    other = st.ModelShape(name="other", hidden=32, heads=4, layers=1, seq_len=64, vocab_size=256, ffn=128,
+    other = ModelShape(name="other", hidden=32, heads=4, layers=1, seq_len=64, vocab_size=256, ffn=128,
                           batch_size=8)
-    probes = (st.Probe("p_tiny", st.shape_key(tiny), (4, 1), 6, 48), st.Probe("p_b", "x", (2, 2), 8, 64))
-    prof = st.ComputeProfile("c", "test", {k: st.KindFit(1e-6, 1e-9) for k in st.KINDS}, processes=4,
+    probes = (cp.Probe("p_tiny", cp.shape_key(tiny), (4, 1), 6, 48), cp.Probe("p_b", "x", (2, 2), 8, 64))
+    prof = cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS}, processes=4,
                              probes=probes)
     assert sv.in_sample(prof, tiny, (1, 4), 4) == "model calibrated (probe p_tiny)"
     assert sv.in_sample(prof, other, (2, 2), 4).startswith("mesh 2x2 with batch 8 and sequence 64 calibrated")

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from atp_pipeline.config.schema import CostModel, MeshConfig, ModelConfig, PlannerConfig
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning import steptime as st
+from atp_pipeline.planning import comm_clock as cc, compute_profile as cp, kernels as kn, step_program as sp, steptime as st
 from atp_pipeline.planning.cost import ALL_REDUCE, CommTerm, comm_terms, predicted_elements
 from atp_pipeline.planning.search import make_plan
 from atp_pipeline.planning.shape import ModelShape
@@ -32,10 +32,10 @@ TIED_OPT = ModelShape(name="opt", hidden=64, heads=8, layers=1, seq_len=16, voca
                       batch_size=2)
 
 
-def _flat(us: float) -> st.ComputeProfile:
+def _flat(us: float) -> cp.ComputeProfile:
     """Every kernel ``us`` microseconds, whatever its size."""
-    fit = st.KindFit(us * 1e-6, 0.0)
-    return st.ComputeProfile("flat", "test", {k: fit for k in st.KINDS}, peak_flops=1e9)
+    fit = cp.KindFit(us * 1e-6, 0.0)
+    return cp.ComputeProfile("flat", "test", {k: fit for k in kn.KINDS}, peak_flops=1e9)
 
 
 @pytest.mark.parametrize("shape, meshes, chunks", [
@@ -48,15 +48,15 @@ def test_schedule_sends_exactly_the_runtime_cost_models_collectives(shape, meshe
         terms = comm_terms(CostModel.runtime, shape, mesh)
         want = predicted_elements(terms, shape.tokens_per_step, shape.layers)
         for c in chunks:
-            prog, _ = st.build_program(shape, mesh, shape.batch_size, c)
-            assert st.placed_elements(prog) == want, (shape.name, mesh, c)
+            prog, _ = sp.build_program(shape, mesh, shape.batch_size, c)
+            assert sp.placed_elements(prog) == want, (shape.name, mesh, c)
 
 
 def test_a_term_the_schedule_does_not_place_is_an_error():
     extra = CommTerm("f9", "a collective the runtime does not send", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
     terms = comm_terms(CostModel.runtime, GPT, (2, 2)) + [extra]
     with pytest.raises(ValueError, match="not placed exactly once: f9/fwd/d1"):
-        st.build_program(GPT, (2, 2), GPT.batch_size, 1, terms)
+        sp.build_program(GPT, (2, 2), GPT.batch_size, 1, terms)
 
 
 def test_backward_all_reduce_hides_behind_the_weight_gradient_gemm():
@@ -64,11 +64,11 @@ def test_backward_all_reduce_hides_behind_the_weight_gradient_gemm():
     topo = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1,
                                                           "group_GBps": 1}]})
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
-    gemm = st.Kernel(st.GEMM, (10, 10, 10))
+    gemm = kn.Kernel(kn.GEMM, (10, 10, 10))
     # 4000 B (4 us at 1 GB/s) hides behind the 5-us wgrad; 32000 B (32 us) shows 27 us of it
     for elements, want in ((1000, 10e-6), (8000, 5e-6 + 32e-6)):
-        tl = st._Timeline(st.CommClock(topo, (2, 1), 4), _flat(5.0), 4)
-        tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
+        tl = st._Timeline(cc.CommClock(topo, (2, 1), 4), _flat(5.0), 4)
+        tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
         assert tl.now == pytest.approx(want)
         assert tl.compute == pytest.approx(10e-6)
 
@@ -77,15 +77,15 @@ def test_chunks_hide_forward_collectives_behind_the_next_chunks_compute():
     """§4.1: with compute free, the step is the collectives one after another on their links;
     with communication free, it is the compute; chunks hide part of a mixed step."""
     topo = Topology.from_config(OmegaConf.load(CONF / "topology" / "local.yaml"))
-    free = st.ComputeProfile("free", "test", {k: st.KindFit(0.0, 0.0) for k in st.KINDS})
+    free = cp.ComputeProfile("free", "test", {k: cp.KindFit(0.0, 0.0) for k in kn.KINDS})
     one = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=1), free)
     assert one.step_s == pytest.approx(one.total_comm_s) and one.compute_s == 0
     fast = topo.to_dict()
     fast["levels"][0].update(p2p_GBps=1e12, group_GBps=1e12)
     quick = st.estimate_step(Topology.from_config(fast), GPT, (2, 2), st.StepSetting(chunks=1), _flat(10.0))
     assert quick.step_s == pytest.approx(quick.compute_s, rel=1e-6)
-    prog, _ = st.build_program(GPT, (2, 2), GPT.batch_size, 1)
-    kernels = sum(1 for i in st._all_items(prog) if i[0] == "k")
+    prog, _ = sp.build_program(GPT, (2, 2), GPT.batch_size, 1)
+    kernels = sum(1 for i in sp.all_items(prog) if i[0] == "k")
     assert quick.compute_s == pytest.approx(kernels * 10e-6)
     c1 = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=1), _flat(200.0))
     c2 = st.estimate_step(topo, GPT, (2, 2), st.StepSetting(chunks=2), _flat(100.0))
@@ -129,12 +129,12 @@ def test_objective_comm_reproduces_todays_selections_on_every_preset():
 
 
 def _calibrated_topology(tmp_path: Path) -> Path:
-    from atp_pipeline.planning.calibrate import write_topology
+    from atp_pipeline.planning.alphabeta_fit import write_topology
     from atp_pipeline.run.calibrate_compute import make_profile, sweep_kernels
 
     kernels = sweep_kernels()
     # a made-up device: 1 us per call plus 1 ns per unit of work (optimizer: 3 us per tensor)
-    seconds = [3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
+    seconds = [3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == kn.OPTIMIZER else 1e-6 + 1e-9 * k.work
                for k in kernels]
     profile = make_profile("fake4", kernels, seconds, 4)
     cfg = {"name": "fake4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
@@ -147,18 +147,18 @@ def _calibrated_topology(tmp_path: Path) -> Path:
 def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
     path = _calibrated_topology(tmp_path)
     topo = Topology.from_config(OmegaConf.load(path))
-    prof = st.profile_of(topo)
+    prof = cp.profile_of(topo)
     assert prof is not None and prof.name == "fake4" and prof.processes == 4
-    gemm = prof.fits[st.GEMM]
+    gemm = prof.fits[kn.GEMM]
     assert gemm.alpha_s == pytest.approx(1e-6, rel=1e-3) and gemm.per_unit_s == pytest.approx(1e-9, rel=1e-3)
-    assert prof.fits[st.OPTIMIZER].per_tensor_s == pytest.approx(3e-6, rel=1e-3)
-    k = st.Kernel(st.GEMM, (128, 64, 256))  # a measured point: its own time
+    assert prof.fits[kn.OPTIMIZER].per_tensor_s == pytest.approx(3e-6, rel=1e-3)
+    k = kn.Kernel(kn.GEMM, (128, 64, 256))  # a measured point: its own time
     assert prof.seconds(k) == pytest.approx(1e-6 + 1e-9 * k.work, rel=1e-5)
-    unseen = st.Kernel(st.GEMM, (7, 7, 7))  # below the sweep: the fit
+    unseen = kn.Kernel(kn.GEMM, (7, 7, 7))  # below the sweep: the fit
     assert prof.seconds(unseen) == pytest.approx(1e-6 + 1e-9 * 686, rel=1e-3)
-    between = st.Kernel(st.GEMM, (GPT.tokens_per_step, 32, 96))  # inside the sweep: log-log interpolation
-    lo, hi = [max(p for p in prof._curves()[st.GEMM] if p[0] <= between.work),
-              min(p for p in prof._curves()[st.GEMM] if p[0] >= between.work)]
+    between = kn.Kernel(kn.GEMM, (GPT.tokens_per_step, 32, 96))  # inside the sweep: log-log interpolation
+    lo, hi = [max(p for p in prof._curves()[kn.GEMM] if p[0] <= between.work),
+              min(p for p in prof._curves()[kn.GEMM] if p[0] >= between.work)]
     assert lo[1] <= prof.seconds(between) <= hi[1] and lo[0] < between.work < hi[0]
     assert prof.seconds(between) == pytest.approx(1e-6 + 1e-9 * between.work, rel=0.05)
     plan = make_plan(topo, GPT, MeshConfig(), PlannerConfig())
@@ -204,12 +204,12 @@ def test_no_compute_profile_falls_back_to_communication_with_a_note(compose_cfg,
 
 def test_bad_values_are_one_clear_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^topology 't': device.compute.fits.gemm: alpha_us, ns_per_unit"):
-        st.profile_of(Topology.from_config({
+        cp.profile_of(Topology.from_config({
             "name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1, "group_GBps": 1}],
             "device": {"compute": {"name": "x", "fits": {k: {"alpha_us": -1 if k == "gemm" else 1,
-                                                             "ns_per_unit": 1} for k in st.KINDS}}}}))
+                                                             "ns_per_unit": 1} for k in kn.KINDS}}}}))
     with pytest.raises(ConfigError, match="missing kernel kinds"):
-        st.ComputeProfile.from_config({"name": "x", "fits": {"gemm": {"alpha_us": 1, "ns_per_unit": 1}}})
+        cp.ComputeProfile.from_config({"name": "x", "fits": {"gemm": {"alpha_us": 1, "ns_per_unit": 1}}})
     from atp_pipeline.run import calibrate_compute
 
     assert calibrate_compute.main(["--world", "4", "--topology", "nosuch"]) == 2
@@ -230,18 +230,18 @@ def _two() -> Topology:
 def test_framework_cost_is_added_around_each_kernel_and_collective_but_the_optimizer():
     """A kernel costs seconds·(1 + kernel_factor) + per_kernel_s in the step, a collective call
     per_collective_s + bytes·per_collective_byte_s of the rank's CPU before it launches."""
-    fw = st.Framework(4e-6, 0.5, 7e-6, 1e-12)
-    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, framework=fw)
-    gemm, opt = st.Kernel(st.GEMM, (8, 8, 8)), st.Kernel(st.OPTIMIZER, (3, 100))
+    fw = cp.Framework(4e-6, 0.5, 7e-6, 1e-12)
+    prof = cp.ComputeProfile("p", "test", _flat(10.0).fits, framework=fw)
+    gemm, opt = kn.Kernel(kn.GEMM, (8, 8, 8)), kn.Kernel(kn.OPTIMIZER, (3, 100))
     assert prof.step_kernel_seconds(gemm) == pytest.approx(10e-6 * 1.5 + 4e-6)
     assert prof.step_kernel_seconds(opt) == pytest.approx(10e-6)  # timed as the runtime runs it
-    assert st.ComputeProfile("q", "test", _flat(10.0).fits).step_kernel_seconds(gemm) == pytest.approx(10e-6)
+    assert cp.ComputeProfile("q", "test", _flat(10.0).fits).step_kernel_seconds(gemm) == pytest.approx(10e-6)
     free = Topology.from_config({"name": "f", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1e12,
                                                          "group_GBps": 1e12}]})
     est = st.estimate_step(free, GPT, (2, 2), st.StepSetting(chunks=2), prof)
-    prog, _ = st.build_program(GPT, (2, 2), GPT.batch_size, 2)
-    items = list(st._all_items(prog))
-    n = sum(1 for i in items if i[0] == "k" and i[1].kind != st.OPTIMIZER)
+    prog, _ = sp.build_program(GPT, (2, 2), GPT.batch_size, 2)
+    items = list(sp.all_items(prog))
+    n = sum(1 for i in items if i[0] == "k" and i[1].kind != kn.OPTIMIZER)
     colls = [i[1] for i in items if i[0] in ("sync", "async", "linear")]
     nbytes = float(sum(c.elements for c in colls)) * GPT.bytes_per_element
     coll_fw = len(colls) * 7e-6 + nbytes * 1e-12
@@ -255,7 +255,7 @@ def test_contention_scales_every_calibrated_time_by_the_runs_processes():
     """The profile measured at 4 processes; a 2-process run on the host takes the measured
     factor of every calibrated time (kernels, framework, the fitted alpha-beta); counts
     between are interpolated, beyond the largest proportional."""
-    prof = st.ComputeProfile("p", "test", _flat(10.0).fits, processes=4, framework=st.Framework(2e-6),
+    prof = cp.ComputeProfile("p", "test", _flat(10.0).fits, processes=4, framework=cp.Framework(2e-6),
                              contention={1: 0.45, 2: 0.5, 4: 1.0})
     assert [prof.contention_factor(p) for p in (1, 2, 3, 4, 8)] == pytest.approx([0.45, 0.5, 0.75, 1.0, 2.0])
     ab = {"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
@@ -264,7 +264,7 @@ def test_contention_scales_every_calibrated_time_by_the_runs_processes():
     at4 = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
     at2 = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
     bare = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(),
-                            st.ComputeProfile("p", "test", prof.fits, processes=4, framework=prof.framework))
+                            cp.ComputeProfile("p", "test", prof.fits, processes=4, framework=prof.framework))
     assert at2.step_s == pytest.approx(0.5 * bare.step_s) and at2.compute_s == pytest.approx(0.5 * bare.compute_s)
     assert "contention x0.500 at 2 processes (calibrated at 4)" in at2.calibration
     assert "contention x1.000 at 4 processes" in at4.calibration
@@ -273,20 +273,20 @@ def test_contention_scales_every_calibrated_time_by_the_runs_processes():
 def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_emulation():
     """extra = alpha + per_compute x (compute since the rank's previous collective), added to
     the real transfer; the emulated link's time bounds it from below."""
-    prof = st.ComputeProfile("p", "test", _flat(5.0).fits, sync=st.SyncFit(3e-6, 0.2))
+    prof = cp.ComputeProfile("p", "test", _flat(5.0).fits, sync=cp.SyncFit(3e-6, 0.2))
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
-    gemm = st.Kernel(st.GEMM, (10, 10, 10))
-    coll = st.Coll(term, Fraction(1), 1000)  # 4000 B at 1 GB/s: 4 us
-    tl = st._Timeline(st.CommClock(_two(), (2, 1), 4), prof, 4)
+    gemm = kn.Kernel(kn.GEMM, (10, 10, 10))
+    coll = sp.Coll(term, Fraction(1), 1000)  # 4000 B at 1 GB/s: 4 us
+    tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
     tl.run([("k", gemm), ("k", gemm), ("sync", coll), ("k", gemm), ("sync", coll)], [])
     # 10 us compute, 4 + 3 + 2 us; 5 us compute, 4 + 3 + 1 us
     assert tl.now == pytest.approx(10e-6 + 9e-6 + 5e-6 + 8e-6)
     assert tl.sync == pytest.approx(5e-6 + 4e-6) and tl.comm_total == pytest.approx(17e-6)
-    slow = st.CommClock(_two(), (2, 1), 4, emulated=(_two(), 5.0))  # 20 us emulated
+    slow = cc.CommClock(_two(), (2, 1), 4, emulated=(_two(), 5.0))  # 20 us emulated
     tl = st._Timeline(slow, prof, 4)
     tl.run([("k", gemm), ("k", gemm), ("sync", coll)], [])
     assert tl.now == pytest.approx(10e-6 + 20e-6) and tl.sync == 0
-    none = st._Timeline(st.CommClock(_two(), (1, 2), 4), prof, 4)  # size-1 dimension: no collective, no sync
+    none = st._Timeline(cc.CommClock(_two(), (1, 2), 4), prof, 4)  # size-1 dimension: no collective, no sync
     none.run([("k", gemm), ("sync", coll)], [])
     assert none.now == pytest.approx(5e-6)
 
@@ -294,31 +294,31 @@ def test_sync_cost_grows_with_the_compute_before_a_collective_and_hides_under_em
 def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_compute():
     """hidden = 0.25: the compute that overlapped a collective's real transfer is late by 75 %
     of that overlap; an emulated link's sleep takes nothing from it."""
-    prof = st.ComputeProfile("p", "test", _flat(5.0).fits, sync=st.SyncFit(0.0, 0.0, 0.25))
+    prof = cp.ComputeProfile("p", "test", _flat(5.0).fits, sync=cp.SyncFit(0.0, 0.0, 0.25))
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
-    gemm = st.Kernel(st.GEMM, (10, 10, 10))
+    gemm = kn.Kernel(kn.GEMM, (10, 10, 10))
     for elements, want in ((1000, 10e-6 + 0.75 * 4e-6),  # 4 us hidden behind the 5-us wgrad: 3 us back
                            (8000, 5e-6 + 32e-6)):  # 32 us, its 5-us overlap (+3.75 us) still inside
-        tl = st._Timeline(st.CommClock(_two(), (2, 1), 4), prof, 4)
-        tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
+        tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
+        tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), elements)), ("k", gemm), ("join",)], [])
         assert tl.now == pytest.approx(want)
         assert tl.compute == pytest.approx(10e-6)
-    emu = st.CommClock(_two(), (2, 1), 4, emulated=(_two(), 10.0))  # 4 us real, 40 us emulated
+    emu = cc.CommClock(_two(), (2, 1), 4, emulated=(_two(), 10.0))  # 4 us real, 40 us emulated
     tl = st._Timeline(emu, prof, 4)
-    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000)), ("k", gemm), ("k", gemm), ("join",)], [])
+    tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("k", gemm), ("join",)], [])
     assert tl.now == pytest.approx(5e-6 + 40e-6) and tl.sync == 0
     tl = st._Timeline(emu, prof, 4)
-    tl.run([("k", gemm), ("linear", st.Coll(term, Fraction(1), 1000))] + [("k", gemm)] * 9 + [("join",)], [])
+    tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000))] + [("k", gemm)] * 9 + [("join",)], [])
     assert tl.now == pytest.approx(50e-6 + 0.75 * 4e-6)  # only the 4-us transfer took CPU
 
 
 def test_profile_with_runtime_terms_round_trips_and_names_them():
-    probe = st.Probe("probe_gpt_s", st.shape_key(GPT), (2, 2), 6, 48)
-    prof = st.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(st.GEMM, (2, 3, 4)): 7e-6},
-                             framework=st.Framework(30e-6, 0.25, 400e-6, 2e-9),
-                             sync=st.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True",
+    probe = cp.Probe("probe_gpt_s", cp.shape_key(GPT), (2, 2), 6, 48)
+    prof = cp.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(kn.GEMM, (2, 3, 4)): 7e-6},
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9),
+                             sync=cp.SyncFit(150e-6, 0.125, 0.75), optimizer="AdamW foreach=True",
                              contention={1: 0.5, 4: 1.0}, date="2026-11-26T13:00:00Z", probes=(probe,))
-    back = st.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
     assert back.to_config() == prof.to_config()
     assert dataclasses.astuple(back.framework) == pytest.approx(dataclasses.astuple(prof.framework))
     assert back.probes == (probe,) and back.contention == {1: 0.5, 4: 1.0}
@@ -328,15 +328,15 @@ def test_profile_with_runtime_terms_round_trips_and_names_them():
                     "per collective; sync 150 us + 0.125 x compute per collective, 75% of overlap hidden; "
                     "optimizer AdamW foreach=True; contention x0.500 at 1 processes (calibrated at 1)")
     with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
-        st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
+        cp.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
     with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
-        st.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
+        cp.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": 1, "hidden": 1.5}})
     with pytest.raises(ConfigError, match=r"framework: per_kernel_us, per_collective_us, .* kernel_factor > -1"):
-        st.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "kernel_factor": -1}})
+        cp.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "kernel_factor": -1}})
     with pytest.raises(ConfigError, match=r"device.compute: unknown key\(s\) dispatch \(a profile of an older schema"):
-        st.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"styles": {"per_kernel_us": 1}}})
+        cp.ComputeProfile.from_config({**prof.to_config(), "dispatch": {"styles": {"per_kernel_us": 1}}})
     with pytest.raises(ConfigError, match=r"contention: processes >= 1 -> finite factor > 0"):
-        st.ComputeProfile.from_config({**prof.to_config(), "contention": {0: 1.0}})
+        cp.ComputeProfile.from_config({**prof.to_config(), "contention": {0: 1.0}})
 
 
 def test_calibration_fits_recover_the_runtime_terms_exactly():
@@ -346,14 +346,14 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
 
     kernels = cc.sweep_kernels()
     # optimizer: 40 us + 3 us per tensor + 1 ns per element (foreach: a per-step constant)
-    seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == st.OPTIMIZER else 1e-6 + 1e-9 * k.work
+    seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == kn.OPTIMIZER else 1e-6 + 1e-9 * k.work
                for k in kernels]
     base = cc.make_profile("x", kernels, seconds, 4)
-    opt = base.fits[st.OPTIMIZER]
+    opt = base.fits[kn.OPTIMIZER]
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
     assert len(plans) == 2 * 3 * 2  # each probe: 3 meshes x 2 chunk counts (one runtime chunks every model)
-    want = st.Framework(20e-6, 0.25, 300e-6, 1e-9)
+    want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9)
     plan_s = [cc.framework_seconds(want, cc.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
               for mi, d1, d2, c in plans]
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
@@ -404,7 +404,7 @@ def test_calibration_times_the_runtime_terms_on_processes():
     assert (tiny.hidden, tiny.layers, tiny.batch_size, tiny.seq_len) == (48, 1, 6, 48)
     plans = [p for p in cc.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
     patterns = [p for p in cc.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
-    kernels = [st.Kernel(st.OPTIMIZER, (4, 1000))]
+    kernels = [kn.Kernel(kn.OPTIMIZER, (4, 1000))]
     got, foreign = cc.measure_with_load(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
                                         models=[spec], patterns=patterns)
     assert len(got) == 4 and all(0 < t < 5 for t in got)
@@ -412,11 +412,11 @@ def test_calibration_times_the_runtime_terms_on_processes():
 
 
 def test_bounded_least_squares_is_the_constrained_optimum():
-    """One fit routine (planning.calibrate.bounded_lstsq) for every calibration: free
+    """One fit routine (planning.lstsq.bounded_lstsq) for every calibration: free
     coefficients where the data put them inside their bounds, at the bound otherwise."""
     import numpy as np
 
-    from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
+    from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 
     rng = np.random.default_rng(0)
     A = rng.uniform(0.5, 2.0, (40, 2))

@@ -86,7 +86,7 @@ def test_planning_models_of_the_split_head():
     from dataclasses import replace
 
     from atp_pipeline.planning.memory import logits_bytes, per_device_memory
-    from atp_pipeline.planning.shape import ModelShape, mesh_infeasibility
+    from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 
     base = ModelShape(name="llama3-8b", hidden=4096, heads=32, layers=32, seq_len=2048, vocab_size=128256,
                       ffn=14336, kv_heads=8, gated=True, norm="rmsnorm", bias=False, position="rotary",
@@ -98,6 +98,6 @@ def test_planning_models_of_the_split_head():
     tied = replace(base, tied_embeddings=True, head_layout="tied")
     assert per_device_memory(tied, (2, 2)).params - per_device_memory(replace(tied, head_layout="vocab_split"),
                                                                       (2, 2)).params == 128256 * 4096 / 2 / 2
-    assert mesh_infeasibility(replace(split, vocab_size=128257), 2, 2)
+    assert layout_infeasibility(replace(split, vocab_size=128257), 2, 2)
     with pytest.raises(ValueError):
         replace(base, head_layout="tied")

@@ -135,7 +135,7 @@ class CalibratedMeshConfig:
 @dataclass
 class DeviceConfig:
     """A device: its memory, its datasheet peak (the step-time model's compute where it has
-    no calibration: :meth:`~atp_pipeline.planning.steptime.ComputeProfile.from_spec`) and
+    no calibration: :meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.from_spec`) and
     ``compute``, a measured compute profile written by ``python -m
     atp_pipeline.run.calibrate_compute`` (read by :mod:`atp_pipeline.planning.steptime`)."""
 

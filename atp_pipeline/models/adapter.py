@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.shape import ModelShape, mesh_infeasibility
+from atp_pipeline.planning.shape import ModelShape
 
 BUILTIN = ("atp_pipeline.models.gpt.adapter", "atp_pipeline.models.hf.adapter")
 
@@ -82,10 +82,6 @@ class ModelAdapter(ABC):
         """Write the laid-out ``module`` in the family's own format (collective: every rank
         calls it); None if the family has no such format."""
         return None
-
-    def mesh_infeasibility(self, shape: ModelShape, d1: int, d2: int) -> Optional[str]:
-        """Why this family cannot run on ``DeviceMesh(d1, d2)``; default: ATP's layout rules."""
-        return mesh_infeasibility(shape, d1, d2)
 
     def sbp_linears(self, module: nn.Module) -> Mapping[str, str]:
         """``{module name: SBP layer key}`` of the module's matmuls (relative names; keys of

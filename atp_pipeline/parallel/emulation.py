@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from atp_pipeline.planning.steptime import EmulatedLinks
+from atp_pipeline.planning.comm_clock import EmulatedLinks
 from atp_pipeline.topology.model import Topology
 
 
 class TopologyEmulator(EmulatedLinks):
-    """The modeled time of each collective (:class:`~atp_pipeline.planning.steptime.EmulatedLinks`,
+    """The modeled time of each collective (:class:`~atp_pipeline.planning.comm_clock.EmulatedLinks`,
     the formula the step-time model predicts emulated steps with), for :class:`~.comm.Comm`."""
 
     def __init__(self, topology: Topology, mesh: Tuple[int, int], slowdown: float = 1.0) -> None:

@@ -22,7 +22,8 @@ from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.gradsync import GradBucket, dp_bucket
 from atp_pipeline.planning.memory import per_device_memory
 from atp_pipeline.planning.shape import ModelShape
-from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting
+from atp_pipeline.planning.compute_profile import ComputeProfile
+from atp_pipeline.planning.steptime import StepEstimate, StepSetting
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]

@@ -22,10 +22,11 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
 from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
 from atp_pipeline.planning.shape import ModelShape
-from atp_pipeline.planning.shape import mesh_infeasibility as _shape_infeasibility
+from atp_pipeline.planning.shape import layout_infeasibility
 from atp_pipeline.planning.memory import memory_infeasibility, per_device_memory
 from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
-from atp_pipeline.planning.steptime import ComputeProfile, StepEstimate, StepSetting, estimate_step, profile_of
+from atp_pipeline.planning.compute_profile import ComputeProfile, profile_of
+from atp_pipeline.planning.steptime import StepEstimate, StepSetting, estimate_step
 from atp_pipeline.topology.model import Topology
 
 
@@ -48,10 +49,10 @@ def candidate_meshes(n: int) -> List[Mesh]:
 
 def mesh_infeasibility(model: ModelShape, mesh: Mesh, topo: Optional[Topology] = None,
                        setting: Optional[StepSetting] = None) -> Optional[str]:
-    """Why the runtime cannot run ``model`` on ``mesh`` (None if it can): the heads must
-    split over it, and with ``topo``'s device memory known, the per-device estimate of
+    """Why the runtime cannot run ``model`` on ``mesh`` (None if it can): ATP's layout must
+    split it (:func:`~atp_pipeline.planning.shape.layout_infeasibility`), and with ``topo``'s device memory known, the per-device estimate of
     ``setting``'s dp replicas (sharded by FSDP when it says so) must fit it."""
-    why = _shape_infeasibility(model, *mesh)
+    why = layout_infeasibility(model, *mesh)
     if why or topo is None:
         return why
     s = setting or StepSetting()
@@ -144,10 +145,10 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
         if planner.require_divisible:
             eligible = [c for c in eligible if c.infeasible is None]
             if not eligible:
-                if all(_shape_infeasibility(model, *c.mesh) for c in candidates):
+                if all(layout_infeasibility(model, *c.mesh) for c in candidates):
                     raise ConfigError(f"no 2D mesh of {n} devices splits the {model.heads} heads of "
                                       f"model '{model.name}' evenly (need heads % (d1*d2) == 0)")
-                fits = [c for c in candidates if not _shape_infeasibility(model, *c.mesh)]  # memory-bound
+                fits = [c for c in candidates if not layout_infeasibility(model, *c.mesh)]  # memory-bound
                 least = min(fits, key=lambda c: per_device_memory(model, c.mesh, setting.dp, setting.fsdp).total_bytes)
                 raise ConfigError(f"no 2D mesh of {n} devices can run model '{model.name}'; the least memory: "
                                   f"{least.infeasible}")

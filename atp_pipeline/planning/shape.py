@@ -246,7 +246,7 @@ def kv_placement(shape: ModelShape, d1: int, d2: int) -> str:
     return KV_SCATTER if shape.kv_heads == shape.heads else kv_layout(shape.kv_heads, d1, d2)
 
 
-def mesh_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
+def layout_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
     """Why ATP's layout (§3.2) cannot run ``shape`` on ``DeviceMesh(d1, d2)``, or None.
 
     Attention heads are column-first over d1 and scattered over d2, so they split over

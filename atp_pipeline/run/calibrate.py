@@ -4,7 +4,7 @@
     python train.py 'hydra.searchpath=[atpmesh://,file://'$PWD'/outputs/conf]' topology=calib_local stage=plan
 
 The measuring half of calibration: this module runs collectives on processes; the fit, its
-quality check and the written topology are :mod:`atp_pipeline.planning.calibrate` (pure).
+quality check and the written topology are :mod:`atp_pipeline.planning.alphabeta_fit` (pure).
 
 **Measure.** One launch of ``--world`` processes (:func:`atp_pipeline.launch.spawn`,
 gloo) runs the four collectives of Table 2 — all-reduce, all-gather, reduce-scatter and
@@ -18,7 +18,7 @@ batch ``k`` back-to-back calls (``k`` chosen from the warm-up so a batch lasts a
 ``--batch-ms``). A batch's time is the median over ranks of each rank's elapsed time / k,
 and a point's time the median over passes.
 
-**Fit** (:func:`atp_pipeline.planning.calibrate.fit_calibration`): α and β per level by
+**Fit** (:func:`atp_pipeline.planning.alphabeta_fit.fit_calibration`): α and β per level by
 least squares, per collective and as the paper's one pair, 25 % of the points held out to
 report the fit's median relative error (criterion ≤ 25 %).
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.calibrate import (COLLECTIVES, CalibrationResult, LevelSpec, Sample,
+from atp_pipeline.planning.alphabeta_fit import (COLLECTIVES, CalibrationResult, LevelSpec, Sample,
                                              fit_calibration, level_specs, load_samples,
                                              print_summary, write_report, write_topology)
 from atp_pipeline.planning.sbp.alphabeta import Collective
@@ -240,7 +240,7 @@ def combine(per_rank: Sequence[Sequence[Sequence[float]]]) -> List[Tuple[float, 
 def calibrate(spec: SweepSpec, name: str, levels: Sequence[LevelSpec], seed: int = 0,
               samples: Optional[List[Sample]] = None) -> CalibrationResult:
     """Measure (unless ``samples`` are given), fit, evaluate on held-out points
-    (:func:`~atp_pipeline.planning.calibrate.fit_calibration`)."""
+    (:func:`~atp_pipeline.planning.alphabeta_fit.fit_calibration`)."""
     t0 = time.perf_counter()
     if samples is None:
         samples = measure(spec)

@@ -61,10 +61,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.calibrate import bounded_lstsq, nnls
-from atp_pipeline.planning.steptime import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER,
-                                            POINTWISE, CommClock, ComputeProfile, Framework, Kernel, KindFit, Probe,
-                                            SyncFit, _all_items, build_program, shape_key)
+from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
+from atp_pipeline.planning.comm_clock import CommClock
+from atp_pipeline.planning.compute_profile import ComputeProfile, Framework, KindFit, Probe, SyncFit, shape_key
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
+                                           Kernel)
+from atp_pipeline.planning.step_program import all_items, build_program
 
 CONF = Path("conf")
 OPTIMIZER_DESC = "AdamW foreach=True over DTensor parameters (lightning.module.adamw)"
@@ -410,7 +412,7 @@ def _contention_worker(rank: int, world: int, counts: Sequence[int], passes: int
 
 def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0, timeout: float = 600.0) -> Dict[int, float]:
     """The slowdown of CPU work with ``P`` processes on the host against ``world`` of them
-    (:meth:`~atp_pipeline.planning.steptime.ComputeProfile.contention_factor`): the geometric
+    (:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.contention_factor`): the geometric
     mean over :data:`CONTENTION_KERNELS` (an overhead-bound GEMM, a compute-bound one, an
     elementwise kernel) of their time on ``P`` concurrent processes over their time on
     ``world``. One launch of ``world`` processes; in every pass the counts take turns (the
@@ -444,9 +446,9 @@ def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], ch
                   batch: Optional[int] = None) -> Tuple[float, int, int, float]:
     """What the framework cost of a plan's forward and backward is fitted over: the
     profile's seconds ``K`` of its ``n`` kernels (but the optimizer), its ``m`` collective
-    calls and the bytes ``B`` they move (:func:`~atp_pipeline.planning.steptime.build_program`)."""
+    calls and the bytes ``B`` they move (:func:`~atp_pipeline.planning.step_program.build_program`)."""
     prog, _ = build_program(shape, mesh, shape.batch_size if batch is None else batch, chunks)
-    items = list(_all_items(prog))
+    items = list(all_items(prog))
     ks = [it[1] for it in items if it[0] == "k" and it[1].kind != OPTIMIZER]
     colls = [it[1] for it in items if it[0] in ("sync", "async", "linear")]
     nbytes = float(sum(c.elements for c in colls)) * shape.bytes_per_element
@@ -465,7 +467,7 @@ def fit_framework(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequenc
     forward and backward; :func:`plan_features`), one set for all models and meshes, relative
     least squares with ``f >= -0.5`` (kernels can run faster in a plan's sequence than each
     timed alone: warm caches) and ``o, a, b >= 0``
-    (:func:`~atp_pipeline.planning.calibrate.bounded_lstsq`)."""
+    (:func:`~atp_pipeline.planning.lstsq.bounded_lstsq`)."""
     feats = [plan_features(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]
     A = np.array([[k / t, n / t, m / t, b / t] for (k, n, m, b), t in zip(feats, seconds)])
     y = np.array([(t - k) / t for (k, _, _, _), t in zip(feats, seconds)])
@@ -716,7 +718,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_cfg["name"] = name
     out_cfg["device"] = {**(base.get("device") or {}), "compute": profile.to_config()}
     out = Path(args.out) if args.out else Path("outputs/conf/topology") / f"{name}.yaml"
-    from atp_pipeline.planning.calibrate import write_topology
+    from atp_pipeline.planning.alphabeta_fit import write_topology
 
     write_topology(out_cfg, out, f"# {base_path} with device.compute measured by `python -m "
                                  f"atp_pipeline.run.calibrate_compute {' '.join(sys.argv[1:] if argv is None else argv)}`"

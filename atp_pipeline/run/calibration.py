@@ -6,7 +6,7 @@ training runs them; a progress bar):
 
 1. collectives — the four of Table 2 on every group layout that tiles the world, three
    message sizes (4 KiB, 64 KiB, 1 MiB), α-β fitted per level and collective
-   (:func:`atp_pipeline.run.calibrate.measure`, :func:`atp_pipeline.planning.calibrate.fit_calibration`;
+   (:func:`atp_pipeline.run.calibrate.measure`, :func:`atp_pipeline.planning.alphabeta_fit.fit_calibration`;
    the levels are the topology's own);
 2. compute — a sweep of kernel shapes per kind, probe models' collective-free forward and
    backward on every candidate mesh (the framework cost), compute-then-collective loops
@@ -18,7 +18,7 @@ training runs them; a progress bar):
 **Write** ``<calibration.dir>/<topology>.yaml``: the topology with the fitted bandwidths and
 ``alpha_beta`` and ``device.compute`` = the profile (its date, host and probes in it), plus
 the collective fit's report beside it (``<topology>_collectives.{json,csv,png}``… as
-:func:`~atp_pipeline.planning.calibrate.write_report` names them).
+:func:`~atp_pipeline.planning.alphabeta_fit.write_report` names them).
 
 **Find** (:func:`with_calibration`): a topology with neither ``alpha_beta`` nor
 ``device.compute`` of its own takes the file's when ``calibration.use`` and the file's levels
@@ -113,7 +113,7 @@ class _Bar:
 
 def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
     """``stage=calibrate``: measure, fit and write the topology's calibration; the summary row."""
-    from atp_pipeline.planning.calibrate import fit_calibration, level_specs, write_report, write_topology
+    from atp_pipeline.planning.alphabeta_fit import fit_calibration, level_specs, write_report, write_topology
     from atp_pipeline.run import calibrate as coll
     from atp_pipeline.run.calibrate_compute import PROBES, ComputeRun, calibrate_compute, print_profile
     from atp_pipeline.run.hostload import wait_quiet

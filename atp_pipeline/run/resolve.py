@@ -27,7 +27,7 @@ from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
 from atp_pipeline.planning.interface import PlanResult, plan
 from atp_pipeline.planning.memory import MemoryEstimate, memory_infeasibility, per_device_memory
-from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.topology.model import Topology
 
 
@@ -316,7 +316,7 @@ def resolve(cfg: DictConfig) -> RunSpec:
     fsdp = bool(cfg.mesh.fsdp)  # checked in resolve_plan
     if result.kind == "atp":
         d1, d2 = result.mesh_shape
-        why = adapter.mesh_infeasibility(shape, d1, d2)
+        why = layout_infeasibility(shape, d1, d2)
         if why and (fitting or cfg.planner.require_divisible):
             raise ConfigError(f"model '{shape.name}' on mesh {d1}x{d2}: {why}"
                               + (" (planned with planner.require_divisible=false for an interconnect study: "

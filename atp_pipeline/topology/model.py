@@ -92,7 +92,7 @@ class Topology:
     calibrated: Mapping[Mesh, Tuple[Optional[float], Optional[float]]] = field(default_factory=dict)
     device: Mapping[str, Any] = field(default_factory=dict)
     note: str = ""  # e.g. how a sub-topology was derived
-    alpha_beta: Tuple[LevelAlphaBeta, ...] = ()  # fitted per level (planning.calibrate)
+    alpha_beta: Tuple[LevelAlphaBeta, ...] = ()  # fitted per level (planning.alphabeta_fit)
 
     @property
     def world_size(self) -> int:

@@ -330,9 +330,6 @@ class Fabric:
         self.links.append(lk)
         return lk
 
-    def all_links(self) -> List[Link]:
-        return self.links
-
     def set_faults(self, f: LinkFaults) -> None:
         for lk in self.links:
             lk.set_faults(f)

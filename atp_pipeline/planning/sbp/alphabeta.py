@@ -25,7 +25,7 @@ gives one α/β for every mesh dimension (:meth:`AlphaBeta.uniform`);
 :meth:`AlphaBeta.from_topology` derives β per level from the topology model's Eq. 3 B′;
 :meth:`AlphaBeta.dimension` gives the parameters of one dimension of a concrete mesh.
 
-**Calibrated parameters (§3.2).** :mod:`atp_pipeline.planning.calibrate` fits α and β per
+**Calibrated parameters (§3.2).** :mod:`atp_pipeline.planning.alphabeta_fit` fits α and β per
 level by least squares from collectives measured on the user's machine and writes them
 into the topology config (``alpha_beta:``); :meth:`AlphaBeta.from_topology` then uses the
 fitted values instead of Eq. 3. A level may also carry per-collective ``(α, β)``
@@ -129,7 +129,7 @@ class AlphaBeta:
         latency for all levels or one per level, innermost first (datasheet values).
 
         A calibrated topology (``topo.alpha_beta``, written by
-        :mod:`atp_pipeline.planning.calibrate`) gives each level its fitted α and β (and
+        :mod:`atp_pipeline.planning.alphabeta_fit`) gives each level its fitted α and β (and
         per-collective pairs) instead; ``alpha`` is then ignored for those levels.
         """
         from atp_pipeline.planning.bandwidth import dimension_bandwidth

@@ -1,0 +1,328 @@
+"""How long a device's kernels take (:class:`ComputeProfile`: fits per kernel kind, measured points,
+the runtime's framework and synchronization costs, contention, the probe models a calibration ran),
+read from a topology's ``device.compute`` or derived from its spec."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD,
+                                        NORM_FWD, OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.topology.model import Topology
+
+Mesh = Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class KindFit:
+    """``t = alpha_s + work * per_unit_s`` (plus ``per_tensor_s`` per tensor for the optimizer)."""
+
+    alpha_s: float
+    per_unit_s: float
+    per_tensor_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Framework:
+    """What the runtime pays around its kernels and collectives beyond their own time (one
+    set for every model: the runtime is one program of styles whatever the family):
+    ``per_kernel_s`` for every kernel of the program (Python, autograd ``Function``\\ s,
+    DTensor ``to_local``, views, module calls) and ``kernel_factor``, the extra fraction of
+    the kernels' own time they take in the step (cache, allocator; negative where they run
+    faster in the step's sequence than each timed alone); and per collective call
+    ``per_collective_s`` plus ``per_collective_byte_s`` per byte it moves — the buffers,
+    copies, splits and concatenations around it on the rank's own CPU (the transfer itself
+    is the α-β). A kernel costs ``t·(1 + kernel_factor) + per_kernel_s`` in a step.
+    Calibrated from probe models' forward and backward with their collectives skipped
+    (:mod:`atp_pipeline.run.calibrate_compute`)."""
+
+    per_kernel_s: float
+    kernel_factor: float = 0.0
+    per_collective_s: float = 0.0
+    per_collective_byte_s: float = 0.0
+
+    def collective_seconds(self, nbytes: float) -> float:
+        return self.per_collective_s + nbytes * self.per_collective_byte_s
+
+
+@dataclass(frozen=True)
+class SyncFit:
+    """What a collective costs in a step beyond the collective calibration's α-β when the
+    processes share the host's cores: ``alpha_s`` per collective plus ``per_compute`` seconds
+    per second of compute the rank did since its previous collective (ranks reach a
+    collective apart by a share of the compute before it). Calibrated from a
+    compute-then-collective loop under training's concurrency."""
+
+    alpha_s: float
+    per_compute: float = 0.0
+    hidden: float = 1.0  # share of an in-flight collective's overlap with compute that is really hidden
+
+    def seconds(self, compute_since: float) -> float:
+        return self.alpha_s + self.per_compute * compute_since
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A model the calibration ran whole (forward and backward): its shape's identity
+    (:meth:`~atp_pipeline.planning.shape.ModelShape` fields, :func:`shape_key`), mesh, local
+    batch and sequence length. Validation refuses to count a point that matches one as out
+    of sample."""
+
+    name: str
+    key: str
+    mesh: Mesh
+    batch: int
+    seq_len: int
+
+    def to_config(self) -> Dict[str, Any]:
+        return {"name": self.name, "key": self.key, "mesh": list(self.mesh), "batch": self.batch,
+                "seq_len": self.seq_len}
+
+
+def shape_key(shape: ModelShape) -> str:
+    """A model's identity for in-sample checks: every layout-relevant field of its shape but
+    batch and sequence length (those are checked apart)."""
+    return (f"h{shape.hidden}/a{shape.heads}/kv{shape.kv_heads}/f{shape.ffn}/L{shape.layers}/V{shape.vocab_size}/"
+            f"{shape.norm}:{shape.norm_layout}/{shape.position}/{shape.head_layout}/"
+            f"{'gated' if shape.gated else 'plain'}/{'fused' if shape.qkv_fused else 'split'}/"
+            f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
+
+
+PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits",
+                          "optimizer", "framework", "sync", "probes", "points"})
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How long a device's kernels take: fitted per kind, and measured points by shape.
+
+    ``name``/``source``/``date`` say which calibration a prediction used; ``processes`` how
+    many processes shared the host while it was measured; ``contention`` the measured factor
+    of every calibrated time with ``P`` processes on the host instead (1 at ``processes``:
+    CPU ranks share the cores; absent, 1); ``peak_flops`` is the per-device FLOP/s MFU is
+    quoted against; ``probes`` the models the calibration ran whole (:class:`Probe`)."""
+
+    name: str
+    source: str
+    fits: Mapping[str, KindFit]
+    points: Mapping[Tuple[str, Tuple[int, ...]], float] = field(default_factory=dict)
+    processes: int = 1
+    peak_flops: float = 0.0
+    framework: Optional[Framework] = None
+    sync: Optional[SyncFit] = None
+    optimizer: str = ""  # how the optimizer kernel was run (the runtime's)
+    contention: Mapping[int, float] = field(default_factory=dict)
+    date: str = ""
+    probes: Tuple[Probe, ...] = ()
+    cores: int = 0  # the host's cores when calibrated (how many the ``processes`` shared)
+
+    def contention_factor(self, processes: int) -> float:
+        """The factor of calibrated times with ``processes`` on the host: measured where the
+        calibration measured that count, linear between counts, proportional beyond the
+        largest (every process wants a core), the smallest's below; 1 without a measurement."""
+        if not self.contention:
+            return 1.0
+        pts = sorted(self.contention.items())
+        if processes in self.contention:
+            return self.contention[processes]
+        if processes < pts[0][0]:
+            return pts[0][1]
+        if processes > pts[-1][0]:
+            return pts[-1][1] * processes / pts[-1][0]
+        for (p0, c0), (p1, c1) in zip(pts, pts[1:]):
+            if p0 <= processes <= p1:
+                return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
+        raise AssertionError("unreachable")
+
+    def step_kernel_seconds(self, k: Kernel) -> float:
+        """A kernel's time in a step: the kernel's time with the runtime's framework cost
+        around it (:class:`Framework`; the optimizer is calibrated as the runtime runs it, whole)."""
+        t = self.seconds(k)
+        if self.framework is None or k.kind == OPTIMIZER:
+            return t
+        return t * (1.0 + self.framework.kernel_factor) + self.framework.per_kernel_s
+
+    def collective_framework_seconds(self, nbytes: float) -> float:
+        """The runtime's own CPU work around one collective call moving ``nbytes``."""
+        return 0.0 if self.framework is None else self.framework.collective_seconds(nbytes)
+
+    def sync_seconds(self, compute_since: float) -> float:
+        return 0.0 if self.sync is None else self.sync.seconds(compute_since)
+
+    @property
+    def hidden(self) -> float:
+        """Share of the time a collective in flight overlaps compute that the compute really
+        hides (1: all; on CPU the transfer takes cycles from the ranks' compute)."""
+        return 1.0 if self.sync is None else self.sync.hidden
+
+    def describe(self, processes: Optional[int] = None) -> str:
+        """Which calibrations a prediction uses, in one line."""
+        parts = [f"kernels '{self.name}'" + (f" ({self.date})" if self.date else "")]
+        fw = self.framework
+        if fw is not None:
+            parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
+                         f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective")
+        if self.sync is not None:
+            parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
+                         f"per collective, {self.sync.hidden:.0%} of overlap hidden")
+        if self.optimizer:
+            parts.append(f"optimizer {self.optimizer}")
+        if processes is not None and self.contention:
+            parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
+                         f"(calibrated at {self.processes})")
+        return "; ".join(parts)
+
+    def seconds(self, k: Kernel) -> float:
+        """A kernel's time: the measured point of its shape; else, between measured points of
+        its kind, interpolated in log(work)-log(time) from the nearest below and above (a
+        sweep of shapes, not the plans' own); else the kind's fit ``α + work·γ``."""
+        hit = self.points.get((k.kind, tuple(k.dims)))
+        if hit is not None:
+            return hit
+        fit = self.fits.get(k.kind)
+        if fit is None:
+            raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
+        if k.kind == OPTIMIZER:
+            return fit.alpha_s + k.dims[0] * fit.per_tensor_s + k.work * fit.per_unit_s
+        curve = self._curves().get(k.kind)
+        if curve and k.work > 0 and curve[0][0] <= k.work <= curve[-1][0]:
+            w = math.log(k.work)
+            for (w0, t0), (w1, t1) in zip(curve, curve[1:]):
+                if w0 <= k.work <= w1:
+                    if w1 == w0:
+                        return t0
+                    a = (w - math.log(w0)) / (math.log(w1) - math.log(w0))
+                    return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
+        return fit.alpha_s + k.work * fit.per_unit_s
+
+    def _curves(self) -> Dict[str, List[Tuple[float, float]]]:
+        """Per kind, the measured ``(work, seconds)`` points sorted by work (equal work: the median)."""
+        cached = self.__dict__.get("_curve_cache")
+        if cached is None:
+            by: Dict[str, Dict[float, List[float]]] = {}
+            for (kind, dims), t in self.points.items():
+                if kind != OPTIMIZER:
+                    w = Kernel(kind, dims).work
+                    if w > 0:
+                        by.setdefault(kind, {}).setdefault(w, []).append(t)
+            cached = {kind: [(w, sorted(ts)[len(ts) // 2]) for w, ts in sorted(d.items())] for kind, d in by.items()}
+            object.__setattr__(self, "_curve_cache", cached)
+        return cached
+
+    # ------------------------------------------------------------------ topology yaml
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any], where: str = "device.compute") -> "ComputeProfile":
+        """From a topology's ``device.compute`` (written by the compute calibration)."""
+        unknown = sorted(set(data) - PROFILE_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (a profile of an older schema? "
+                              f"calibrate again: python train.py stage=calibrate)")
+        try:
+            fits = {}
+            for kind, f in dict(data["fits"]).items():
+                if kind not in KINDS:
+                    raise ConfigError(f"{where}.fits: unknown kernel kind '{kind}' (one of {', '.join(KINDS)})")
+                fit = KindFit(float(f["alpha_us"]) * 1e-6, float(f["ns_per_unit"]) * 1e-9,
+                              float(f.get("per_tensor_us", 0.0)) * 1e-6)
+                if min(fit.alpha_s, fit.per_unit_s, fit.per_tensor_s) < 0 or not all(
+                        math.isfinite(x) for x in (fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
+                    raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
+                fits[kind] = fit
+            missing = [k for k in KINDS if k not in fits]
+            if missing:
+                raise ConfigError(f"{where}.fits: missing kernel kinds {', '.join(missing)}")
+            points = {}
+            for p in data.get("points") or []:
+                kind, dims, us = p[0], tuple(int(x) for x in p[1]), float(p[2])
+                if kind not in KINDS or not us > 0:
+                    raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
+                points[(str(kind), dims)] = us * 1e-6
+            framework = None
+            if data.get("framework"):
+                fd = data["framework"]
+                framework = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor", 0.0)),
+                                      float(fd.get("per_collective_us", 0.0)) * 1e-6,
+                                      float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9)
+                vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s)
+                if not (min(vals) >= 0 and framework.kernel_factor > -1
+                        and all(math.isfinite(x) for x in (*vals, framework.kernel_factor))):
+                    raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
+                                      f"per_collective_ns_per_byte must be finite >= 0, kernel_factor > -1")
+            sync = None
+            if data.get("sync"):
+                sd = data["sync"]
+                sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute", 0.0)),
+                               float(sd.get("hidden", 1.0)))
+                if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
+                        and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
+                    raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
+            contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
+            if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
+                raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
+            probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
+                                 int(p["batch"]), int(p["seq_len"])) for p in data.get("probes") or [])
+            return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
+                       processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
+                       framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
+                       contention=contention, date=str(data.get("date", "")), probes=probes,
+                       cores=int(data.get("cores", 0)))
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ConfigError(f"{where}: not a compute profile ({type(exc).__name__}: {exc})") from None
+
+    def to_config(self) -> Dict[str, Any]:
+        g = lambda x: float(f"{x:.6g}")  # noqa: E731
+        fw = self.framework
+        return {"name": self.name, "source": self.source, **({"date": self.date} if self.date else {}),
+                "processes": self.processes, **({"cores": self.cores} if self.cores else {}),
+                "peak_GFLOPs": g(self.peak_flops / 1e9),
+                **({"contention": {int(p): g(c) for p, c in sorted(self.contention.items())}}
+                   if self.contention else {}),
+                "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
+                             **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
+                         for k, f in self.fits.items()},
+                **({"optimizer": self.optimizer} if self.optimizer else {}),
+                **({"framework": {"per_kernel_us": g(fw.per_kernel_s * 1e6), "kernel_factor": g(fw.kernel_factor),
+                                  "per_collective_us": g(fw.per_collective_s * 1e6),
+                                  "per_collective_ns_per_byte": g(fw.per_collective_byte_s * 1e9)}}
+                   if fw is not None else {}),
+                **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
+                             "hidden": g(self.sync.hidden)}}
+                   if self.sync is not None else {}),
+                **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
+                "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
+
+    @classmethod
+    def from_spec(cls, device: Mapping[str, Any]) -> Optional["ComputeProfile"]:
+        """From a device's datasheet: GEMM and attention at ``peak_TFLOPs`` times an
+        efficiency curve ``e(F) = 0.7·F/(F + 2 GFLOP)`` (large GEMMs reach 70 % of peak,
+        a 2-GFLOP GEMM half of that; an assumption, not a measurement), memory-bound kernels
+        at ``memory_GBps`` (default 2000) over 3 accesses of 2 bytes, 5 µs per launch."""
+        peak = device.get("peak_TFLOPs")
+        if not peak:
+            return None
+        peak_flops = float(peak) * 1e12
+        mem = float(device.get("memory_GBps") or 2000.0) * 1e9
+        launch = 5e-6
+        # e(F) folded into alpha: F/(0.7 peak F/(F+F0)) = (F + F0)/(0.7 peak) = F0/(0.7 peak) + F/(0.7 peak)
+        f0 = 2e9
+        gemm = KindFit(launch + f0 / (0.7 * peak_flops), 1 / (0.7 * peak_flops))
+        elem = KindFit(launch, 6.0 / mem)
+        fits = {GEMM: gemm, ATTN_FWD: gemm, ATTN_BWD: gemm, NORM_FWD: elem, NORM_BWD: elem,
+                POINTWISE: elem, OPTIMIZER: KindFit(0.0, 16.0 / mem, launch)}
+        return cls(name=f"spec:{device.get('name', 'device')}",
+                   source=f"datasheet {peak:g} TFLOP/s x efficiency curve 0.7*F/(F+2 GFLOP) (assumed, not measured)",
+                   fits=fits, processes=1, peak_flops=peak_flops)
+
+
+def profile_of(topo: Topology) -> Optional[ComputeProfile]:
+    """The topology's compute profile: its calibrated ``device.compute``, else its spec."""
+    compute = topo.device.get("compute")
+    if compute:
+        return ComputeProfile.from_config(compute, f"topology '{topo.name}': device.compute")
+    return ComputeProfile.from_spec(topo.device)
