@@ -157,10 +157,15 @@ def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):
 
 
 def test_default_run_learns(tmp_path):
-    """`python train.py`: tiny GPT on the corpus, 4 processes on `local`; loss falls >= 30%."""
+    """`python train.py`: tiny GPT on the corpus, 4 processes on `local`; loss falls >= 30%; a quiet
+    console (no Lightning tip or deprecation warning, a progress bar of steps, memory in human units)."""
     run = tmp_path / "run"
-    out = run_train([f"hydra.run.dir={run}", "trainer.progress_bar=false"], cwd=tmp_path, timeout=600)
+    out = run_train([f"hydra.run.dir={run}"], cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    for noise in ("Tip", "deprecated", "Epoch 0/-2", "v_num", "~0.0 GB"):
+        assert noise not in console, (noise, console[-3000:])
+    assert re.search(r"step: (\d+)/\1\b", console) and "tokens/s" in console, console[-3000:]
     for name in ("plan.json", "metrics.csv", "loss.png", "summary.json", "summary.txt"):
         assert (run / name).exists(), name
     summary = json.loads((run / "summary.json").read_text())

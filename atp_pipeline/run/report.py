@@ -23,6 +23,14 @@ from atp_pipeline.planning.report import write_report
 from atp_pipeline.run.resolve import RunSpec
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in decimal units a reader takes in at a glance: ``812 B``, ``3.4 kB``, ``1.2 MB``, ``80.0 GB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def packet_geometry(payload_k: int) -> gradsync.PacketGeometry:
     """The estimate's packet geometry from the protocol's wire format."""
     fmt = PacketFormat(payload_k=payload_k)
@@ -55,8 +63,8 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     if mem is not None:
         print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}"
               f"{', FSDP' if spec.fsdp else ''}): "
-              f"~{mem.total_bytes / 1e9:.1f} GB = weights+grads {mem.weights_grads_bytes / 1e9:.1f} + optimizer "
-              f"{mem.optimizer_bytes / 1e9:.1f} + activations {mem.activation_bytes / 1e9:.1f}")
+              f"~{human_bytes(mem.total_bytes)} = weights+grads {human_bytes(mem.weights_grads_bytes)} + optimizer "
+              f"{human_bytes(mem.optimizer_bytes)} + activations {human_bytes(mem.activation_bytes)}")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return row
 
@@ -92,7 +100,7 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
     losses = [r["loss"] for r in rows if "loss" in r]
     steps = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     dp, d1, d2 = spec.mesh
-    plot_loss(rows, out / "loss.png", f"{spec.shape.name} on {spec.topology.name}, mesh {dp}x{d1}x{d2}, "
+    plot_loss(rows, out / "loss.png", f"{spec.shape.name} on {spec.topology.name}: mesh {d1}x{d2}, dp {dp}, "
                                       f"chunks {spec.chunks}")
 
     last = next((r for r in reversed(rows) if "param_bytes" in r), {})  # rank 0's state, last step
@@ -127,7 +135,7 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
           f"{row['tokens_per_s'] or math.nan:.0f} tokens/s; wrote {out}")
     if last:
         state = last["param_bytes"] + last["grad_bytes"] + last["optimizer_bytes"]
-        print(f"rank 0 holds {state / 1e6:.3f} MB of training state{' (FSDP-sharded)' if spec.fsdp else ''}: "
-              f"parameters {last['param_bytes'] / 1e6:.3f} + gradients {last['grad_bytes'] / 1e6:.3f} + "
-              f"optimizer {last['optimizer_bytes'] / 1e6:.3f} MB")
+        print(f"rank 0 holds {human_bytes(state)} of training state{' (FSDP-sharded)' if spec.fsdp else ''}: "
+              f"parameters {human_bytes(last['param_bytes'])} + gradients {human_bytes(last['grad_bytes'])} + "
+              f"optimizer {human_bytes(last['optimizer_bytes'])}")
     return row

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,12 +29,57 @@ def digest(module: torch.nn.Module) -> Dict[str, str]:
     return out
 
 
+class _NoLightningTip(logging.Filter):
+    """Drops Lightning's advertisement (``💡 Tip: ... litlogger``), nothing else it logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_lightning() -> None:
+    """Silence, at their source and by their exact text, two lines Lightning prints into every run
+    that say nothing about it: its logger tip, and the FutureWarning torch raises for
+    Lightning's own use of ``LeafSpec`` (``pytorch_lightning/utilities/_pytree.py``). Our
+    warnings and Lightning's other messages stay."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"(pytorch_lightning|lightning\.pytorch)\.utilities\._pytree")
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                 "lightning_fabric.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoLightningTip) for f in log.filters):
+            log.addFilter(_NoLightningTip())
+
+
+def progress_bar() -> Any:
+    """Lightning's rich progress bar showing what a run is about: ``step n/max_steps``, loss and
+    tokens/s (not an epoch count of an epoch-less run, nor the logger's version)."""
+    from pytorch_lightning.callbacks import RichProgressBar
+
+    class RunProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "train"
+
+        def get_metrics(self, trainer: Any, pl_module: Any) -> Dict[str, Any]:
+            shown = super().get_metrics(trainer, pl_module)
+            out: Dict[str, Any] = {"step": f"{trainer.global_step}/{trainer.max_steps}"}
+            if "loss" in shown:
+                out["loss"] = shown["loss"]
+            tps = trainer.callback_metrics.get("tokens_per_s")
+            if tps is not None:
+                out["tokens/s"] = f"{float(tps):.0f}"
+            return out
+
+    return RunProgressBar()
+
+
 def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, Any]:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.loggers import CSVLogger
 
     from atp_pipeline.lightning.pl import ATPStrategy, LMModule, StepMetrics, TokenDataModule
+
+    quiet_lightning()
 
     out = Path(out_dir)
     dtype = torch.float64 if spec.shape.dtype == "fp64" else torch.float32
@@ -58,7 +105,8 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
         loggers.append(TensorBoardLogger(save_dir=str(out), name="", version="tensorboard"))
     trainer = pl.Trainer(strategy=strategy, accelerator=t.accelerator, devices=world, num_nodes=1,
                          max_steps=t.max_steps, logger=loggers, log_every_n_steps=1,
-                         callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt],
+                         callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt]
+                         + ([progress_bar()] if t.progress_bar else []),
                          enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision)
     trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
     exported = adapter.export(module.model, str(out / "hf")) if t.export else None
