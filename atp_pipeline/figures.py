@@ -23,5 +23,27 @@ def axes(path: Union[str, Path], figsize: Tuple[float, float], dpi: int = 120, n
     FigureCanvasAgg(fig)
     ax = fig.add_subplot() if ncols == 1 else fig.subplots(1, ncols)
     yield ax
+    fit_titles(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
+
+
+def fit_titles(fig: Any) -> None:
+    """Wrap each axes' title onto as many lines as it needs to fit the axes' width (a title is
+    never clipped at the figure's edge, whatever its length)."""
+    import textwrap
+
+    fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        title = ax.title
+        text = " ".join(title.get_text().split())
+        width = ax.get_window_extent(renderer).width
+        if not text or title.get_window_extent(renderer).width <= width:
+            continue
+        chars = len(text)
+        while chars > 10:
+            chars = int(chars * 0.9)
+            title.set_text(textwrap.fill(text, chars))
+            if title.get_window_extent(renderer).width <= width:
+                break

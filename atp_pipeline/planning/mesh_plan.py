@@ -256,9 +256,12 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
                 bar.set_hatch("//")
         ax.set_xlabel("DeviceMesh(d1, d2)")
         ax.set_ylabel("T_comm per step (ms, Eq. 2)")
-        ax.set_title(f"{plan.topology.name}, {plan.model.name}: selected "
-                     f"{plan.selected[0]}x{plan.selected[1]} (green), (N,1) orange, hatched = calibrated",
-                     fontsize=9)
+        key = [f"selected {plan.selected[0]}x{plan.selected[1]} green"]
+        if plan.megatron.mesh != plan.selected:
+            key.append("(N,1) orange")
+        if any(c.source == "calibrated" for c in plan.candidates):
+            key.append("hatched = calibrated")
+        ax.set_title(f"{plan.topology.name}, {plan.model.name}: {', '.join(key)}", fontsize=9)
         if len(times) > 1 and min((t for t in times if t > 0), default=1) * 50 < max(times):
             ax.set_yscale("log")
         if len(labels) > 8:
