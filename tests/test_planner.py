@@ -273,3 +273,25 @@ def test_unaligned_mesh_takes_the_slowest_group():
     d = dimension_bandwidth(topo, (3, 2), 2)
     assert [c.level for c in d.crossings] == ["node", "gpu"]
     assert d.B_prime_GBps == 10.0
+
+
+def test_plan_png_title_fits_and_report_sizes_read_in_human_units():
+    """plan.png's title wraps to its axes instead of running off the figure; memory reads in
+    units that show a small model's bytes (not "~0.0 GB")."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from atp_pipeline.figures import fit_titles
+    from atp_pipeline.run.report import human_bytes
+
+    fig = Figure(figsize=(4.0, 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title("local, tiny: selected 4x1 green, (N,1) orange, hatched = calibrated " * 2, fontsize=9)
+    fit_titles(fig)
+    renderer = fig.canvas.get_renderer()
+    assert "\n" in ax.get_title()
+    assert ax.title.get_window_extent(renderer).width <= ax.get_window_extent(renderer).width
+    assert fig.get_tightbbox(renderer).width <= fig.bbox.width / fig.dpi + 1e-6  # nothing outside the figure
+    assert [human_bytes(x) for x in (812, 3_400, 804_400, 1.2e6, 80e9)] == \
+        ["812 B", "3.4 kB", "804.4 kB", "1.2 MB", "80.0 GB"]
