@@ -24,6 +24,8 @@ layout; at a boundary with code that needs the whole tensor, ``input``/``output`
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,12 +143,16 @@ class TiedHead(nn.Module):
     the partial logits are all-reduced over d2 (backward: no communication — the gradient of
     the logits is replicated, and ``E``'s gradient from the head adds to the embedding's on
     the same shard). The logits are whole on every rank (the model's own loss runs on them);
-    d1 ranks compute the same head, so its FLOPs are not divided by d1."""
+    d1 ranks compute the same head, so its FLOPs are not divided by d1. A head's ``bias`` (over
+    the vocabulary) is kept whole on every rank and added to the whole logits (its gradient is
+    the same on every rank)."""
 
-    def __init__(self, table: ParallelEmbedding, mesh: DeviceMesh, input: str = FULL) -> None:
+    def __init__(self, table: ParallelEmbedding, mesh: DeviceMesh, input: str = FULL,
+                 bias: Optional[nn.Parameter] = None) -> None:
         super().__init__()
         self.comm, self.input = comm_for(mesh), input
         object.__setattr__(self, "table", table)  # not a submodule: the embedding owns the weight
+        self.bias = bias
 
     @property
     def weight(self) -> nn.Parameter:
@@ -156,7 +162,8 @@ class TiedHead(nn.Module):
         d2 = Axis.d2.value
         if self.input == FULL:
             x = split_last(x, self.comm, d2)
-        return reduce_from_axis(F.linear(x, self.table.weight.to_local()), self.comm, d2)
+        logits = reduce_from_axis(F.linear(x, self.table.weight.to_local()), self.comm, d2)
+        return logits if self.bias is None else logits + self.bias
 
 
 class VocabParallelLoss(nn.Module):

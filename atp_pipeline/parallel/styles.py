@@ -108,7 +108,7 @@ class ParallelStyle(ABC):
         """Raise :class:`ConfigError` (one line) if this style cannot replace ``module`` exactly."""
         if not self.kinds():
             return
-        base = next((t for t in self.kinds() if isinstance(module, t)), None)
+        base = next((t for t in type(module).__mro__ if t in self.kinds()), None)  # the nearest kind
         if base is None:
             kinds = " or ".join(t.__name__ for t in self.kinds())
             raise ConfigError(f"parallel plan: '{fqn}' is a {type(module).__name__}, not the {kinds} that "
@@ -272,11 +272,6 @@ class Tied(ParallelStyle):
     def options(self) -> Dict[str, str]:
         return {"table": self.table, **({"input": self.input} if self.input != FULL else {})}
 
-    def check(self, fqn: str, module: nn.Module) -> None:
-        super().check(fqn, module)
-        if module.bias is not None:
-            raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}' supports a head without bias")
-
     def _find_table(self, fqn: str, root: Optional[nn.Module]) -> Optional[nn.Module]:
         """``table`` named relative to the head's enclosing modules, nearest first (a family's
         plan placed inside a user's module keeps its relative names)."""
@@ -293,7 +288,7 @@ class Tied(ParallelStyle):
         if not isinstance(table, ParallelEmbedding) or table.source_id != id(module.weight):
             raise ConfigError(f"parallel plan: '{fqn}': style 'tied' needs '{self.table}' styled 'embedding' "
                               f"and holding the same weight as '{fqn}' (tied embeddings)")
-        return TiedHead(table, ctx.mesh, self.input)
+        return TiedHead(table, ctx.mesh, self.input, bias=module.bias)
 
 
 class VocabLoss(ParallelStyle):

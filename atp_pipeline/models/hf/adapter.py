@@ -388,13 +388,20 @@ class HFCausalLMAdapter(ModelAdapter):
         """Every module that holds parameters is styled by ``plan`` or sits inside a styled one
         (matched by the rules :func:`~atp_pipeline.parallel.apply.match_plan` applies)."""
         styled = match_plan(module, plan, check=False)
+        text = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+        hidden = int(getattr(text, "hidden_size", 0) or 0)
         for name, sub in module.named_modules():
-            if next(sub.parameters(recurse=False), None) is None:
+            if any(name == n or name.startswith(n + ".") for n in styled):
                 continue
-            if not any(name == n or name.startswith(n + ".") for n in styled):
+            if next(sub.parameters(recurse=False), None) is not None:
                 raise ConfigError(f"transformers model '{type(module).__name__}': module '{name}' "
                                   f"({type(sub).__name__}) holds parameters but ATP's layout has no style for it; "
                                   f"pass a plan")
+            for b, t in sub.named_buffers(recurse=False):  # e.g. a sinusoidal table added to the split hidden
+                if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == hidden:
+                    raise ConfigError(f"transformers model '{type(module).__name__}': module '{name}' "
+                                      f"({type(sub).__name__}) holds a buffer '{b}' {list(t.shape)} over the hidden "
+                                      f"state, which ATP's layout does not split; pass a plan")
 
 
 def _register_styles() -> None:

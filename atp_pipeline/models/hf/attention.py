@@ -54,6 +54,8 @@ def atp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     """transformers' attention-function signature: ``query`` ``[b, heads/d1, s, hd]`` ->
     output ``[b, s, heads/d1, hd]`` (the module's own implementation on this rank's heads)."""
     heads: HeadSharding = module.atp_heads
+    if key.shape[1] != heads.kv_heads and getattr(module, "atp_whole", False):  # keys of another count
+        heads = HeadSharding(heads.comm, heads.heads, key.shape[1])  # (multi-query, or expanded to every head)
     whole = query.shape[1] == heads.heads and heads.comm.size("d1") > 1  # q/k/v gathered (style whole=true)
     if whole:  # this rank's d1 block of heads, as a column-first projection would have given
         query = _d1_block(query, heads)
@@ -89,6 +91,21 @@ def _all_reduced(g: torch.Tensor, comm: Any, axis: str) -> torch.Tensor:
     return g
 
 
+class _BiasSlice:
+    """A forward pre-hook giving an attention module this rank's d1 block of the position
+    biases it is passed for all heads (ALiBi)."""
+
+    def __init__(self, names: Tuple[str, ...], heads: int, rank: int, d1: int) -> None:
+        block = heads // d1
+        self.names, self.heads, self.index = names, heads, torch.arange(rank * block, (rank + 1) * block)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        from atp_pipeline.models.hf.layout import slice_heads
+
+        return args, {k: slice_heads(v, self.heads, self.index) if k in self.names and v is not None else v
+                      for k, v in kwargs.items()}
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -112,7 +129,7 @@ class HFAttention(ParallelStyle):
 
     def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
                  qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false", heads: str = "0",
-                 kv: str = "0", head_dim: str = "0") -> None:
+                 kv: str = "0", head_dim: str = "0", biases: str = "") -> None:
         if fused not in FUSED:
             raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
         if str(whole).lower() not in ("true", "false"):
@@ -123,6 +140,8 @@ class HFAttention(ParallelStyle):
         # head counts of a module without a transformers config (its own core runs on this
         # rank's d1 heads, replicated over d2)
         self.heads, self.kv, self.head_dim = int(heads), int(kv) or int(heads), int(head_dim)
+        # keyword inputs holding position biases for all heads (ALiBi): sliced to this rank's d1 block
+        self.biases = tuple(a for a in biases.split("+") if a)
 
     def options(self) -> Dict[str, str]:
         opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
@@ -135,6 +154,8 @@ class HFAttention(ParallelStyle):
             opts["whole"] = "true"
         if self.heads:
             opts.update(heads=str(self.heads), kv=str(self.kv), head_dim=str(self.head_dim))
+        if self.biases:
+            opts["biases"] = "+".join(self.biases)
         return opts
 
     def projections(self) -> Tuple[str, ...]:
@@ -220,11 +241,15 @@ class HFAttention(ParallelStyle):
                 if sharding.comm.size("d1") > 1:
                     _sum_grads(sub, sharding.comm, "d1")
         d1 = sharding.comm.size("d1")
+        if self.biases and not self.whole and d1 > 1:
+            module.register_forward_pre_hook(_BiasSlice(self.biases, heads, sharding.comm.rank("d1"), d1),
+                                             with_kwargs=True)
         for a in self.per_rank:
             if getattr(module, a) == kv and sharding.kv_gathered:
                 continue  # every rank holds all key/value heads
             setattr(module, a, getattr(module, a) // d1)
         module.atp_heads = sharding
+        module.atp_whole = self.whole
         if cfg is not None:  # the core through transformers' AttentionInterface: this rank's heads over d2
             module.atp_inner_attention = cfg._attn_implementation or "eager"
             module.config = copy.copy(cfg)

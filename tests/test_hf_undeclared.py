@@ -1,0 +1,85 @@
+"""Layout decisions for transformers families that declare no tensor-parallel plan, read off
+their modules in process (issue 26; their exactness on 2x2 and 1x4 is the coverage sweep's,
+bloom and gpt_bigcode in CI's subset, tests/test_hf_coverage.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="pip install transformers")
+
+from atp_pipeline.errors import ConfigError  # noqa: E402
+
+
+def _plan(kind: str):
+    from benchmarks.hf_coverage import build
+    from atp_pipeline.models.hf.adapter import ADAPTER
+
+    model = build(kind)
+    return ADAPTER.parallel_plan(model)
+
+
+def test_alibi_biases_are_sliced_per_rank_not_refused():
+    """BLOOM and MPT are passed ALiBi biases for all heads (batch x heads, or heads, first):
+    the attention style slices them to the rank's heads; the core runs on its block."""
+    bloom = _plan("bloom")["transformer.h.*.self_attention"]
+    assert "biases=alibi" in bloom and "fused=heads" in bloom and "whole" not in bloom, bloom
+    mpt = _plan("mpt")["transformer.blocks.*.attn"]
+    assert "biases=position_bias" in mpt and "fused=concat" in mpt and "per_rank=n_heads" in mpt, mpt
+
+
+def test_slice_heads_takes_the_heads_of_a_batch_major_bias():
+    from atp_pipeline.models.hf.layout import slice_heads
+
+    batch, heads = 3, 4
+    t = torch.arange(batch * heads * 5, dtype=torch.float64).view(batch * heads, 1, 5)
+    got = slice_heads(t, heads, torch.tensor([2, 3]))
+    assert torch.equal(got, t.view(batch, heads, 1, 5)[:, 2:].reshape(-1, 1, 5))
+    assert torch.equal(slice_heads(t[:heads], heads, torch.tensor([1])), t[1:2])  # heads first (MPT)
+
+
+def test_a_multi_query_fused_projection_is_read_whole():
+    """GPT-BigCode's c_attn is q | one key head | one value head: nothing splits it by heads,
+    so its output is gathered over d1 and the core (transformers' interface) takes the rank's heads."""
+    att = _plan("gpt_bigcode")["transformer.h.*.attn"]
+    assert "qkv=c_attn" in att and "whole=true" in att, att
+
+
+def test_a_norm_over_the_whole_intermediate_runs_whole_between_gathered_linears():
+    """BitNet's ffn_sub_norm normalizes the whole MLP intermediate: the MLP's column-first
+    outputs are gathered, the norm runs whole and the row-first input is whole; its attention
+    (a sub-norm over all heads before o_proj) is read whole."""
+    plan = _plan("bitnet")
+    assert plan["model.layers.*.mlp.ffn_sub_norm"] == "gathered"
+    assert "output=full" in plan["model.layers.*.mlp.gate_proj"] and "input=full" in plan["model.layers.*.mlp.down_proj"]
+    assert "whole=true" in plan["model.layers.*.self_attn"]
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("falcon", "computes the attention itself"),  # its code branches on the implementation's name
+    ("trocr", "split over d2"),  # it reshapes its output to the width of its (split) input
+    ("ctrl", "holds a buffer 'pos_encoding'"),  # a sinusoidal table added to the split hidden
+])
+def test_what_the_modules_show_cannot_be_split_is_refused_in_one_line(kind, why):
+    with pytest.raises(ConfigError) as err:
+        _plan(kind)
+    msg = str(err.value)
+    assert "\n" not in msg and why in msg and "pass a plan" in msg, msg
+
+
+def test_a_linear_subclass_is_laid_out_only_when_its_forward_is_shown_plain():
+    from atp_pipeline.models.hf.layout import register_plain_linears
+    from atp_pipeline.parallel.linear import linear_kinds
+
+    class Plain(nn.Linear):  # Falcon's FalconLinear: x @ W^T + b written out
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    register_plain_linears(nn.Sequential(Plain(4, 3), Scaled(3, 2)))
+    assert Plain in linear_kinds() and Scaled not in linear_kinds()
