@@ -6,7 +6,8 @@ Tiny configs of transformers' own defaults, laid out with no plan of ours on 2x2
 
 * declared plans beyond the named families: Gemma-2 (scaled embedding run whole, tied head
   run whole, logit and attention softcapping, four norms a block), OLMo-2 (q/k norms over all
-  heads: attention read whole);
+  heads: attention read whole), GraniteMoE-SWA (attention sinks declared 'local_params': the core
+  given its heads' values);
 * no declared plan, laid out from the modules: StableLM (separate q/k/v, partial rotary), BLOOM
   (ALiBi biases for all heads sliced to the rank's, its own attention core on them), GPT-BigCode
   (a multi-query fused q|k|v read whole);
@@ -23,7 +24,7 @@ pytest.importorskip("transformers", reason="pip install transformers")
 
 from atp_pipeline.launch import spawn  # noqa: E402
 
-EXACT = ["gemma2", "olmo2", "stablelm", "bloom", "gpt_bigcode"]
+EXACT = ["gemma2", "olmo2", "granitemoe_swa", "stablelm", "bloom", "gpt_bigcode"]
 REFUSED = {"llama4_text": "does not declare its experts layout", "mamba": "no attention heads",
            "deepseek_v2": "mla_kv_a_proj"}
 

@@ -83,3 +83,26 @@ def test_a_linear_subclass_is_laid_out_only_when_its_forward_is_shown_plain():
 
     register_plain_linears(nn.Sequential(Plain(4, 3), Scaled(3, 2)))
     assert Plain in linear_kinds() and Scaled not in linear_kinds()
+
+
+def test_attention_sinks_are_cut_to_the_rank_heads_for_the_core():
+    """Granite-SWA declares its attention 'local_params': sinks, one value per head, read by
+    the attention core alone (shown by a spy implementation); the style hands the core its
+    heads' values and sums their gradients over the mesh."""
+    att = _plan("granite_swa")["model.layers.*.self_attn"]
+    assert "head_params=sinks" in att, att
+
+
+def test_own_parameters_read_outside_the_core_are_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        _plan("diffllama")  # lambda_q1 ...: one value per head_dim, mixed in its own code
+    assert "\n" not in str(err.value) and "lambda_q1" in str(err.value) and "core alone reads" in str(err.value)
+
+
+def test_an_activation_with_learned_scalars_runs_on_the_split_intermediate():
+    """Apertus's xIELU (alpha_p, alpha_n): elementwise, shown on a tensor; its gradients summed over d1."""
+    from atp_pipeline.models.hf.attention import HFScalars
+
+    assert _plan("apertus")["model.layers.*.mlp.act_fn"] == "hf_scalars(axis=d1)"
+    with pytest.raises(ConfigError, match="scalars"):
+        HFScalars().check("x", nn.LayerNorm(4))

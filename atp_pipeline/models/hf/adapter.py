@@ -353,7 +353,6 @@ class HFCausalLMAdapter(ModelAdapter):
             text.use_cache = False
         layout = derive(module, family_of(config))
         plan: Dict[str, Any] = dict(layout.plan)
-        module.__dict__[SHAPE_ATTR] = shape_of_model(module, layout=layout)  # adapter.shape, once laid out
         names = dict(module.named_modules())
         by_object = {id(m): n for n, m in names.items()}
         inp, out = module.get_input_embeddings(), module.get_output_embeddings()
@@ -375,6 +374,7 @@ class HFCausalLMAdapter(ModelAdapter):
             plan[head] = "column(input=split, output=full)" if isinstance(out, nn.Linear) and \
                 type(out).forward is nn.Linear.forward else "gathered(input=split, output=full)"
         self._check_covered(module, plan)
+        module.__dict__[SHAPE_ATTR] = shape_of_model(module, layout=layout)  # adapter.shape, once laid out
         return plan
 
     def sbp_linears(self, module: nn.Module) -> Mapping[str, str]:
@@ -405,10 +405,11 @@ class HFCausalLMAdapter(ModelAdapter):
 
 
 def _register_styles() -> None:
-    from atp_pipeline.models.hf.attention import HFAttention
+    from atp_pipeline.models.hf.attention import HFAttention, HFScalars
     from atp_pipeline.models.hf.experts import HFExperts
 
     register_style(HFAttention.name, HFAttention)
+    register_style(HFScalars.name, HFScalars)
     register_style(HFExperts.name, HFExperts)
 
 

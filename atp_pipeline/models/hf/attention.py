@@ -32,11 +32,13 @@ from atp_pipeline.parallel.styles import ParallelStyle, StyleContext
 IMPLEMENTATION = "atp"
 
 
-class _Groups:
-    """The attention module as the core sees it, with another key/value group size."""
+class _View:
+    """The attention module as the core sees it: another key/value group size, its per-head
+    parameters (attention sinks) cut to this rank's heads."""
 
-    def __init__(self, module: nn.Module, groups: int) -> None:
-        self._module, self.num_key_value_groups = module, groups
+    def __init__(self, module: nn.Module, **overrides: Any) -> None:
+        self.__dict__.update(overrides)
+        self._module = module
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -62,7 +64,12 @@ def atp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         if not heads.kv_gathered:
             key, value = _d1_block(key, heads), _d1_block(value, heads)
     q, k, v, groups = heads.localize(query, key, value)
-    target = module if groups is None else _Groups(module, groups)
+    overrides: Dict[str, Any] = {} if groups is None else {"num_key_value_groups": groups}
+    for name in getattr(module, "atp_head_params", ()):  # this rank's heads of a per-head parameter
+        whole_param = getattr(module, name)
+        overrides[name] = whole_param[heads.q_first:heads.q_first + heads.local_heads]
+        kwargs = {k_: overrides[name] if v_ is whole_param else v_ for k_, v_ in kwargs.items()}  # (s_aux=sinks)
+    target = _View(module, **overrides) if overrides else module
     with region(LOCAL):  # attention dropout: this rank's own heads draw their own masks
         out, weights = _inner(module)(target, q, k, v, attention_mask, **kwargs)
     out = heads.gather(out, 2)
@@ -106,6 +113,34 @@ class _BiasSlice:
                       for k, v in kwargs.items()}
 
 
+class HFScalars(ParallelStyle):
+    """A module with scalar parameters applied elementwise to activations split over ``axis``
+    (an activation with learned scalars between a column-first and a row-first linear, e.g.
+    xIELU): it runs on this rank's block as it is, its parameters whole on every rank, their
+    gradients (each rank's block's share) summed over ``axis``."""
+
+    name = "hf_scalars"
+
+    def __init__(self, axis: str = "d1") -> None:
+        if axis not in ("d1", "d2"):
+            raise ConfigError(f"style '{self.name}': axis={axis!r} must be d1 or d2")
+        self.axis = axis
+
+    def options(self) -> Dict[str, str]:
+        return {"axis": self.axis}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        if any(p.numel() != 1 for p in module.parameters()):
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}): style '{self.name}' takes a module "
+                              f"whose parameters are scalars")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        comm = comm_for(ctx.mesh)
+        if comm.size(self.axis) > 1:
+            _sum_grads(module, comm, self.axis)
+        return module
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -129,7 +164,7 @@ class HFAttention(ParallelStyle):
 
     def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
                  qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false", heads: str = "0",
-                 kv: str = "0", head_dim: str = "0", biases: str = "") -> None:
+                 kv: str = "0", head_dim: str = "0", biases: str = "", head_params: str = "") -> None:
         if fused not in FUSED:
             raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
         if str(whole).lower() not in ("true", "false"):
@@ -142,6 +177,9 @@ class HFAttention(ParallelStyle):
         self.heads, self.kv, self.head_dim = int(heads), int(kv) or int(heads), int(head_dim)
         # keyword inputs holding position biases for all heads (ALiBi): sliced to this rank's d1 block
         self.biases = tuple(a for a in biases.split("+") if a)
+        # the module's own parameters holding one value per query head, read by the core only
+        # (attention sinks): whole on every rank, the core given its heads', gradients summed
+        self.head_params = tuple(a for a in head_params.split("+") if a)
 
     def options(self) -> Dict[str, str]:
         opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
@@ -156,6 +194,8 @@ class HFAttention(ParallelStyle):
             opts.update(heads=str(self.heads), kv=str(self.kv), head_dim=str(self.head_dim))
         if self.biases:
             opts["biases"] = "+".join(self.biases)
+        if self.head_params:
+            opts["head_params"] = "+".join(self.head_params)
         return opts
 
     def projections(self) -> Tuple[str, ...]:
@@ -170,6 +210,12 @@ class HFAttention(ParallelStyle):
         if not hasattr(module, "config") and not self.heads:
             raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no transformers config; "
                               f"give its head counts (style '{self.name}(..., heads=, kv=, head_dim=)')")
+        heads = self._counts(module)[0]
+        for a in self.head_params:
+            p = getattr(module, a, None)
+            if not isinstance(p, nn.Parameter) or tuple(p.shape) != (heads,):
+                raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no parameter '{a}' of one "
+                                  f"value per head ({heads}) (style '{self.describe()}', head_params)")
         for a in self.per_rank:
             if not isinstance(getattr(module, a, None), int):
                 raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no integer attribute "
@@ -250,6 +296,12 @@ class HFAttention(ParallelStyle):
             setattr(module, a, getattr(module, a) // d1)
         module.atp_heads = sharding
         module.atp_whole = self.whole
+        module.atp_head_params = self.head_params
+        for a in self.head_params:  # each rank's core fills its heads' gradient: summed over the mesh
+            for axis in ("d1", "d2"):
+                if sharding.comm.size(axis) > 1:
+                    getattr(module, a).register_hook(lambda g, axis=axis: _all_reduced(g, sharding.comm, axis))
+            setattr(module, GRAD_SUM, "d1 and d2")
         if cfg is not None:  # the core through transformers' AttentionInterface: this rank's heads over d2
             module.atp_inner_attention = cfg._attn_implementation or "eager"
             module.config = copy.copy(cfg)

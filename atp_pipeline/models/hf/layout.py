@@ -51,13 +51,13 @@ COLUMN_KINDS = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_KINDS = ("rowwise", "rowwise_split_input", "packed_rowwise")
 WHOLE_KINDS = ("colwise_gather_output", "rowwise_split_input")
 PER_HEAD = "replicated_with_grad_allreduce"
+LOCAL = "local_params"
 EMBEDDING_KINDS = ("embedding_rowwise", "embedding_colwise")
 EXPERTS = "moe_tp_experts"  # transformers' experts module (style hf_experts)
 REFUSED_KINDS = {
     EXPERTS: "mixture-of-experts experts",
     "moe_identity_expert": "mixture-of-experts identity experts",
     "mla_kv_a_proj": "multi-head latent attention (a compressed key/value projection)",
-    "local_params": "parameters kept local to each rank",
     "replicate": "a replicated module whose outputs are combined by hand",
     "all_reduce": "a module whose output transformers all-reduces by hand",
 }
@@ -87,6 +87,7 @@ class AttentionSpec:
     per_rank: Tuple[str, ...] = ()  # attributes counting the whole layer's heads, made per-rank
     counts: Tuple[int, int, int] = (0, 0, 0)  # heads, kv heads, head dim: for a module without a config
     biases: Tuple[str, ...] = ()  # keyword inputs holding position biases for all heads (ALiBi): sliced per rank
+    head_params: Tuple[str, ...] = ()  # its own parameters of one value per head read by the core (sinks)
 
     def style(self) -> str:
         opts: List[str] = []
@@ -103,6 +104,8 @@ class AttentionSpec:
             opts += [f"heads={self.counts[0]}", f"kv={self.counts[1]}", f"head_dim={self.counts[2]}"]
         if self.biases:
             opts.append("biases=" + "+".join(self.biases))
+        if self.head_params:
+            opts.append("head_params=" + "+".join(self.head_params))
         return f"hf_attention({', '.join(opts)})"
 
 
@@ -214,6 +217,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     kinds: Dict[str, str] = {}
     per_head: List[str] = []
+    local: List[str] = []
     experts: List[str] = []
     for pat, style in declared.items():
         full, hits = _resolve(names, base, pat)
@@ -230,6 +234,9 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                               f"blocks, which ATP's layout does not cover; pass a plan")
         if style == PER_HEAD:
             per_head.append(full)
+            continue
+        if style == LOCAL:  # an attention module's own per-head parameters (sinks): see _attention_spec
+            local.append(full)
             continue
         if style not in COLUMN_KINDS + ROW_KINDS:
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}', which ATP's "
@@ -277,6 +284,11 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         layout.bias = layout.bias or any(getattr(_first(names, f"{att}.{p}"), "bias", None) is not None
                                          for p in (spec.q, spec.qkv, spec.o) if p)
     inside = lambda n: any(fnmatch.fnmatchcase(n, a + ".*") for a in attention)  # noqa: E731
+    for full in local:
+        if full not in attention:
+            raise ConfigError(f"transformers model_type '{kind}': '{full}' is declared '{LOCAL}' (parameters kept "
+                              f"local to each rank) on a module other than an attention; ATP's layout does not "
+                              f"cover it; pass a plan")
     for full in per_head:
         if not inside(full):
             raise ConfigError(f"transformers model_type '{kind}': '{full}' is declared '{PER_HEAD}' outside "
@@ -320,6 +332,13 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                 shared_ffn = shared_ffn or n_in
             else:
                 layout.ffn = layout.ffn or n_in
+    for parent in by_parent:  # an activation with learned scalars on the MLP's split intermediate
+        for child, sub in _first(names, parent).named_children():
+            params = list(sub.parameters())
+            if params and all(p.numel() == 1 for p in params) and not any(_is_linear(x) for x in sub.modules()) \
+                    and f"{parent}.{child}" not in plan and _elementwise(sub) \
+                    and not any("output=full" in plan.get(n, "") for n in by_parent[parent]):
+                plan[f"{parent}.{child}"] = "hf_scalars(axis=d1)"
     for full in experts:
         layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn)
     if layout.moe is not None and not layout.ffn:
@@ -344,6 +363,24 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
     layout.plan = plan
     return layout
+
+
+def _elementwise(module: nn.Module) -> bool:
+    """Whether ``module`` maps a tensor elementwise (shown on a random one: its two halves run
+    apart give the same as the whole; not shown on the meta device)."""
+    import torch
+
+    p = next(module.parameters())
+    if p.is_meta:
+        return False
+    x = torch.randn(2, 3, 8, dtype=p.dtype, generator=torch.Generator().manual_seed(0)).to(p.device)
+    with torch.no_grad():
+        try:
+            whole = module(x)
+            halves = torch.cat([module(x[..., :4]), module(x[..., 4:])], dim=-1)
+        except Exception:  # noqa: BLE001 — it does not take such a tensor
+            return False
+    return isinstance(whole, torch.Tensor) and whole.shape == x.shape and torch.allclose(whole, halves)
 
 
 def _whole_between(plan: Dict[str, str], names: Mapping[str, nn.Module], members: List[str], width: int) -> bool:
@@ -476,9 +513,18 @@ def _attention_spec(root: nn.Module, att: str, names: Mapping[str, nn.Module], k
                           f"ATP's layout needs one; pass a plan")
     own = sorted({n for name, m in names.items() if fnmatch.fnmatchcase(name, att) and name.count(".") == att.count(".")
                   for n, _ in m.named_parameters(recurse=False)})  # in any of the blocks
-    if own:
+    head_params = tuple(own)
+    if own and not _read_by_core(root, att, own, heads, probe):
         raise ConfigError(f"{what} holds parameters of its own ({', '.join(own)}), which ATP's layout does not "
-                          f"place; pass a plan")
+                          f"place (only ones of a value per head that the attention core alone reads); pass a plan")
+    spec = _projections_spec(root, module, att, mine, cols, rows, what, hidden, heads, kv, hd, declared, probe)
+    return dataclasses.replace(spec, head_params=head_params) if head_params else spec
+
+
+def _projections_spec(root: nn.Module, module: nn.Module, att: str, mine: Mapping[str, str], cols: List[str],
+                      rows: List[str], what: str, hidden: int, heads: int, kv: int, hd: int, declared: bool,
+                      probe: bool) -> AttentionSpec:
+    """:func:`_attention_spec`'s projections: separate q/k/v or one fused q|k|v, and the output."""
     whole = any(mine[p] in WHOLE_KINDS for p in cols)
     width = {p: as_linear(getattr(module, p))[1] for p in cols}
     if len(cols) == 3:
@@ -527,7 +573,24 @@ def as_whole(spec: AttentionSpec) -> AttentionSpec:
     """``spec`` with whole q/k/v: the projections' outputs gathered over d1, the module's own
     code run on all heads (its core on this rank's, where it calls transformers' interface)."""
     return AttentionSpec(q=spec.q, k=spec.k, v=spec.v, o=spec.o, qkv=spec.qkv, fused=spec.fused or "",
-                         whole=True, counts=spec.counts)
+                         whole=True, counts=spec.counts, head_params=spec.head_params)
+
+
+def _read_by_core(root: nn.Module, att: str, own: List[str], heads: int, probe: bool) -> bool:
+    """Whether the attention ``att``'s own parameters ``own`` each hold one value per query
+    head and are read by its core alone (transformers' attention interface: an attribute of the
+    module or a keyword input), as attention sinks are, shown on a forward (``probe``; not
+    shown on the meta device)."""
+    modules = [m for name, m in root.named_modules() if fnmatch.fnmatchcase(name, att) and
+               name.count(".") == att.count(".")]  # every block's: the same parameters, one value per head
+    if any(not isinstance(getattr(m, n, None), nn.Parameter) or tuple(getattr(m, n).shape) != (heads,)
+           for m in modules for n in own):
+        return False
+    if not probe:
+        return True
+    got = _capture(root, att)
+    read = core_reads(*got) if got is not None else None
+    return read is not None and set(own) <= read
 
 
 def head_biases(root: nn.Module, att: str, heads: int) -> Tuple[str, ...]:
@@ -725,18 +788,42 @@ def _zero_weight(linear: nn.Module, keep: Any) -> None:
 def calls_interface(target: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether the attention ``target`` computes its core through transformers' attention
     interface (a spy implementation, delegating to the model's own, is called)."""
+    return core_reads(target, args, kwargs) is not None
+
+
+class _Reads:
+    """A module that records the names of the attributes read from it."""
+
+    def __init__(self, module: nn.Module, seen: set) -> None:
+        self._module, self._seen = module, seen
+
+    def __getattr__(self, name: str) -> Any:
+        self._seen.add(name)
+        return getattr(self._module, name)
+
+
+def core_reads(target: nn.Module, args: tuple, kwargs: dict) -> Optional[set]:
+    """The names of ``target``'s own parameters that its attention core reads (an attribute of
+    the module, or passed as a keyword input) when run through a spy implementation delegating
+    to the model's own; None: its core is not reached through transformers' attention interface."""
+    import sys
+
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cfg = getattr(target, "config", None)
     if cfg is None:
-        return False
-    called = []
-    own = ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation or "eager", None)
+        return None
+    called: List[bool] = []
+    seen: set = set()
+    eager = getattr(sys.modules[type(target).__module__], "eager_attention_forward", None)
+    own = ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation or "eager", eager)
+    params = dict(target.named_parameters(recurse=False))
 
-    def spy(*a: Any, **k: Any) -> Any:
+    def spy(module: nn.Module, *a: Any, **k: Any) -> Any:
         called.append(True)
-        return own(*a, **k)
+        seen.update(n for n, p in params.items() if any(v is p for v in k.values()))
+        return own(_Reads(module, seen), *a, **k)
 
     AttentionInterface.register(SPY, spy)
     probe = copy.copy(target)  # the same parameters, another config
@@ -745,8 +832,8 @@ def calls_interface(target: nn.Module, args: tuple, kwargs: dict) -> bool:
     try:
         _run(probe, args, kwargs)
     except Exception:  # noqa: BLE001
-        return False
-    return bool(called)
+        return None
+    return {n for n in seen if n in params} if called else None
 
 
 SPY = "atp_spy"
