@@ -271,8 +271,8 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             comp = [c.step.compute_s * 1e3 if c.step else 0.0 for c in plan.candidates]
             expo = [c.step.exposed_comm_s * 1e3 + c.step.gradsync_s * 1e3 if c.step else 0.0
                     for c in plan.candidates]
-            ax2.bar(labels, comp, color="tab:gray", label="compute")
-            ax2.bar(labels, expo, bottom=comp, color=colors, label="exposed communication")
+            ax2.bar(labels, comp, color="tab:gray")
+            ax2.bar(labels, expo, bottom=comp, color=colors)
             for i, c in enumerate(plan.candidates):
                 if c.step is not None:
                     txt = f"{c.step.tokens_per_s:,.0f} tok/s" + ("" if c.step.mfu is None else f"\n{c.step.mfu:.0%} MFU")
@@ -281,6 +281,10 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             ax2.set_ylabel("predicted step (ms)")
             ax2.set_title(f"predicted step: compute (gray) + exposed communication; objective="
                           f"{plan.objective.value}, chunks {plan.setting.chunks}", fontsize=9)
-            ax2.legend(fontsize=7)
+            from matplotlib.patches import Patch
+
+            ax2.legend(handles=[Patch(color="tab:gray", label="compute"),
+                                Patch(facecolor="white", edgecolor="black",
+                                      label="exposed communication (the mesh's colour)")], fontsize=7)
             if len(labels) > 8:
                 ax2.tick_params(axis="x", labelrotation=60)
