@@ -106,3 +106,13 @@ def test_an_activation_with_learned_scalars_runs_on_the_split_intermediate():
     assert _plan("apertus")["model.layers.*.mlp.act_fn"] == "hf_scalars(axis=d1)"
     with pytest.raises(ConfigError, match="scalars"):
         HFScalars().check("x", nn.LayerNorm(4))
+
+
+def test_a_per_head_output_gate_is_split_like_the_queries():
+    """AFMoE's attention gates its output per head feature (gate_proj, heads x head dim): a
+    fourth projection of the hidden, column-first like q (shown to run on blocks of heads)."""
+    from benchmarks.hf_coverage import build
+    from atp_pipeline.models.hf.layout import derive
+
+    att = derive(build("afmoe")).plan["model.layers.*.self_attn"]
+    assert "extra=gate_proj" in att and "whole" not in att, att

@@ -75,7 +75,7 @@ def atp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     out = heads.gather(out, 2)
     if whole:
         out = gather_dim0(out.movedim(2, 0).contiguous(), heads.comm, "d1").movedim(0, 2)
-    return out, weights
+    return out.contiguous(), weights  # as transformers' own implementations return it (a caller may view it)
 
 
 def _d1_block(t: torch.Tensor, heads: HeadSharding) -> torch.Tensor:
@@ -164,7 +164,8 @@ class HFAttention(ParallelStyle):
 
     def __init__(self, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj", o: str = "o_proj",
                  qkv: str = "", fused: str = "concat", per_rank: str = "", whole: str = "false", heads: str = "0",
-                 kv: str = "0", head_dim: str = "0", biases: str = "", head_params: str = "") -> None:
+                 kv: str = "0", head_dim: str = "0", biases: str = "", head_params: str = "",
+                 extra: str = "") -> None:
         if fused not in FUSED:
             raise ConfigError(f"style 'hf_attention': fused={fused!r} must be one of {', '.join(FUSED)}")
         if str(whole).lower() not in ("true", "false"):
@@ -180,6 +181,8 @@ class HFAttention(ParallelStyle):
         # the module's own parameters holding one value per query head, read by the core only
         # (attention sinks): whole on every rank, the core given its heads', gradients summed
         self.head_params = tuple(a for a in head_params.split("+") if a)
+        # other projections of the hidden state per head (a gate of the output): split like the queries
+        self.extra = tuple(a for a in extra.split("+") if a)
 
     def options(self) -> Dict[str, str]:
         opts = {"qkv": self.qkv, "fused": self.fused} if self.qkv else \
@@ -196,10 +199,12 @@ class HFAttention(ParallelStyle):
             opts["biases"] = "+".join(self.biases)
         if self.head_params:
             opts["head_params"] = "+".join(self.head_params)
+        if self.extra:
+            opts["extra"] = "+".join(self.extra)
         return opts
 
     def projections(self) -> Tuple[str, ...]:
-        return ((self.qkv,) if self.qkv else (self.q, self.k, self.v)) + (self.o,)
+        return ((self.qkv,) if self.qkv else (self.q, self.k, self.v)) + self.extra + (self.o,)
 
     def check(self, fqn: str, module: nn.Module) -> None:
         for p in self.projections():
@@ -277,6 +282,9 @@ class HFAttention(ParallelStyle):
             for p in (self.k, self.v):
                 setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN,
                                                          gather_output=sharding.kv_gathered, shared_input=True))
+        for p in self.extra:  # read the same hidden states as q/k/v, split by heads like q
+            setattr(module, p, ATPLinear.from_linear(getattr(module, p), ctx.mesh, COLUMN, gather_output=self.whole,
+                                                     shared_input=not self.qkv))
         if not self.whole:
             setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
             if per_head and sharding.kv_gathered:

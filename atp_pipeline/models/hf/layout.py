@@ -88,6 +88,7 @@ class AttentionSpec:
     counts: Tuple[int, int, int] = (0, 0, 0)  # heads, kv heads, head dim: for a module without a config
     biases: Tuple[str, ...] = ()  # keyword inputs holding position biases for all heads (ALiBi): sliced per rank
     head_params: Tuple[str, ...] = ()  # its own parameters of one value per head read by the core (sinks)
+    extra: Tuple[str, ...] = ()  # other projections of the hidden, per head (an output gate): split like q
 
     def style(self) -> str:
         opts: List[str] = []
@@ -96,6 +97,8 @@ class AttentionSpec:
         else:
             opts += [f"q={self.q}", f"k={self.k}", f"v={self.v}"]
         opts.append(f"o={self.o}")
+        if self.extra:
+            opts.append("extra=" + "+".join(self.extra))
         if self.whole:
             opts.append("whole=true")
         if self.per_rank:
@@ -278,7 +281,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         layout.qkv_fused = bool(spec.qkv)
         layout.whole_attention = spec.whole
         module_ = _first(names, att)
-        projections = {spec.q, spec.k, spec.v, spec.qkv, spec.o}
+        projections = {spec.q, spec.k, spec.v, spec.qkv, spec.o, *spec.extra}
         layout.head_norm_params = 0 if spec.whole else sum(
             p.numel() for n, sub in module_.named_children() if n not in projections for p in sub.parameters())
         layout.bias = layout.bias or any(getattr(_first(names, f"{att}.{p}"), "bias", None) is not None
@@ -527,6 +530,16 @@ def _projections_spec(root: nn.Module, module: nn.Module, att: str, mine: Mappin
     """:func:`_attention_spec`'s projections: separate q/k/v or one fused q|k|v, and the output."""
     whole = any(mine[p] in WHOLE_KINDS for p in cols)
     width = {p: as_linear(getattr(module, p))[1] for p in cols}
+    if len(cols) == 4:  # q, k, v and a per-head gate of the output (its width: heads x head dim, or heads)
+        named = {r: next((p for p in cols if ROLE[r].search(p)), None) for r in ROLE}
+        gate = [p for p in cols if p not in named.values()]
+        if len(gate) == 1 and width[gate[0]] in (heads * hd, heads) and not whole:
+            spec = _projections_spec(root, module, att, mine, [p for p in cols if p != gate[0]], rows, what, hidden,
+                                     heads, kv, hd, declared, probe)
+            if not spec.whole:
+                return dataclasses.replace(spec, extra=(gate[0],))
+        raise ConfigError(f"{what}: projections {cols} are not q ({heads}x{hd}), k, v ({kv}x{hd}) and a gate of "
+                          f"one value per head or per head feature; pass a plan")
     if len(cols) == 3:
         named = {r: next((p for p in cols if ROLE[r].search(p)), None) for r in ROLE}
         q = named["q"] or next((p for p in cols if width[p] == heads * hd and p not in (named["k"], named["v"])), None)
@@ -573,7 +586,7 @@ def as_whole(spec: AttentionSpec) -> AttentionSpec:
     """``spec`` with whole q/k/v: the projections' outputs gathered over d1, the module's own
     code run on all heads (its core on this rank's, where it calls transformers' interface)."""
     return AttentionSpec(q=spec.q, k=spec.k, v=spec.v, o=spec.o, qkv=spec.qkv, fused=spec.fused or "",
-                         whole=True, counts=spec.counts, head_params=spec.head_params)
+                         whole=True, counts=spec.counts, head_params=spec.head_params, extra=spec.extra)
 
 
 def _read_by_core(root: nn.Module, att: str, own: List[str], heads: int, probe: bool) -> bool:
@@ -759,6 +772,9 @@ def runs_on_head_blocks(root: nn.Module, att: str, spec: AttentionSpec, heads: i
                 for name, n in ((spec.q, heads), (spec.k, kv), (spec.v, kv)):
                     w = n * hd // blocks
                     _cut(getattr(probe, name), torch.arange(b * w, (b + 1) * w), output=True)
+            for name in spec.extra:
+                w = as_linear(getattr(probe, name))[1] // blocks
+                _cut(getattr(probe, name), torch.arange(b * w, (b + 1) * w), output=True)
             _cut(getattr(probe, spec.o), block, output=False)
             for a in spec.per_rank:
                 setattr(probe, a, getattr(probe, a) // blocks)
@@ -848,7 +864,7 @@ def _split_hidden_fails(target: nn.Module, args: tuple, kwargs: dict, spec: Atte
 
     probe = copy.deepcopy(target)
     half = torch.arange(hidden // 2)
-    for p in (spec.qkv,) if spec.qkv else (spec.q, spec.k, spec.v):
+    for p in ((spec.qkv,) if spec.qkv else (spec.q, spec.k, spec.v)) + spec.extra:
         _cut(getattr(probe, p), half, output=False)
     _cut(getattr(probe, spec.o), half, output=True)
     cut = lambda t: t[..., :hidden // 2] if isinstance(t, torch.Tensor) and t.shape[-1:] == (hidden,) else t  # noqa: E731
