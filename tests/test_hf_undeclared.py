@@ -116,3 +116,10 @@ def test_a_per_head_output_gate_is_split_like_the_queries():
 
     att = derive(build("afmoe")).plan["model.layers.*.self_attn"]
     assert "extra=gate_proj" in att and "whole" not in att, att
+
+
+def test_an_attention_the_declaration_leaves_out_is_read_off_its_modules():
+    """Flint declares its MLP and experts only: its attention (per-head q/k norms) is read off
+    the modules, as for a family that declares nothing."""
+    att = _plan("flint")["model.layers.*.self_attn"]
+    assert att.startswith("hf_attention(q=q_proj, k=k_proj, v=v_proj, o=o_proj"), att

@@ -255,6 +255,15 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     if not kinds:
         raise ConfigError(f"transformers model_type '{kind}': no repeated block with linear projections "
                           f"(ATP lays out transformer blocks); pass a plan")
+    attention_declared = bool(declared)
+    if declared and not _attention_modules(names, kinds):  # a declaration of the MLP only: the attention's
+        try:  # projections read off its modules (and shown to run on blocks of heads, below)
+            shown = _inspect_linears(names, blocks, hidden, lists, [e.rpartition(".")[0] for e in experts])
+        except ConfigError:
+            shown = {}
+        found = _attention_modules(names, shown)
+        kinds.update({n: k for n, k in shown.items() if n.rpartition(".")[0] in found})
+        attention_declared = not found
 
     spec_given = family.attention_spec if family is not None else None
     attention = _attention_modules(names, kinds) if spec_given is None else sorted(
@@ -263,10 +272,10 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     plan: Dict[str, str] = {}
     for att in attention:
         spec = spec_given or _attention_spec(module, att, names, kinds, hidden, heads, kv, hd,
-                                             declared=bool(declared), kind=kind, probe=probe)
+                                             declared=attention_declared, kind=kind, probe=probe)
         if not hasattr(_first(names, att), "config"):
             spec = dataclasses.replace(spec, counts=(heads, kv, hd))
-        if probe and spec_given is None and not declared:  # read off the modules: shown to run on blocks of heads
+        if probe and spec_given is None and not attention_declared:  # read off the modules: shown to run on blocks
             if not spec.whole:
                 spec = dataclasses.replace(spec, biases=head_biases(module, att, heads))
             why = runs_on_head_blocks(module, att, spec, heads, kv, hd, hidden)
