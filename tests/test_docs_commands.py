@@ -21,7 +21,9 @@ commands use (``~/myconf/topology/theirs.yaml``): it is written under the run's 
 
 **Cheap forms** (generic rules, :func:`plan_command`): ``python train.py`` fits get
 ``trainer.max_steps=2`` (a resume 4) ``trainer.progress_bar=false planner.plot=false``;
-``stage=plan`` stays. A fit plans instead (``stage=plan``: compose, resolve, plan, report — what a
+``stage=plan`` stays; a live in-network aggregation fit (``aggregation=atp|ps|switchml``, Python
+switch) packs :data:`LIVE_FIT_PAYLOAD` values a packet unless it sets ``aggregation.payload_k`` or
+joins a running switch. A fit plans instead (``stage=plan``: compose, resolve, plan, report — what a
 doc change breaks) when it is of a paper-size model (no CPU can train it), when another test of
 the suite already runs that very fit (found by reading the suite's tests: one run spec with the same
 overrides; the note names the test), or when it is a multirun (all its points planned, and
@@ -72,6 +74,10 @@ FIT_STEPS = 2
 CPU_MODELS = {"tiny", "small", "hf_pretrained"}
 MIN_COMMANDS = 60  # the docs show ~80 commands today: extraction that finds fewer is broken
 DEFAULT_TIMEOUT = 300.0
+#: live in-network aggregation modes (a Python switch role over UDP): their documented fits run
+#: with this many values a packet unless the command sets aggregation.payload_k
+LIVE_AGGREGATION = {"atp", "ps", "switchml"}
+LIVE_FIT_PAYLOAD = 2048
 
 
 # ------------------------------------------------------------------------------ discovery
@@ -598,19 +604,14 @@ def suite_fit_specs() -> List[_RunSpec]:
             tree = ast.parse(src)
         except SyntaxError:
             continue
-        consts: Dict[str, List[str]] = {}
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
-                vals = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-                for t in node.targets:
-                    if isinstance(t, ast.Name):
-                        consts[t.id] = vals
+        consts = _list_constants(tree.body, {})
         funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
         for fn in funcs:
             body = ast.get_source_segment(src, fn) or ""
             if not _FITS.search(body) or _EXPECTS_FAILURE.search(body):
                 continue
             rel = f"{path.relative_to(ROOT)}::{fn.name}"
+            local = _list_constants(fn.body, consts)  # the function's own override lists too
             for node in ast.walk(fn):
                 elts = node.elts if isinstance(node, (ast.List, ast.Tuple)) else \
                     node.args if isinstance(node, ast.Call) else None
@@ -618,18 +619,34 @@ def suite_fit_specs() -> List[_RunSpec]:
                     continue
                 spec = _RunSpec(rel, set(), set())
                 for e in elts:
-                    if isinstance(e, ast.Constant) and isinstance(e.value, str):
-                        spec.exact.add(e.value)
-                    elif isinstance(e, ast.JoinedStr) and e.values and isinstance(e.values[0], ast.Constant):
+                    if isinstance(e, ast.JoinedStr) and e.values and isinstance(e.values[0], ast.Constant):
                         spec.prefixes.add(str(e.values[0].value))
-                    elif isinstance(e, ast.Starred) and isinstance(e.value, ast.Name):
-                        spec.exact.update(consts.get(e.value.id, []))
-                    elif isinstance(e, ast.Name):
-                        spec.exact.update(consts.get(e.id, []))
+                    else:
+                        spec.exact.update(_strings(e, local))
                 if any("=" in x for x in spec.exact | spec.prefixes):
                     specs.append(spec)
     _SUITE_FITS = specs
     return specs
+
+
+def _strings(e: ast.expr, consts: Dict[str, List[str]]) -> List[str]:
+    """The strings an element of an override list stands for: a literal, or a named list's (spread)."""
+    if isinstance(e, ast.Constant) and isinstance(e.value, str):
+        return [e.value]
+    name = e.value if isinstance(e, ast.Starred) else e
+    return list(consts.get(name.id, [])) if isinstance(name, ast.Name) else []
+
+
+def _list_constants(body: Sequence[ast.stmt], outer: Dict[str, List[str]]) -> Dict[str, List[str]]:
+    """``NAME = [...]`` assignments of ``body`` (in order, spreading names assigned before)."""
+    consts = dict(outer)
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
+            vals = [v for e in node.value.elts for v in _strings(e, consts)]
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    consts[t.id] = vals
+    return consts
 
 
 def fit_run_elsewhere(ov: Dict[str, str]) -> str:
@@ -723,6 +740,12 @@ def _plan_train(c: DocCommand, text: str, plan: Plan, earlier: Sequence[DocComma
         text = set_override(text, "trainer.progress_bar", "false")
         if not errs:
             notes.append(f"{steps}-step fit" + (" (2 more than the checkpoint)" if "resume" in ov else ""))
+        if (ov.get("aggregation") in LIVE_AGGREGATION and "aggregation.payload_k" not in ov
+                and "aggregation.switch" not in ov  # a running switch aggregates the payload it was started with
+                and ov.get("aggregation.switch_impl", "python") != "bmv2" and not errs):
+            text = set_override(text, "aggregation.payload_k", str(LIVE_FIT_PAYLOAD))
+            notes.append(f"{LIVE_FIT_PAYLOAD} values a packet (the default 62 is a Tofino frame: the same code, "
+                         f"{LIVE_FIT_PAYLOAD // 62}x fewer datagrams, each a Python round trip on loopback)")
     text = set_override(text, "planner.plot", "false")
     if multirun:
         swept = [(k, v) for k, v in ov.items() if "," in v and not k.startswith("hydra")

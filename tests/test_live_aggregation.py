@@ -225,7 +225,7 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     """``train.py aggregation=atp`` against ring: same losses, the sequences aggregated in the
     switch, and under 1% loss the very same weights, nothing left allocated. (Two levels and
     SwitchML: test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing; their
-    30-step fits against ring: docs/ina-live.md.)"""
+    30-step fits against ring: docs/ina.md.)"""
     steps = ["trainer.max_steps=8", "trainer.devices=4"]
     atp = ["aggregation=atp", "aggregation.payload_k=256"]
     runs = {"ring": ["mesh.dp=4"], "atp": atp, "lossy": [*atp, "aggregation.loss=0.01", "aggregation.rto_s=0.05"]}
@@ -268,6 +268,9 @@ def test_two_tenants_share_one_switch(tmp_path):
     sw = _start_shared_switch()
     try:
         addr = "%s:%d" % sw.switch.control
+        with pytest.raises(ConfigError, match=rf"aggregation.payload_k=2048 but the switch at {addr} aggregates 62 "
+                                              r"values a packet: set aggregation.payload_k=62"):
+            Services.start(AggregationConfig(mode=AggregationMode.atp, switch=addr, payload_k=2048))
         common = [*FAST, "trainer.max_steps=4", "trainer.devices=2", "aggregation=atp", f"aggregation.switch={addr}"]
         env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
         procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"seed={s}",
@@ -439,12 +442,12 @@ def test_train_through_the_p4_program_on_bmv2(tmp_path):
     within 1e-3 of ring; the program's counters (read with simple_switch_CLI) show the
     sequences completed in the switch; no process, namespace or socket left afterwards."""
     common = [*FAST, *SMALL, "trainer.max_steps=20", "trainer.devices=2"]
-    runs = {"ring": ["mesh.dp=2"], "bmv2": BMV2}
+    runs = {"ring": [*common, "mesh.dp=2"], "bmv2": [*common, *BMV2]}
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, *extra,
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args,
                                      f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, extra in runs.items()}  # side by side: most of a run is starting up
+             for name, args in runs.items()}  # side by side: most of a run is starting up
     for name, p in procs.items():
         _, err = p.communicate(timeout=400)
         assert p.returncode == 0, (name, err[-3000:])

@@ -3,7 +3,7 @@ built-in GPT), ``llama_tiny`` (4 key/value heads), ``llama_tiny`` with 2 key/val
 ``gpt2_tiny`` (Conv1D, fused q|k|v, tied head), each laid out by its adapter's plan with its
 blocks run in 2 and 4 chunks on 2x2 and 1x4 (4 gloo processes, one launch): one float64
 step's every gradient within 1e-9 of one process (relative to the gradient's magnitude), and
-20 float32 SGD losses within 1e-5. Unit tests of the wavefront: results, turn order, errors,
+at 4 chunks (one sample a chunk) 20 float32 SGD losses within 1e-5. Unit tests of the wavefront: results, turn order, errors,
 and the chunked backward."""
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ def test_every_family_chunked_matches_one_process(runs):
         where = (r["model"], r["mesh"], r["chunks"])
         assert r["same_params"], where
         assert r["grad_rel"] <= 1e-9, (where, r["worst"], r["grad_rel"])
-        assert r["steps"] == 20 and r["loss_err"] <= 1e-5, (where, r["loss_err"])
+        if r["chunks"] == max(CHUNKS):
+            assert r["steps"] == 20 and r["loss_err"] <= 1e-5, (where, r["loss_err"])
+        else:
+            assert "steps" not in r, where
 
 
 def test_readers_sharing_an_input_reduce_its_gradient_once_even_if_one_never_runs(runs):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from atp_pipeline.config.schema import AggregationConfig, SwitchImpl
+from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call, parse_addr
 
 
@@ -65,7 +66,12 @@ class Services:
         procs: List[subprocess.Popen] = []
         shared = None
         if cfg.switch:
-            shared = Endpoint.from_info(call(parse_addr(cfg.switch), "info", what="switch"))
+            info = call(parse_addr(cfg.switch), "info", what="switch")
+            if info.get("payload_k") != cfg.payload_k:  # its packets would never match this job's
+                raise ConfigError(f"aggregation.payload_k={cfg.payload_k} but the switch at {cfg.switch} aggregates "
+                                  f"{info.get('payload_k')} values a packet: set aggregation.payload_k="
+                                  f"{info.get('payload_k')} (or start it with --payload-k {cfg.payload_k})")
+            shared = Endpoint.from_info(info)
         n_switches = (0 if shared is not None else 1) + (cfg.racks if cfg.racks > 1 else 0)
         sml = cfg.mode == "switchml"  # SwitchML: its switch is the aggregation endpoint, no PS
         try:

@@ -2,7 +2,7 @@
 
 On one host, every byte a datagram carries is copied twice by the kernel (into the socket,
 out of it), and the switch role sends each result once per worker: a sync moves 16 times the
-gradient through loopback for 4 workers, against ring's 12 (``docs/ina-live.md``). With this
+gradient through loopback for 4 workers, against ring's 12 (``docs/ina.md``). With this
 transport the packets still travel as UDP datagrams between the processes — the same
 headers, the same protocol, loss and retransmission — but a packet's lanes stay in shared
 memory:
