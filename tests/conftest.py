@@ -40,9 +40,25 @@ def compose_cfg() -> Callable[..., DictConfig]:
 def run_train(args: List[str], cwd: Optional[Path] = None, timeout: float = 120
               ) -> subprocess.CompletedProcess:
     """Run ``python train.py args`` as a user would; output lands under ``cwd``."""
+    return finish_train(start_train(args, cwd), timeout)
+
+
+def start_train(args: List[str], cwd: Optional[Path] = None) -> subprocess.Popen:
+    """Start ``python train.py args`` (:func:`finish_train` waits for it): runs side by side,
+    where most of each is starting up."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_train(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 @pytest.fixture(autouse=True)

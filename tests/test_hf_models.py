@@ -259,33 +259,38 @@ def test_train_py_hf_fit_resume_export_and_pretrained(tmp_path):
 
     from atp_pipeline.run.report import read_metrics
 
-    from .conftest import run_train
+    from .conftest import finish_train, start_train
 
-    def train(run, *args):
-        out = run_train([*args, "trainer.progress_bar=false", "planner.plot=false", f"hydra.run.dir={run}"],
-                        cwd=tmp_path, timeout=600)
+    def start(run, *args):
+        return run, start_train([*args, "trainer.progress_bar=false", "planner.plot=false", f"hydra.run.dir={run}"],
+                                cwd=tmp_path)
+
+    def train(run, p=None):
+        out = finish_train(p, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.csv") if "loss" in r}
 
     a, c, b = tmp_path / "a", tmp_path / "c", tmp_path / "b"
-    full = train(a, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3")
+    ckpt = tmp_path / "gpt2"
+    dense = build("gpt2", torch.float32, vocab_size=256)
+    dense.save_pretrained(str(ckpt))
+    pretrained = start(b, "model=hf_pretrained", f"model.pretrained={ckpt}", "mesh=2x2", "trainer.max_steps=1",
+                       "trainer.lr=0")  # side by side with the llama_tiny fit
+    full = train(*start(a, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3"))
     summary = json.loads((a / "summary.json").read_text())
     assert (summary["model"], summary["selected"], summary["steps"]) == ("llama_tiny", "2x2", 6)
     assert summary["final_loss"] < summary["first_loss"]
     for name in ("plan.json", "metrics.csv", "loss.png", "summary.txt", "hf/config.json", "hf/model.safetensors"):
         assert (a / name).exists(), name
 
-    resumed = train(c, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=7", f"resume={a / 'checkpoints' / 'step3.ckpt'}")
+    resumed = train(*start(c, "model=llama_tiny", "mesh=2x2", "trainer.max_steps=7",
+                           f"resume={a / 'checkpoints' / 'step3.ckpt'}"))
     assert sorted(resumed) == [3, 4, 5, 6]
     assert all(resumed[k] == pytest.approx(full[k], abs=1e-6) for k in (3, 4, 5)), (resumed, sorted(full.items()))
     exported = AutoModelForCausalLM.from_pretrained(str(a / "hf"))
     assert _hf_loss(exported, 6) == pytest.approx(resumed[6], rel=1e-5)
 
-    ckpt = tmp_path / "gpt2"
-    dense = build("gpt2", torch.float32, vocab_size=256)
-    dense.save_pretrained(str(ckpt))
-    first = train(b, "model=hf_pretrained", f"model.pretrained={ckpt}", "mesh=2x2", "trainer.max_steps=1",
-                  "trainer.lr=0")
+    first = train(*pretrained)
     assert first[0] == pytest.approx(_hf_loss(dense, 0), rel=1e-5)
     back, ref = AutoModelForCausalLM.from_pretrained(str(b / "hf")).state_dict(), dense.state_dict()
     assert sorted(back) == sorted(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
