@@ -547,8 +547,8 @@ def _projections_spec(root: nn.Module, module: nn.Module, att: str, mine: Mappin
                                      heads, kv, hd, declared, probe)
             if not spec.whole:
                 return dataclasses.replace(spec, extra=(gate[0],))
-        raise ConfigError(f"{what}: projections {cols} are not q ({heads}x{hd}), k, v ({kv}x{hd}) and a gate of "
-                          f"one value per head or per head feature; pass a plan")
+        raise ConfigError(f"{what}: projections {cols} do not add up to queries ({heads}x{hd}), keys/values "
+                          f"({kv}x{hd}) and one per-head gate; pass a plan")
     if len(cols) == 3:
         named = {r: next((p for p in cols if ROLE[r].search(p)), None) for r in ROLE}
         q = named["q"] or next((p for p in cols if width[p] == heads * hd and p not in (named["k"], named["v"])), None)
