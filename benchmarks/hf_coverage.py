@@ -185,6 +185,7 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.models.adapter import find_adapters, prefixed
     from atp_pipeline.parallel.apply import apply_plan
+    from atp_pipeline.parallel.comm import comm_for
     from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
 
@@ -224,11 +225,16 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
         try:
             (name, adapter, sub), = find_adapters(model)
             plan = prefixed(name, adapter.parallel_plan(sub))
-            apply_plan(model, plan, init_mesh((d1, d2)))
+            mesh = init_mesh((d1, d2))
+            apply_plan(model, plan, mesh)
             model.zero_grad(set_to_none=True)
+            comm = comm_for(mesh)
+            comm.stats.reset()
             loss = model(input_ids=idx, labels=idx).loss
             loss.backward()
+            counted = {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()}
             grads = dense_tensors(model, grad=True)
+            row["shape"] = adapter.shape(sub).to_dict()
         except ConfigError as exc:
             return {**row, "result": "refused", "reason": str(exc).splitlines()[0]}
         except Exception as exc:  # noqa: BLE001
@@ -241,7 +247,7 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
         missing = sorted(set(ref_grads) - set(grads))
         grad_rel = max(errs.values()) if errs else math.inf
         mesh_row = {"loss_rel": loss_rel, "grad_rel": grad_rel, "worst": max(errs, key=errs.get) if errs else None,
-                    "missing": missing[:3]}
+                    "missing": missing[:3], "counted": counted}
         worst[f"{d1}x{d2}"] = mesh_row
         if missing or not (loss_rel <= tol and grad_rel <= tol):
             return {**row, "result": "wrong", "reason": f"{d1}x{d2}: loss {loss_rel:.1e}, grad {grad_rel:.1e} "
@@ -251,14 +257,23 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
             "max_rel": max(max(m["loss_rel"], m["grad_rel"]) for m in worst.values())}
 
 
-def worker(rank: int, world: int, types: List[str]) -> List[Dict[str, Any]]:
+def predicted(shape: Dict[str, Any], mesh: Tuple[int, int]) -> Dict[str, int]:
+    """The runtime cost model's elements per (collective, axis) for one step of :func:`_batch`
+    of the model of ``shape`` (a row's ``shape``) on ``mesh``: what ``counted`` must equal."""
+    from atp_pipeline.planning.cost import predicted_counts
+
+    return predicted_counts(shape, mesh, BATCH * SEQ)
+
+
+def worker(rank: int, world: int, types: List[str],
+           meshes: Tuple[Tuple[int, int], ...] = MESHES) -> List[Dict[str, Any]]:
     import torch.distributed as dist
 
     torch.set_default_dtype(torch.float32)
     out = []
     for t in types:
         t0 = time.perf_counter()
-        row = check_type(t)
+        row = check_type(t, meshes)
         row["seconds"] = round(time.perf_counter() - t0, 2)
         # every rank must agree (a rank-local failure would otherwise hang the next collective)
         results = [None] * world

@@ -236,11 +236,6 @@ def lightning_run(package: str, world: int, family: str = "llama", steps: int = 
 
 def predicted(shape: Dict[str, Any], mesh: Tuple[int, int], chunks: int = 1) -> Dict[str, int]:
     """The runtime cost model's elements per (collective, axis) for one step of ``batch()``."""
-    from atp_pipeline.config.schema import CostModel
-    from atp_pipeline.planning.cost import comm_terms, predicted_elements
-    from atp_pipeline.planning.shape import ModelShape
+    from atp_pipeline.planning.cost import predicted_counts
 
-    keep = {k: v for k, v in shape.items() if k in ModelShape.__dataclass_fields__}
-    s = ModelShape(**keep)
-    got = predicted_elements(comm_terms(CostModel.runtime, s, mesh), BATCH * SEQ, s.layers, chunks)
-    return {f"{k}/{a}": n for (k, a), n in got.items()}
+    return predicted_counts(shape, mesh, BATCH * SEQ, chunks)

@@ -51,6 +51,19 @@ def test_laid_out_with_no_plan_is_exact_on_2x2_and_1x4(rows, kind):
     assert r["tolerance"] == 1e-9 or r.get("float32_ops"), r
 
 
+@pytest.mark.parametrize("kind", EXACT)
+def test_the_planner_predicts_the_collectives_the_layout_sends(rows, kind):
+    """The runtime cost model of the adapter's shape (ALiBi's core on the d1 heads, whole q/k/v,
+    sinks, four norms a block, ...) equals the elements counted per (collective, axis) in the
+    same launch's forward and backward."""
+    from benchmarks.hf_coverage import predicted
+
+    r = rows[kind]
+    for mesh, m in r["meshes"].items():
+        d1, d2 = map(int, mesh.split("x"))
+        assert m["counted"] == predicted(r["shape"], (d1, d2)), (kind, mesh)
+
+
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_what_the_layout_cannot_cover_is_refused_in_one_line(rows, kind):
     r = rows[kind]

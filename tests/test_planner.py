@@ -295,3 +295,14 @@ def test_plan_png_title_fits_and_report_sizes_read_in_human_units():
     assert fig.get_tightbbox(renderer).width <= fig.bbox.width / fig.dpi + 1e-6  # nothing outside the figure
     assert [human_bytes(x) for x in (812, 3_400, 804_400, 1.2e6, 80e9)] == \
         ["812 B", "3.4 kB", "804.4 kB", "1.2 MB", "80.0 GB"]
+
+
+def test_a_plan_says_what_its_communication_estimate_omits():
+    """A layout the runtime cost model does not count (a per-head output gate) is named in the
+    plan's notes instead of being mispredicted silently."""
+    from dataclasses import replace
+
+    m = summary(hidden=256, heads=16)
+    assert not any("omits" in n for n in make_plan(_ic6(4), m, MeshConfig(), PlannerConfig()).notes)
+    plan = make_plan(_ic6(4), replace(m, unmodelled="per-head output gates"), MeshConfig(), PlannerConfig())
+    assert any("omits its per-head output gates" in n for n in plan.notes), plan.notes

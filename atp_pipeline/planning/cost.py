@@ -97,7 +97,11 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     logits reduce-scattered over d2 along the tokens (their gradient all-gathered back), the
     loss's max and sums over d1 for this rank's ``1/d2`` of the tokens and its total over d2,
     and — tied — the vocabulary-split embedding's rows all-reduced over d1); embeddings run
-    whole and sliced over d2 (their gradient gathered).
+    whole and sliced over d2 (their gradient gathered). What the HF layout reads off the modules
+    (:class:`~atp_pipeline.planning.shape.ModelShape`): ``layer_norms`` norms a layer and
+    ``extra_norms`` beside the final one; a core on the d1 heads replicated over d2
+    (``heads_over_d2=False``, ALiBi's own core: no scatter, gather or pick over d2); a whole MLP,
+    attention sinks and activation scalars (:func:`_layout_variants`).
     Chunks (§4.1) multiply calls, not elements."""
     d1, d2 = mesh
     h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
@@ -105,13 +109,15 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
     layout = kv_placement(shape, d1, d2)
     if shape.norm_layout == "stats":
-        norms = [t("norm", "norm statistics (sum, sum of squares) over d2", ALL_REDUCE, 2, F_(4), 1, "fwd"),
-                 t("norm", "norm statistics gradient over d2", ALL_REDUCE, 2, F_(4), 1, "bwd")]
+        n = shape.layer_norms
+        norms = [t("norm", "norm statistics (sum, sum of squares) over d2", ALL_REDUCE, 2, F_(2 * n), 1, "fwd"),
+                 t("norm", "norm statistics gradient over d2", ALL_REDUCE, 2, F_(2 * n), 1, "bwd")]
         final = [t("norm_f", "final norm statistics over d2", ALL_REDUCE, 2, F_(2), 1, "fwd", False),
                  t("norm_f", "final norm statistics gradient over d2", ALL_REDUCE, 2, F_(2), 1, "bwd", False)]
     else:
-        norms = [t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "fwd"),
-                 t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(2 * h), 1, "bwd")]
+        n = shape.layer_norms
+        norms = [t("norm", "norms: hidden gathered over d2", ALL_GATHER, 2, F_(n * h), 1, "fwd"),
+                 t("norm", "norms: output gradient gathered over d2", ALL_GATHER, 2, F_(n * h), 1, "bwd")]
         final = [t("norm_f", "final norm: hidden gathered over d2", ALL_GATHER, 2, F_(h), 1, "fwd", False),
                  t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd",
                    False)]
@@ -132,7 +138,7 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     if shape.moe is not None:
         terms = _routed_mlps(terms, shape, mesh)
     if shape.final_norm:
-        terms += final
+        terms += final * (1 + shape.extra_norms)  # (an embedding's norm: alike)
     if shape.head_layout == "tied":
         terms.append(t("head", "LM head tied to the embedding: logits all-reduced over d2", ALL_REDUCE, 2,
                        F_(V), 1, "fwd", False))
@@ -179,7 +185,32 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                     F_(2 * kv), 1, "bwd"),
                   t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
                     F_(2 * kv), 1, "bwd")]
+    terms += _layout_variants(shape)
+    if not shape.heads_over_d2:  # the core on the d1 heads, replicated over d2: no scatter, gather, pick
+        terms = [x for x in terms if not (x.dim == 2 and x.op in ("scatter", "gather", "pick"))]
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
+
+
+def _layout_variants(shape: ModelShape) -> List[CommTerm]:
+    """A whole MLP (its column-first outputs gathered over d1, the row-first input block's
+    gradient gathered back), attention sinks (gradients summed over d1 and d2) and an
+    activation's scalars (gradients summed over d1)."""
+    F_, t = Fraction, CommTerm
+    terms = []
+    if shape.mlp_layout == "whole":
+        dense = shape.layers - (shape.moe.layers if shape.moe is not None else 0)
+        terms += [t("mlp", "whole MLP: column-first outputs gathered over d1", ALL_GATHER, 1,
+                    F_((shape.ffn_matrices - 1) * shape.ffn), dense, "fwd", False),
+                  t("mlp", "whole MLP: row-first input block, gradient gathered over d1", ALL_GATHER, 1,
+                    F_(shape.ffn), dense, "bwd", False)]
+    for dim in (1, 2):
+        if shape.sink_params:
+            terms.append(t("sinks", f"attention sinks: gradient summed over d{dim}", ALL_REDUCE, dim,
+                           F_(shape.sink_params), 1, "bwd", True, False))
+    if shape.scalar_params:
+        terms.append(t("scalars", "activation scalars: gradient summed over d1", ALL_REDUCE, 1,
+                       F_(shape.scalar_params), 1, "bwd", True, False))
+    return terms
 
 
 def _mlp_terms(width: int, up: int, hidden: int, mesh: Tuple[int, int], passes: int, what: str) -> List[CommTerm]:
@@ -281,6 +312,16 @@ def predicted_elements(terms: List[CommTerm], tokens: int, layers: int,
         if value.denominator != 1:
             raise ValueError(f"{key}: {value} elements is not whole; the mesh does not divide the model")
     return {k: int(v) for k, v in out.items()}
+
+
+def predicted_counts(shape: Mapping[str, object], mesh: Tuple[int, int], tokens: int,
+                     chunks: int = 1) -> Dict[str, int]:
+    """:func:`predicted_elements` of the runtime cost model for a shape given as a dict
+    (``ModelShape.to_dict()``, its derived entries ignored), keyed ``"collective/dN"`` as the
+    runtime's counter is reported by the tests and benchmarks that compare the two."""
+    s = ModelShape(**{k: v for k, v in shape.items() if k in ModelShape.__dataclass_fields__})  # type: ignore[arg-type]
+    got = predicted_elements(runtime_terms(s, mesh), tokens, s.layers, chunks)
+    return {f"{k}/{a}": n for (k, a), n in got.items()}
 
 
 def collective_seconds(collective: str, size: int, nbytes: float, B_GBps: Optional[float],

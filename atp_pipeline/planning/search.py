@@ -117,6 +117,9 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
     notes: List[str] = []
     if topo.note:
         notes.append(topo.note)
+    if model.unmodelled:
+        notes.append(f"the communication estimate of model '{model.name}' omits its {model.unmodelled} "
+                     f"(the runtime sends more than predicted)")
     profile = profile_of(topo)
     if strategy == MeshStrategy.fixed:
         if fd1 is None or fd2 is None or fd1 < 1 or fd2 < 1:

@@ -91,6 +91,13 @@ class ModelShape:
     attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
     head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
     moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
+    layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; Gemma-2: four)
+    extra_norms: int = 0  # norms outside the layers besides the final one (an embedding's), each like it
+    heads_over_d2: bool = True  # False: the core runs on the d1 block of heads, replicated over d2
+    mlp_layout: str = "split"  # "whole": the MLP's intermediate gathered over d1 (a norm over all of it)
+    sink_params: int = 0  # per layer: per-head parameters read by the core (gradients summed over d1 and d2)
+    scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
+    unmodelled: str = ""  # what the layout sends that the runtime cost model does not count ("": nothing)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
@@ -113,6 +120,8 @@ class ModelShape:
         if self.attention_layout not in ("split", "whole"):
             raise ValueError(f"model '{self.name}': attention_layout must be split or whole, "
                              f"got {self.attention_layout!r}")
+        if self.mlp_layout not in ("split", "whole"):
+            raise ValueError(f"model '{self.name}': mlp_layout must be split or whole, got {self.mlp_layout!r}")
         if self.norm_layout not in NORM_LAYOUTS:
             raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
         if self.head_layout not in HEAD_LAYOUTS or (self.head_layout not in ("vocab_split", "whole")

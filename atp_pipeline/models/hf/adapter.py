@@ -35,7 +35,7 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
-from atp_pipeline.models.hf.layout import AttentionSpec, Layout, derive, register_conv1d
+from atp_pipeline.models.hf.layout import NORM, AttentionSpec, Layout, derive, register_conv1d
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
@@ -139,8 +139,9 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and m is not inp]
-    final = any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules() for p, s in layout.plan.items()
-                if s.startswith("gathered(input=split") and "*" not in p)
+    # norms outside the blocks (the final one, an embedding's): each on the hidden gathered over d2
+    outside = sum(any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules())
+                  for p, s in layout.plan.items() if s.startswith("gathered(input=split") and "*" not in p)
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
         seq_len=max(int(getattr(text, "max_position_embeddings", None) or 2048), 1), vocab_size=int(text.vocab_size),
@@ -148,11 +149,26 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         head_dim=int(getattr(text, "head_dim", None) or hidden // heads), gated=layout.gated, norm=layout.norm,
         bias=layout.bias, position="learned" if embeddings else "rotary",
         tied_embeddings=tied, norm_layout="gathered", head_layout=_head_layout(module, tied),
-        qkv_fused=layout.qkv_fused, final_norm=final,
+        layer_norms=_layer_norms(module, layout.plan),
+        qkv_fused=layout.qkv_fused, final_norm=outside > 0, extra_norms=max(outside - 1, 0),
         gathered_embeddings=sum(type(m).forward is not nn.Embedding.forward for m in embeddings)
         + int(type(inp).forward is not nn.Embedding.forward),
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
-        moe=layout.moe)
+        heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
+        sink_params=layout.sink_params, scalar_params=layout.scalar_params,
+        unmodelled="per-head output gates" if layout.head_gates else "", moe=layout.moe)
+
+
+def _layer_norms(module: nn.Module, plan: Dict[str, str]) -> int:
+    """Norms a block runs on the hidden gathered over d2 (style ``gathered(input=split,
+    output=split)`` on a norm module; the two before attention and MLP, Gemma-2's four)."""
+    names = dict(module.named_modules())
+    count = 0
+    for p, s in plan.items():
+        if "*" in p and s.startswith("gathered(input=split") and "output=split" in s:
+            hit = next((m for n, m in names.items() if fnmatch.fnmatchcase(n, p)), None)
+            count += hit is not None and bool(NORM.search(type(hit).__name__))
+    return count
 
 
 def _head_layout(module: nn.Module, tied: bool) -> str:

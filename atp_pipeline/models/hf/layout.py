@@ -125,6 +125,11 @@ class Layout:
     gathered_embeddings: int = 0
     whole_attention: bool = False  # the attention reads whole q/k/v (style hf_attention whole=true)
     head_norm_params: int = 0  # per layer: per-head q/k norm parameters (gradients summed over d1)
+    heads_over_d2: bool = True  # the core's heads scattered over d2 (False: its own core on the d1 heads)
+    whole_mlp: bool = False  # the MLP's intermediate gathered over d1 around a module over all of it
+    sink_params: int = 0  # per layer: per-head parameters the core reads (gradients summed over d1 and d2)
+    scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
+    head_gates: bool = False  # per-head projections beside q/k/v (an output gate): not in the cost model
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
@@ -293,6 +298,9 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         projections = {spec.q, spec.k, spec.v, spec.qkv, spec.o, *spec.extra}
         layout.head_norm_params = 0 if spec.whole else sum(
             p.numel() for n, sub in module_.named_children() if n not in projections for p in sub.parameters())
+        layout.heads_over_d2 = not spec.counts[0]
+        layout.sink_params = sum(getattr(module_, a).numel() for a in spec.head_params)
+        layout.head_gates = layout.head_gates or bool(spec.extra)
         layout.bias = layout.bias or any(getattr(_first(names, f"{att}.{p}"), "bias", None) is not None
                                          for p in (spec.q, spec.qkv, spec.o) if p)
     inside = lambda n: any(fnmatch.fnmatchcase(n, a + ".*") for a in attention)  # noqa: E731
@@ -351,6 +359,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                     and f"{parent}.{child}" not in plan and _elementwise(sub) \
                     and not any("output=full" in plan.get(n, "") for n in by_parent[parent]):
                 plan[f"{parent}.{child}"] = "hf_scalars(axis=d1)"
+                layout.scalar_params = layout.scalar_params or sum(p.numel() for p in params)
     for full in experts:
         layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn)
     if layout.moe is not None and not layout.ffn:
@@ -365,6 +374,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
                 # a norm over the whole intermediate of its MLP (BitNet's ffn_sub_norm): that MLP's
                 # column-first outputs gathered, the norm run whole, its row-first input whole
                 plan[name] = "gathered"
+                layout.whole_mlp = True
                 continue
             if widths - {hidden}:
                 raise ConfigError(f"transformers model_type '{kind}': norm '{name}' ({type(_first(names, name)).__name__}) "
