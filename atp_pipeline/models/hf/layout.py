@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -298,7 +299,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         projections = {spec.q, spec.k, spec.v, spec.qkv, spec.o, *spec.extra}
         layout.head_norm_params = 0 if spec.whole else sum(
             p.numel() for n, sub in module_.named_children() if n not in projections for p in sub.parameters())
-        layout.heads_over_d2 = not spec.counts[0]
+        layout.heads_over_d2 = not spec.counts[0] and _calls_attention_interface(module_)
         layout.sink_params = sum(getattr(module_, a).numel() for a in spec.head_params)
         layout.head_gates = layout.head_gates or bool(spec.extra)
         layout.bias = layout.bias or any(getattr(_first(names, f"{att}.{p}"), "bias", None) is not None
@@ -385,6 +386,17 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
     layout.plan = plan
     return layout
+
+
+def _calls_attention_interface(module: nn.Module) -> bool:
+    """Whether the attention's ``forward`` runs its core through transformers' attention
+    interface (where the layout scatters the heads over d2); its own core (GPT-Neo's) runs on
+    the rank's d1 heads, replicated over d2. True where the source cannot be read."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
 
 
 def _elementwise(module: nn.Module) -> bool:
