@@ -100,7 +100,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     whole and sliced over d2 (their gradient gathered). What the HF layout reads off the modules
     (:class:`~atp_pipeline.planning.shape.ModelShape`): ``layer_norms`` norms a layer and
     ``extra_norms`` beside the final one; a core on the d1 heads replicated over d2
-    (``heads_over_d2=False``, ALiBi's own core: no scatter, gather or pick over d2); a whole MLP,
+    (``heads_over_d2=False``, a core the attention runs itself, e.g. with position biases for
+    all heads: no scatter, gather or pick over d2); a whole MLP,
     attention sinks and activation scalars (:func:`_layout_variants`).
     Chunks (§4.1) multiply calls, not elements."""
     d1, d2 = mesh

@@ -91,7 +91,7 @@ class ModelShape:
     attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
     head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
     moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
-    layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; Gemma-2: four)
+    layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; 4: outputs normed too)
     extra_norms: int = 0  # norms outside the layers besides the final one (an embedding's), each like it
     heads_over_d2: bool = True  # False: the core runs on the d1 block of heads, replicated over d2
     mlp_layout: str = "split"  # "whole": the MLP's intermediate gathered over d1 (a norm over all of it)
