@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from atp_pipeline.config import register_mesh_source, register_schemas
 from atp_pipeline.run.fit import fit
@@ -53,18 +54,26 @@ FSDP_MESHES = {"2x1 dp2": ["mesh=2x1", "mesh.dp=2"], "1x1 dp4": ["mesh=1x1", "me
 STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
+_RUNS: Dict[str, Dict[str, Any]] = {}  # composed config (output dir aside) -> its run
+
+
 def run(overrides: Sequence[str], out: Path) -> Dict[str, Any]:
-    """One ``train.py`` fit with ``overrides``, into ``out``: its summary and logged losses."""
+    """One ``train.py`` fit with ``overrides``, into ``out``: its summary and logged losses.
+    A config already run (the single-process reference of the data-parallel cases and of FSDP's
+    when they coincide: same model, dtype and steps) is not run again."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
             cfg = compose(config_name="config", overrides=[*QUIET, *overrides, f"paths.output_dir={out}"])
     finally:
         GlobalHydra.instance().clear()
-    row = fit(resolve(cfg), out)
-    row.pop("_results", None)
-    losses = {int(r["step"]): r["loss"] for r in read_metrics(out / "metrics.csv") if "loss" in r}
-    return {"summary": row, "losses": [losses[k] for k in sorted(losses)], "first_step": min(losses)}
+    key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "paths"]))
+    if key not in _RUNS:
+        row = fit(resolve(cfg), out)
+        row.pop("_results", None)
+        losses = {int(r["step"]): r["loss"] for r in read_metrics(out / "metrics.csv") if "loss" in r}
+        _RUNS[key] = {"summary": row, "losses": [losses[k] for k in sorted(losses)], "first_step": min(losses)}
+    return _RUNS[key]
 
 
 def gaps(got: List[float], want: List[float], first: int = 0) -> List[float]:
