@@ -42,6 +42,11 @@ def _flat(us: float) -> cp.ComputeProfile:
     (GPT, [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2)], [1, 2, 4]),
     (LLAMA, [(4, 1), (2, 2), (1, 4), (2, 1), (8, 1)], [1]),  # kv heads scattered, picked, gathered
     (TIED_OPT, [(4, 1), (2, 2), (1, 4)], [1]),
+    # heads split by vocabulary over d1 x d2 (model.vocab_parallel_loss), untied and tied; a head run whole
+    (dataclasses.replace(LLAMA, head_layout="vocab_split"), [(4, 1), (2, 2), (1, 4)], [1, 2]),
+    (dataclasses.replace(TIED_OPT, head_layout="vocab_split"), [(4, 1), (2, 2), (1, 4)], [1]),
+    (dataclasses.replace(LLAMA, head_layout="whole"), [(4, 1), (2, 2), (1, 4)], [1]),
+    (dataclasses.replace(TIED_OPT, head_layout="whole"), [(2, 2)], [1]),
 ])
 def test_schedule_sends_exactly_the_runtime_cost_models_collectives(shape, meshes, chunks):
     for mesh in meshes:

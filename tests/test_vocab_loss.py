@@ -3,9 +3,10 @@ logits stay split, ``[tokens/d2, vocab/d1]`` on every rank, and transformers' ca
 runs on the blocks (:mod:`atp_pipeline.parallel.vocab`).
 
 One launch of 4 gloo processes: a tiny Llama (untied head) and GPT-2 (head tied to the token
-embedding), float64, laid out on 2x2, 1x4 and 4x1 by the HF adapter's plan with the head (and the
-tied table) swapped for ``vocab_head`` / ``vocab_tied`` + ``vocab_embedding``, the loss
-installed with ``install_vocab_parallel_loss``. Against the single-process model under
+embedding), float64, marked with ``vocab_parallel_loss`` (``model.vocab_parallel_loss=true``) and
+laid out on 2x2 and 1x4 by the HF adapter's own plan, which places the head (and the tied table)
+with ``vocab_head`` / ``vocab_tied`` + ``vocab_embedding`` and installs the vocabulary-parallel
+loss. Against the single-process model under
 transformers' own ``ForCausalLMLoss`` (its source minus the float64->float32 ``.float()``): the
 loss and every full gradient within 1e-9, with ``labels`` (some -100), with ``shift_labels``,
 with ``num_items_in_batch``, with the logits softcapped between head and loss, and with a
@@ -16,6 +17,7 @@ The memory figure is measured by ``benchmarks/vocab_loss_memory.py``."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="pip install transformers")
 
@@ -41,6 +43,8 @@ def test_loss_and_every_gradient_equal_transformers_loss(runs):
     for r in rows:
         where = f"{r['family']} ({r['tied']}) on {r['mesh']}, {r['batch']} batch, {r['case']}"
         assert r["same_params"], where
+        # the adapter itself split the head (the tied table too) and installed the loss
+        assert r["plan_as_expected"] and r["loss_installed"] and r["shape"]["head_layout"] == "vocab_split", where
         assert r["loss_err"] <= 1e-9, (where, r["loss"], r["ref"])
         assert r["grad_err"] <= 1e-9, (where, r["worst"], r["grad_err"])
         # transformers' own path (its loss upcasts to float32, rounding float64 logits down) agrees to float32
@@ -101,3 +105,29 @@ def test_planning_models_of_the_split_head():
     assert layout_infeasibility(replace(split, vocab_size=128257), 2, 2)
     with pytest.raises(ValueError):
         replace(base, head_layout="tied")
+
+
+def test_vocab_parallel_loss_is_a_model_option_refused_where_it_cannot_hold(compose_cfg):
+    """``model.vocab_parallel_loss=true`` is the user's switch: the plan's shape then splits the
+    logits by d1*d2 (and the planner's memory shrinks the logits by as much); a family whose head
+    is not split by vocabulary, or a transformers head with a bias, is refused in one line before
+    any process starts."""
+    from atp_pipeline.models.hf.adapter import vocab_parallel_loss
+    from atp_pipeline.run.resolve import resolve
+
+    from .hf_workers import build
+
+    on = resolve(compose_cfg("model=llama_tiny", "mesh=2x2", "model.vocab_parallel_loss=true"))
+    off = resolve(compose_cfg("model=llama_tiny", "mesh=2x2"))
+    assert (on.shape.head_layout, off.shape.head_layout) == ("vocab_split", "gathered")
+    assert on.memory.logits_bytes * 4 == off.memory.logits_bytes
+    with pytest.raises(ConfigError) as err:
+        resolve(compose_cfg("model=tiny", "model.vocab_parallel_loss=true"))
+    assert "\n" not in str(err.value) and "family 'gpt'" in str(err.value)
+    from atp_pipeline.models.hf.adapter import ADAPTER
+
+    model = vocab_parallel_loss(build("llama"))
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features, dtype=torch.float64))
+    with pytest.raises(ConfigError) as err:
+        ADAPTER.parallel_plan(model)
+    assert "\n" not in str(err.value) and "with a bias" in str(err.value)

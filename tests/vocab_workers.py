@@ -1,7 +1,8 @@
-"""Worker for tests/test_vocab_loss.py: transformers causal LMs (tiny configs, float64) laid out
-by the HF adapter's plan with the head (and, tied, the embedding) swapped for the
-vocabulary-split styles, the vocabulary-parallel loss installed, against the single-process
-model under transformers' own loss. Returns plain data; the test asserts."""
+"""Worker for tests/test_vocab_loss.py: transformers causal LMs (tiny configs, float64) marked
+with ``vocab_parallel_loss`` (what ``model.vocab_parallel_loss=true`` does) and laid out by the
+HF adapter's own plan, which splits the head (and, tied, the embedding) by vocabulary and
+installs the vocabulary-parallel loss, against the single-process model under transformers'
+own loss. Returns plain data; the test asserts."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
     from atp_pipeline.parallel.comm import comm_for
     from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
-    from atp_pipeline.parallel.vocab import install_vocab_parallel_loss
+    from atp_pipeline.models.hf.adapter import vocab_parallel_loss
+    from atp_pipeline.parallel.vocab import VocabParallelCausalLMLoss
 
     ref_loss = transformers_loss64()
     batches = {"even": torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1)),
@@ -109,10 +111,11 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
             mesh = init_mesh((d1, d2))
             model = copy.deepcopy(dense)
             (name, adapter, sub), = find_adapters(model)
+            vocab_parallel_loss(sub)  # what model.vocab_parallel_loss=true does to the model train.py builds
             shape = adapter.shape(sub)
-            plan = prefixed(name, vocab_plan(sub, adapter.parallel_plan(sub)))
+            plan = prefixed(name, adapter.parallel_plan(sub))
+            expected = vocab_plan(sub, plan)
             apply_plan(model, plan, mesh)
-            install_vocab_parallel_loss(model, mesh)
             comm = comm_for(mesh)
             for (bname, cname), ref in refs.items():
                 idx = batches[bname]
@@ -135,7 +138,8 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
                             "same_params": sorted(grads) == sorted(ref["grads"]),
                             "logits_shape": tuple(res.logits.shape), "logits_numel": ref["logits_numel"],
                             "tokens": int(idx.numel()), "counted": counted,
-                            "shape": {**shape.to_dict(), "head_layout": "vocab_split"}})
+                            "shape": shape.to_dict(), "plan_as_expected": plan == expected,
+                            "loss_installed": isinstance(model.loss_function, VocabParallelCausalLMLoss)})
     return {"rows": out, "refusal": loss_of_whole_logits(comm_for(init_mesh((2, 2))))}
 
 

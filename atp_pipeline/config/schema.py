@@ -206,6 +206,10 @@ class ModelConfig:
     # a local checkpoint directory in the family's format (HF: config.json + safetensors); the
     # model's config is read from it (``hf`` then overrides fields) and each rank loads its shards
     pretrained: Optional[str] = None
+    # the LM head's logits stay split over d1 x d2 and the loss runs on the blocks (family "hf":
+    # vocabulary-parallel cross-entropy, docs/vocab-parallel-loss.md); false: whole logits on every
+    # rank (what generation and code reading ``outputs.logits`` need)
+    vocab_parallel_loss: bool = False
 
 
 class SBPMethod(str, Enum):

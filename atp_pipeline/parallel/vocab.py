@@ -178,29 +178,43 @@ class VocabParallelCausalLMLoss:
     """:func:`causal_lm_loss` on the mesh, called as transformers calls a model's
     ``loss_function``: ``(logits, labels, vocab_size, num_items_in_batch=None,
     ignore_index=-100, shift_labels=None, **kwargs)``. A plain callable, not a module: assigned
-    to ``model.loss_function`` it adds no submodule and no parameter."""
+    to ``model.loss_function`` it adds no submodule and no parameter. Given ``model`` instead of
+    ``mesh`` (installed before the layout, which then places the head), it runs on the mesh of
+    the model's split head, found at the first call."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
-        self.comm = comm_for(mesh)
+    def __init__(self, mesh: Optional[DeviceMesh] = None, model: Optional[nn.Module] = None) -> None:
+        assert (mesh is None) != (model is None), "the loss's mesh, or the model whose head has it"
+        self.comm: Optional[Comm] = comm_for(mesh) if mesh is not None else None
+        self.model = model
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: int = 0,
                  num_items_in_batch: Optional[Any] = None, ignore_index: int = -100,
                  shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        if self.comm is None:
+            self.comm = _split_head(self.model).comm
         return causal_lm_loss(logits, labels, vocab_size, self.comm, num_items_in_batch, ignore_index, shift_labels)
 
     def __repr__(self) -> str:
+        if self.comm is None:
+            return "VocabParallelCausalLMLoss(on the model's split head, once laid out)"
         return f"VocabParallelCausalLMLoss(d1={self.comm.size('d1')}, d2={self.comm.size('d2')})"
+
+
+def _split_head(model: Any) -> "VocabSplitHead":
+    """The model's output embeddings, which the vocabulary-parallel loss needs split (one line if not)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, VocabSplitHead):
+        raise ConfigError(f"vocabulary-parallel loss: the output embeddings of {type(model).__name__} are "
+                          f"{type(head).__name__}, not a head styled 'vocab_head' or 'vocab_tied'; "
+                          f"apply the plan first")
+    return head
 
 
 def install_vocab_parallel_loss(model: nn.Module, mesh: DeviceMesh) -> VocabParallelCausalLMLoss:
     """Replace a transformers causal LM's ``loss_function`` (its setter) with the
     vocabulary-parallel one; the model's output embeddings must be a :class:`VocabSplitHead`
     (styles ``vocab_head`` / ``vocab_tied`` applied first). Returns the installed loss."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, VocabSplitHead):
-        raise ConfigError(f"vocabulary-parallel loss: the output embeddings of {type(model).__name__} are "
-                          f"{type(head).__name__}, not a head styled 'vocab_head' or 'vocab_tied'; "
-                          f"apply the plan first")
+    _split_head(model)
     if not isinstance(getattr(type(model), "loss_function", None), property):
         raise ConfigError(f"vocabulary-parallel loss: {type(model).__name__} has no loss_function to replace")
     loss = VocabParallelCausalLMLoss(mesh)

@@ -44,12 +44,12 @@ class MemoryEstimate:
 def logits_bytes(m: ModelShape, mesh: Tuple[int, int], dp: int = 1) -> float:
     """Bytes per device of the logits of the local batch, held from the forward to the backward:
     the head's output in the model's dtype and the loss's softmax (or log-softmax) in float32 or
-    wider. ``gathered``/``tied``: the whole ``[tokens, V]`` on every rank (the model's own loss);
+    wider. ``gathered``/``tied``/``whole``: the whole ``[tokens, V]`` on every rank (the model's own loss);
     ``vocab_parallel``: ``[tokens, V/d1]``; ``vocab_split``: ``[tokens/d2, V/d1]``
     (:mod:`atp_pipeline.parallel.vocab`)."""
     d1, d2 = mesh
     q = m.bytes_per_element
-    share = {"gathered": 1, "tied": 1, "vocab_parallel": d1, "vocab_split": d1 * d2}[m.head_layout]
+    share = {"gathered": 1, "tied": 1, "whole": 1, "vocab_parallel": d1, "vocab_split": d1 * d2}[m.head_layout]
     return m.batch_size / dp * m.seq_len * m.vocab_size / share * (q + max(q, 4))
 
 
@@ -62,8 +62,10 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
                  + m.norm_params_per_layer / norm_split)
     positions = s if m.position == "learned" else 0
     final_norm = m.norm_params_per_layer / 2 if m.final_norm else 0
-    head = 0 if m.tied_embeddings else V * h / tp
-    table = V * h / (tp if m.tied_embeddings and m.head_layout == "vocab_split" else d2)
+    whole = m.head_layout == "whole"  # a head (tied: and its table) run whole on every rank
+    head = 0 if m.tied_embeddings else V * h / (1 if whole else tp)
+    table = V * h / (tp if m.tied_embeddings and m.head_layout == "vocab_split" else
+                     1 if m.tied_embeddings and whole else d2)
     params = L * per_layer + table + positions * h / d2 + final_norm / norm_split + head
     q = m.bytes_per_element
     gathered = 0.0

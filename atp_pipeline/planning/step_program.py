@@ -33,7 +33,7 @@ class Coll:
 
     @property
     def elements(self) -> Fraction:
-        return self.term.elements_per_token * self.tokens * self.share
+        return self.term.elements_per_token * (self.tokens if self.term.per_token else 1) * self.share
 
 
 class Terms:
@@ -216,6 +216,19 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
         post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd", 0)), *_c("sync", tm("head", "fwd", 1))]
         head_bwd = [_k(POINTWISE, T * Vl), *_linear_bwd(T, hs, Vl, tm("head", "bwd"))]
         loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2  # the model's own loss
+    elif shape.head_layout == "vocab_split":  # logits [T/d2, V/d1] (parallel.vocab), the loss on the blocks
+        Vl, Tl = V // d1, -(-T // d2)
+        post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd"))]
+        gathered = tm("head", "bwd", 0) if d2 > 1 else None  # the logit gradients over d2 (none on d2 = 1)
+        head_bwd = [*_c("sync", gathered), *_linear_bwd(T, hs, Vl, tm("head", "bwd", 1 if d2 > 1 else 0))]
+        loss_fwd = [_k(POINTWISE, Tl * Vl), *_c("sync", tm("loss", "fwd", 0)), _k(POINTWISE, Tl * Vl),
+                    _k(POINTWISE, Tl * Vl), _k(POINTWISE, Tl * Vl), *_c("sync", tm("loss", "fwd", 1)),
+                    *_c("sync", tm("loss", "fwd", 2))]
+        loss_bwd = [_k(POINTWISE, Tl * Vl)] * 3
+    elif shape.head_layout == "whole":  # run whole on the hidden gathered over d2, the model's own loss
+        post_fwd += [*_c("sync", tm("head", "fwd")), _k(GEMM, T, h, V)]
+        head_bwd = [_k(GEMM, T, V, h), _k(GEMM, V, T, h)]
+        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2
     else:  # vocab_parallel: max and sums of the split logits over d1
         Vl = V // d1
         post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd"))]
@@ -227,7 +240,7 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     post_bwd = loss_bwd + head_bwd + post_bwd_norm
     emb = tm("embed", "bwd") if shape.gathered_embeddings else None
     embeds = (2 if shape.position == "learned" else 1)
-    pre = [_k(POINTWISE, T * hs)] * (embeds + shape.gathered_embeddings)
+    pre = [_k(POINTWISE, T * hs)] * (embeds + shape.gathered_embeddings) + _c("sync", tm("embed", "fwd"))
     pre_bwd = [_k(POINTWISE, T * hs)] * embeds + _c("sync", emb)
     return Program(pre, blocks_fwd, blocks_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
 

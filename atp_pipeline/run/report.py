@@ -59,12 +59,15 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     s = spec.shape
     print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
           f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "
-          f"{'tied' if s.tied_embeddings else 'untied'} head")
+          f"{'tied' if s.tied_embeddings else 'untied'} head"
+          + (" (logits split by vocabulary over d1 x d2, vocabulary-parallel loss)" if s.head_layout == "vocab_split"
+             else ""))
     if mem is not None:
         print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}"
               f"{', FSDP' if spec.fsdp else ''}): "
               f"~{human_bytes(mem.total_bytes)} = weights+grads {human_bytes(mem.weights_grads_bytes)} + optimizer "
-              f"{human_bytes(mem.optimizer_bytes)} + activations {human_bytes(mem.activation_bytes)}")
+              f"{human_bytes(mem.optimizer_bytes)} + activations {human_bytes(mem.activation_bytes)}; "
+              f"logits and loss {human_bytes(mem.logits_bytes)} besides")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return row
 

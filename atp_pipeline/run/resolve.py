@@ -234,6 +234,9 @@ def model_shape(cfg: DictConfig) -> ModelShape:
         shape = get_adapter(m.family).shape_from_config(m)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if m.get("vocab_parallel_loss", False) and shape.head_layout != "vocab_split":
+        raise ConfigError(f"model.vocab_parallel_loss=true: family '{m.family}' lays out its head "
+                          f"'{shape.head_layout}', not split by vocabulary over d1 x d2 (family 'hf' does)")
     chunks = cfg.overlap.chunks
     if chunks < 1 or shape.batch_size % chunks:
         raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="

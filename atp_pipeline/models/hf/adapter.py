@@ -41,6 +41,7 @@ from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
 from atp_pipeline.parallel.materialize import parameters_on_meta
 from atp_pipeline.parallel.styles import register_style
+from atp_pipeline.parallel.vocab import VocabParallelCausalLMLoss
 from atp_pipeline.planning.shape import ModelShape
 
 
@@ -171,10 +172,44 @@ def _layer_norms(module: nn.Module, plan: Dict[str, str]) -> int:
     return count
 
 
+VOCAB_SPLIT_ATTR = "_atp_vocab_parallel_loss"
+
+
+def vocab_parallel_loss(model: nn.Module, on: bool = True) -> nn.Module:
+    """Mark a transformers causal LM so that ATP's layout keeps its LM head's logits split over
+    d1 x d2 (``vocab_head``, or ``vocab_tied`` with a ``vocab_embedding`` table) and runs
+    transformers' causal-LM loss on the blocks (:mod:`atp_pipeline.parallel.vocab`, Megatron's
+    vocabulary-parallel cross-entropy). ``model.vocab_parallel_loss=true`` sets it for
+    ``train.py``; a user's own ``Trainer(strategy="atp")`` calls it on the model it builds.
+    ``outputs.logits`` is then this rank's block, not the whole vocabulary. Returns ``model``."""
+    model.__dict__[VOCAB_SPLIT_ATTR] = bool(on)
+    return model
+
+
+def _vocab_split_plan(module: nn.Module, table: str, head: str, tied: bool) -> Dict[str, str]:
+    """The head (and a tied head's table) of :func:`vocab_parallel_loss`, or one line why not."""
+    inp, out = module.get_input_embeddings(), module.get_output_embeddings()
+    cls = type(module).__name__
+    if tied:
+        if type(inp).forward is not nn.Embedding.forward:
+            raise ConfigError(f"model.vocab_parallel_loss: {cls}'s head is tied to '{table}' "
+                              f"({type(inp).__name__}), an embedding with a forward of its own: its table "
+                              f"cannot be split by vocabulary")
+        return {table: "vocab_embedding(output=split)", head: f"vocab_tied(table={table}, input=split)"}
+    if not (isinstance(out, nn.Linear) and type(out).forward is nn.Linear.forward) or out.bias is not None:
+        raise ConfigError(f"model.vocab_parallel_loss: {cls}'s head '{head}' ({type(out).__name__}"
+                          f"{', with a bias' if getattr(out, 'bias', None) is not None else ''}) is not a plain "
+                          f"linear without bias: it cannot be split by vocabulary")
+    return {head: "vocab_head(input=split)"}
+
+
 def _head_layout(module: nn.Module, tied: bool) -> str:
-    """How :meth:`HFCausalLMAdapter.parallel_plan` places the head: sharing the split table
-    (``tied``), column-first with gathered logits (``gathered``) or run whole (``whole``: an
-    embedding or head with a ``forward`` of its own)."""
+    """How :meth:`HFCausalLMAdapter.parallel_plan` places the head: split by vocabulary over
+    d1 x d2 (``vocab_split``: :func:`vocab_parallel_loss`), sharing the split table (``tied``),
+    column-first with gathered logits (``gathered``) or run whole (``whole``: an embedding or
+    head with a ``forward`` of its own)."""
+    if module.__dict__.get(VOCAB_SPLIT_ATTR):
+        return "vocab_split"
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     if tied:
         return "tied" if type(inp).forward is nn.Embedding.forward else "whole"
@@ -215,9 +250,14 @@ def _preset_shape(config: "GivenFields", name: str) -> ModelShape:
 PRETRAINED = "atp_pretrained"  # attribute of a model built by load_pretrained: its checkpoint directory
 
 
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.<key>`` of a model config (DictConfig, dict or object)."""
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
 def _pretrained(cfg: Any) -> Optional[str]:
     """``cfg.pretrained`` of a model config (DictConfig, dict or object)."""
-    value = cfg.get("pretrained", None) if hasattr(cfg, "get") else getattr(cfg, "pretrained", None)
+    value = _get(cfg, "pretrained")
     return str(value) if value else None
 
 
@@ -319,9 +359,10 @@ class HFCausalLMAdapter(ModelAdapter):
                 shape = shape_of_config(GivenFields(fields), name)
             except NotGiven:
                 pass
-        return (shape or shape_of_config(self.hf_config(cfg), name)).with_step(
+        shape = (shape or shape_of_config(self.hf_config(cfg), name)).with_step(
             batch_size=int(get("batch_size", 1)), seq_len=int(get("seq_len", 0)) or None,
             dtype=str(getattr(dtype, "value", dtype)))
+        return dataclasses.replace(shape, head_layout="vocab_split") if get("vocab_parallel_loss", False) else shape
 
     def build(self, cfg: Any) -> nn.Module:
         """The model of ``cfg``; with ``pretrained``, its parameters on the meta device (each
@@ -330,9 +371,8 @@ class HFCausalLMAdapter(ModelAdapter):
 
         config = self.hf_config(cfg)
         pretrained = _pretrained(cfg)
-        if not pretrained:
-            return AutoModelForCausalLM.from_config(config)
-        return load_pretrained(pretrained, config)
+        model = load_pretrained(pretrained, config) if pretrained else AutoModelForCausalLM.from_config(config)
+        return vocab_parallel_loss(model, _get(cfg, "vocab_parallel_loss", False))
 
     def build_outline(self, cfg: Any) -> nn.Module:
         """:meth:`build` with at most two decoder layers (the family's plan is per layer)."""
@@ -340,7 +380,7 @@ class HFCausalLMAdapter(ModelAdapter):
 
         config = self.hf_config(cfg)
         config.num_hidden_layers = min(int(config.num_hidden_layers), 2)
-        return AutoModelForCausalLM.from_config(config)
+        return vocab_parallel_loss(AutoModelForCausalLM.from_config(config), _get(cfg, "vocab_parallel_loss", False))
 
     def weights(self, module: nn.Module) -> Optional[Any]:
         path = getattr(module, PRETRAINED, None)
@@ -384,7 +424,10 @@ class HFCausalLMAdapter(ModelAdapter):
             raise ConfigError(f"transformers model '{type(module).__name__}' has no output embeddings (LM head)")
         head = by_object[id(out)]
         tied = out.weight is inp.weight
-        if tied:
+        if module.__dict__.get(VOCAB_SPLIT_ATTR):
+            plan.update(_vocab_split_plan(module, table, head, tied))
+            module.loss_function = VocabParallelCausalLMLoss(model=module)  # its mesh: the head's, once laid out
+        elif tied:
             plan[head] = f"tied(table={table}, input=split)" if split_table else "gathered(input=split, output=full)"
         else:
             plan[head] = "column(input=split, output=full)" if isinstance(out, nn.Linear) and \
