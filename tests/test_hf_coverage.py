@@ -49,6 +49,8 @@ def test_laid_out_with_no_plan_is_exact_on_2x2_and_1x4(rows, kind):
         assert not m["missing"], (kind, mesh)
     # float64 throughout unless the family's own code computes in float32 (its norms)
     assert r["tolerance"] == 1e-9 or r.get("float32_ops"), r
+    # exported from its laid-out model and read back by from_pretrained: the dense model, bit for bit
+    assert r["export"] == "bit-exact", (kind, r["export"])
 
 
 @pytest.mark.parametrize("kind", EXACT)
