@@ -261,6 +261,10 @@ def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str
               f"{r['predicted_compute_s'] * 1e3:8.1f} {r['predicted_exposed_comm_s'] * 1e3:8.1f} "
               f"{r['measured_comm_wait_s'] * 1e3:8.1f} {r['rel_error']:7.1%} {r.get('host_load_cores', 0.0):5.2f}"
               + (f"  IN SAMPLE: {r['in_sample']}" if r["in_sample"] else ""))
+    if meta.get("warmup") == 0:  # e.g. the documented command's cheap form in tests/test_docs_commands.py
+        print("note: --warmup 0: each point's first step is timed, start-up included (allocation, first "
+              "collectives, caches), so the errors below measure start-up, not the model; a validation warms up "
+              "(default --warmup 2; docs/step-time.md)")
     for cls, s in classes.items():
         print(f"{cls}: {s['points']} points: median relative error {s['median_rel_error']:.1%}, worst "
               f"{s['worst_rel_error']:.1%}, Spearman rho {s['spearman']:.3f} (per model: "
