@@ -30,6 +30,10 @@ def _user_conf(tmp_path: Path) -> Path:
     (["+USERCONF", "topology=skewed"], "error: topology 'skewed': level 'gpu' (levels[0]): p2p_GBps is a "
                                        "3x3 matrix but count is 4 (need 4x4)"),
     (["topology=ic1", "mesh=3x3"], "error: mesh 3x3 needs 9 devices but topology 'ic1' has 8"),
+    # a config transformers' own validation rejects (huggingface_hub's strict dataclasses)
+    (["model=llama_tiny", "model.hf.num_attention_heads=6"],
+     "error: model 'llama_tiny': transformers rejects model.hf.hidden_size=64, model.hf.num_attention_heads=6: "
+     "The hidden size (64) is not a multiple of the number of attention heads (6)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     conf = _user_conf(tmp_path)
@@ -129,3 +133,17 @@ def test_fork_server_started_for_a_run_is_gone_when_the_run_is_refused():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["GONE"]
+
+
+def test_a_key_the_transformers_config_does_not_have_is_refused_not_kept(compose_cfg):
+    """transformers keeps an unknown keyword as a plain attribute that nothing reads: a misspelt
+    ``model.hf`` key would be lost silently. It is refused in one line with the nearest field;
+    a legacy keyword transformers converts (``rope_theta``) passes."""
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.run.resolve import resolve
+
+    with pytest.raises(ConfigError) as err:
+        resolve(compose_cfg("model=llama_tiny", "+model.hf.num_attention_head=4"))
+    assert str(err.value) == ("model 'llama_tiny': model.hf.num_attention_head is not a field of transformers' "
+                              "LlamaConfig (did you mean model.hf.num_attention_heads?)")
+    assert resolve(compose_cfg("model=llama_tiny", "+model.hf.rope_theta=5000.0")).shape.name == "llama_tiny"

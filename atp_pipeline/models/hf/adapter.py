@@ -309,11 +309,48 @@ def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> 
     try:
         config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
             AutoConfig.for_model(kind, **fields)
-    except (TypeError, ValueError, OSError) as exc:
-        raise ConfigError(f"model '{name}': model.hf: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' validation (huggingface_hub's strict dataclasses)
+        raise ConfigError(f"model '{name}': {_rejected(exc, fields)}") from None
+    unknown = _unknown_fields(config, fields)
+    if unknown:
+        raise ConfigError(f"model '{name}': {unknown}")
     family_of(config)
     _decoder_only(config)
     return config
+
+
+def _rejected(exc: BaseException, fields: Mapping[str, Any]) -> str:
+    """One line for a config transformers rejects: the ``model.hf`` keys its message speaks of
+    (every word of the key's name in it: "hidden size" for ``hidden_size``) and the innermost
+    cause's first line (a validator's ``ValueError`` under huggingface_hub's
+    ``StrictDataclassClassValidationError``)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    why = lines[0] if lines else type(exc).__name__
+    text = why.lower().replace("_", " ")
+    named = [f"model.hf.{k}={v}" for k, v in fields.items()
+             if all(w in text for w in k.lower().split("_") if w not in ("num", "n", "of"))]
+    return f"transformers rejects {', '.join(named) if named else 'model.hf'}: {why}"
+
+
+def _unknown_fields(config: Any, fields: Mapping[str, Any]) -> str:
+    """Why a ``model.hf`` key is not a field of the config class (transformers keeps an unknown
+    keyword as a plain attribute, which nothing reads: a misspelt key would be lost silently),
+    or "". A legacy keyword transformers converts (``rope_theta`` into ``rope_parameters``) is
+    consumed, not kept, and passes."""
+    import difflib
+    import inspect
+
+    cls = type(config)
+    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}) or {})
+    kept = config.to_dict()
+    for key in fields:
+        if key not in known and key in kept:
+            near = difflib.get_close_matches(key, sorted(known - {"self", "kwargs"}), n=1)
+            return (f"model.hf.{key} is not a field of transformers' {cls.__name__}"
+                    + (f" (did you mean model.hf.{near[0]}?)" if near else ""))
+    return ""
 
 
 class HFCausalLMAdapter(ModelAdapter):
