@@ -48,6 +48,7 @@ _FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "i
         "decoder_ffn_dim", "encoder_ffn_dim", "dim_feedforward", "mlp_dim", "hidden_dim", "ffn_hidden_dim")
 _POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 TINY = dict(hidden=64, heads=8, kv=4, head_dim=8, layers=2, ffn=96, positions=64, experts=4)
 
 
@@ -72,9 +73,20 @@ def _shrink(config: Any) -> None:
     for k in _KV:
         if k in d and d[k] is None:
             d[k] = TINY["heads"]  # unset: as many key/value heads as query heads
+    if all(isinstance(d.get(k), int) for k in ("qk_rope_head_dim", "qk_nope_head_dim")):
+        # multi-head latent attention: tiny latents and heads, its head_dim the rotary part (as its
+        # config derives it), every head its own keys (as these models ship)
+        for k, v in _LATENT.items():
+            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+                d[k] = v
+        for k, v in (("qk_head_dim", d["qk_nope_head_dim"] + d["qk_rope_head_dim"]),
+                     ("head_dim", d["qk_rope_head_dim"]),
+                     *((k, TINY["heads"]) for k in _KV)):
+            if isinstance(d.get(k), int):
+                d[k] = v
     for k in list(d):
-        if k.endswith("intermediate_size") and d[k] is None:
-            d[k] = TINY["ffn"]
+        if k.endswith("intermediate_size") and (d[k] is None or type(d[k]) is int and d[k] % 4):
+            d[k] = TINY["ffn"]  # (unset, or not split over 4 ranks: DeepSeek-V2's experts' 1407)
     if d.get("rope_parameters") == {} and isinstance(d.get("layer_types"), list):
         d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(d["layer_types"])}
     if isinstance(d.get("rotary_dim"), int):
@@ -97,6 +109,13 @@ def _shrink(config: Any) -> None:
     if any(k in d and d[k] is None for k in _EXPERTS):  # experts left unset by the defaults (Dots1)
         d.update({k: TINY["experts"] for k in _EXPERTS if k in d and d[k] is None})
         d.update({k: v for k, v in (("num_experts_per_tok", 2), ("n_shared_experts", 1)) if k in d and d[k] is None})
+    experts = next((d[k] for k in _EXPERTS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), 0)
+    if experts and d.get("num_experts_per_tok", 0) is None:  # routed experts, experts per token left unset
+        d["num_experts_per_tok"] = 2
+    if experts and isinstance(d.get("n_group"), int) and d["n_group"] > experts:  # expert groups: fewer than experts
+        d["n_group"] = 2
+        if isinstance(d.get("topk_group"), int):
+            d["topk_group"] = min(d["topk_group"], 2)
     for k in ("num_experts_per_tok", "moe_k", "top_k", "moe_topk"):  # experts per token: fewer than the experts
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
             d[k] = min(d[k], 2)

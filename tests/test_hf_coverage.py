@@ -10,10 +10,11 @@ Tiny configs of transformers' own defaults, laid out with no plan of ours on 2x2
   given its heads' values);
 * no declared plan, laid out from the modules: StableLM (separate q/k/v, partial rotary), BLOOM
   (ALiBi biases for all heads sliced to the rank's, its own attention core on them), GPT-BigCode
-  (a multi-query fused q|k|v read whole);
+  (a multi-query fused q|k|v read whole), DeepSeek-V3 (multi-head latent attention read off its
+  modules: latent projections whole, per-head ones column-first; its routed experts declared);
 * refused in one line before any step: experts that do not declare their layout (Llama 4), a
-  state-space model (Mamba), multi-head latent attention (DeepSeek-V2). (Mixtures of experts
-  that declare it are exact: qwen2_moe in tests/test_hf_models.py.)
+  state-space model (Mamba). (Mixtures of experts that declare it are exact: qwen2_moe in
+  tests/test_hf_models.py.)
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ pytest.importorskip("transformers", reason="pip install transformers")
 
 from atp_pipeline.launch import spawn  # noqa: E402
 
-EXACT = ["gemma2", "olmo2", "granitemoe_swa", "stablelm", "bloom", "gpt_bigcode"]
-REFUSED = {"llama4_text": "does not declare its experts layout", "mamba": "no attention heads",
-           "deepseek_v2": "mla_kv_a_proj"}
+EXACT = ["gemma2", "olmo2", "granitemoe_swa", "stablelm", "bloom", "gpt_bigcode", "deepseek_v3"]
+REFUSED = {"llama4_text": "does not declare its experts layout", "mamba": "no attention heads"}
 
 
 @pytest.fixture(scope="module")

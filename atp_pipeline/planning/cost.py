@@ -187,6 +187,8 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                   t("pick", "key/value heads picked per rank: gradient summed over d2", ALL_REDUCE, 2,
                     F_(2 * kv), 1, "bwd")]
     terms += _layout_variants(shape)
+    if shape.latent is not None:
+        terms = _latent_attention(terms, shape, mesh)
     if not shape.heads_over_d2:  # the core on the d1 heads, replicated over d2: no scatter, gather, pick
         terms = [x for x in terms if not (x.dim == 2 and x.op in ("scatter", "gather", "pick"))]
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
@@ -212,6 +214,37 @@ def _layout_variants(shape: ModelShape) -> List[CommTerm]:
         terms.append(t("scalars", "activation scalars: gradient summed over d1", ALL_REDUCE, 1,
                        F_(shape.scalar_params), 1, "bwd", True, False))
     return terms
+
+
+def _latent_attention(terms: List[CommTerm], shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
+    """``terms`` with the attention's replaced by a multi-head latent attention's (style
+    ``hf_mla``): the latent projections run whole on the hidden gathered over d2; the per-head
+    projections column-first (a latent input sliced over d2: its gradient all-reduced over d1,
+    then gathered over d2; queries from the hidden: the hidden's gradient over d1); the
+    features every head shares (the rotary key) with their gradient summed over d1; the heads
+    (query and key ``qk_head_dim``, value ``v_head_dim`` features) scattered over d2 and the
+    output gathered back; the output projection row-first."""
+    lat = shape.latent
+    assert lat is not None
+    d1, d2 = mesh
+    F_, t = Fraction, CommTerm
+    h, n = shape.hidden, shape.heads
+    q, o = n * lat.qk_head_dim, n * lat.v_head_dim
+    kv = n * (lat.qk_head_dim - lat.shared + lat.v_head_dim)
+    latents = lat.q_latent + lat.kv_latent  # what the per-head projections read, whole
+    attention = ("f1", "f2", "scatter", "gather", "pick", "kv", "whole", "qk_norm")
+    return [x for x in terms if x.op not in attention] + [
+        t("f1", "latent projections: hidden gathered over d2", ALL_GATHER, 2, F_(lat.projections * h), 1, "fwd"),
+        t("f1", "per-head projections (column-first)", ALL_REDUCE, 2, F_(q + kv, d1), 1, "fwd"),
+        t("f1", "per-head projections: input gradients", ALL_REDUCE, 1,
+          F_(latents if lat.q_latent else h + latents, d2), 1, "bwd"),
+        t("f1", "latents sliced over d2: gradient gathered", ALL_GATHER, 2, F_(latents), 1, "bwd"),
+        t("f1", "features every head shares: gradient summed over d1", ALL_REDUCE, 1, F_(lat.shared), 1, "bwd"),
+        t("scatter", "query, key and value heads scattered over d2: gradient", ALL_GATHER, 2, F_(2 * q + o, d1), 1,
+          "bwd"),
+        t("gather", "attention output gathered over d2", ALL_GATHER, 2, F_(o, d1), 1, "fwd"),
+        t("f2", "output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
+        t("f2", "output linear: input gradient", ALL_REDUCE, 2, F_(o, d1), 1, "bwd")]
 
 
 def _mlp_terms(width: int, up: int, hidden: int, mesh: Tuple[int, int], passes: int, what: str) -> List[CommTerm]:

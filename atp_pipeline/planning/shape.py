@@ -64,6 +64,20 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """A multi-head latent attention, as numbers (its layout: the low-rank projections of the
+    hidden run whole on the hidden gathered over d2, the per-head projections of the latents
+    column-first, the features every head shares summed over d1 in backward)."""
+
+    q_latent: int  # the queries' latent width (0: queries projected from the hidden, column-first)
+    kv_latent: int  # the keys'/values' latent width (what the per-head expansion reads)
+    shared: int  # features of the key/value latent projection every head reads (the rotary key)
+    qk_head_dim: int  # query/key features a head
+    v_head_dim: int  # value features a head
+    projections: int = 2  # projections of the hidden run whole (the latents')
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer as numbers, plus the step (batch, dtype) it is planned for."""
 
@@ -91,6 +105,7 @@ class ModelShape:
     attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
     head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
     moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
+    latent: Optional[LatentShape] = None  # a multi-head latent attention in every layer (else q/k/v)
     layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; 4: outputs normed too)
     extra_norms: int = 0  # norms outside the layers besides the final one (an embedding's), each like it
     heads_over_d2: bool = True  # False: the core runs on the d1 block of heads, replicated over d2
@@ -105,6 +120,8 @@ class ModelShape:
                 raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
         if isinstance(self.moe, dict):  # read back from to_dict()
             object.__setattr__(self, "moe", MoEShape(**self.moe))
+        if isinstance(self.latent, dict):
+            object.__setattr__(self, "latent", LatentShape(**self.latent))
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
         if not self.head_dim:

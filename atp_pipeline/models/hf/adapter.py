@@ -16,9 +16,9 @@ whole logits. The family's own ``forward`` runs throughout (rotary and partial r
 parallel residual, learned positions, multipliers), so nothing of the model is
 re-implemented.
 
-What the layout cannot reproduce exactly is refused with one line naming it (mixture-of-
-experts or latent-attention projections, a fused q|k|v of unknown layout, a module with
-parameters no style reaches). Dropout draws per-rank masks (:mod:`atp_pipeline.parallel.rng`).
+What the layout cannot reproduce exactly is refused with one line naming it (undeclared
+mixture-of-experts layouts, a fused q|k|v of unknown layout, a module with parameters no style
+reaches); a multi-head latent attention is laid out by :mod:`atp_pipeline.models.hf.mla`. Dropout draws per-rank masks (:mod:`atp_pipeline.parallel.rng`).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
         heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
         sink_params=layout.sink_params, scalar_params=layout.scalar_params,
-        unmodelled="per-head output gates" if layout.head_gates else "", moe=layout.moe)
+        unmodelled="per-head output gates" if layout.head_gates else "", moe=layout.moe, latent=layout.latent)
 
 
 def _layer_norms(module: nn.Module, plan: Dict[str, str]) -> int:
@@ -501,10 +501,11 @@ class HFCausalLMAdapter(ModelAdapter):
 
 
 def _register_styles() -> None:
-    from atp_pipeline.models.hf.attention import HFAttention, HFScalars
+    from atp_pipeline.models.hf.attention import HFAttention, HFLatentAttention, HFScalars
     from atp_pipeline.models.hf.experts import HFExperts
 
     register_style(HFAttention.name, HFAttention)
+    register_style(HFLatentAttention.name, HFLatentAttention)
     register_style(HFScalars.name, HFScalars)
     register_style(HFExperts.name, HFExperts)
 

@@ -315,3 +315,63 @@ class HFAttention(ParallelStyle):
             module.config = copy.copy(cfg)
             module.config._attn_implementation_internal = IMPLEMENTATION
         return module
+
+
+class HFLatentAttention(ParallelStyle):
+    """A transformers multi-head latent attention (:mod:`atp_pipeline.models.hf.mla`) on the
+    (d1, d2) mesh; activations in and out split by hidden over d2. ``latent``: the projections
+    of the hidden into low-rank latents, run whole on the hidden gathered over d2 (their norms,
+    on the whole latents, untouched); ``q`` and ``kv``: the per-head projections, column-first
+    (``q`` reading the hidden unless ``q_latent``; a latent input sliced over d2); ``shared``:
+    the latent projection whose trailing ``shared_width`` features every head reads (their
+    gradient summed over d1); ``o`` row-first; the core on this rank's heads over d2."""
+
+    name = "hf_mla"
+
+    def __init__(self, q: str = "q_b_proj", kv: str = "kv_b_proj", o: str = "o_proj", latent: str = "",
+                 shared: str = "", shared_width: str = "0", q_latent: str = "true", heads: str = "0") -> None:
+        if str(q_latent).lower() not in ("true", "false"):
+            raise ConfigError(f"style 'hf_mla': q_latent={q_latent!r} must be true or false")
+        self.q, self.kv, self.o, self.shared = q, kv, o, shared
+        self.latent = tuple(a for a in latent.split("+") if a)
+        self.shared_width, self.heads = int(shared_width), int(heads)
+        self.q_latent = str(q_latent).lower() == "true"
+
+    def options(self) -> Dict[str, str]:
+        return {"q": self.q, "kv": self.kv, "o": self.o, "latent": "+".join(self.latent), "shared": self.shared,
+                "shared_width": str(self.shared_width), "q_latent": str(self.q_latent).lower(),
+                "heads": str(self.heads)}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        for p in (self.q, self.kv, self.o, *self.latent):
+            if type(getattr(module, p, None)) not in linear_kinds():
+                raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) has no linear '{p}' "
+                                  f"(style '{self.describe()}')")
+        if not hasattr(module, "config") or self.heads < 1 or (self.shared and self.shared not in self.latent):
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}): style '{self.describe()}' needs a "
+                              f"transformers attention, its head count and a shared projection among the latent ones")
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        from atp_pipeline.models.hf.mla import SumTail
+        from atp_pipeline.parallel.layers import FULL, SPLIT, run_gathered
+
+        _register()
+        comm = comm_for(ctx.mesh)
+        for p in self.latent:  # the latents: whole, from the hidden gathered over d2
+            run_gathered(getattr(module, p), ctx.mesh, SPLIT, FULL)
+        setattr(module, self.q, ATPLinear.from_linear(getattr(module, self.q), ctx.mesh, COLUMN,
+                                                      input_is_parallel=not self.q_latent))
+        setattr(module, self.kv, ATPLinear.from_linear(getattr(module, self.kv), ctx.mesh, COLUMN,
+                                                       input_is_parallel=False))
+        setattr(module, self.o, ATPLinear.from_linear(getattr(module, self.o), ctx.mesh, ROW))
+        if self.shared and self.shared_width and comm.size("d1") > 1:
+            width = self.shared_width
+            getattr(module, self.shared).register_forward_hook(
+                lambda m, a, out: SumTail.apply(out, comm, "d1", width))
+        module.atp_heads = HeadSharding(comm, self.heads, self.heads)  # every head expanded: keys per query head
+        module.atp_whole = False
+        module.atp_head_params = ()
+        module.atp_inner_attention = module.config._attn_implementation or "eager"
+        module.config = copy.copy(module.config)
+        module.config._attn_implementation_internal = IMPLEMENTATION
+        return module

@@ -23,10 +23,11 @@ holding other heads); embeddings split by hidden (one with its own ``forward``, 
 scaled embedding, runs whole and is sliced); the LM head column-first (or tied to the
 embedding's split table). The family's own ``forward`` runs throughout.
 
-What the layout cannot reproduce exactly is refused with one line naming it: mixture-of-
-experts and latent-attention projections, a fused q|k|v whose layout nothing declares, an
-attention module holding its own parameters, and (by the adapter) any module with
-parameters the plan does not reach.
+A multi-head latent attention (low-rank projections of the hidden, then per-head ones) is
+read by :mod:`.mla` (style ``hf_mla``). What the layout cannot reproduce exactly is refused
+with one line naming it: undeclared mixture-of-experts layouts, a fused q|k|v whose layout
+nothing declares, an attention module holding its own parameters, and (by the adapter) any
+module with parameters the plan does not reach.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
-from atp_pipeline.planning.shape import MoEShape
+from atp_pipeline.models.hf import mla
+from atp_pipeline.planning.shape import LatentShape, MoEShape
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
 # ``*_split_input``: the code around reads the whole output
@@ -58,7 +60,6 @@ EXPERTS = "moe_tp_experts"  # transformers' experts module (style hf_experts)
 REFUSED_KINDS = {
     EXPERTS: "mixture-of-experts experts",
     "moe_identity_expert": "mixture-of-experts identity experts",
-    "mla_kv_a_proj": "multi-head latent attention (a compressed key/value projection)",
     "replicate": "a replicated module whose outputs are combined by hand",
     "all_reduce": "a module whose output transformers all-reduces by hand",
 }
@@ -132,6 +133,7 @@ class Layout:
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
     head_gates: bool = False  # per-head projections beside q/k/v (an output gate): not in the cost model
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
+    latent: Optional[LatentShape] = None  # a multi-head latent attention (style hf_mla), if any
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
 
 
@@ -247,6 +249,8 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         if style == LOCAL:  # an attention module's own per-head parameters (sinks): see _attention_spec
             local.append(full)
             continue
+        if style == mla.MLA_A:  # a latent projection: read with its attention (mla.read_latent)
+            style = "colwise"
         if style not in COLUMN_KINDS + ROW_KINDS:
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}', which ATP's "
                               f"layout does not cover; pass a plan")
@@ -277,6 +281,9 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
          and all(_is_linear(getattr(m, p, None)) for p in (spec_given.qkv, spec_given.o))})
     plan: Dict[str, str] = {}
     for att in attention:
+        if spec_given is None and _latent_attention(module, att, names, kinds, layout, plan, hidden, heads, kind,
+                                                    probe):
+            continue
         spec = spec_given or _attention_spec(module, att, names, kinds, hidden, heads, kv, hd,
                                              declared=attention_declared, kind=kind, probe=probe)
         if not hasattr(_first(names, att), "config"):
@@ -386,6 +393,27 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
     layout.plan = plan
     return layout
+
+
+def _latent_attention(root: nn.Module, att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str],
+                      layout: Layout, plan: Dict[str, str], hidden: int, heads: int, kind: str, probe: bool) -> bool:
+    """Lay out the attention ``att`` as a multi-head latent attention (:mod:`.mla`), shown to
+    run on blocks of its heads where it can be run (``probe``); False: it is not one."""
+    module = _first(names, att)
+    what = f"transformers model_type '{kind}': attention '{att}' ({type(module).__name__})"
+    rows = [n.rpartition(".")[2] for n, k in kinds.items() if n.rpartition(".")[0] == att and k in ROW_KINDS]
+    spec = mla.read_latent(module, hidden, heads, rows, what)
+    if spec is None:
+        return False
+    got = _capture(root, att) if probe else None
+    if got is not None:
+        why = mla.latent_infeasibility(*got, spec, _run, _cut, calls_interface)
+        if why:
+            raise ConfigError(f"{what}: {why}; pass a plan")
+    plan[att] = spec.style()
+    layout.latent = spec.shape
+    layout.bias = layout.bias or any(getattr(module, p).bias is not None for p in (spec.q, spec.o))
+    return True
 
 
 def _calls_attention_interface(module: nn.Module) -> bool:
