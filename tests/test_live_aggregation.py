@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, SwitchImpl, Transport
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.live import bmv2_node
 from atp_pipeline.ina.live.services import Services
@@ -129,9 +129,12 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
             "sml_shm_lossy": (dict(mode=AggregationMode.switchml, pool=8, loss=0.02, transport=Transport.shm), 1),
             "atp2": (dict(mode=AggregationMode.atp, racks=2), 2), "atp2_lossy": (dict(mode=AggregationMode.atp,
                                                                                        racks=2, loss=0.02), 2)}
+    if not bmv2_missing():  # both levels on BMv2: three simple_switch, the compiled program (62 lanes)
+        p4 = dict(mode=AggregationMode.atp, racks=2, payload_k=62, aggregators=4096, switch_impl=SwitchImpl.bmv2)
+        runs.update(atp2_bmv2=(p4, 1), atp2_bmv2_lossy=(dict(p4, loss=0.02), 1))
     for key, (kw, rounds) in runs.items():
         rto = 0.05 if "loss" in kw else 0.2  # lossy: quick timeouts; clean: none spurious on a loaded machine
-        sync = ATPSync.setup(dist.group.WORLD, AggregationConfig(payload_k=256, seed=7, rto_s=rto, **kw))
+        sync = ATPSync.setup(dist.group.WORLD, AggregationConfig(**{"payload_k": 256, "seed": 7, "rto_s": rto, **kw}))
         eng = sync.engine
         out[key] = [eng.all_reduce(x.clone()) for _ in range(rounds)]
         w = eng.worker
@@ -158,6 +161,8 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
             out[key + "_stats"] = sync.services.stats()
             out[key + "_roles"] = [(e.pid, e.data[1]) for e in [sync.services.switch, *sync.services.racks,
                                                                  *sync.services.ps]]
+            st = out[key + "_stats"]
+            out[key + "_simple_switch"] = [s["bmv2"] for s in [st["switch"], *st["racks"]] if "bmv2" in s]
         dist.barrier()
         sync.close()
         if "shm" in key:  # the workers' segments and the switch's are unlinked (once rank 0 tore the job down)
@@ -187,7 +192,8 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     res = spawn(_modes_worker, 4, timeout=300)
     r0 = res[0]
     exact = r0["exact"]
-    for key in ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy"):
+    bmv2 = ("atp2_bmv2", "atp2_bmv2_lossy") if "atp2_bmv2" in r0 else ()  # with the P4 tools (and root)
+    for key in ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy", *bmv2):
         assert all(r[key + "_int_exact"] for r in res), key
         for r in res[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r[key], r0[key])), key
@@ -210,9 +216,23 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     lossy = r0["atp2_lossy_metrics"]
     assert 0.5 < lossy["atp_level2_frac"] < 1.0 and 0.5 < lossy["atp_level1_frac"] <= 1.0, lossy
     assert len(r0["atp2_stats"]["racks"]) == 2 and r0["atp2_freed"] == 0
-    keys = ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy")
+    for key in bmv2:  # both levels run the compiled program: its own counters (job_complete per level)
+        st, m = r0[key + "_stats"], r0[key + "_metrics"]
+        assert len(r0[key + "_simple_switch"]) == 3  # the ⑦ flush clone session at the second level only
+        assert [int(s) for s in st["switch"]["clone_sessions"]] == [1] and all(not r["clone_sessions"] for r in st["racks"])
+        assert {j["level"] for j in st["switch"]["jobs"].values()} == {2}
+        assert all(s["switch"]["malformed"] == s["switch"]["unknown_job"] == 0 for s in [st["switch"], *st["racks"]])
+        assert min(m["atp_level1_frac"], m["atp_level2_frac"]) > (0.5 if "lossy" in key else 0.8), (key, m)
+        assert st["switch"]["switch"]["complete"] > 0 and all(r["switch"]["complete"] > 0 for r in st["racks"])
+        assert r0[key + "_freed"] == 0 or "lossy" in key
+    if bmv2:  # exact integer sums: the same bits with and without loss
+        assert all(torch.equal(a, b) for a, b in zip(r0["atp2_bmv2"], r0["atp2_bmv2_lossy"]))
+        assert r0["atp2_bmv2_lossy_stats"]["switch"]["injected_loss"] > 0
+    keys = ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy", *bmv2)
     roles = [pr for key in keys for pr in r0[key + "_roles"]]
-    assert len(roles) == 2 + 2 * 4
+    assert len(roles) == 2 + 2 * 4 + 4 * len(bmv2)
+    switches = [b for key in bmv2 for b in r0[key + "_simple_switch"]]  # simple_switch gone, its namespace freed
+    assert not [b for b in switches if _alive(b["pid"]) or netns_users(b["netns_inode"])]
     assert not [pid for pid, _ in roles if _alive(pid)]
     assert not [r0[key + "_ports_left"] for key in keys if r0[key + "_ports_left"]]
 
@@ -595,8 +615,9 @@ def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
     assert err("aggregation=ps", "aggregation.aggregators=1024").endswith("applies to aggregation=atp, not ps")
     assert err("aggregation=switchml", "aggregation.switch_impl=bmv2").startswith(
         "aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program")
-    assert err("aggregation=atp", "aggregation.racks=2", "aggregation.switch_impl=bmv2").startswith(
-        "aggregation.switch_impl=bmv2 with aggregation.racks=2: the BMv2 switch role installs one-rack plans")
+    assert err("aggregation=atp", "aggregation.racks=2", "aggregation.switch_impl=bmv2", "aggregation.n_ps=2") == (
+        "aggregation.switch_impl=bmv2 with aggregation.racks=2 needs aggregation.n_ps=1, not 2: the v1model "
+        "program's ⑦ flush clone session reaches one PS port")
     for ok in (["aggregation=atp", "aggregation.racks=2"], ["aggregation=switchml", "aggregation.pool=16"],
                ["aggregation=switchml", "aggregation.transport=shm"]):
         check_aggregation(compose_cfg(*ok).aggregation, 4)

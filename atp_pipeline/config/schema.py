@@ -275,7 +275,8 @@ class AggregationConfig:
 
     ``racks`` (``atp`` only) splits the workers into that many racks, each behind a first-level
     switch, all feeding the second-level switch at the PS's rack (ATP §4.1 two-level
-    aggregation). ``transport=shm`` (``switchml`` only) keeps the lanes in shared memory and sends
+    aggregation; with ``switch_impl=bmv2`` every rack switch and the second level is a BMv2 running
+    the program, ``n_ps`` 1). ``transport=shm`` (``switchml`` only) keeps the lanes in shared memory and sends
     only the headers as datagrams (``atp_pipeline.ina.live.shm``). ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
     §6): a static partition of ``pool`` slots × 2 versions at one switch that is itself the
     aggregation endpoint (no PS), per-packet shared exponents, per-slot timeouts ``rto_s``.

@@ -40,6 +40,7 @@ def _role_report(services: Any) -> Dict[str, Any]:
         from atp_pipeline.ina.live.services import level_report
 
         lv = rep["levels"] = level_report(st)
+        lv["injected_loss_racks"] = [r["injected_loss"] for r in st["racks"]]  # the rest: injected_loss above
         rep["switch_allocated_after"] = lv["allocated_after"]
         print(f"aggregation: {lv['racks']} rack switches completed {lv['level1_frac']:.2%} of their sequences "
               f"(level 1), the second-level switch {lv['level2_frac']:.2%} (level 2), of {lv['sequences']}")
@@ -48,8 +49,14 @@ def _role_report(services: Any) -> Dict[str, Any]:
         seqs = sum(j["params"] for j in sw["jobs"].values())
         rep["bmv2"] = {**sw["bmv2"], "stats": sw["switch"], "sequences": seqs, "completed_in_switch": done,
                        "in_switch_frac": done / seqs if seqs else 0.0}
-        print(f"aggregation: BMv2 running {sw['bmv2']['json']}: {done} of {seqs} sequences completed in the switch "
-              f"({rep['bmv2']['in_switch_frac']:.2%}; counters job_complete / job_params)")
+        if st.get("racks"):  # two levels on BMv2: every rack switch is a BMv2 of its own
+            rep["bmv2"]["racks"] = [{**r["bmv2"], "stats": r["switch"],
+                                     "complete": sum(j["complete"] for j in r["jobs"].values())} for r in st["racks"]]
+            print(f"aggregation: BMv2 runs both levels ({len(st['racks'])} rack switches and the second level, "
+                  f"{sw['bmv2']['json']}); the level fractions above are the program's job_complete counters")
+        else:
+            print(f"aggregation: BMv2 running {sw['bmv2']['json']}: {done} of {seqs} sequences completed in the switch "
+                  f"({rep['bmv2']['in_switch_frac']:.2%}; counters job_complete / job_params)")
     return rep
 
 

@@ -190,9 +190,9 @@ def check_bmv2_switch(cfg: AggregationConfig) -> None:
     if cfg.switch is not None:
         raise ConfigError("aggregation.switch_impl=bmv2 starts its own switch; aggregation.switch names a running "
                           "one: set only one of them")
-    if cfg.racks > 1:
-        raise ConfigError(f"aggregation.switch_impl=bmv2 with aggregation.racks={cfg.racks}: the BMv2 switch role "
-                          "installs one-rack plans; two-level aggregation runs on the emulator (switch_impl=python)")
+    if cfg.racks > 1 and cfg.n_ps > 1:
+        raise ConfigError(f"aggregation.switch_impl=bmv2 with aggregation.racks={cfg.racks} needs aggregation.n_ps=1, "
+                          f"not {cfg.n_ps}: the v1model program's ⑦ flush clone session reaches one PS port")
     fmt = PacketFormat()
     if cfg.payload_k != fmt.payload_k:
         raise ConfigError(f"aggregation.payload_k={cfg.payload_k}: the P4 program's header carries "

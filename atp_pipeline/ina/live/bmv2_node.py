@@ -29,6 +29,14 @@ counters and registers: ``stats[]`` (named as :class:`~atp_pipeline.ina.switch.S
 ``job_allocs``/``job_complete``/``job_params`` per job — completions over parameter packets
 is the fraction of the job's sequences aggregated in the switch — and the aggregators
 still allocated. Loss and duplication are injected before the switch, as the emulator does.
+
+Two levels (ATP §4.1, ``aggregation.racks=R``): each rack switch and the second-level switch
+is a node of its own, each with its BMv2 running the same program. A rack switch's ``up``
+endpoint is the second-level node (a host on one of its ports, where a PS would be); the
+second-level node's ``down`` endpoints are the rack nodes, each the one child of level 2 it
+sees (``add_job(two_level=True)``: ``compute_plan``'s two-level layout, plus the ⑦ flush clone
+session toward the PS's port). Which level a packet is aggregated at is the program's
+decision, from the packet's ``edge`` bit, exactly as in ``ina.switch.process``.
 """
 
 from __future__ import annotations
@@ -118,6 +126,8 @@ class BMv2SwitchNode(Role):
         self.addr_of_port: Dict[int, Addr] = {}
         self.host_info: Dict[int, cp.Host] = {}
         self.routes: Dict[int, _Job] = {}
+        self.sessions: Dict[int, int] = {}  # clone session -> egress port (the ⑦ flush toward the PS)
+        self.levels: Dict[int, int] = {}  # job -> the aggregation level this switch serves (1, or 2: §4.1)
         self._layout = {name: (off, bits) for name, off, bits in fmt.layout()}
         off = self._layout["ecn"][0]
         self._ecn = (off // 8, 0x80 >> (off % 8))  # byte and bit of the ECN flag in the ATP header
@@ -232,9 +242,17 @@ class BMv2SwitchNode(Role):
             self.addr_of_port[FIRST_PORT + h] = addr
         return h
 
-    def op_add_job(self, up: List[List[Any]], down: List[List[Any]], job: Optional[int] = None) -> int:
+    def op_add_job(self, up: List[List[Any]], down: List[List[Any]], job: Optional[int] = None,
+                   two_level: bool = False) -> int:
         """Install a job: hosts (ports, routes) for new endpoints, the job table entry, its
-        multicast group and watermarks — the entries ``compute_plan`` computes."""
+        multicast group and watermarks — the entries ``compute_plan`` computes.
+
+        ``two_level``: this switch is the job's second level (ATP §4.1, the PS's ToR): ``down``
+        are the first-level switches, each a child of this level (``compute_plan``'s two-level
+        layout of a one-rack fabric: every child a singleton group entering at edge 1), and
+        the ⑦ flush clone session leaves toward the PS's port. A first-level switch is a plain
+        one-rack job whose ``up`` is the second-level switch; the packets' ``edge`` bit does the
+        rest, in the program as in ``ina.switch.process``."""
         if job is None:
             job = next(j for j in range(1, 1 << 16) if j not in self.routes and j + 1 < 1 << 16)
         elif job in self.routes:
@@ -243,7 +261,7 @@ class BMv2SwitchNode(Role):
         workers = [self._host(tuple(a)) for a in down]  # type: ignore[arg-type]
         ps = [self._host(tuple(a)) for a in up]  # type: ignore[arg-type]
         plan = cp.compute_plan(OmegaConf.create(_topology(len(self.hosts))), OmegaConf.create({"mode": "atp"}),
-                               [{"job": job, "worker_hosts": workers, "ps_hosts": ps, "two_level": False}],
+                               [{"job": job, "worker_hosts": workers, "ps_hosts": ps, "two_level": bool(two_level)}],
                                cp.FabricConfig(first_port=FIRST_PORT))
         for host in plan.hosts:
             self.host_info[host.index] = host
@@ -256,6 +274,14 @@ class BMv2SwitchNode(Role):
                 params = " ".join(str(v) for v in t.params.values())
                 cmds.append(f"table_add {t.qualified_table} {t.qualified_action} {match} => {params}")
         cmds += [f"register_write {r.qualified_register} {r.index} {r.value}" for r in sw.registers]
+        for c in sw.clone_sessions:  # switch-wide (v1model has one flush session): installed once
+            have = self.sessions.get(c.session)
+            if have is None:
+                cmds.append(f"mirroring_add {c.session} {c.port}")
+                self.sessions[c.session] = c.port
+            elif have != c.port:
+                raise ValueError(f"job {job}: its ⑦ flush must leave on port {c.port}, but clone session "
+                                 f"{c.session} of this switch already reaches port {have}")
         out = self._cli(cmds)
         handles = {m.group(1): int(m.group(2)) for m in re.finditer(
             r"Adding entry to \w+ match table (\S+)[\s\S]*?Entry has been added with handle (\d+)", out)}
@@ -266,6 +292,7 @@ class BMv2SwitchNode(Role):
         jp = plan.jobs[0]
         self.routes[job] = _Job(workers, ps, m.group, ipaddress.IPv4Address(jp.mcast_ipv4).packed,
                                 handles[f"{cp.INGRESS}.{cp.T_ATP_JOB}"], node)
+        self.levels[job] = 2 if two_level else 1
         return job
 
     def op_remove_job(self, job: int) -> int:
@@ -344,7 +371,9 @@ class BMv2SwitchNode(Role):
                 "bmv2": {"pid": self.ss.pid, "netns_inode": self.ss.inode, "json": str(self.json_path)},
                 "jobs": {j: {"allocs": allocs.get(j, 0), "held": per_job.get(j, 0),
                              "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
-                             "complete": complete.get(j, 0), "params": params.get(j, 0)} for j in jobs}}
+                             "complete": complete.get(j, 0), "params": params.get(j, 0),
+                             "level": self.levels.get(j, 1)} for j in jobs},
+                "clone_sessions": dict(self.sessions)}
 
 
 def program_aggregators(json_path: Path) -> int:

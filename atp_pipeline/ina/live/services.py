@@ -194,7 +194,10 @@ def add_job(svc: Services, workers: Sequence[Addr], job: Optional[int] = None, p
     if R and len(workers) % R:
         raise AggregationError(f"{len(workers)} workers do not split into {R} racks")
     down = [list(e.data) for e in svc.racks] if R else [list(a) for a in workers]
-    job = call(svc.switch.control, "add_job", what="switch", up=ps_data, down=down, job=job)
+    # a BMv2 second level installs the two-level plan (its ⑦ flush clone session toward the PS);
+    # the emulator needs nothing: the packets' edge bit selects the level
+    level2 = {"two_level": True} if R and call(svc.switch.control, "info", what="switch").get("impl") == "bmv2" else {}
+    job = call(svc.switch.control, "add_job", what="switch", up=ps_data, down=down, job=job, **level2)
     try:
         per = len(workers) // R if R else 0
         for i, e in enumerate(svc.racks):
