@@ -36,6 +36,9 @@ def test_the_latent_attention_is_read_off_the_modules(deepseek):
     assert layout.latent == LatentShape(q_latent=c.q_lora_rank, kv_latent=c.kv_lora_rank, shared=c.qk_rope_head_dim,
                                         qk_head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
                                         v_head_dim=c.v_head_dim, projections=2)
+    # the planners' weights (memory, FLOPs): the attention's linears, counted
+    linears = [m for m in deepseek.model.layers[0].self_attn.modules() if isinstance(m, nn.Linear)]
+    assert layout.latent.weights(64, 8) == sum(m.weight.numel() for m in linears)
     # the shape carries it through its dict (as the sweep's rows do)
     shape = ModelShape(name="m", hidden=64, heads=8, layers=2, seq_len=8, vocab_size=128, ffn=96, head_dim=8,
                        latent=layout.latent)

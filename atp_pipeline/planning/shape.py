@@ -76,6 +76,13 @@ class LatentShape:
     v_head_dim: int  # value features a head
     projections: int = 2  # projections of the hidden run whole (the latents')
 
+    def weights(self, hidden: int, heads: int) -> int:
+        """Matrix weights of the attention: the projections of the hidden into the latents (and
+        the shared features), the per-head expansions, the output projection."""
+        q, kv = heads * self.qk_head_dim, heads * (self.qk_head_dim - self.shared + self.v_head_dim)
+        queries = self.q_latent * (hidden + q) if self.q_latent else hidden * q
+        return queries + hidden * (self.kv_latent + self.shared) + self.kv_latent * kv + heads * self.v_head_dim * hidden
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -198,7 +205,8 @@ class ModelShape:
 
     def _weights(self, active: bool) -> int:
         h = self.hidden
-        attention = h * (2 * self.q_width + 2 * self.kv_width)
+        attention = h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else \
+            self.latent.weights(h, self.heads)
         dense = self.ffn_matrices * h * self.ffn
         if self.moe is None:
             return attention + dense
@@ -227,7 +235,9 @@ class ModelShape:
     @property
     def flops_per_layer(self) -> int:
         b, s = self.batch_size, self.seq_len
-        forward = 2 * b * s * self._weights(active=True) + 4 * b * s * s * self.q_width  # routed: top_k experts
+        core = 2 * self.q_width if self.latent is None else \
+            self.heads * (self.latent.qk_head_dim + self.latent.v_head_dim)  # q.k and attention.v per token pair
+        forward = 2 * b * s * self._weights(active=True) + 2 * b * s * s * core  # routed: top_k experts
         return 3 * forward
 
     @property
