@@ -136,6 +136,8 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
         rto = 0.05 if "loss" in kw else 0.2  # lossy: quick timeouts; clean: none spurious on a loaded machine
         sync = ATPSync.setup(dist.group.WORLD, AggregationConfig(**{"payload_k": 256, "seed": 7, "rto_s": rto, **kw}))
         eng = sync.engine
+        if key.startswith("sml"):
+            eng.worker.keep_ints = True  # keep each chunk's integers (the live engine does not)
         out[key] = [eng.all_reduce(x.clone()) for _ in range(rounds)]
         w = eng.worker
         if key.startswith("sml"):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,6 +51,9 @@ SML_FIELDS = (Field("job", 16), Field("slot", 16), Field("ver", 1), Field("is_re
 MAX_ITEMS = 1 << 24  # stream items (chunks + one exponent-only packet per slot) of one tensor
 SML_HEADER_BYTES = sum(f.bits for f in SML_FIELDS) // 8
 SHM_FLAG = 0x10  # flags bit: the lanes are in the sender's shared memory (SMLFormat(shm=True))
+#: the header as numpy reads it off the wire (:class:`SMLFormat`'s ``>HHBBI``): flags = ver, is_result,
+#: empty, shm, 4 reserved bits; word = off (24 bits), exp (8)
+WIRE_HEADER = np.dtype([("job", ">u2"), ("slot", ">u2"), ("flags", "u1"), ("worker", "u1"), ("word", ">u4")])
 F32_SHIFTS = (-126, 127)  # 2^s is a normal float32: a float32 chunk is scaled in float32, exactly
 
 
@@ -68,68 +71,205 @@ class SMLPacket:
 
 
 class SMLSwitchJob:
-    """One job's static partition on the switch: ``pool`` slots × 2 versions."""
+    """One job's static partition on the switch: ``pool`` slots × 2 versions (slot-version
+    ``v·pool + i`` below)."""
 
     def __init__(self, job: int, n_workers: int, pool: int, k: int, mcast: int, worker_hosts: List[int],
-                 values: Optional[np.ndarray] = None) -> None:
+                 values: Optional[np.ndarray] = None, lanes: Optional[Sequence[np.ndarray]] = None) -> None:
         self.job, self.W, self.pool, self.k = job, n_workers, pool, k
         self.mcast = mcast
         self.hosts = worker_hosts
         #: the slots' sums, version-major; ``values``: an int32 array of that shape to keep them in
         #: (the shared-memory transport's, which the workers read the results from)
         self.values = np.zeros((2, pool, k), dtype=np.int32) if values is None else values
-        self.count = np.zeros((2, pool), dtype=np.int64).tolist()
-        self.seen = [[0] * pool, [0] * pool]  # bitmaps per version
-        self.exp = [[0] * pool, [0] * pool]  # max of the contributions' exponents per version
+        #: the shared-memory transport: each worker's ``(2, pool, k)`` lanes, worker-id order (a
+        #: packet with :data:`SHM_FLAG` contributes ``lanes[worker][ver, slot]``)
+        self.lanes = lanes
+        self.count = [0] * (2 * pool)
+        self.seen = [0] * (2 * pool)  # bitmaps per slot-version
+        self.exp = [0] * (2 * pool)  # max of the contributions' exponents per slot-version
         self.stats = dict(merged=0, complete=0, result_unicast=0, dropped=0)
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._values
+
+    @values.setter
+    def values(self, v: np.ndarray) -> None:
+        self._values = v
+        self.flat = v.reshape(2 * self.pool, self.k)  # row ``v·pool + i``: slot-version (v, i)
+
+    @property
+    def lanes(self) -> Optional[List[np.ndarray]]:
+        return self._lanes
+
+    @lanes.setter
+    def lanes(self, lanes: Optional[Sequence[np.ndarray]]) -> None:
+        self._lanes = list(lanes) if lanes is not None else None
+        self.lanes_flat = [a.reshape(2 * self.pool, self.k) for a in self._lanes] if self._lanes else []
+
+
+def _runs(*stepping: Sequence[int], same: Sequence[int] = ()) -> List[Tuple[int, int]]:
+    """``[a, b)`` ranges over which every sequence of ``stepping`` steps by 1 and ``same`` stays
+    constant: slices of the arrays they index (one numpy call a run instead of a gather)."""
+    n = len(stepping[0])
+    if n == 1:
+        return [(0, 1)]
+    brk = np.zeros(n - 1, dtype=bool)
+    for seq in stepping:
+        brk |= np.diff(np.asarray(seq)) != 1
+    if len(same):
+        brk |= np.diff(np.asarray(same)) != 0
+    cut = (np.flatnonzero(brk) + 1).tolist()
+    return list(zip([0, *cut], [*cut, n]))
+
+
+#: one result of :meth:`SMLSwitch.batch`: (index of the packet in the batch, destination worker or
+#: -1 for the job's multicast group, shared exponent, the slot's sum — a copy, or None for an
+#: exponent-only or shared-memory packet)
+Result = Tuple[int, int, int, Optional[np.ndarray]]
 
 
 class SMLSwitch:
-    """The SwitchML data plane of one ToR (SwitchML Algorithm with shadow copies)."""
+    """The SwitchML data plane of one ToR (SwitchML Algorithm with shadow copies).
+
+    :meth:`batch` is the switch function, over a batch of packets in arrival order (the live
+    role hands it everything it drained; issue 28): the per-packet decisions are the
+    algorithm's, one packet after the other, and the lanes are summed per worker in one numpy
+    call each (gather, add, scatter) before any result is read. Calling the switch with one
+    packet (the simulator, :meth:`__call__`) is a batch of one."""
 
     def __init__(self) -> None:
         self.jobs: Dict[int, SMLSwitchJob] = {}
         self.unknown = 0
 
     def __call__(self, p: SMLPacket, link: Any) -> List[SMLPacket]:
-        js = self.jobs.get(p.job)
-        if js is None or p.is_result or not 0 <= p.slot < js.pool or not 0 <= p.worker < js.W:
-            self.unknown += 1
+        pay = p.payload
+        out = self.batch((p.job,), (p.slot,), (p.ver,), (p.is_result,), (p.worker,), (p.exp,),
+                         (pay is not None and not pay.size,), (pay,))
+        if not out:
             return []
-        v, i, bit = p.ver, p.slot, 1 << p.worker
-        if not js.seen[v][i] & bit:
-            js.seen[v][i] |= bit
-            js.seen[v ^ 1][i] &= ~bit
-            c = js.count[v][i] = (js.count[v][i] + 1) % js.W
-            row = js.values[v, i]
-            lanes = p.payload.size  # 0: an exponent-only packet
-            if c == 1 or js.W == 1:
-                if lanes:
-                    row[:] = p.payload
-                js.exp[v][i] = p.exp
+        _, dst, p.exp, row = out[0]
+        if row is not None:
+            p.payload = row
+        p.is_result = 1
+        js = self.jobs[p.job]
+        p.dst = js.mcast if dst < 0 else js.hosts[dst]
+        return [p]
+
+    def batch(self, job: Sequence[int], slot: Sequence[int], ver: Sequence[int], is_result: Sequence[int],
+              worker: Sequence[int], exp: Sequence[int], empty: Sequence[int],
+              payload: Sequence[Optional[np.ndarray]]) -> List[Result]:
+        """Packets ``j`` (header fields as sequences; ``payload[j]``: its lanes, or None where they
+        are in the job's shared-memory :attr:`~SMLSwitchJob.lanes`) through the data plane, in
+        order; the results to send (:data:`Result`).
+
+        A slot-version's sum starts with its first contribution (its lanes, or zeros for an
+        exponent-only packet) and adds the others. The lane work is collected per (job, worker,
+        kind) and done at the end (:meth:`_sum`); a slot-version that restarts while an earlier
+        use of it is still pending has the pending work done first, so the result is that of
+        handling the packets one at a time."""
+        out: List[Result] = []
+        ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]] = {}  # (kind, job, worker) -> [(slot-version, j)]
+        reads: List[Tuple[int, int, int]] = []  # (index in out, job, slot-version): rows read at the end
+        pending: set = set()  # job << 32 | slot-version, with pending lane work or a pending read
+        jobs = self.jobs
+        track = len(job) > 1  # (a batch of one has nothing pending before its packet)
+        for j in range(len(job)):
+            js = jobs.get(job[j])
+            i, w = slot[j], worker[j]
+            if js is None or is_result[j] or not 0 <= i < js.pool or not 0 <= w < js.W:
+                self.unknown += 1
+                continue
+            v = ver[j]
+            vi, bit, st = v * js.pool + i, 1 << w, js.stats
+            seen = js.seen
+            if not seen[vi] & bit:
+                seen[vi] |= bit
+                seen[vi + js.pool if v == 0 else vi - js.pool] &= ~bit  # the slot's other version
+                c = js.count[vi] = (js.count[vi] + 1) % js.W
+                if c == 1 or js.W == 1:  # the slot-version's first contribution: its sum starts here
+                    if track and js.job << 32 | vi in pending:  # its last use is still pending here: do it first
+                        self._sum(ops, reads, out, payload)
+                        pending.clear()
+                    kind = _RESET if empty[j] else _SET
+                    js.exp[vi] = exp[j]
+                else:
+                    kind = _NONE if empty[j] else _ADD
+                    if exp[j] > js.exp[vi]:
+                        js.exp[vi] = exp[j]
+                if kind:
+                    key = (kind, js.job, w)
+                    got = ops.get(key)
+                    if got is None:
+                        ops[key] = [(vi, j)]
+                    else:
+                        got.append((vi, j))
+                    if track:
+                        pending.add(js.job << 32 | vi)
+                st["merged"] += 1
+                if c:
+                    continue
+                st["complete"] += 1
+                out.append((j, -1, js.exp[vi], None))
+            elif js.count[vi] == 0:  # complete: a retransmission gets the result by unicast
+                st["result_unicast"] += 1
+                out.append((j, w, js.exp[vi], None))
             else:
-                if lanes:
-                    np.add(row, p.payload, out=row)
-                if p.exp > js.exp[v][i]:
-                    js.exp[v][i] = p.exp
-            js.stats["merged"] += 1
-            if c == 0:
-                js.stats["complete"] += 1
-                p.payload = row.copy() if lanes else p.payload
-                p.exp = js.exp[v][i]
-                p.is_result = 1
-                p.dst = js.mcast
-                return [p]
-            return []
-        if js.count[v][i] == 0:  # complete: a retransmission gets the result by unicast
-            js.stats["result_unicast"] += 1
-            p.payload = js.values[v, i].copy() if p.payload.size else p.payload
-            p.exp = js.exp[v][i]
-            p.is_result = 1
-            p.dst = js.hosts[p.worker]
-            return [p]
-        js.stats["dropped"] += 1
-        return []
+                st["dropped"] += 1
+                continue
+            if not empty[j] and payload[j] is not None:
+                reads.append((len(out) - 1, js.job, vi))
+                if track:
+                    pending.add(js.job << 32 | vi)
+        if ops or reads:
+            self._sum(ops, reads, out, payload)
+        return out
+
+    def _sum(self, ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]], reads: List[Tuple[int, int, int]],
+             out: List[Result], pay: Sequence[Optional[np.ndarray]]) -> None:
+        """The pending lane work: first contributions (zeros, or the contributor's lanes), then the
+        other contributions added — per (job, worker) one numpy call per run of consecutive
+        slot-versions (a worker contributes once to a slot-version between two restarts) —, then
+        the rows of the results that carry lanes (copies)."""
+        for key in (sorted(ops) if len(ops) > 1 else ops):  # _RESET and _SET before _ADD
+            kind, job, w = key
+            items = ops[key]
+            js = self.jobs[job]
+            vals = js.flat
+            lanes = js.lanes_flat[w] if pay[items[0][1]] is None else None
+            if len(items) == 1 or len({vi for vi, _ in items}) < len(items):  # (the latter: never; kept exact)
+                for vi, j in items:
+                    row = vals[vi]
+                    if kind == _RESET:
+                        row[...] = 0
+                        continue
+                    src = pay[j] if pay[j] is not None else js.lanes_flat[w][vi]
+                    if kind == _SET:
+                        row[...] = src
+                    else:
+                        np.add(row, src, out=row)
+                continue
+            vis = [vi for vi, _ in items]
+            for a, b in _runs(vis):  # a run of consecutive slot-versions: one call over slices
+                v0, m = vis[a], b - a
+                dst = vals[v0:v0 + m]
+                if kind == _RESET:
+                    dst[...] = 0
+                    continue
+                src = lanes[v0:v0 + m] if lanes is not None else np.stack([pay[j] for _, j in items[a:b]])
+                if kind == _SET:
+                    dst[...] = src
+                else:
+                    np.add(dst, src, out=dst)
+        for o, job, vi in reads:
+            j, dst_, e, _ = out[o]
+            out[o] = (j, dst_, e, self.jobs[job].flat[vi].copy())
+        ops.clear()
+        reads.clear()
+
+
+_NONE, _RESET, _SET, _ADD = 0, 1, 2, 3  # lane work of a contribution (SMLSwitch.batch)
 
 
 class SMLWorkerStats(Counters):
@@ -184,31 +324,35 @@ class SMLWorker:
         return p
 
     def on_packet(self, p: SMLPacket, now: float) -> List[SMLPacket]:
-        if self.done or p.job != self.job or not p.is_result:
+        if p.job != self.job or not p.is_result:
             return []
-        c = p.off
-        if not 0 <= c < self.n or self.got[c] or self.cur[p.slot] != c:
+        return self._result(p.slot, p.off, p.ver, p.exp, p.payload, now)
+
+    def _result(self, slot: int, c: int, ver: int, exp: int, payload: Optional[np.ndarray],
+                now: float) -> List[SMLPacket]:
+        """The result of item ``c`` through ``slot`` (version ``ver``): the packets it lets go."""
+        if self.done or not 0 <= c < self.n or self.got[c] or not 0 <= slot < self.pool or self.cur[slot] != c:
             self.stats.dup_acks += 1
             return []
         self.stats.acks += 1
         self.got[c] = 1
         self.n_got += 1
-        self._store(c, p)
+        self._store(c, ver, slot, exp, payload)
         nxt = c + self.stride  # the slot's next item
         if self.n_got == self.n:
             self.done = True
             self.timers.clear()
             return []
         if nxt < self.n:
-            self.cur[p.slot] = nxt
-            return [self._send(p.slot, nxt, now, 0)]
-        self.cur[p.slot] = -1
-        self.deadline[p.slot] = None
+            self.cur[slot] = nxt
+            return [self._send(slot, nxt, now, 0)]
+        self.cur[slot] = -1
+        self.deadline[slot] = None
         return []
 
-    def _store(self, c: int, p: SMLPacket) -> None:
+    def _store(self, c: int, ver: int, slot: int, exp: int, payload: Optional[np.ndarray]) -> None:
         """Keep the result of chunk ``c``."""
-        self.result[c] = p.payload
+        self.result[c] = payload
 
     def _valid(self, e: tuple) -> bool:
         d, slot, chunk = e
@@ -268,42 +412,79 @@ class SMLFloatWorker(SMLWorker):
             if a is not None and (a.shape != (2, pool, k) or a.dtype != np.int32):
                 raise ValueError(f"shared-memory lanes must be int32 of shape (2, {pool}, {k}), got {a.dtype} {a.shape}")
         self.lanes, self.results = lanes, results
-        self._pad: Optional[np.ndarray] = None  # the padded copy of the last tensor (start_float)
+        self._pad: Optional[np.ndarray] = None  # the padded tail chunk of the tensor (start_float)
+        self._wire: Optional[np.ndarray] = None  # the quantized chunks on the wire (UDP transport)
+        self._tmp: Optional[np.ndarray] = None  # quantization scratch, a row per chunk of a run
         self.fmt = SMLFormat(k, shm=lanes is not None)
         self.malformed = 0
 
     def on_bytes(self, buf: bytes, now: float) -> List[SMLPacket]:
-        """A received datagram's packet (decoded; malformed ones counted and dropped; a result
-        whose lanes are in shared memory gets them from the switch's registers)."""
-        try:
-            p = self.fmt.decode(buf)
-        except DecodeError:
-            self.malformed += 1
-            return []
-        if p.payload is None:
-            if self.results is None or not 0 <= p.slot < self.pool:
-                self.malformed += 1
-                return []
-            p.payload = self.results[p.ver, p.slot]
-        return self.on_packet(p, now)
+        """A received packet (or datagram): :meth:`on_datagrams` of one."""
+        return self.on_datagrams([buf], now)
 
-    def start_float(self, x: np.ndarray, now: float) -> List[SMLPacket]:
+    def on_datagrams(self, bufs: Sequence[bytes], now: float) -> List[SMLPacket]:
+        """Received datagrams (decoded; malformed packets counted and dropped; a result whose lanes
+        are in shared memory is read from the switch's registers): the packets to send, their
+        lanes written (:meth:`flush`). With the shared-memory transport the datagrams are read as
+        one array of headers (issue 28)."""
+        out: List[SMLPacket] = []
+        h = self.fmt.headers(bufs) if self.results is not None else None
+        if h is not None:
+            f = self.fmt.fields(h)
+            result = self._result
+            for job, res, slot, off, ver, exp in zip(f["job"], f["is_result"], f["slot"], f["off"], f["ver"],
+                                                     f["exp"]):
+                if job == self.job and res:
+                    out += result(slot, off, ver, exp, None, now)
+        else:
+            for buf in bufs:
+                for raw in self.fmt.split(buf):
+                    try:
+                        p = self.fmt.decode(raw)
+                    except DecodeError:
+                        self.malformed += 1
+                        continue
+                    if p.payload is None and self.results is None:
+                        self.malformed += 1
+                        continue
+                    out += SMLWorker.on_packet(self, p, now)
+        self.flush()
+        return out
+
+    def on_packet(self, p: SMLPacket, now: float) -> List[SMLPacket]:
+        out = super().on_packet(p, now)
+        self.flush()
+        return out
+
+    def start_float(self, x: np.ndarray, now: float, out: Optional[np.ndarray] = None) -> List[SMLPacket]:
         """Begin streaming ``x`` (finite floats, ``|x| < 2^127``); the packets to send.
 
         A float32 ``x`` stays float32 (issue 28: half the bytes per pass): scaling by a power of
         two is exact in either type and the rounded integers are the same (a value whose
-        scaled magnitude would be subnormal in float32 rounds to 0 either way)."""
+        scaled magnitude would be subnormal in float32 rounds to 0 either way).
+
+        ``out`` (float32 or float64, ``x``'s length; may be ``x`` itself): where each chunk's
+        result is written as it arrives (dequantized from the received lanes in one pass, issue
+        28: no integer copy of the whole result, no conversion pass at the end). A chunk is
+        quantized before it is sent and its result arrives after, so ``out`` may alias ``x``.
+        Default: a float64 array (:attr:`result_float`)."""
         x = np.asarray(x).ravel()
         if x.dtype != np.float32:
             x = x.astype(np.float64, copy=False)
         k = self.k
         n = max(1, -(-len(x) // k))
-        buf = self._pad if self._pad is not None and self._pad.size == n * k and self._pad.dtype == x.dtype else None
-        if buf is None:  # kept while the size stays (the padding is never written: it stays 0)
-            buf = self._pad = np.zeros(n * k, dtype=x.dtype)
-        buf[: len(x)] = x
-        self.length, self.chunks_f = len(x), buf.reshape(n, k)
-        peak = np.maximum(self.chunks_f.max(axis=1), -self.chunks_f.min(axis=1))
+        full = len(x) // k  # whole chunks are views of x; the short tail is copied into a padded row
+        tail = self._pad if self._pad is not None and self._pad.dtype == x.dtype else None
+        if tail is None:
+            tail = self._pad = np.zeros(k, dtype=x.dtype)
+        if full < n:
+            tail[:len(x) - full * k] = x[full * k:]
+            tail[len(x) - full * k:] = 0
+        self.length, self._x, self._full = len(x), x, full
+        body = x[:full * k].reshape(full, k)
+        peak = np.maximum(body.max(axis=1, initial=0.0), -body.min(axis=1, initial=0.0)) if full else np.zeros(0)
+        if full < n:
+            peak = np.append(peak, max(float(tail.max()), -float(tail.min())))
         if not np.isfinite(peak).all():
             raise ValueError("NaN/inf gradients")
         e = np.frexp(peak)[1].astype(np.int64)  # |x| < 2^e per chunk (frexp: peak = m·2^e, 0.5 ≤ m < 1)
@@ -318,7 +499,16 @@ class SMLFloatWorker(SMLWorker):
         self.n = P + n  # stream items
         self.chunks = [_EMPTY] * P + [None] * n  # type: ignore[list-item] - quantized when sent
         self.shared = [0] * n  # the exponent (biased) chunk c was quantized with
-        self.result_q = np.zeros((n, k), dtype=np.int32)
+        self._quant: List[Tuple[int, int, int]] = []  # chunks to quantize at flush: (chunk, version, slot)
+        self._stores: List[Tuple[int, int, int, Optional[np.ndarray]]] = []  # results to write at flush
+        if self.lanes is None:  # the chunks as they travel (big-endian int32), kept while the size stays
+            if self._wire is None or self._wire.shape != (n, k):
+                self._wire = np.zeros((n, k), dtype=self.fmt.wire_dtype)
+        self.out = np.empty(len(x), dtype=np.float64) if out is None else out
+        if self.out.shape != (len(x),) or self.out.dtype not in (np.float32, np.float64):
+            raise ValueError(f"out must be float32/float64 of shape ({len(x)},)")
+        #: the aggregated integers of each chunk (kept only with ``keep_ints``: the tests' check)
+        self.result_q = np.zeros((n, k), dtype=np.int32) if self.keep_ints else None
         self.got = bytearray(self.n)
         self.n_got = 0
         self.deadline = [None] * self.pool
@@ -328,43 +518,109 @@ class SMLFloatWorker(SMLWorker):
         self.done = False
         return [self._send(t, t, now, 0) for t in range(P)]
 
+    keep_ints = True  # keep every chunk's aggregated integers in result_q (the live engine turns it off)
+
+    def _chunk(self, c: int) -> np.ndarray:
+        """Chunk ``c`` of the tensor being streamed (a view; the tail padded with zeros)."""
+        k = self.k
+        return self._x[c * k:(c + 1) * k] if c < self._full else self._pad  # type: ignore[return-value]
+
     def _send(self, slot: int, item: int, now: float, resend: int) -> SMLPacket:
-        if item >= self.P and self.chunks[item] is None:
-            c = item - self.P  # q = rint(x · 2^(B−e)), straight to the wire's byte order
-            sh = self.bits - (self.shared[c] - EXP_BIAS)
-            xc = self.chunks_f[c]
-            if not F32_SHIFTS[0] <= sh <= F32_SHIFTS[1]:  # 2^sh is no float32 (normal): in float64
-                xc = xc.astype(np.float64)
-            q = xc * xc.dtype.type(2.0 ** sh)
-            np.rint(q, out=q)
+        if item >= self.P and self.chunks[item] is None:  # quantized at flush(), before it is sent
+            c = item - self.P
             if self.lanes is None:
-                self.chunks[item] = q.astype(self.fmt.wire_dtype)
+                self.chunks[item] = self._wire[c]
             else:  # into this worker's shared lanes of the slot's next version (SMLWorker._send flips it)
-                dst = self.lanes[self.uses[slot] & 1, slot]
-                dst[...] = q  # |q| < 2^B: exact in int32
-                self.chunks[item] = dst
+                self.chunks[item] = self.lanes[self.uses[slot] & 1, slot]
+            self._quant.append((c, self.uses[slot] & 1, slot))
         p = super()._send(slot, item, now, resend)
         p.exp = self.local_exp[item] if item < self.n_chunks else 0
         return p
 
-    def _store(self, c: int, p: SMLPacket) -> None:
+    def _store(self, c: int, ver: int, slot: int, exp: int, payload: Optional[np.ndarray]) -> None:
+        """Item ``c``'s result: the shared exponent of chunk ``c``; for ``c ≥ P`` the integer sum of
+        chunk ``c − P`` (``payload``, or the switch's registers ``[ver, slot]``), written to
+        :attr:`out` at :meth:`flush`."""
         if c < self.n_chunks:
-            self.shared[c] = p.exp
+            self.shared[c] = exp
         if c >= self.P:
-            self.result_q[c - self.P] = p.payload
+            self._stores.append((c - self.P, ver, slot, payload))
+
+    def flush(self) -> None:
+        """The numpy work of the packets handled since the last flush, a few calls for all of them
+        (issue 28): quantize the chunks about to be sent, ``q = rint(x · 2^(B−e))`` into their lanes
+        (this worker's shared lanes, or the wire's big-endian rows), then write the results received
+        to :attr:`out` as ``Σq · 2^(e−B)`` rounded once to its type (float32: formed in float32 where
+        ``2^(e−B)`` is a normal float32 — the product of the int32 sum rounded to 24 bits and a power
+        of two rounds like the exact product —, else in float64). Quantizing first: a chunk's result
+        may overwrite it in ``out`` (``out`` may be the input)."""
+        if self._quant:
+            q, self._quant = self._quant, []
+            self._quantize([c for c, _, _ in q], [v for _, v, _ in q], [s for _, _, s in q])
+        if self._stores:
+            st, self._stores = self._stores, []
+            self._dequantize([c for c, _, _, _ in st], [v for _, v, _, _ in st], [s for _, _, s, _ in st],
+                             [p for _, _, _, p in st])
+
+    def _fast(self, c0: int, m: int, shifts: np.ndarray, dtype: Any) -> bool:
+        """Whether chunks ``c0 … c0+m−1`` are whole and every ``2^shift`` a normal ``dtype``."""
+        return c0 + m <= self._full and (dtype != np.float32 or bool(
+            (shifts.min() >= F32_SHIFTS[0]) & (shifts.max() <= F32_SHIFTS[1])))
+
+    def _quantize(self, cs: List[int], vers: List[int], slots: List[int]) -> None:
+        """``q = rint(x · 2^(B−e))`` of chunks ``cs`` into their lanes: a run is a multiply into a
+        scratch and a rounding into the lanes (int32, or the wire's big-endian rows)."""
+        sh = self.bits - (np.asarray([self.shared[c] for c in cs]) - EXP_BIAS)
+        x, k = self._x, self.k
+        body = x[:self._full * k].reshape(self._full, k)
+        for a, b in _runs(cs, slots, same=vers):  # consecutive chunks through consecutive slots
+            c0, m, v, s0 = cs[a], b - a, vers[a], slots[a]
+            dst = self._wire[c0:c0 + m] if self.lanes is None else self.lanes[v, s0:s0 + m]
+            if self._fast(c0, m, sh[a:b], x.dtype):
+                tmp = self._scratch(m, x.dtype)
+                np.multiply(body[c0:c0 + m], np.exp2(sh[a:b]).astype(x.dtype)[:, None], out=tmp)
+                np.rint(tmp, out=dst, casting="unsafe")  # |q| < 2^B: exact in int32
+                continue
+            for n in range(m):  # the tail, or 2^shift no normal float32: in float64
+                dst[n] = np.rint(self._chunk(c0 + n).astype(np.float64) * 2.0 ** int(sh[a + n]))
+
+    def _scratch(self, m: int, dtype: Any) -> np.ndarray:
+        t = self._tmp
+        if t is None or t.shape[0] < m or t.dtype != dtype:
+            t = self._tmp = np.empty((max(m, self.pool), self.k), dtype=dtype)
+        return t[:m]
+
+    def _dequantize(self, ds: List[int], vers: List[int], slots: List[int], pay: List[Optional[np.ndarray]]) -> None:
+        """``Σq · 2^(e−B)`` of chunks ``ds`` into :attr:`out`: a run is one multiply from the
+        received lanes (the switch's registers, or the datagrams') into ``out``."""
+        shm = all(p is None for p in pay)
+        rows = None if shm else np.stack([p if p is not None else self.results[v, s]  # type: ignore[index]
+                                          for p, v, s in zip(pay, vers, slots)])
+        k, out = self.k, self.out
+        body = out[:self._full * k].reshape(self._full, k)
+        sh = np.asarray([self.shared[d] for d in ds]) - EXP_BIAS - self.bits
+        for a, b in _runs(ds, slots, same=vers):
+            d0, m, v, s0 = ds[a], b - a, vers[a], slots[a]
+            src = self.results[v, s0:s0 + m] if shm else rows[a:b]  # type: ignore[index]
+            if self.result_q is not None:
+                self.result_q[d0:d0 + m] = src
+            if self._fast(d0, m, sh[a:b], out.dtype):
+                np.multiply(src, np.exp2(sh[a:b]).astype(out.dtype)[:, None], out=body[d0:d0 + m],
+                            dtype=out.dtype, casting="unsafe")
+                continue
+            for n in range(m):
+                dst = out[(d0 + n) * k:(d0 + n + 1) * k]
+                np.multiply(src[n][:dst.size], 2.0 ** int(sh[a + n]), out=dst, casting="same_kind")
 
     @property
     def result_float(self) -> np.ndarray:
-        """``Σq · 2^(e−B)`` per chunk: the sum over the job's workers (float64)."""
-        return self.result_as(np.float64)
+        """``Σq · 2^(e−B)`` per chunk: the sum over the job's workers (float64 unless ``out`` was float32)."""
+        return self.out
 
     def result_as(self, dtype: Any) -> np.ndarray:
-        """:attr:`result_float` rounded once to ``dtype`` (each product is formed in float64, where
-        it is exact, and rounded on the way out: no float64 copy of the whole result)."""
-        e = np.asarray(self.shared, dtype=np.float64) - EXP_BIAS
-        out = np.empty(self.result_q.shape, dtype=dtype)
-        np.multiply(self.result_q, np.exp2(e - self.bits)[:, None], out=out, casting="same_kind")
-        return out.ravel()[: self.length]
+        """:attr:`result_float` rounded once to ``dtype`` (formed exactly in float64, or in float32
+        as :meth:`_store` says)."""
+        return self.out.astype(dtype, copy=False)
 
 
 class SMLFormat:
@@ -411,6 +667,51 @@ class SMLFormat:
         p.src = p.dst = -1
         p.size, p.ecn, p.is_param = len(buf) + L2L4_OVERHEAD_BYTES, 0, 0
         return p
+
+    # ------------------------------------------------------------------ headers as arrays (issue 28)
+    def headers(self, bufs: Sequence[bytes]) -> Optional[np.ndarray]:
+        """The datagrams ``bufs`` as one array of :data:`WIRE_HEADER` headers, when every packet in
+        them is a header alone (exponent-only, or lanes in shared memory) and well formed; else
+        None (decode them packet by packet)."""
+        data = b"".join(bufs)
+        if len(data) % self.header_bytes:
+            return None
+        h = np.frombuffer(data, dtype=WIRE_HEADER)
+        fl = h["flags"]
+        empty, shm = (fl & 0x20) != 0, (fl & SHM_FLAG) != 0
+        ok = ((fl & 0x0F) == 0) & (empty ^ shm) & (self.shm | ~shm)
+        return h if ok.all() else None
+
+    def header_array(self, pkts: Sequence[SMLPacket]) -> np.ndarray:
+        """The headers of packets as one :data:`WIRE_HEADER` array (what :meth:`encode` writes for
+        packets without lanes on the wire: exponent-only, or lanes in shared memory)."""
+        h = np.zeros(len(pkts), dtype=WIRE_HEADER)
+        if pkts:
+            h["job"] = [p.job for p in pkts]
+            h["slot"] = [p.slot for p in pkts]
+            shm = SHM_FLAG if self.shm else 0
+            h["flags"] = [p.ver << 7 | p.is_result << 6 | (0x20 if p.payload is not None and p.payload.size == 0
+                                                           else shm) for p in pkts]
+            h["worker"] = [p.worker for p in pkts]
+            h["word"] = [p.off << 8 | p.exp for p in pkts]
+        return h
+
+    @staticmethod
+    def fields(h: np.ndarray) -> Dict[str, List[int]]:
+        """The header fields of ``h`` as lists (job, slot, ver, is_result, empty, worker, off, exp)."""
+        fl, word = h["flags"], h["word"]
+        return {"job": h["job"].tolist(), "slot": h["slot"].tolist(), "ver": (fl >> 7).tolist(),
+                "is_result": (fl >> 6 & 1).tolist(), "empty": (fl >> 5 & 1).tolist(), "worker": h["worker"].tolist(),
+                "off": (word >> 8).tolist(), "exp": (word & 0xFF).tolist()}
+
+    @staticmethod
+    def results(h: np.ndarray, idx: Sequence[int], exp: Sequence[int]) -> np.ndarray:
+        """The result headers of packets ``idx`` of ``h``: the result flag set, ``exp`` the shared
+        exponent (the rest as received: its lanes stay where they are)."""
+        r = h[np.asarray(idx, dtype=np.intp)]  # a copy
+        r["flags"] |= 0x40
+        r["word"] = (r["word"] & 0xFFFFFF00) | np.asarray(exp, dtype=np.uint32)
+        return r
 
     def split(self, buf: bytes) -> List[bytes]:
         """The packets of one datagram (each packet's ``empty`` flag gives its length)."""

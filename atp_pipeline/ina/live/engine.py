@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, keep_freed_memory, poller_for, wait_readable
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, datagrams, drain, keep_freed_memory, poller_for, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.live.shm import lanes_of, release
 from atp_pipeline.ina.packet import PacketFormat
@@ -107,7 +107,6 @@ class Engine:
         self.racks, self.per_rack, self.n_ps = racks, n_workers // racks, n_ps
         self.worker = self._new_worker()
         self.stats = EngineStats()
-        self._per_datagram = max(1, MAX_DATAGRAM // fmt.atp_bytes)
         self._poller = poller_for(sock)
         self.seq = 0
         self._bound: Dict[int, Deque[np.ndarray]] = {}  # buffer size -> per-packet bounds of its last rounds
@@ -179,7 +178,9 @@ class Engine:
         x = tensor.detach().reshape(-1).numpy()
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float64)
-        tensor.view(-1).copy_(torch.from_numpy(self._sum(x)))
+        res = self._sum(x)
+        if res.ctypes.data != tensor.data_ptr() or x.ctypes.data != tensor.data_ptr():
+            tensor.view(-1).copy_(torch.from_numpy(res))  # (SwitchML writes the result into the tensor itself)
         s, ws = self.stats, self.worker.stats
         s.rounds += 1
         s.bytes += 4 * x.size
@@ -252,10 +253,8 @@ class Engine:
         if len(pkts) == 1:
             put(enc(pkts[0]))
             return
-        per = self._per_datagram
-        data = [enc(p) for p in pkts]
-        for i in range(0, len(data), per):
-            put(b"".join(data[i:i + per]))
+        for data in datagrams([enc(p) for p in pkts]):
+            put(data)
 
     def _put(self, data: bytes) -> None:
         """One datagram to the switch; a full send buffer is waited out (briefly), any other
@@ -274,7 +273,6 @@ class Engine:
     def _run_round(self) -> None:
         w, sock, poller = self.worker, self.sock, self._poller
         stall = self.cfg.stall_timeout_s
-        split, on_bytes = self.fmt.split, w.on_bytes
         last_progress = time.monotonic()
         acked = self._progress()
         while not w.done:
@@ -284,17 +282,22 @@ class Engine:
             got = drain(sock, 1 << 20) if wait_readable(poller, wait) else []
             now = time.monotonic()
             if got:  # everything queued, answered in one batch
-                out: List[Any] = []
-                for buf, _ in got:
-                    for pkt in split(buf):
-                        out += on_bytes(pkt, now)
-                self._send(out)
+                self._send(self._receive([buf for buf, _ in got], now))
             if d is not None and now >= d:
                 self._send(w.poll(now))
             if self._progress() != acked:
                 acked, last_progress = self._progress(), now
             elif now - last_progress > stall:
                 raise self._stalled(now - last_progress)
+
+    def _receive(self, bufs: List[bytes], now: float) -> List[Any]:
+        """The datagrams drained, packet by packet through the protocol: the packets to send."""
+        out: List[Any] = []
+        split, on_bytes = self.fmt.split, self.worker.on_bytes
+        for buf in bufs:
+            for pkt in split(buf):
+                out += on_bytes(pkt, now)
+        return out
 
     def _progress(self) -> int:
         """Results received so far this round (a stall is a round where this stops growing)."""
@@ -341,14 +344,16 @@ class SMLEngine(Engine):
         lanes = results = None
         if self.cfg.shm is not None:  # the shared-memory transport (:mod:`.shm`)
             lanes, results = (lanes_of(s, self.cfg.pool, self.fmt.payload_k) for s in self.cfg.shm)
-        return SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
-                              max(self.cfg.worker.rto, INITIAL_RTO_S), lanes=lanes, results=results)
+        w = SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
+                           max(self.cfg.worker.rto, INITIAL_RTO_S), lanes=lanes, results=results)
+        w.keep_ints = False  # each chunk's result goes straight into the tensor (start_float's out)
+        return w
 
     def _sum(self, x: np.ndarray) -> np.ndarray:
         """The sum over the job's workers: ``Σq · 2^(e−B)`` per chunk (exact integer sums)."""
         w = self.worker
         try:
-            pkts = w.start_float(x, time.monotonic())
+            pkts = w.start_float(x, time.monotonic(), out=x)  # results overwrite x chunk by chunk
         except ValueError as e:
             who = f"rank {self.ranks[self.wid]} has " if "NaN/inf" in str(e) else ""
             raise AggregationError(f"SwitchML job {self.job}: {who}{e}") from None
@@ -356,7 +361,19 @@ class SMLEngine(Engine):
         self._run_round()
         if self.stats.rounds == 0:
             w.rto = self.cfg.worker.rto
-        return w.result_as(x.dtype)  # = result_float rounded once to the tensor's type
+        return x
+
+    def _receive(self, bufs: List[bytes], now: float) -> List[Any]:
+        return self.worker.on_datagrams(bufs, now)  # the whole batch at once (issue 28)
+
+    def _send(self, pkts: List[Any]) -> None:
+        if not (pkts and self.fmt.shm):
+            super()._send(pkts)
+            return
+        data = self.fmt.header_array(pkts).tobytes()  # headers only: encoded as one array
+        step = MAX_DATAGRAM // self.fmt.header_bytes * self.fmt.header_bytes
+        for i in range(0, len(data), step):
+            self._put(data[i:i + step])
 
     def _progress(self) -> int:
         return self.worker.n_got

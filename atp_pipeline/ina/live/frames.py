@@ -95,31 +95,34 @@ class Outbox:
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
-        send, limit = self._send, self.limit
+        send = self._send
         for addr, q in pending.items():
-            if len(q) == 1:
-                send(q[0], addr)
+            for data in datagrams(q, self.limit):
+                send(data, addr)
                 self.datagrams += 1
-                continue
-            size = len(q[0])
-            per = max(1, limit // size) if all(len(b) == size for b in q) else 0
-            if per:
-                for i in range(0, len(q), per):
-                    send(b"".join(q[i:i + per]), addr)
-                    self.datagrams += 1
-                continue
-            batch: List[bytes] = []
-            used = 0
-            for b in q:  # mixed sizes: greedy fill
-                if batch and used + len(b) > limit:
-                    send(b"".join(batch), addr)
-                    self.datagrams += 1
-                    batch, used = [], 0
-                batch.append(b)
-                used += len(b)
-            if batch:
-                send(b"".join(batch), addr)
-                self.datagrams += 1
+
+
+def datagrams(q: List[bytes], limit: int = MAX_DATAGRAM) -> List[bytes]:
+    """Encoded packets ``q`` joined, in order, into as few datagrams of at most ``limit`` bytes as
+    a greedy fill makes (one packet: itself)."""
+    if len(q) == 1:
+        return q
+    size = len(q[0])
+    if all(len(b) == size for b in q):
+        per = max(1, limit // size)
+        return [b"".join(q[i:i + per]) for i in range(0, len(q), per)]
+    out: List[bytes] = []
+    batch: List[bytes] = []
+    used = 0
+    for b in q:  # mixed sizes: greedy fill
+        if batch and used + len(b) > limit:
+            out.append(b"".join(batch))
+            batch, used = [], 0
+        batch.append(b)
+        used += len(b)
+    if batch:
+        out.append(b"".join(batch))
+    return out
 
 
 def sender(sock: socket.socket, errors: Optional[List[int]] = None) -> Callable[[bytes, Addr], None]:

@@ -52,12 +52,13 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from atp_pipeline.ina.job import JobLayout
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.shm import SharedLanes
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
-from atp_pipeline.ina.switchml import SMLFormat, SMLSwitch, SMLSwitchJob
+from atp_pipeline.ina.switchml import SMLFormat, SMLPacket, SMLSwitch, SMLSwitchJob
 from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
 
 class SwitchNode(Role):
@@ -198,29 +199,61 @@ class SMLSwitchNode(Role):
             seg.close()
         self.shm.clear()
 
-    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
-        if not self.copies():
+    def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
+        """Everything drained, through the switch function :meth:`SMLSwitch.batch` at once (issue
+        28). With the shared-memory transport every packet is a 10-byte header: the datagrams are
+        read as one array of headers and the results written as one."""
+        fmt = self.fmt
+        bufs = [b for b, _ in got]
+        hdr = fmt.headers(bufs) if fmt.shm else None
+        pkts: Optional[List[SMLPacket]] = None
+        if hdr is None:  # lanes in the datagrams: packet by packet
+            pkts = []
+            for buf in bufs:
+                for raw in fmt.split(buf):
+                    try:
+                        pkts.append(fmt.decode(raw))
+                    except DecodeError:
+                        self.malformed += 1
+            hdr = fmt.header_array(pkts)
+        if self.loss:  # injected ingress loss, packet by packet
+            keep = [i for i in range(len(hdr)) if self.copies()]
+            hdr = hdr[keep]
+            pkts = [pkts[i] for i in keep] if pkts is not None else None
+        if not len(hdr):
             return
-        try:
-            p = self.fmt.decode(buf)
-        except DecodeError:
-            self.malformed += 1
+        f = fmt.fields(hdr)
+        jp = self.job_packets
+        for j in set(f["job"]):
+            jp[j] = jp.get(j, 0) + f["job"].count(j)
+        payload = [p.payload for p in pkts] if pkts is not None else [None] * len(hdr)
+        out = self.sml.batch(f["job"], f["slot"], f["ver"], f["is_result"], f["worker"], f["exp"], f["empty"],
+                             payload)
+        if not out:
             return
-        if p.payload is None:  # shared-memory transport: the lanes are in the sender's segment
-            seg = self.shm.get(p.job)
-            if seg is None or not 0 <= p.worker < len(seg.lanes) or not 0 <= p.slot < seg.pool:
-                self.malformed += 1
-                return
-            p.payload = seg.lanes[p.worker][p.ver, p.slot]
-        self.job_packets[p.job] = self.job_packets.get(p.job, 0) + 1
-        for q in self.sml(p, None):
+        put = self.outbox.put
+        if pkts is None:  # headers only: the results as one array, one block per destination
+            res = fmt.results(hdr, [r[0] for r in out], [r[2] for r in out])
+            groups: Dict[Tuple[int, int], List[int]] = {}
+            for n, (j, d, _, _) in enumerate(out):
+                groups.setdefault((f["job"][j], d), []).append(n)
+            per = MAX_DATAGRAM // fmt.header_bytes
+            for (job, d), idx in groups.items():
+                workers = self.routes[job]
+                for lo in range(0, len(idx), per):
+                    data = res[idx[lo:lo + per]].tobytes()
+                    for a in ([workers[d]] if d >= 0 else workers):
+                        put(data, a)
+            return
+        for j, d, e, row in out:
+            q = pkts[j]
+            q.is_result, q.exp = 1, e
+            if row is not None:
+                q.payload = row
             workers = self.routes[q.job]
-            data = self.fmt.encode(q)
-            if q.dst >= 0:
-                self.outbox.put(data, workers[q.dst])
-            else:
-                for a in workers:
-                    self.outbox.put(data, a)
+            data = fmt.encode(q)
+            for a in ([workers[d]] if d >= 0 else workers):
+                put(data, a)
 
     def op_add_job(self, up: List[Any], down: List[List[Any]], job: Optional[int] = None, pool: int = 64,
                    shm: Optional[List[str]] = None) -> int:
@@ -236,13 +269,13 @@ class SMLSwitchNode(Role):
         if (shm is not None) != self.fmt.shm or (shm is not None and len(shm) != len(down)):
             raise ValueError("this switch's transport is " + ("shm: one lane segment per worker needed"
                                                               if self.fmt.shm else "udp: no lane segments"))
-        values = None
+        values = lanes = None
         if shm is not None:
             seg = self.shm[job] = SharedLanes(shm, pool, self.fmt.payload_k)
-            values = seg.registers
+            values, lanes = seg.registers, seg.lanes
         self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
         self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))),
-                                          values=values)
+                                          values=values, lanes=lanes)
         return job
 
     def op_shm(self, job: int) -> str:
@@ -258,7 +291,7 @@ class SMLSwitchNode(Role):
         seg = self.shm.pop(job, None)
         if seg is not None:
             if js is not None:
-                js.values = js.values.copy()  # (its counters stay readable; the segment goes)
+                js.values, js.lanes = js.values.copy(), None  # (its counters stay readable; the segments go)
             seg.close()
         if js is None:
             return 0

@@ -89,7 +89,7 @@ class Role:
     def serve(self) -> None:
         sock = self.sock
         poller = poller_for(sock)
-        handle, lock, packets, flush = self.handle, self.lock, self.packets, self.outbox.flush
+        handle, lock, flush = self.handle_batch, self.lock, self.outbox.flush
         while not self.stop_event.is_set():
             if not wait_readable(poller, 0.25):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -100,12 +100,18 @@ class Role:
             except OSError:
                 break
             with lock:
-                for buf, addr in got:
-                    for pkt in packets(buf):
-                        handle(pkt, addr)
+                handle(got)
                 flush()
         self.control.close()
         sock.close()
+
+    def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
+        """Everything drained from the socket: each datagram's packets to :meth:`handle`, in order
+        (a role that processes a whole batch at once overrides this)."""
+        handle, packets = self.handle, self.packets
+        for buf, addr in got:
+            for pkt in packets(buf):
+                handle(pkt, addr)
 
     def packets(self, buf: bytes) -> List[bytes]:
         """The packets of one datagram (the format's ``split``)."""
