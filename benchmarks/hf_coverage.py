@@ -116,7 +116,7 @@ def _shrink(config: Any) -> None:
         d["n_group"] = 2
         if isinstance(d.get("topk_group"), int):
             d["topk_group"] = min(d["topk_group"], 2)
-    for k in ("num_experts_per_tok", "moe_k", "top_k", "moe_topk"):  # experts per token: fewer than the experts
+    for k in ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk"):  # fewer than the experts
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
             d[k] = min(d[k], 2)
     if isinstance(d.get("sliding_window"), int) and d.get("use_sliding_window") is not False:
@@ -379,6 +379,14 @@ def run(types: List[str], batch: int = 12, timeout: float = 900.0) -> List[Dict[
     return rows
 
 
+def run_whole(row: Dict[str, Any]) -> List[str]:
+    """The classes of the modules an exact row's layout runs whole (replicated; the plan's note)."""
+    import re
+
+    note = (row.get("shape") or {}).get("whole_note", "")
+    return re.findall(r"': ([\w/]+) run whole", note) + (["the LM head's module"] if "the LM head" in note else [])
+
+
 def _doc(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     counts: Dict[str, int] = {}
     for r in rows:
@@ -402,14 +410,18 @@ def _doc(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                                                ("exact", "refused", "skipped", "wrong", "error")) + ".",
         f"Declaring a tensor-parallel plan: {len(decl)} ({sum(r['result'] == 'exact' for r in decl)} exact); "
         f"not declaring one: {len(rows) - len(decl)} "
-        f"({sum(r['result'] == 'exact' for r in rows if not r.get('declared'))} exact).",
+        f"({sum(r['result'] == 'exact' for r in rows if not r.get('declared'))} exact). "
+        f"Of the exact, {sum(bool(run_whole(r)) for r in rows if r['result'] == 'exact')} run modules the layout "
+        f"cannot split whole (replicated on every rank on the hidden gathered over d2, their output sliced back), "
+        f"named after the error and in the plan's notes.",
         "",
         "| type | class | plan declared | result | reason / max relative error |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
         detail = (f"{r['max_rel']:.1e}" + (" (float32 inside the model)" if r["max_rel"] > TOL else "")
-                  + ("" if r.get("export", "bit-exact") == "bit-exact" else f"; export {r['export']}")) \
+                  + ("" if r.get("export", "bit-exact") == "bit-exact" else f"; export {r['export']}")
+                  + (f"; run whole: {', '.join(run_whole(r))}" if run_whole(r) else "")) \
             if r["result"] == "exact" else r.get("reason", "").replace("|", "\\|")
         lines.append(f"| `{r['type']}` | {r.get('class', '')} | {'yes' if r.get('declared') else 'no'} | "
                      f"{r['result']} | {detail} |")
