@@ -128,7 +128,8 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
     if agg.switch_impl == SwitchImpl.bmv2 and mode != AggregationMode.atp:
         if mode == AggregationMode.switchml:
             raise ConfigError("aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program "
-                              "(its slot pool runs on the emulator only: see docs/ina.md)")
+                              "(its slot pool runs on the emulator only; what a port needs: docs/ina.md, "
+                              "'Why SwitchML is not on BMv2')")
         raise ConfigError(f"aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not "
                           f"{mode.value} (with ps, a switch without aggregators, there is no P4 equivalent)")
     default = AggregationConfig()
