@@ -48,8 +48,9 @@ from atp_pipeline.launch import spawn
 from benchmarks.tp_step import CONF, load_model
 
 
-def _configs(modes: List[str], payloads: List[int], pool: int) -> Dict[str, AggregationConfig]:
-    """The live configurations measured beside ring, named ``<mode>-<K>``."""
+def _configs(modes: List[str], payloads: List[int], pools: List[int]) -> Dict[str, AggregationConfig]:
+    """The live configurations measured beside ring, named ``<mode>-<K>`` (SwitchML with several
+    ``--pool`` sizes: ``<mode>-<K>-p<pool>``)."""
     out: Dict[str, AggregationConfig] = {}
     for k in payloads:
         for m in modes:
@@ -57,11 +58,11 @@ def _configs(modes: List[str], payloads: List[int], pool: int) -> Dict[str, Aggr
                 out[f"atp-{k}"] = AggregationConfig(mode=AggregationMode.atp, payload_k=k)
             elif m == "atp2":
                 out[f"atp2-{k}"] = AggregationConfig(mode=AggregationMode.atp, payload_k=k, racks=2)
-            elif m == "switchml":
-                out[f"switchml-{k}"] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool)
-            elif m == "switchml_shm":
-                out[f"switchml_shm-{k}"] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool,
-                                                             transport=Transport.shm)
+            elif m in ("switchml", "switchml_shm"):
+                for pool in pools:
+                    name = f"{m}-{k}" + (f"-p{pool}" if len(pools) > 1 else "")
+                    out[name] = AggregationConfig(mode=AggregationMode.switchml, payload_k=k, pool=pool,
+                                                  transport=Transport.shm if m == "switchml_shm" else Transport.udp)
             else:
                 raise SystemExit(f"--modes: unknown mode {m!r} (atp, atp2, switchml, switchml_shm)")
     return out
@@ -142,7 +143,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--payloads", default="62,2048", help="values per packet, comma-separated")
     ap.add_argument("--modes", default="atp", help="live modes measured beside ring: atp, atp2, switchml, switchml_shm")
-    ap.add_argument("--pool", type=int, default=AggregationConfig().pool, help="switchml: slots")
+    ap.add_argument("--pool", default=str(AggregationConfig().pool),
+                    help="switchml: slots of the job's partition, comma-separated (each measured)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="outputs/benchmarks/live_sync")
@@ -150,7 +152,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
                     help="config tree with model/ (default: conf under the current directory)")
     a = ap.parse_args(argv)
     payloads = [int(x) for x in a.payloads.split(",")]
-    configs = _configs(a.modes.split(","), payloads, a.pool)
+    pools = [int(x) for x in a.pool.split(",")]
+    configs = _configs(a.modes.split(","), payloads, pools)
     res = spawn(_worker, a.world, load_model(a.model, a.conf), configs, a.steps, a.repeats, timeout=3600)
     n = res[0]["n_params"]
     table = []
@@ -173,7 +176,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"world": a.world, "model": a.model, "params": n, "gradient_bytes": 4 * n, "steps": a.steps,
-           "repeats": a.repeats, "pool": a.pool, "command": "python -m benchmarks.live_sync " + " ".join(
+           "repeats": a.repeats, "pool": pools if len(pools) > 1 else pools[0], "command": "python -m benchmarks.live_sync " + " ".join(
                argv if argv is not None else __import__("sys").argv[1:]), "rows": table}
     (out / "live_sync.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "live_sync.csv").open("w", newline="") as f:

@@ -396,8 +396,10 @@ class SMLFloatWorker(SMLWorker):
     item ``c``'s result."""
 
     def __init__(self, job: int, wid: int, n_workers: int, pool: int, k: int, rto: float,
-                 lanes: Optional[np.ndarray] = None, results: Optional[np.ndarray] = None) -> None:
-        """``lanes``/``results`` (both or neither): the shared-memory transport's int32 arrays of
+                 lanes: Optional[np.ndarray] = None, results: Optional[np.ndarray] = None,
+                 window: Optional[int] = None) -> None:
+        """``window``: at most this many slots of the pool in use (chunks in flight; all workers of a
+        job must use the same). ``lanes``/``results`` (both or neither): the shared-memory transport's int32 arrays of
         shape ``(2, pool, k)`` — this worker's, where it quantizes the chunk it sends through
         slot ``s`` in version ``v`` (``lanes[v, s]``), and the switch's job registers, where it
         reads a result. A slot-version is rewritten only after every worker has read the result
@@ -412,6 +414,7 @@ class SMLFloatWorker(SMLWorker):
             if a is not None and (a.shape != (2, pool, k) or a.dtype != np.int32):
                 raise ValueError(f"shared-memory lanes must be int32 of shape (2, {pool}, {k}), got {a.dtype} {a.shape}")
         self.lanes, self.results = lanes, results
+        self.window = pool if window is None else max(1, min(pool, int(window)))
         self._pad: Optional[np.ndarray] = None  # the padded tail chunk of the tensor (start_float)
         self._wire: Optional[np.ndarray] = None  # the quantized chunks on the wire (UDP transport)
         self._tmp: Optional[np.ndarray] = None  # quantization scratch, a row per chunk of a run
@@ -492,7 +495,7 @@ class SMLFloatWorker(SMLWorker):
         if int(e.max()) > EXP_MAX:
             raise ValueError(f"a gradient of magnitude {float(peak.max()):.3g} exceeds SwitchML's exponent range")
         self.local_exp = (np.maximum(e, EXP_MIN) + EXP_BIAS).tolist()
-        P = min(self.pool, n)
+        P = min(self.pool, n, self.window)
         if P + n > MAX_ITEMS:
             raise ValueError(f"{n} packets of {k} values exceed SwitchML's 24-bit packet offset: raise payload_k")
         self.P, self.n_chunks, self.stride = P, n, P

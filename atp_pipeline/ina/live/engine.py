@@ -55,6 +55,7 @@ SEQ_LIMIT = 1 << 32
 INITIAL_RTO_S = 1.0
 PAD_SIZES = 4  # buffer sizes whose padded buffers an engine keeps (DDP: a few bucket sizes)
 BOUND_MEMORY = 4  # rounds of one buffer size whose per-packet bounds the next one takes the max of
+UDP_INFLIGHT_BYTES = 1 << 20  # SwitchML over UDP: lane bytes a worker keeps in flight (SMLEngine)
 
 
 @dataclass
@@ -344,8 +345,12 @@ class SMLEngine(Engine):
         lanes = results = None
         if self.cfg.shm is not None:  # the shared-memory transport (:mod:`.shm`)
             lanes, results = (lanes_of(s, self.cfg.pool, self.fmt.payload_k) for s in self.cfg.shm)
+        # over UDP every chunk in flight is a datagram queued at the switch: the workers' windows
+        # together stay within its receive buffer (issue 28: 64 slots of 64 KiB from each of 4
+        # workers overflowed it, and SwitchML recovers a drop by a timeout only)
+        window = None if lanes is not None else max(1, UDP_INFLIGHT_BYTES // self.fmt.atp_bytes)
         w = SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
-                           max(self.cfg.worker.rto, INITIAL_RTO_S), lanes=lanes, results=results)
+                           max(self.cfg.worker.rto, INITIAL_RTO_S), lanes=lanes, results=results, window=window)
         w.keep_ints = False  # each chunk's result goes straight into the tensor (start_float's out)
         return w
 
