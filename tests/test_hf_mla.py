@@ -43,6 +43,11 @@ def test_the_latent_attention_is_read_off_the_modules(deepseek):
     shape = ModelShape(name="m", hidden=64, heads=8, layers=2, seq_len=8, vocab_size=128, ffn=96, head_dim=8,
                        latent=layout.latent)
     assert ModelShape(**{k: v for k, v in shape.to_dict().items() if k in ModelShape.__dataclass_fields__}) == shape
+    # the SBP planner's layer chain has no latent attention: one line
+    from atp_pipeline.models.hf.sbp import sbp_linears
+
+    with pytest.raises(ConfigError, match="latent attention .* use planner=atp"):
+        sbp_linears(deepseek, layout.plan, shape)
 
 
 def test_what_the_latent_layout_cannot_place_is_refused_in_one_line(deepseek):

@@ -35,6 +35,10 @@ def sbp_linears(module: nn.Module, plan: Mapping[str, Any], shape: ModelShape) -
     if shape.moe is not None:
         raise ConfigError(f"transformers model '{type(module).__name__}': routed experts (a mixture of experts) are "
                           f"outside the SBP layer chain (AutoDDL §4.5); use planner=atp")
+    if shape.latent is not None:
+        raise ConfigError(f"transformers model '{type(module).__name__}': a multi-head latent attention (latent "
+                          f"projections, then per-head ones) is outside the SBP layer chain (AutoDDL §4.5); "
+                          f"use planner=atp")
     names = dict(module.named_modules())
     head = next((n for n, m in names.items() if m is module.get_output_embeddings()), None)
     out: Dict[str, str] = {}
