@@ -107,19 +107,23 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
 
     for _, model, opt, _ in runners:
         timed(model, opt, spec["warmup"])
-    def one_round(r: int) -> Dict[str, Tuple[List[float], float]]:
+    def one_round(r: int) -> Dict[str, Tuple[List[float], float, float]]:
         order = runners[r % len(runners):] + runners[:r % len(runners)]
         got = {}
         for k, model, opt, comm in order:
             comm.stats.reset()
-            got[k] = (timed(model, opt, spec["steps"]),
-                      sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"])
+            cpu0 = time.process_time()
+            ts = timed(model, opt, spec["steps"])
+            cpu = (time.process_time() - cpu0) / spec["steps"]  # this rank's CPU (its threads) per step
+            got[k] = (ts, sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"], cpu)
         return got
     # rounds during which other jobs loaded the host are measured again (atp_pipeline.run.hostload)
     kept, foreign = quiet_rounds(spec["repeats"], spec["repeats"], one_round)
     times = {k: [t for rd in kept for t in rd[k][0]] for k, _, _, _ in runners}
     waits = {k: [rd[k][1] for rd in kept] for k, _, _, _ in runners}
-    return {"times": times, "waits": waits, "foreign": foreign} if rank == 0 else None
+    cpus = {k: [rd[k][2] for rd in kept] for k, _, _, _ in runners}
+    # every rank's phases (the step model predicts one rank; the host runs all of them)
+    return {"times": times, "waits": waits, "cpus": cpus, "foreign": foreign}
 
 
 def _loadavg() -> Optional[List[float]]:
@@ -423,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
         wait_quiet(30.0)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
-        got = spawn(_worker, w, spec, timeout=3600)[0]
+        ranks = spawn(_worker, w, spec, timeout=3600)
+        got = ranks[0]
         times, waits = got["times"], got["waits"]
         foreign_load.append({"model": shape.name, "processes": w, "rounds": got["foreign"]})
         variant = f"b{shape.batch_size} s{shape.seq_len}"
@@ -444,7 +449,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
                          "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
                          "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
+                         "predicted_timeline_s": est.timeline_s, "predicted_rank_cpu_s": est.cpu_s,
+                         "predicted_host_bound": est.host_bound,
                          "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
+                         # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
+                         "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
+                         "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
                          "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),

@@ -317,6 +317,68 @@ def test_a_collective_in_flight_takes_the_unhidden_share_of_its_overlap_from_com
     assert tl.now == pytest.approx(50e-6 + 0.75 * 4e-6)  # only the 4-us transfer took CPU
 
 
+def test_more_ranks_than_cores_run_at_a_cores_speed_bounded_by_every_ranks_cpu():
+    """4 processes on 2 cores: a rank's timeline computes at the factor of a rank alone on a
+    core (contention at 2), while it waits in a collective its backend keeps ``busy`` of a core;
+    the step is no less than that CPU over the cores (compute x shared / alone). 2 processes on
+    2 cores: the timeline alone."""
+    ab = {"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+          "alpha_beta": [{"level": "p", "alpha_us": 400.0, "GBps": 1.0}]}
+    four = Topology.from_config(ab)
+    base = cp.ComputeProfile("p", "test", _flat(50.0).fits, processes=4, cores=2,
+                             contention={1: 0.5, 2: 0.5, 4: 1.0})
+    for busy in (0.0, 0.25, 1.0):
+        prof = dataclasses.replace(base, collective_cpu=cp.CollectiveCPU({2: busy, 4: busy}))
+        est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+        alone = st.estimate_step(four, GPT, (2, 2), st.StepSetting(),  # kernels at half the time, collectives not
+                                 dataclasses.replace(prof, fits=_flat(25.0).fits, cores=0, contention={}))
+        assert est.timeline_s == pytest.approx(alone.step_s)  # the rank's own timeline at a core's speed
+        waits = est.timeline_s - alone.compute_s
+        assert est.cpu_s == pytest.approx(alone.compute_s + busy * waits)
+        assert est.step_s == pytest.approx(max(est.timeline_s, 2.0 * est.cpu_s))
+        assert est.host_bound == (2.0 * est.cpu_s > est.timeline_s)
+    assert est.host_bound and est.compute_s == pytest.approx(2.0 * alone.compute_s)
+    assert "4 processes on 2 cores: a rank alone on a core x0.500" in est.calibration
+    two = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
+    assert not two.host_bound and two.step_s == pytest.approx(two.timeline_s)
+    assert cp.CollectiveCPU({2: 0.2, 4: 0.6}).share(3) == pytest.approx(0.4)
+    assert cp.CollectiveCPU({2: 0.2, 4: 0.6}).share(8) == pytest.approx(0.6)
+
+
+def test_a_collective_in_flight_takes_its_backends_busy_share_of_the_overlap():
+    """With the collectives' CPU calibrated, the compute overlapping a collective in flight is
+    late by the backend's busy share of that overlap (the same as hidden = 1 - busy)."""
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
+    gemm = kn.Kernel(kn.GEMM, (10, 10, 10))
+    busy = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.75}),
+                               sync=cp.SyncFit(0.0, 0.0, 1.0))
+    hid = dataclasses.replace(_flat(5.0), sync=cp.SyncFit(0.0, 0.0, 0.25))
+    got = []
+    for prof in (busy, hid):
+        tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
+        tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
+        got.append(tl.now)
+    assert got[0] == pytest.approx(got[1]) == pytest.approx(10e-6 + 0.75 * 4e-6)
+
+
+def test_collective_cpu_is_fitted_from_the_probe_steps_with_and_without_collectives():
+    from atp_pipeline.run import calibrate_compute as cc_
+
+    skip = [cc_.Timed(0.01, 0.010, {}), cc_.Timed(0.02, 0.020, {}), cc_.Timed(0.01, 0.010, {})]
+    live = [cc_.Timed(0.03, 0.010 + 0.5 * 0.02, {4: 0.02}), cc_.Timed(0.05, 0.020 + 0.2 * 0.01 + 0.5 * 0.02,
+                                                                        {2: 0.01, 4: 0.02}),
+            cc_.Timed(0.02, 0.010 + 0.2 * 0.01, {2: 0.01})]
+    fit = cc_.fit_collective_cpu(skip, live)
+    assert fit.busy[2] == pytest.approx(0.2) and fit.busy[4] == pytest.approx(0.5)
+    assert cc_.fit_collective_cpu(skip[:1], [cc_.Timed(0.01, 0.01, {})]) is None
+    prof = dataclasses.replace(_flat(2.0), collective_cpu=fit)
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
+    assert back.collective_cpu.busy == pytest.approx(fit.busy)
+    assert "waiting in a collective keeps 20% of a core busy (2 ranks), 50% of a core busy (4 ranks)" in back.describe()
+    with pytest.raises(ConfigError, match=r"collective_cpu.busy: group size >= 2 -> share of a core in \[0, 1\]"):
+        cp.ComputeProfile.from_config({**prof.to_config(), "collective_cpu": {"busy": {2: 1.5}}})
+
+
 def test_profile_with_runtime_terms_round_trips_and_names_them():
     probe = cp.Probe("probe_gpt_s", cp.shape_key(GPT), (2, 2), 6, 48)
     prof = cp.ComputeProfile("cal", "measured", _flat(2.0).fits, points={(kn.GEMM, (2, 3, 4)): 7e-6},
@@ -410,9 +472,10 @@ def test_calibration_times_the_runtime_terms_on_processes():
     plans = [p for p in cc.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
     patterns = [p for p in cc.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
     kernels = [kn.Kernel(kn.OPTIMIZER, (4, 1000))]
-    got, foreign = cc.measure_with_load(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
-                                        models=[spec], patterns=patterns)
-    assert len(got) == 4 and all(0 < t < 5 for t in got)
+    got, timed, foreign = cc.measure_all(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
+                                         models=[spec], patterns=patterns, live=plans)
+    assert len(got) == 5 and all(0 < t < 5 for t in got)
+    assert all(t.cpu > 0 for t in timed) and set(timed[-1].waits) == {2} and not timed[1].waits  # the live step waited
     assert len(foreign) == 1 and foreign[0] >= 0  # other jobs' load in the kept pass, in cores
 
 

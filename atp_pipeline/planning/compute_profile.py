@@ -66,6 +66,32 @@ class SyncFit:
 
 
 @dataclass(frozen=True)
+class CollectiveCPU:
+    """The share of a core a rank keeps busy while it waits in a collective of a group of
+    ``size`` ranks (``busy[size]``): the backend's threads (copies, reductions, the loopback's
+    syscalls and wake-ups) run while the rank is blocked. What bounds a step from below on a
+    host with fewer cores than processes: every rank's compute and this CPU must fit on the
+    cores, however much of a rank's waiting other ranks' compute fills. Calibrated from the
+    probe models' steps with and without their collectives: the CPU time they differ by over
+    the time the ranks waited in the collectives of each group size."""
+
+    busy: Mapping[int, float]
+
+    def share(self, size: int) -> float:
+        """The busy share in a ``size``-rank group: the calibrated size's, linear in the size
+        between calibrated sizes, the nearest one's beyond them."""
+        if size <= 1 or not self.busy:
+            return 0.0
+        pts = sorted(self.busy.items())
+        if size <= pts[0][0]:
+            return pts[0][1]
+        if size >= pts[-1][0]:
+            return pts[-1][1]
+        return next(c0 + (c1 - c0) * (size - s0) / (s1 - s0)
+                    for (s0, c0), (s1, c1) in zip(pts, pts[1:]) if s0 <= size <= s1)
+
+
+@dataclass(frozen=True)
 class Probe:
     """A model the calibration ran whole (forward and backward): its shape's identity
     (:meth:`~atp_pipeline.planning.shape.ModelShape` fields, :func:`shape_key`), mesh, local
@@ -93,7 +119,7 @@ def shape_key(shape: ModelShape) -> str:
 
 
 PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits",
-                          "optimizer", "framework", "sync", "probes", "points"})
+                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points"})
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,21 @@ class ComputeProfile:
     date: str = ""
     probes: Tuple[Probe, ...] = ()
     cores: int = 0  # the host's cores when calibrated (how many the ``processes`` shared)
+    collective_cpu: Optional[CollectiveCPU] = None
+
+    def oversubscribed(self, processes: int) -> bool:
+        """More processes than the host's cores (known from the calibration)."""
+        return 0 < self.cores < processes
+
+    def alone_factor(self, processes: int) -> float:
+        """The factor of calibrated times for a rank that has a core to itself while
+        ``processes`` run on the host: the contention factor at ``min(processes, cores)``
+        (where the cores are not known: at ``processes``)."""
+        return self.contention_factor(min(processes, self.cores) if self.cores else processes)
+
+    def collective_busy(self, size: int) -> float:
+        """Share of a core a rank keeps busy while waiting in a ``size``-rank collective (0 uncalibrated)."""
+        return 0.0 if self.collective_cpu is None else self.collective_cpu.share(size)
 
     def contention_factor(self, processes: int) -> float:
         """The factor of calibrated times with ``processes`` on the host: measured where the
@@ -171,9 +212,15 @@ class ComputeProfile:
                          f"per collective, {self.sync.hidden:.0%} of overlap hidden")
         if self.optimizer:
             parts.append(f"optimizer {self.optimizer}")
+        if self.collective_cpu is not None:
+            parts.append("waiting in a collective keeps " + ", ".join(
+                f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items())))
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})")
+            if self.oversubscribed(processes):
+                parts.append(f"{processes} processes on {self.cores} cores: a rank alone on a core "
+                             f"x{self.alone_factor(processes):.3f}, the step no less than every rank's CPU over the cores")
         return "; ".join(parts)
 
     def seconds(self, k: Kernel) -> float:
@@ -260,6 +307,13 @@ class ComputeProfile:
                 if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
                         and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
                     raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
+            collective_cpu = None
+            if data.get("collective_cpu"):
+                busy = {int(k): float(v) for k, v in dict(data["collective_cpu"]["busy"]).items()}
+                if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
+                    raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
+                                      f"got {busy}")
+                collective_cpu = CollectiveCPU(busy)
             contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
             if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
                 raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
@@ -269,7 +323,7 @@ class ComputeProfile:
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
                        contention=contention, date=str(data.get("date", "")), probes=probes,
-                       cores=int(data.get("cores", 0)))
+                       cores=int(data.get("cores", 0)), collective_cpu=collective_cpu)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -294,6 +348,8 @@ class ComputeProfile:
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
+                **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())}}}
+                   if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 

@@ -47,6 +47,17 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   processes on the host against the calibration's (a 2-process run on a 4-process
   calibration of a 2-core host runs about twice as fast per kernel).
 
+* **More processes than cores** (the profile's ``cores``): ranks do not compute all at
+  once — while one waits in a collective another computes on its core. So a rank's timeline
+  runs its kernels at the speed of a rank with a core to itself (the contention factor at
+  ``min(processes, cores)``) and its collectives at their calibrated times; and the step is no
+  less than every rank's CPU over the cores: the rank's compute plus the CPU its collective
+  backend keeps busy while it waits (:class:`~atp_pipeline.planning.compute_profile.CollectiveCPU`,
+  a share of a core per group size, from the probe steps' CPU with and without their
+  collectives), at the shared speed (the contention factor at ``processes``). The same busy
+  share is what a collective in flight takes from the compute overlapping it (§4.1/§4.2
+  overlap), where the profile has it (else the loops' ``1 - hidden``).
+
 The pieces live in flat modules by concern: :mod:`~atp_pipeline.planning.kernels` (kernel kinds
 and their work), :mod:`~atp_pipeline.planning.compute_profile` (the calibrated kernel and framework
 times), :mod:`~atp_pipeline.planning.step_program` (one rank's program of kernels and placed
@@ -54,8 +65,10 @@ collectives), :mod:`~atp_pipeline.planning.comm_clock` (collective durations). T
 program on a timeline and adds it up.
 
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
-clock, a wait moves it to the collective's end. ``exposed = step - compute`` is the
-communication the user pays; ``total_comm`` is what Eq. 2-style sums would charge.
+clock, a wait moves it to the collective's end; on an oversubscribed host the step is the
+larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then at
+the shared speed). ``exposed = step - compute`` is the communication the user pays;
+``total_comm`` is what Eq. 2-style sums would charge.
 Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
 over step time × devices × the profile's peak) follow.
 """
@@ -88,12 +101,13 @@ class _Timeline:
     dispatch: float = 0.0  # framework cost around the kernels and collectives (in ``compute``)
     sync: float = 0.0  # the host's synchronization cost added to collectives (in ``comm_total``)
     optimizer: float = 0.0  # (in ``compute``)
+    coll_cpu: float = 0.0  # CPU the rank keeps busy while it waits in collectives (not in ``compute``)
     since: float = 0.0  # compute since this rank's previous collective
     link_free: Dict[int, float] = field(default_factory=dict)
 
-    def launch(self, c: Coll) -> Tuple[float, float, float]:
+    def launch(self, c: Coll) -> Tuple[float, float, float, int]:
         """Start a collective now (after the ones in flight on its dimension); ``(start, end,
-        end of its real transfer)`` (an emulated link's remaining time is a sleep)."""
+        end of its real transfer, its dimension)`` (an emulated link's remaining time is a sleep)."""
         nbytes = float(c.elements) * self.q
         bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
         dur = real = bare
@@ -113,10 +127,10 @@ class _Timeline:
         end = start + dur
         self.link_free[c.term.dim] = end
         self.comm_total += dur
-        return start, end, start + real
+        return start, end, start + real, c.term.dim
 
-    def run(self, items: Sequence[Item], pending: List[Tuple[float, float, float]]) -> None:
-        joined: List[Tuple[float, float, float]] = []
+    def run(self, items: Sequence[Item], pending: List[Tuple[float, float, float, int]]) -> None:
+        joined: List[Tuple[float, float, float, int]] = []
         for item in items:
             tag = item[0]
             if tag == "k":
@@ -130,7 +144,9 @@ class _Timeline:
                 self.compute += dt
                 self.since += dt
             elif tag == "sync":
-                self.now = max(self.now, self.launch(item[1])[1])
+                end = self.launch(item[1])[1]
+                self.waited(item[1].term.dim, end - self.now)
+                self.now = max(self.now, end)
             elif tag == "async":
                 pending.append(self.launch(item[1]))
             elif tag == "linear":
@@ -140,24 +156,39 @@ class _Timeline:
             else:  # pragma: no cover - the builders emit only the tags above
                 raise ValueError(f"unknown schedule item {tag!r}")
 
-    def wait(self, pending: List[Tuple[float, float, float]]) -> None:
-        """Wait for collectives in flight ``(start, end, end of the real transfer)``: the
+    def wait(self, pending: List[Tuple[float, float, float, int]]) -> None:
+        """Wait for collectives in flight ``(start, end, end of the real transfer, dimension)``: the
         compute that ran during a real transfer is late by the share ``1 - hidden`` of that
         overlap (the transfer took CPU from it); the clock moves to that or the last end."""
         if pending:
-            steal = (1.0 - self.profile.hidden) * sum(max(0.0, min(self.now, r) - i) for i, _, r in pending)
-            last = max(self.now, *(e for _, e, _ in pending))
+            steal = sum(self.stolen(d) * max(0.0, min(self.now, r) - i) for i, _, r, d in pending)
+            last = max(self.now, *(e for _, e, _, _ in pending))
             now = max(self.now + steal, last)
             self.sync += now - last
             self.comm_total += now - last
+            self.waited(max(pending, key=lambda p: p[1])[3], now - self.now)
             self.now = now
             pending.clear()
+
+    def stolen(self, dim: int) -> float:
+        """The share of a collective's overlap with compute that the compute loses: the share of
+        a core the backend keeps busy meanwhile (:class:`CollectiveCPU`), else ``1 - hidden``."""
+        if self.profile.collective_cpu is None:
+            return 1.0 - self.profile.hidden
+        d1, d2 = self.clock.mesh
+        return self.profile.collective_busy(d1 if dim == 1 else d2)
+
+    def waited(self, dim: int, seconds: float) -> None:
+        """The rank waits ``seconds`` in a collective on ``dim``: the CPU its backend keeps busy meanwhile."""
+        if seconds > 0:
+            d1, d2 = self.clock.mesh
+            self.coll_cpu += seconds * self.profile.collective_busy(d1 if dim == 1 else d2)
 
 
 def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
     """Chunks' stages (``stages[chunk][stage]``) as the runtime's wavefront runs them: chunks
     take turns stage by stage; a chunk waits for its collectives in flight when its turn comes."""
-    pending: List[List[Tuple[float, float, float]]] = [[] for _ in stages]
+    pending: List[List[Tuple[float, float, float, int]]] = [[] for _ in stages]
     for st in range(max(len(s) for s in stages)):
         for c, chunk in enumerate(stages):
             if st < len(chunk):
@@ -228,13 +259,17 @@ class StepEstimate:
     optimizer_s: float = 0.0  # of compute_s
     sync_s: float = 0.0  # of total_comm_s: the host's synchronization cost of the collectives
     calibration: str = ""  # which calibrated terms the prediction used
+    cpu_s: float = 0.0  # one rank's CPU in the step (its compute and its collectives' CPU)
+    host_bound: bool = False  # the step is every rank's CPU over the host's cores (more processes than cores)
+    timeline_s: float = 0.0  # the rank's own timeline (compute at a core's speed, the exposed collectives)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "total_comm_s": self.total_comm_s, "gradsync_s": self.gradsync_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "profile": self.profile,
                 "comm_source": self.comm_source, "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
-                "sync_s": self.sync_s, "calibration": self.calibration}
+                "sync_s": self.sync_s, "calibration": self.calibration, "cpu_s": self.cpu_s,
+                "host_bound": self.host_bound, "timeline_s": self.timeline_s}
 
 
 def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSetting,
@@ -247,12 +282,23 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
-    scale = profile.contention_factor(processes)
-    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, scale)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, scale)
-    step, compute = tl.now + gradsync_s, tl.compute
+    shared = profile.contention_factor(processes)  # every rank computing at once
+    alone = profile.alone_factor(processes)  # a rank with a core to itself
+    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, shared)
+    tl = _run(prog, clock, profile, shape.bytes_per_element, alone)
+    cpu = tl.compute + tl.coll_cpu
+    path, compute = tl.now, tl.compute
+    host_bound = False
+    if profile.oversubscribed(processes):
+        # more ranks than cores: a rank's compute runs at the speed of a core to itself while other
+        # ranks wait in collectives (its timeline above), and the step is no less than every rank's
+        # CPU over the cores (the shared speed: ``shared / alone`` cores' worth of time per rank)
+        cores_s = cpu * shared / alone
+        if cores_s > path:
+            path, compute, host_bound = cores_s, tl.compute * shared / alone, True
+    step = path + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(processes))
+                        tl.sync, profile.describe(processes), cpu, host_bound, tl.now)

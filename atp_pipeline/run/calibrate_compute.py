@@ -63,7 +63,8 @@ import numpy as np
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
-from atp_pipeline.planning.compute_profile import ComputeProfile, Framework, KindFit, Probe, SyncFit, shape_key
+from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, Framework, KindFit, Probe, SyncFit,
+                                                   shape_key)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
                                            Kernel)
 from atp_pipeline.planning.step_program import all_items, build_program
@@ -259,6 +260,31 @@ def _plan_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
     return step
 
 
+def _live_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any:
+    """:func:`_plan_runner`'s forward and backward with its collectives run; the callable's
+    ``comm`` counts the time the rank waits in them (:class:`CollectiveCPU` is fitted from
+    its CPU beside the collective-free run's)."""
+    import copy
+
+    from atp_pipeline.models.adapter import get_adapter
+    from atp_pipeline.parallel import comm_for, init_mesh
+    from atp_pipeline.parallel.apply import apply_plan
+
+    _plan_runner(plan, models, rank)  # the dense model and batch, built once
+    mi, d1, d2, chunks = plan
+    adapter = get_adapter(models[mi]["family"])
+    dense, idx, tgt = _MESHES[("dense", mi)]
+    mesh = init_mesh((d1, d2))
+    model = copy.deepcopy(dense)
+    apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
+
+    def step() -> None:
+        adapter.lm_loss(model, idx, tgt).backward()
+        model.zero_grad(set_to_none=True)
+    step.comm = comm_for(mesh)  # type: ignore[attr-defined]
+    return step
+
+
 def _pattern_runner(pat: Pattern, rank: int) -> Any:
     """``m`` SYNC_GEMMs then one blocking collective on the mesh dimension's group (plain
     ``torch.distributed``, as the collective calibration times them); ``ASYNC``: the
@@ -300,7 +326,7 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
 
 def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms: float,
             plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
-            patterns: Sequence[Pattern] = (), progress: str = "") -> List[List[float]]:
+            patterns: Sequence[Pattern] = (), progress: str = "", live: Sequence[Plan] = ()) -> List[List[Any]]:
     import torch
     import torch.distributed as dist
 
@@ -309,8 +335,8 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
             Path(progress).write_text(str(n))
 
     fns = ([_runner(k, rank, world) for k in kernels] + [_plan_runner(p, models, rank) for p in plans]
-           + [_pattern_runner(p, rank) for p in patterns])
-    kernels = [*kernels, *plans, *patterns]  # type: ignore[list-item]
+           + [_pattern_runner(p, rank) for p in patterns] + [_live_runner(p, models, rank) for p in live])
+    kernels = [*kernels, *plans, *patterns, *live]  # type: ignore[list-item]
     reps = []
     for fn in fns:  # warm-up; calls per batch (the same on every rank: the largest)
         fn()
@@ -324,17 +350,27 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
 
     finished = [0]
 
-    def one_pass(_: int) -> List[float]:
+    def one_pass(_: int) -> List[Tuple[float, float, Dict[int, float]]]:
         row = []
         for i, fn in enumerate(fns):
+            comm = getattr(fn, "comm", None)
+            if comm is not None:
+                comm.stats.reset()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(reps[i]):
                 fn()
-            mine = torch.tensor([(time.perf_counter() - t0) / reps[i]], dtype=torch.float64)
-            every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            # wall per call, this rank's CPU per call (all its threads), its wait per call by group size
+            mine = torch.tensor([(time.perf_counter() - t0) / reps[i], (time.process_time() - c0) / reps[i]],
+                                dtype=torch.float64)
+            every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(every, mine)
-            row.append(max(float(t) for t in every))
+            waits: Dict[int, float] = {}
+            if comm is not None:
+                for axis, c in comm.stats.by_axis().items():
+                    size = comm.size(axis)
+                    waits[size] = waits.get(size, 0.0) + c.wait_s / reps[i]
+            row.append((max(float(t[0]) for t in every), statistics.mean(float(t[1]) for t in every), waits))
             finished[0] += 1
             tick(finished[0])
         return row
@@ -357,11 +393,36 @@ def measure_with_load(kernels: List[Kernel], world: int, passes: int = 5, batch_
                       timeout: float = 1800.0, plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
                       patterns: Sequence[Pattern] = (), progress: str = "") -> Tuple[List[float], List[float]]:
     """:func:`measure`, and the other jobs' load (cores) during each kept pass."""
+    got, _, foreign = measure_all(kernels, world, passes, batch_ms, timeout, plans, models, patterns, progress)
+    return got, foreign
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One measurement's medians over the passes: wall seconds per call (the slowest rank),
+    CPU seconds per call (the ranks' mean, all threads), seconds waited in collectives per
+    call by group size (rank 0; live probe steps only)."""
+
+    wall: float
+    cpu: float
+    waits: Dict[int, float]
+
+
+def measure_all(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float = 10.0,
+                timeout: float = 1800.0, plans: Sequence[Plan] = (), models: Sequence[Dict[str, Any]] = (),
+                patterns: Sequence[Pattern] = (), progress: str = "", live: Sequence[Plan] = ()
+                ) -> Tuple[List[float], List[Timed], List[float]]:
+    """Wall seconds per call of each measurement (kernels, collective-free plans, patterns,
+    then ``live`` plans: the probes' steps with their collectives), every one's
+    :class:`Timed`, and the other jobs' load (cores) during each kept pass."""
     from atp_pipeline.launch import spawn
 
-    runs = spawn(_worker, world, kernels, passes, batch_ms, plans, models, patterns, progress,
+    runs = spawn(_worker, world, kernels, passes, batch_ms, plans, models, patterns, progress, live,
                  timeout=timeout)[0]
-    return [statistics.median(r) for r in runs[:-1]], list(runs[-1])
+    timed = [Timed(statistics.median(w for w, _, _ in r), statistics.median(c for _, c, _ in r),
+                   {s: statistics.median(ws.get(s, 0.0) for _, _, ws in r) for s in sorted({s for _, _, ws in r for s in ws})})
+             for r in runs[:-1]]
+    return [t.wall for t in timed], timed, list(runs[-1])
 
 
 def contention_counts(world: int) -> List[int]:
@@ -510,13 +571,50 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
     return SyncFit(float(a), float(r), hidden)
 
 
+def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed]) -> Optional[CollectiveCPU]:
+    """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
+    the same plan): the CPU a step's collectives add on a rank, ``live.cpu - skip.cpu``, is
+    ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in; non-negative
+    least squares (each plan's row over its time waited, so short and long steps count alike),
+    shares clipped to [0, 1]. None without waits (a world of one process)."""
+    sizes = sorted({s for t in live for s, w in t.waits.items() if w > 0})
+    rows, ys = [], []
+    for sk, lv in zip(skip, live):
+        total = sum(lv.waits.get(s, 0.0) for s in sizes)
+        if total <= 0:
+            continue
+        rows.append([lv.waits.get(s, 0.0) / total for s in sizes])
+        ys.append((lv.cpu - sk.cpu) / total)
+    if not rows:
+        return None
+    x = nnls(np.array(rows), np.array(ys))
+    return CollectiveCPU({s: float(min(1.0, v)) for s, v in zip(sizes, x)})
+
+
+def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
+                      measured: Sequence[float]) -> List[float]:
+    """The step model's relative error on the probes' own forward and backward with their
+    collectives (in sample: a check of the calibration, not a validation), optimizer left out."""
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
+
+    out = []
+    for (mi, d1, d2, c), t in zip(plans, measured):
+        est = estimate_step(topo, shapes[mi], (d1, d2), StepSetting(chunks=c), profile)
+        shared = profile.contention_factor(d1 * d2) / profile.alone_factor(d1 * d2)
+        pred = est.step_s - est.optimizer_s * (shared if est.host_bound else 1.0)
+        out.append(abs(pred - t) / t)
+    return out
+
+
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
                  topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
-                 contention: Optional[Mapping[int, float]] = None, probe_names: Sequence[str] = ()) -> ComputeProfile:
+                 contention: Optional[Mapping[int, float]] = None, probe_names: Sequence[str] = (),
+                 collective_cpu: Optional[CollectiveCPU] = None) -> ComputeProfile:
     """The profile of a calibration's measurements: kernel points and per-kind fits, the
     framework cost fitted over the probe plans, the sync fit over the loops, the contention
-    factors, and the probes it ran (``probe_names`` name ``shapes``)."""
+    factors, the collectives' CPU (:func:`fit_collective_cpu`), and the probes it ran
+    (``probe_names`` name ``shapes``)."""
     fits: Dict[str, KindFit] = {}
     for kind in KINDS:
         idx = [i for i, k in enumerate(kernels) if k.kind == kind]
@@ -529,6 +627,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
               + (f", {len(plans)} collective-free probe steps of {len(shapes)} probe models" if plans else "")
               + (f", {len(patterns)} compute-then-collective loops" if patterns else "")
               + (f", contention at {'/'.join(str(p) for p in sorted(contention))} processes" if contention else "")
+              + (", the probe steps' CPU with and without their collectives" if collective_cpu is not None else "")
               + ")")
     base = ComputeProfile(name=name, source=source, fits=fits,
                           points={(k.kind, k.dims): s for k, s in zip(kernels, seconds)},
@@ -544,7 +643,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
     return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
                           contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
-                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes)
+                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes, collective_cpu=collective_cpu)
 
 
 # ------------------------------------------------------------------------ the command
@@ -635,7 +734,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     shapes = [sh for sh, _ in built]
     plans = plan_points(shapes, run.world, run.chunks) if run.framework else []
     patterns = sync_patterns(run.world) if run.framework else []
-    total = (len(kernels) + len(plans) + len(patterns)) * run.passes
+    live = list(plans)  # the same probe steps with their collectives (their CPU: CollectiveCPU)
+    total = (len(kernels) + len(plans) + len(patterns) + len(live)) * run.passes
     with tempfile.TemporaryDirectory() as tmp:
         tick = Path(tmp) / "progress"
         done = threading.Event()
@@ -652,9 +752,9 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         try:
             if not run.quick:
                 wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
-            got, foreign = measure_with_load(kernels, run.world, run.passes, run.batch_ms, plans=plans,
-                                             models=[spec for _, spec in built], patterns=patterns,
-                                             progress=str(tick))
+            got, timed, foreign = measure_all(kernels, run.world, run.passes, run.batch_ms, plans=plans,
+                                              models=[spec for _, spec in built], patterns=patterns,
+                                              progress=str(tick), live=live)
         finally:
             done.set()
             watcher.join()
@@ -665,10 +765,17 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
         if progress is not None:
             progress("contention", 1, 1)
-    nk, npl = len(kernels), len(plans)
+    nk, npl, npa = len(kernels), len(plans), len(patterns)
+    collective_cpu = (fit_collective_cpu(timed[nk:nk + npl], timed[nk + npl + npa:])
+                      if run.framework and run.world > 1 else None)
     profile = make_profile(name, kernels, got[:nk], run.world, shapes, plans, got[nk:nk + npl], topo, patterns,
-                           got[nk + npl:], contention, list(run.probes) if run.framework else ())
+                           got[nk + npl:nk + npl + npa], contention, list(run.probes) if run.framework else (),
+                           collective_cpu)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
+    if live and topo is not None and getattr(topo, "alpha_beta", None):
+        errs = probe_step_errors(profile, topo, shapes, live, [t.wall for t in timed[nk + npl + npa:]])
+        load += (f"; the probes' own steps with collectives (in sample) predicted with median error "
+                 f"{statistics.median(errs):.1%}, worst {max(errs):.1%}")
     return dataclasses.replace(profile, source=profile.source + load)
 
 
