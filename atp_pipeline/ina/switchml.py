@@ -54,6 +54,7 @@ SHM_FLAG = 0x10  # flags bit: the lanes are in the sender's shared memory (SMLFo
 #: the header as numpy reads it off the wire (:class:`SMLFormat`'s ``>HHBBI``): flags = ver, is_result,
 #: empty, shm, 4 reserved bits; word = off (24 bits), exp (8)
 WIRE_HEADER = np.dtype([("job", ">u2"), ("slot", ">u2"), ("flags", "u1"), ("worker", "u1"), ("word", ">u4")])
+QUANT_BLOCK = 16384  # values a worker scales and rounds per step (64 KiB of float32: in cache)
 F32_SHIFTS = (-126, 127)  # 2^s is a normal float32: a float32 chunk is scaled in float32, exactly
 
 
@@ -164,8 +165,9 @@ class SMLSwitch:
         are in the job's shared-memory :attr:`~SMLSwitchJob.lanes`) through the data plane, in
         order; the results to send (:data:`Result`).
 
-        A slot-version's sum starts with its first contribution (its lanes, or zeros for an
-        exponent-only packet) and adds the others. The lane work is collected per (job, worker,
+        A slot-version's sum starts with its first contribution's lanes and adds the others' (an
+        exponent-only packet has none: the slot-version's contributions all are, and its lanes are
+        never read). The lane work is collected per (job, worker,
         kind) and done at the end (:meth:`_sum`); a slot-version that restarts while an earlier
         use of it is still pending has the pending work done first, so the result is that of
         handling the packets one at a time."""
@@ -192,7 +194,7 @@ class SMLSwitch:
                     if track and js.job << 32 | vi in pending:  # its last use is still pending here: do it first
                         self._sum(ops, reads, out, payload)
                         pending.clear()
-                    kind = _RESET if empty[j] else _SET
+                    kind = _NONE if empty[j] else _SET
                     js.exp[vi] = exp[j]
                 else:
                     kind = _NONE if empty[j] else _ADD
@@ -228,11 +230,11 @@ class SMLSwitch:
 
     def _sum(self, ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]], reads: List[Tuple[int, int, int]],
              out: List[Result], pay: Sequence[Optional[np.ndarray]]) -> None:
-        """The pending lane work: first contributions (zeros, or the contributor's lanes), then the
+        """The pending lane work: first contributions (the contributor's lanes), then the
         other contributions added — per (job, worker) one numpy call per run of consecutive
         slot-versions (a worker contributes once to a slot-version between two restarts) —, then
         the rows of the results that carry lanes (copies)."""
-        for key in (sorted(ops) if len(ops) > 1 else ops):  # _RESET and _SET before _ADD
+        for key in (sorted(ops) if len(ops) > 1 else ops):  # _SET before _ADD
             kind, job, w = key
             items = ops[key]
             js = self.jobs[job]
@@ -241,9 +243,6 @@ class SMLSwitch:
             if len(items) == 1 or len({vi for vi, _ in items}) < len(items):  # (the latter: never; kept exact)
                 for vi, j in items:
                     row = vals[vi]
-                    if kind == _RESET:
-                        row[...] = 0
-                        continue
                     src = pay[j] if pay[j] is not None else js.lanes_flat[w][vi]
                     if kind == _SET:
                         row[...] = src
@@ -254,9 +253,6 @@ class SMLSwitch:
             for a, b in _runs(vis):  # a run of consecutive slot-versions: one call over slices
                 v0, m = vis[a], b - a
                 dst = vals[v0:v0 + m]
-                if kind == _RESET:
-                    dst[...] = 0
-                    continue
                 src = lanes[v0:v0 + m] if lanes is not None else np.stack([pay[j] for _, j in items[a:b]])
                 if kind == _SET:
                     dst[...] = src
@@ -269,7 +265,7 @@ class SMLSwitch:
         reads.clear()
 
 
-_NONE, _RESET, _SET, _ADD = 0, 1, 2, 3  # lane work of a contribution (SMLSwitch.batch)
+_NONE, _SET, _ADD = 0, 1, 2  # lane work of a contribution (SMLSwitch.batch)
 
 
 class SMLWorkerStats(Counters):
@@ -571,8 +567,9 @@ class SMLFloatWorker(SMLWorker):
             (shifts.min() >= F32_SHIFTS[0]) & (shifts.max() <= F32_SHIFTS[1])))
 
     def _quantize(self, cs: List[int], vers: List[int], slots: List[int]) -> None:
-        """``q = rint(x · 2^(B−e))`` of chunks ``cs`` into their lanes: a run is a multiply into a
-        scratch and a rounding into the lanes (int32, or the wire's big-endian rows)."""
+        """``q = rint(x · 2^(B−e))`` of chunks ``cs`` into their lanes: a run is, block by block, a
+        multiply into a scratch that stays in cache and a rounding into the lanes (int32, or the
+        wire's big-endian rows): the tensor read once, the lanes written once."""
         sh = self.bits - (np.asarray([self.shared[c] for c in cs]) - EXP_BIAS)
         x, k = self._x, self.k
         body = x[:self._full * k].reshape(self._full, k)
@@ -580,9 +577,13 @@ class SMLFloatWorker(SMLWorker):
             c0, m, v, s0 = cs[a], b - a, vers[a], slots[a]
             dst = self._wire[c0:c0 + m] if self.lanes is None else self.lanes[v, s0:s0 + m]
             if self._fast(c0, m, sh[a:b], x.dtype):
-                tmp = self._scratch(m, x.dtype)
-                np.multiply(body[c0:c0 + m], np.exp2(sh[a:b]).astype(x.dtype)[:, None], out=tmp)
-                np.rint(tmp, out=dst, casting="unsafe")  # |q| < 2^B: exact in int32
+                sc = np.exp2(sh[a:b]).astype(x.dtype)[:, None]
+                step = max(1, QUANT_BLOCK // k)  # rows a block: the scratch stays in cache
+                tmp = self._scratch(min(step, m), x.dtype)
+                for r in range(0, m, step):
+                    t = tmp[:min(step, m - r)]
+                    np.multiply(body[c0 + r:c0 + r + len(t)], sc[r:r + len(t)], out=t)
+                    np.rint(t, out=dst[r:r + len(t)], casting="unsafe")  # |q| < 2^B: exact in int32
                 continue
             for n in range(m):  # the tail, or 2^shift no normal float32: in float64
                 dst[n] = np.rint(self._chunk(c0 + n).astype(np.float64) * 2.0 ** int(sh[a + n]))
@@ -590,7 +591,7 @@ class SMLFloatWorker(SMLWorker):
     def _scratch(self, m: int, dtype: Any) -> np.ndarray:
         t = self._tmp
         if t is None or t.shape[0] < m or t.dtype != dtype:
-            t = self._tmp = np.empty((max(m, self.pool), self.k), dtype=dtype)
+            t = self._tmp = np.empty((m, self.k), dtype=dtype)
         return t[:m]
 
     def _dequantize(self, ds: List[int], vers: List[int], slots: List[int], pay: List[Optional[np.ndarray]]) -> None:
