@@ -58,9 +58,9 @@ def test_a_norm_over_the_whole_intermediate_runs_whole_between_gathered_linears(
 
 
 @pytest.mark.parametrize("kind, why", [
-    ("falcon", "computes the attention itself"),  # its code branches on the implementation's name
-    ("trocr", "split over d2"),  # it reshapes its output to the width of its (split) input
+    ("trocr", "does not run in a forward on tokens alone"),  # a cross-attention over an encoder's states
     ("ctrl", "holds a buffer 'pos_encoding'"),  # a sinusoidal table added to the split hidden
+    ("zaya", "module 'model' (ZayaModel) holds parameters"),  # outside the blocks: nothing runs it whole
 ])
 def test_what_the_modules_show_cannot_be_split_is_refused_in_one_line(kind, why):
     with pytest.raises(ConfigError) as err:
@@ -93,10 +93,87 @@ def test_attention_sinks_are_cut_to_the_rank_heads_for_the_core():
     assert "head_params=sinks" in att, att
 
 
-def test_own_parameters_read_outside_the_core_are_refused_in_one_line():
-    with pytest.raises(ConfigError) as err:
-        _plan("diffllama")  # lambda_q1 ...: one value per head_dim, mixed in its own code
-    assert "\n" not in str(err.value) and "lambda_q1" in str(err.value) and "core alone reads" in str(err.value)
+def test_an_attention_with_own_parameters_read_outside_the_core_runs_whole():
+    """DiffLlama's lambda_q1 ... (one value per head_dim, mixed in its own code): the layout
+    cannot split the attention, so it runs whole on the gathered hidden (its keyword input
+    gathered), and the layout says so, naming why."""
+    from benchmarks.hf_coverage import build
+    from atp_pipeline.models.hf.layout import derive
+
+    layout = derive(build("diffllama"))
+    assert layout.plan["model.layers.*.self_attn"] == "gathered(input=split, output=split, inputs=hidden_states)"
+    note = layout.whole["model.layers.*.self_attn"]
+    assert note.startswith("DiffLlamaAttention run whole") and "lambda_q1" in note, note
+
+
+def test_a_mixer_the_layout_cannot_split_runs_whole_and_the_plan_says_so():
+    """Jamba's Mamba mixer (x_proj reads neither the hidden nor writes it) and its routed
+    feed-forward block run whole, replicated; the shape counts their gathers, drops the
+    attention and dense MLP terms of the layers without them, and the plan's notes name them."""
+    from benchmarks.hf_coverage import build
+    from atp_pipeline.config.schema import MeshConfig, PlannerConfig
+    from atp_pipeline.models.hf.adapter import ADAPTER
+    from atp_pipeline.planning.search import make_plan
+    from tests.test_planner import _ic6
+
+    model = build("jamba")
+    plan = ADAPTER.parallel_plan(model)
+    assert plan["model.layers.*.mamba"].startswith("gathered(input=split, output=split")
+    shape = ADAPTER.shape(model)
+    assert shape.whole_modules == 2 * shape.layers and shape.attention_layers == 0, shape
+    assert "JambaMambaMixer run whole" in shape.whole_note
+    notes = make_plan(_ic6(4), shape, MeshConfig(), PlannerConfig()).notes
+    assert any("runs modules whole" in n and "JambaMambaMixer" in n for n in notes), notes
+
+
+def test_an_encoder_style_decoder_runs_its_attention_and_head_module_whole():
+    """BERT as a decoder: its attention (residual and norm inside) runs whole; the MLP, split
+    between sibling modules, is column-first and row-first; the head's transform and bias run
+    whole with the head, its tied table whole too."""
+    plan = _plan("bert")
+    assert plan["bert.encoder.layer.*.attention"] == "gathered(input=split, output=split)"
+    assert plan["bert.encoder.layer.*.intermediate.dense"].startswith("column(")
+    assert plan["bert.encoder.layer.*.output.dense"].startswith("row(")
+    assert plan["cls"] == "gathered(input=split, output=full)" and "cls.predictions.decoder" not in plan
+    assert plan["bert.embeddings.word_embeddings"] == "gathered(input=full, output=split)"
+
+
+def test_the_fallback_finds_the_block_child_a_refusal_names():
+    from atp_pipeline.models.hf.layout import pattern
+    from atp_pipeline.models.hf.whole import uncovered_units, unit_of
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+            self.scale = nn.Module()
+            self.scale.w = nn.Parameter(torch.ones(4))
+
+    root = nn.Module()
+    root.layers = nn.ModuleList([Block(), Block()])
+    names = dict(root.named_modules())
+    blocks, lists = ["layers.0", "layers.1"], ("layers",)
+    assert unit_of("linear 'layers.0.mixer.1' (8 -> 4) ...; pass a plan", names, blocks, lists, pattern) == \
+        "layers.*.mixer"
+    assert unit_of("transformers model_type 'x': 'layers' ...", names, blocks, lists, pattern) is None
+    assert uncovered_units(root, names, {"layers.*.mixer": "gathered"}, blocks, lists, pattern) == \
+        [("layers.*.scale", "layers.0.scale")]
+
+
+def test_the_cost_of_modules_run_whole():
+    """Each module run whole gathers its hidden input over d2 and its output's gradient; layers
+    without a split attention send none of its collectives."""
+    from atp_pipeline.planning.cost import predicted_elements, runtime_terms
+    from atp_pipeline.planning.shape import ModelShape
+
+    base = dict(name="m", hidden=64, heads=8, layers=2, seq_len=8, vocab_size=128, ffn=96, norm_layout="gathered",
+                head_layout="gathered", bias=False)
+    split = predicted_elements(runtime_terms(ModelShape(**base), (1, 4)), 16, 2)
+    whole = predicted_elements(runtime_terms(ModelShape(**base, whole_modules=2, whole_inputs=2, attention_layers=0),
+                                             (1, 4)), 16, 2)
+    attention = [t for t in runtime_terms(ModelShape(**base), (1, 4)) if t.op in ("f1", "f2", "scatter", "gather")]
+    removed = sum(t.elements_per_token for t in attention if t.collective == "all_gather") * 16 * 2
+    assert whole[("all_gather", "d2")] == split[("all_gather", "d2")] - removed + 2 * 2 * 64 * 16
 
 
 def test_an_activation_with_learned_scalars_runs_on_the_split_intermediate():

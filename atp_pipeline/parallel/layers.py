@@ -24,7 +24,7 @@ layout; at a boundary with code that needs the whole tensor, ``input``/``output`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -87,28 +87,43 @@ class ParallelLayerNorm(nn.Module):
 
 
 def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT,
-                 partial_grad: bool = False) -> nn.Module:
-    """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its first
-    input over d2 (``input="split"``), a forward hook slices its output over d2
-    (``output="split"``). The module, its parameter names and its ``forward`` stay the
-    user's; its parameters stay whole on every rank, and their gradients are identical
-    across the tensor-parallel ranks (computed from the same full tensors). ``partial_grad``
-    (``output="full"``): the output's gradient is all-reduced over d2 on its way back, for
-    code that combines the whole output with hidden-split tensors."""
+                 partial_grad: bool = False, inputs: Tuple[str, ...] = ("0",),
+                 outputs: Tuple[int, ...] = (0,)) -> nn.Module:
+    """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its
+    ``inputs`` over d2 (``input="split"``; positional indices as digits, keyword names
+    otherwise — by default its first input), a forward hook slices its output over d2
+    (``output="split"``; of a tuple, its elements ``outputs``, by default the first). The module, its parameter names and
+    its ``forward`` stay the user's; its parameters stay whole on every rank, and their
+    gradients are identical across the tensor-parallel ranks and complete: computed from the
+    same full tensors, the output's gradient all-gathered whole before the module's backward
+    (the slice's backward). ``partial_grad`` (``output="full"``): the output's gradient is
+    all-reduced over d2 on its way back, for code that combines the whole output with
+    hidden-split tensors."""
     comm, d2 = comm_for(mesh), Axis.d2.value
+    positions = {int(k) for k in inputs if k.isdigit()}
+    keywords = {k for k in inputs if not k.isdigit()}
 
-    def before(mod: nn.Module, args: tuple) -> tuple:
-        return (gather_last(args[0], comm, d2), *args[1:]) if input == SPLIT and args else args
+    def gather(x):  # noqa: ANN001, ANN202
+        return gather_last(x, comm, d2) if isinstance(x, torch.Tensor) else x
 
-    def after(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def before(mod: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if input != SPLIT:
+            return args, kwargs
+        args = tuple(gather(a) if i in positions else a for i, a in enumerate(args))
+        return args, {k: gather(v) if k in keywords else v for k, v in kwargs.items()}
+
+    def after(mod: nn.Module, args: tuple, out):  # noqa: ANN001, ANN202
         if output == SPLIT:
+            if isinstance(out, tuple):
+                return tuple(split_last(o, comm, d2) if i in outputs and isinstance(o, torch.Tensor) else o
+                             for i, o in enumerate(out))
             return split_last(out, comm, d2)
         if partial_grad:  # its consumers' gradients are partial over d2 (``partial_grad``): sum them
             return copy_to_axis(out, comm, d2) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
         return out
 
     if comm.size(d2) > 1:
-        module.register_forward_pre_hook(before)
+        module.register_forward_pre_hook(before, with_kwargs=True)
         module.register_forward_hook(after)
     module.atp_layout = (input, output)  # what was applied (read by reports and tests)
     return module

@@ -24,7 +24,10 @@ the axis the style reads or writes):
 ``gathered``   any module run whole on its input gathered over d2 (its own ``forward``
                runs: exact for any norm, e.g. an RMSNorm upcasting to float32);
                ``partial_grad=true`` (``output=full``): the output's gradient is summed over
-               d2 (code combines it with hidden-split tensors, e.g. a gate scaling them)
+               d2 (code combines it with hidden-split tensors, e.g. a gate scaling them);
+               ``inputs=0+hidden_states``: the inputs gathered (positions or keyword names;
+               default the first); ``outputs=0+2``: of a tuple output, the elements sliced
+               (default the first)
 ``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
 ``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
                named by ``table=`` (tied embeddings): logits all-reduced over d2
@@ -213,7 +216,8 @@ class Gathered(_InOutStyle):
 
     name = "gathered"
 
-    def __init__(self, input: str = FULL, output: str = FULL, partial_grad: str = "false") -> None:
+    def __init__(self, input: str = FULL, output: str = FULL, partial_grad: str = "false",
+                 inputs: str = "0", outputs: str = "0") -> None:
         super().__init__(input, output)
         if partial_grad not in ("true", "false") or (partial_grad == "true" and output != FULL):
             raise ConfigError(f"style 'gathered': partial_grad={partial_grad!r} must be true or false (true with "
@@ -221,12 +225,22 @@ class Gathered(_InOutStyle):
         # a ``full`` output that code then combines with hidden-split tensors (a gate scaling a
         # split hidden): its gradient arrives partial over d2 and is summed there
         self.partial_grad = partial_grad == "true"
+        # the inputs gathered (``input=split``): positional indices or keyword names, joined by '+'
+        self.inputs = tuple(x for x in str(inputs).split("+") if x)
+        if not self.inputs or not all(re.fullmatch(r"\d+|[A-Za-z_]\w*", x) for x in self.inputs):
+            raise ConfigError(f"style 'gathered': inputs={inputs!r} must be positional indices or keyword names "
+                              f"joined by '+' (e.g. 0+residual)")
+        if not re.fullmatch(r"\d+(\+\d+)*", str(outputs)):
+            raise ConfigError(f"style 'gathered': outputs={outputs!r} must be tuple positions joined by '+' (e.g. 0+2)")
+        self.outputs = tuple(int(x) for x in str(outputs).split("+"))  # of a tuple output, those sliced
 
     def options(self) -> Dict[str, str]:
-        return {**super().options(), **({"partial_grad": "true"} if self.partial_grad else {})}
+        return {**super().options(), **({"partial_grad": "true"} if self.partial_grad else {}),
+                **({"inputs": "+".join(self.inputs)} if self.inputs != ("0",) else {}),
+                **({"outputs": "+".join(map(str, self.outputs))} if self.outputs != (0,) else {})}
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        module = run_gathered(module, ctx.mesh, self.input, self.output, self.partial_grad)
+        module = run_gathered(module, ctx.mesh, self.input, self.output, self.partial_grad, self.inputs, self.outputs)
         fork_module(module, REPLICATED)  # its draws: on whole tensors, equal on every rank
         return module
 

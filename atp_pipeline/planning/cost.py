@@ -36,7 +36,7 @@ output over each link).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -189,6 +189,7 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     terms += _layout_variants(shape)
     if shape.latent is not None:
         terms = _latent_attention(terms, shape, mesh)
+    terms = _whole_modules(terms, shape)
     if not shape.heads_over_d2:  # the core on the d1 heads, replicated over d2: no scatter, gather, pick
         terms = [x for x in terms if not (x.dim == 2 and x.op in ("scatter", "gather", "pick"))]
     return [x for x in terms if (d1 if x.dim == 1 else d2) > 1]
@@ -201,7 +202,7 @@ def _layout_variants(shape: ModelShape) -> List[CommTerm]:
     F_, t = Fraction, CommTerm
     terms = []
     if shape.mlp_layout == "whole":
-        dense = shape.layers - (shape.moe.layers if shape.moe is not None else 0)
+        dense = shape.dense_mlp_layers
         terms += [t("mlp", "whole MLP: column-first outputs gathered over d1", ALL_GATHER, 1,
                     F_((shape.ffn_matrices - 1) * shape.ffn), dense, "fwd", False),
                   t("mlp", "whole MLP: row-first input block, gradient gathered over d1", ALL_GATHER, 1,
@@ -214,6 +215,37 @@ def _layout_variants(shape: ModelShape) -> List[CommTerm]:
         terms.append(t("scalars", "activation scalars: gradient summed over d1", ALL_REDUCE, 1,
                        F_(shape.scalar_params), 1, "bwd", True, False))
     return terms
+
+
+ATTENTION_OPS = ("f1", "scatter", "gather", "f2", "whole", "qk_norm", "kv", "pick", "sinks")
+MLP_OPS = ("f3", "f4", "scalars")
+
+
+def _whole_modules(terms: List[CommTerm], shape: ModelShape) -> List[CommTerm]:
+    """``terms`` for a model some of whose modules run whole (replicated) on the hidden gathered
+    over d2, their output sliced back (:func:`~atp_pipeline.parallel.layers.run_gathered`): each
+    gathers its hidden inputs over d2 in the forward and its output's gradient over d2 in the
+    backward; the attention's and the dense MLP's per-layer terms count only the layers that
+    split them (``attention_layers``, ``mlp_layers``)."""
+    F_, t = Fraction, CommTerm
+    counts = {op: shape.split_attention_layers for op in ATTENTION_OPS}
+    counts.update({op: shape.dense_mlp_layers for op in MLP_OPS})
+    out = []
+    for x in terms:
+        n = counts.get(x.op, shape.layers) if x.per_layer else shape.layers
+        if n == shape.layers:
+            out.append(x)
+        elif n:
+            out.append(replace(x, per_layer=False, passes=x.passes * n))
+    if shape.whole_modules:
+        out += [t("mixer", "modules run whole: hidden inputs gathered over d2", ALL_GATHER, 2, F_(shape.hidden),
+                  shape.whole_inputs, "fwd", False),
+                t("mixer", "modules run whole: output gradient gathered over d2", ALL_GATHER, 2, F_(shape.hidden),
+                  shape.whole_modules, "bwd", False)]
+    if shape.whole_vectors:  # e.g. a bias the block adds to the output: one hidden vector a step
+        out.append(t("mixer", "modules run whole: a vector output's gradient gathered over d2", ALL_GATHER, 2,
+                     F_(shape.hidden), shape.whole_vectors, "bwd", False, False))
+    return out
 
 
 def _latent_attention(terms: List[CommTerm], shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
@@ -271,7 +303,7 @@ def _routed_mlps(terms: List[CommTerm], shape: ModelShape, mesh: Tuple[int, int]
     d1, d2 = mesh
     h, k, f = shape.hidden, moe.top_k, moe.ffn
     F_, t, n = Fraction, CommTerm, moe.layers
-    dense = shape.layers - n
+    dense = shape.dense_mlp_layers
     out = [x for x in terms if x.op not in ("f3", "f4")]
     if dense:
         out += _mlp_terms(shape.ffn, shape.ffn_matrices - 1, h, mesh, dense, "dense layers' MLP")

@@ -120,6 +120,10 @@ def make_plan(topo: Topology, model: ModelShape, mesh: Any, planner: Any,
     if model.unmodelled:
         notes.append(f"the communication estimate of model '{model.name}' omits its {model.unmodelled} "
                      f"(the runtime sends more than predicted)")
+    if model.whole_note:
+        notes.append(f"model '{model.name}' runs modules whole, replicated on every tensor-parallel rank on the "
+                     f"hidden gathered over d2 ({model.whole_params} parameters not split; their compute, on every "
+                     f"rank, is not in the step-time model): {model.whole_note}")
     profile = profile_of(topo)
     if strategy == MeshStrategy.fixed:
         if fd1 is None or fd2 is None or fd1 < 1 or fd2 < 1:

@@ -120,10 +120,20 @@ class ModelShape:
     sink_params: int = 0  # per layer: per-head parameters read by the core (gradients summed over d1 and d2)
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
     unmodelled: str = ""  # what the layout sends that the runtime cost model does not count ("": nothing)
+    # modules run whole (replicated) on the hidden gathered over d2, their output sliced back: a
+    # block's mixer the layout cannot split (and a head's transform); counted over the whole model
+    whole_modules: int = 0  # per-token outputs they slice (each: its gradient gathered over d2)
+    whole_inputs: int = 0  # hidden-state inputs they gather over d2 (forward), all instances
+    whole_vectors: int = 0  # outputs of one hidden vector they slice (a bias the block adds; gradient gathered)
+    whole_params: int = 0  # their parameters (whole on every rank; their FLOPs on every rank)
+    whole_note: str = ""  # which modules run whole, in words (the plan's note)
+    attention_layers: int = -1  # layers whose attention is split (-1: every layer)
+    mlp_layers: int = -1  # layers with a split dense MLP (-1: every layer not routed)
 
     def __post_init__(self) -> None:
+        optional = {"heads": self.attention_layers == 0, "ffn": self.mlp_layers == 0}  # none split
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) < 1 and not (optional.get(key) and getattr(self, key) == 0):
                 raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
         if isinstance(self.moe, dict):  # read back from to_dict()
             object.__setattr__(self, "moe", MoEShape(**self.moe))
@@ -131,7 +141,7 @@ class ModelShape:
             object.__setattr__(self, "latent", LatentShape(**self.latent))
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
-        if not self.head_dim:
+        if not self.head_dim and self.heads:
             if self.hidden % self.heads:
                 raise ValueError(f"model '{self.name}': hidden {self.hidden} is not divisible by heads {self.heads}")
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
@@ -175,6 +185,18 @@ class ModelShape:
                        dtype=dtype or self.dtype)
 
     # ---------------------------------------------------------------- derived sizes
+    @property
+    def split_attention_layers(self) -> int:
+        """Layers whose attention is split (the others' mixer runs whole)."""
+        return self.layers if self.attention_layers < 0 else self.attention_layers
+
+    @property
+    def dense_mlp_layers(self) -> int:
+        """Layers with a split dense MLP (neither routed nor run whole)."""
+        if self.mlp_layers >= 0:
+            return self.mlp_layers
+        return self.layers - (self.moe.layers if self.moe is not None else 0)
+
     @property
     def ffn_mult(self) -> float:
         """``ffn / hidden`` (an int for the GPTs of Table 2)."""

@@ -36,6 +36,7 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.hf.layout import NORM, AttentionSpec, Layout, derive, register_conv1d
+from atp_pipeline.models.hf.whole import whole_fields
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
@@ -136,28 +137,37 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
     config = module.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layout = layout or derive(module, family_of(config), probe=False)
-    heads, hidden = int(text.num_attention_heads), int(text.hidden_size)
+    hidden = int(text.hidden_size)
+    try:
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    except Exception:  # noqa: BLE001 — none (a state-space model) or per layer: every mixer runs whole (layout.whole)
+        heads = kv_heads = head_dim = 0
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and m is not inp]
     # norms outside the blocks (the final one, an embedding's): each on the hidden gathered over d2
     outside = sum(any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules())
-                  for p, s in layout.plan.items() if s.startswith("gathered(input=split") and "*" not in p)
+                  for p, s in layout.plan.items() if s.startswith("gathered(input=split") and "*" not in p
+                  and p != layout.whole_head and p not in layout.whole)
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
         seq_len=max(int(getattr(text, "max_position_embeddings", None) or 2048), 1), vocab_size=int(text.vocab_size),
-        ffn=layout.ffn, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or hidden // heads), gated=layout.gated, norm=layout.norm,
+        ffn=layout.ffn, kv_heads=kv_heads, head_dim=head_dim, gated=layout.gated, norm=layout.norm,
         bias=layout.bias, position="learned" if embeddings else "rotary",
-        tied_embeddings=tied, norm_layout="gathered", head_layout=_head_layout(module, tied),
+        tied_embeddings=tied, norm_layout="gathered",
+        head_layout="whole" if layout.whole_head else _head_layout(module, tied),
         layer_norms=_layer_norms(module, layout.plan),
         qkv_fused=layout.qkv_fused, final_norm=outside > 0, extra_norms=max(outside - 1, 0),
         gathered_embeddings=sum(type(m).forward is not nn.Embedding.forward for m in embeddings)
-        + int(type(inp).forward is not nn.Embedding.forward),
+        + int(type(inp).forward is not nn.Embedding.forward or (tied and bool(layout.whole_head))),
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
         heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
         sink_params=layout.sink_params, scalar_params=layout.scalar_params,
-        unmodelled="per-head output gates" if layout.head_gates else "", moe=layout.moe, latent=layout.latent)
+        unmodelled=", ".join(x for x in ("per-head output gates" if layout.head_gates else "",
+                                         layout.whole_unmodelled) if x), moe=layout.moe, latent=layout.latent,
+        **whole_fields(module, layout))
 
 
 def _layer_norms(module: nn.Module, plan: Dict[str, str]) -> int:
@@ -451,6 +461,8 @@ class HFCausalLMAdapter(ModelAdapter):
         inp, out = module.get_input_embeddings(), module.get_output_embeddings()
         table = by_object[id(inp)]
         split_table = type(inp).forward is nn.Embedding.forward  # one with a forward of its own runs whole
+        tied = out is not None and out.weight is inp.weight
+        split_table = split_table and not (tied and layout.whole_head)  # a tied head run whole: its table too
         plan[table] = "embedding(output=split)" if split_table else "gathered(input=full, output=split)"
         blocks = [b for b, _ in block_units(module)]
         for n, m in names.items():  # other embeddings outside the blocks (learned positions)
@@ -461,7 +473,12 @@ class HFCausalLMAdapter(ModelAdapter):
             raise ConfigError(f"transformers model '{type(module).__name__}' has no output embeddings (LM head)")
         head = by_object[id(out)]
         tied = out.weight is inp.weight
-        if module.__dict__.get(VOCAB_SPLIT_ATTR):
+        if layout.whole_head:  # the head runs whole inside the module around it (Layout.whole_head)
+            if module.__dict__.get(VOCAB_SPLIT_ATTR):
+                raise ConfigError(f"model.vocab_parallel_loss: {type(module).__name__}'s head runs whole inside "
+                                  f"'{layout.whole_head}' (parameters of its own around it): its logits cannot be "
+                                  f"split by vocabulary")
+        elif module.__dict__.get(VOCAB_SPLIT_ATTR):
             plan.update(_vocab_split_plan(module, table, head, tied))
             module.loss_function = VocabParallelCausalLMLoss(model=module)  # its mesh: the head's, once laid out
         elif tied:

@@ -135,6 +135,10 @@ class Layout:
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     latent: Optional[LatentShape] = None  # a multi-head latent attention (style hf_mla), if any
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
+    whole: Dict[str, str] = field(default_factory=dict)  # block children run whole (pattern -> what and why)
+    whole_head: str = ""  # a module around the LM head run whole, its logits whole (an encoder-style head)
+    whole_sent: Tuple[int, int, int, int] = (0, 0, 0, 0)  # whole modules' calls, inputs, outputs, vector outputs
+    whole_unmodelled: str = ""  # what of the whole modules' sends the cost model does not count
 
 
 def pattern(name: str, lists: Tuple[str, ...] = ()) -> str:
@@ -208,14 +212,34 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     """ATP's layout of the transformers causal LM ``module`` (see the module docstring);
     ``family``: its :class:`~atp_pipeline.models.hf.adapter.Family` entry, if it has one.
     ``probe=False``: what the shape needs only — no module is run (a model on the meta
-    device, planned before it is built), a fused q|k|v of undeclared layout is taken as is."""
+    device, planned before it is built), a fused q|k|v of undeclared layout is taken as is.
+    A block's mixer the layout cannot split runs whole (:mod:`.whole`; ``Layout.whole``)."""
+    from atp_pipeline.models.hf.whole import derive_with_whole
+
     register_conv1d()
     register_plain_linears(module)
+    blocks = [n for n, _ in block_units(module)]
+    lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
+    hidden = int(getattr(_text_config(module.config) or module.config, "hidden_size", 0) or 0)  # (none: refused below)
+    return derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
+                             probe, pattern)
+
+
+def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str, str]) -> Layout:
+    """:func:`derive` with the block children ``run_whole`` (pattern -> style) run whole: their
+    modules left out of the layout, their styles in its plan."""
     config = module.config
     kind = getattr(config, "model_type", "?")
-    names = dict(module.named_modules())
+    names = {n: m for n, m in module.named_modules()
+             if not any(fnmatch.fnmatchcase(n, w + ".*") for w in run_whole)}
     base = module.base_model_prefix
-    heads, kv, hd = _heads(config)
+    try:
+        heads, kv, hd = _heads(config)
+    except ConfigError as exc:  # no head counts (a state-space model; counts per layer): every mixer runs whole
+        if not getattr(_text_config(config) or config, "hidden_size", None):
+            raise
+        heads = kv = hd = 0
+        no_heads = str(exc).removesuffix("; pass a plan")
     hidden = int((_text_config(config) or config).hidden_size)
     declared = declared_plan(config)
     for pat, style in declared.items():
@@ -262,7 +286,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         declared = {}
         layout.source = "modules"
         kinds = _inspect_linears(names, blocks, hidden, lists, [e.rpartition(".")[0] for e in experts])
-    if not kinds:
+    if not kinds and not experts and not run_whole:  # (a block of whole mixers and experts has none of its own)
         raise ConfigError(f"transformers model_type '{kind}': no repeated block with linear projections "
                           f"(ATP lays out transformer blocks); pass a plan")
     attention_declared = bool(declared)
@@ -281,6 +305,9 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
          and all(_is_linear(getattr(m, p, None)) for p in (spec_given.qkv, spec_given.o))})
     plan: Dict[str, str] = {}
     for att in attention:
+        if not heads:  # nothing to split it by: it may run whole (models/hf/whole.py)
+            raise ConfigError(f"{no_heads}: attention '{att}' ({type(_first(names, att)).__name__}) is not split "
+                              f"by heads; pass a plan")
         if spec_given is None and _latent_attention(module, att, names, kinds, layout, plan, hidden, heads, kind,
                                                     probe):
             continue
@@ -335,7 +362,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
         if len(inner) > 1:
             raise ConfigError(f"transformers model_type '{kind}': '{parent}' has row-first linears of different "
                               f"widths {sorted(inner)}; pass a plan")
-        width = next(iter(inner), None)
+        width = next(iter(inner), None) if rows else _sibling_width(rest, names, parent, lists)
         for n in cols:
             n_in, n_out, _, _ = as_linear(_first(names, n))
             parts = n_out // width if width and n_out % width == 0 else 0
@@ -391,7 +418,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
             plan[name] = "gathered(input=split, output=split)"
             low = type(_first(names, name)).__name__.lower()
             layout.norm = "layernorm" if "layernorm" in low and "rms" not in low else "rmsnorm"
-    layout.plan = plan
+    layout.plan = {**run_whole, **plan}  # first: the plan's patterns then reach nothing inside them
     return layout
 
 
@@ -414,6 +441,16 @@ def _latent_attention(root: nn.Module, att: str, names: Mapping[str, nn.Module],
     layout.latent = spec.shape
     layout.bias = layout.bias or any(getattr(module, p).bias is not None for p in (spec.q, spec.o))
     return True
+
+
+def _sibling_width(rest: Mapping[str, str], names: Mapping[str, nn.Module], parent: str,
+                   lists: Tuple[str, ...]) -> Optional[int]:
+    """The input width of the row-first linears in ``parent``'s block outside it (an MLP whose
+    two halves are sibling modules: an encoder-style block's intermediate and output), if one."""
+    block = next((f"{ml}.*" for ml in lists if parent.startswith(f"{ml}.*.")), None)
+    widths = {as_linear(_first(names, n))[0] for n, k in rest.items() if k in ROW_KINDS and block
+              and n.startswith(block + ".") and n.rpartition(".")[0] != parent}
+    return next(iter(widths)) if len(widths) == 1 else None
 
 
 def _calls_attention_interface(module: nn.Module) -> bool:
