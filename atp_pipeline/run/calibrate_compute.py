@@ -843,6 +843,9 @@ def print_profile(profile: ComputeProfile) -> None:
     print(f"  {profile.describe(profile.processes)}")
     if profile.contention:
         print("  contention: " + ", ".join(f"{p} processes x{c:.2f}" for p, c in sorted(profile.contention.items())))
+    check = profile.source.partition("; the probes' own steps")[2]
+    if check:
+        print(f"  the probes' own steps{check}")
 
 
 if __name__ == "__main__":
