@@ -219,7 +219,10 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
                       + (f" + gradient sync {fmt_seconds(st.gradsync_s)} ({plan.setting.aggregation}, "
                          f"dp={plan.setting.dp})" if st.gradsync_s else "")
                       + f"; {st.tokens_per_s:,.0f} tokens/s"
-                      + ("" if st.mfu is None else f", MFU {st.mfu:.1%}"))
+                      + ("" if st.mfu is None else f", MFU {st.mfu:.1%}")
+                      + (f"; bound by the host: every rank's CPU ({fmt_seconds(st.cpu_s)} each) over its "
+                         f"{plan.profile.cores} cores (the rank's own timeline {fmt_seconds(st.timeline_s)})"
+                         if st.host_bound else ""))
         console.print(f"  compute profile '{plan.profile.name}': {plan.profile.source}; communication: "
                       f"{st.comm_source}")
     for note in plan.notes:
