@@ -561,10 +561,17 @@ class SMLFloatWorker(SMLWorker):
             self._dequantize([c for c, _, _, _ in st], [v for _, v, _, _ in st], [s for _, _, s, _ in st],
                              [p for _, _, _, p in st])
 
-    def _fast(self, c0: int, m: int, shifts: np.ndarray, dtype: Any) -> bool:
-        """Whether chunks ``c0 … c0+m−1`` are whole and every ``2^shift`` a normal ``dtype``."""
-        return c0 + m <= self._full and (dtype != np.float32 or bool(
-            (shifts.min() >= F32_SHIFTS[0]) & (shifts.max() <= F32_SHIFTS[1])))
+    def _parts(self, c0: int, shifts: np.ndarray, dtype: Any) -> List[Tuple[int, int, bool]]:
+        """Chunks ``c0, c0+1, …`` (one per shift) cut into ``(lo, hi, fast)`` ranges: fast ones are
+        whole chunks whose ``2^shift`` is a normal ``dtype`` (array passes in ``dtype``); the others
+        (the tail, extreme exponents) go row by row in float64."""
+        ok = np.arange(c0, c0 + len(shifts)) < self._full
+        if dtype == np.float32:
+            ok &= (shifts >= F32_SHIFTS[0]) & (shifts <= F32_SHIFTS[1])
+        if ok.all() or not ok.any():
+            return [(0, len(shifts), bool(ok[0]))]
+        cut = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
+        return [(lo, hi, bool(ok[lo])) for lo, hi in zip([0, *cut], [*cut, len(shifts)])]
 
     def _quantize(self, cs: List[int], vers: List[int], slots: List[int]) -> None:
         """``q = rint(x · 2^(B−e))`` of chunks ``cs`` into their lanes: a run is, block by block, a
@@ -576,17 +583,18 @@ class SMLFloatWorker(SMLWorker):
         for a, b in _runs(cs, slots, same=vers):  # consecutive chunks through consecutive slots
             c0, m, v, s0 = cs[a], b - a, vers[a], slots[a]
             dst = self._wire[c0:c0 + m] if self.lanes is None else self.lanes[v, s0:s0 + m]
-            if self._fast(c0, m, sh[a:b], x.dtype):
-                sc = np.exp2(sh[a:b]).astype(x.dtype)[:, None]
+            for lo, hi, fast in self._parts(c0, sh[a:b], x.dtype):
+                if not fast:  # the tail, or 2^shift no normal float32: row by row in float64
+                    for n in range(lo, hi):
+                        dst[n] = np.rint(self._chunk(c0 + n).astype(np.float64) * 2.0 ** int(sh[a + n]))
+                    continue
+                sc = np.exp2(sh[a + lo:a + hi]).astype(x.dtype)[:, None]
                 step = max(1, QUANT_BLOCK // k)  # rows a block: the scratch stays in cache
-                tmp = self._scratch(min(step, m), x.dtype)
-                for r in range(0, m, step):
-                    t = tmp[:min(step, m - r)]
-                    np.multiply(body[c0 + r:c0 + r + len(t)], sc[r:r + len(t)], out=t)
+                tmp = self._scratch(min(step, hi - lo), x.dtype)
+                for r in range(lo, hi, step):
+                    t = tmp[:min(step, hi - r)]
+                    np.multiply(body[c0 + r:c0 + r + len(t)], sc[r - lo:r - lo + len(t)], out=t)
                     np.rint(t, out=dst[r:r + len(t)], casting="unsafe")  # |q| < 2^B: exact in int32
-                continue
-            for n in range(m):  # the tail, or 2^shift no normal float32: in float64
-                dst[n] = np.rint(self._chunk(c0 + n).astype(np.float64) * 2.0 ** int(sh[a + n]))
 
     def _scratch(self, m: int, dtype: Any) -> np.ndarray:
         t = self._tmp
@@ -608,13 +616,14 @@ class SMLFloatWorker(SMLWorker):
             src = self.results[v, s0:s0 + m] if shm else rows[a:b]  # type: ignore[index]
             if self.result_q is not None:
                 self.result_q[d0:d0 + m] = src
-            if self._fast(d0, m, sh[a:b], out.dtype):
-                np.multiply(src, np.exp2(sh[a:b]).astype(out.dtype)[:, None], out=body[d0:d0 + m],
-                            dtype=out.dtype, casting="unsafe")
-                continue
-            for n in range(m):
-                dst = out[(d0 + n) * k:(d0 + n + 1) * k]
-                np.multiply(src[n][:dst.size], 2.0 ** int(sh[a + n]), out=dst, casting="same_kind")
+            for lo, hi, fast in self._parts(d0, sh[a:b], out.dtype):
+                if fast:
+                    np.multiply(src[lo:hi], np.exp2(sh[a + lo:a + hi]).astype(out.dtype)[:, None],
+                                out=body[d0 + lo:d0 + hi], dtype=out.dtype, casting="unsafe")
+                    continue
+                for n in range(lo, hi):
+                    dst = out[(d0 + n) * k:(d0 + n + 1) * k]
+                    np.multiply(src[n][:dst.size], 2.0 ** int(sh[a + n]), out=dst, casting="same_kind")
 
     @property
     def result_float(self) -> np.ndarray:
