@@ -24,10 +24,13 @@ scaled embedding, runs whole and is sliced); the LM head column-first (or tied t
 embedding's split table). The family's own ``forward`` runs throughout.
 
 A multi-head latent attention (low-rank projections of the hidden, then per-head ones) is
-read by :mod:`.mla` (style ``hf_mla``). What the layout cannot reproduce exactly is refused
-with one line naming it: undeclared mixture-of-experts layouts, a fused q|k|v whose layout
-nothing declares, an attention module holding its own parameters, and (by the adapter) any
-module with parameters the plan does not reach.
+read by :mod:`.mla` (style ``hf_mla``). What the layout cannot split inside a repeated block
+(undeclared mixture-of-experts layouts, a fused q|k|v or packed projection whose layout nothing
+declares, an attention module holding its own parameters, a state-space mixer, a module with
+parameters no style reaches) runs whole where a forward shows it reads and returns the hidden
+state (:mod:`.whole`: replicated on the gathered hidden, named in ``Layout.whole`` and the
+plan's notes); the rest is refused with one line naming it (and, by the adapter, any module
+with parameters the plan does not reach).
 """
 
 from __future__ import annotations
