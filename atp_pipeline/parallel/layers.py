@@ -92,8 +92,8 @@ def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output
     """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its
     ``inputs`` over d2 (``input="split"``; positional indices as digits, keyword names
     otherwise — by default its first input), a forward hook slices its output over d2
-    (``output="split"``; of a tuple, its elements ``outputs``, by default the first). The module, its parameter names and
-    its ``forward`` stay the user's; its parameters stay whole on every rank, and their
+    (``output="split"``; of a tuple, its elements ``outputs``, by default the first). The
+    module, its parameter names and its ``forward`` stay the user's; its parameters stay whole on every rank, and their
     gradients are identical across the tensor-parallel ranks and complete: computed from the
     same full tensors, the output's gradient all-gathered whole before the module's backward
     (the slice's backward). ``partial_grad`` (``output="full"``): the output's gradient is

@@ -225,7 +225,7 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     hidden = int(getattr(_text_config(module.config) or module.config, "hidden_size", 0) or 0)  # (none: refused below)
     return derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
-                             probe, pattern)
+                             probe, pattern, NORM)
 
 
 def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str, str]) -> Layout:

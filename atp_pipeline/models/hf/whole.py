@@ -190,7 +190,7 @@ def hidden_io(root: nn.Module, unit: str, hidden: int
 
 def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks: Sequence[str],
                       lists: Tuple[str, ...], hidden: int, probe: bool,
-                      pattern: Callable[[str, Tuple[str, ...]], str]) -> Any:
+                      pattern: Callable[[str, Tuple[str, ...]], str], norm: "re.Pattern[str]") -> Any:
     """``derive_once(whole)`` (a :class:`~atp_pipeline.models.hf.layout.Layout`), with the block
     children ``whole`` (pattern -> style) run whole; each refusal naming a module inside a block,
     and each block child left with parameters no style reaches, is retried with that child run
@@ -215,17 +215,18 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
             if not found:
                 idle = _idle_attention(module, layout.plan) if probe else []
                 if idle:
-                    raise ConfigError(f"attention '{idle[0]}' ({type(names[next(n for n in names if fnmatch.fnmatchcase(n, idle[0]))]).__name__}) "
-                                      f"does not run in a forward on tokens alone (a cross-attention over another "
-                                      f"model's states, e.g. an encoder's); ATP's layout does not cover it; pass a plan")
-                return _noted(layout, names, whole, why, head, sent, blocks)
+                    cls = type(next(m for n, m in names.items() if fnmatch.fnmatchcase(n, idle[0]))).__name__
+                    raise ConfigError(f"attention '{idle[0]}' ({cls}) does not run in a forward on tokens alone (a "
+                                      f"cross-attention over another model's states, e.g. an encoder's); ATP's "
+                                      f"layout does not cover it; pass a plan")
+                return _noted(layout, names, whole, why, head, sent, blocks, norm)
             units = [u for u, _ in found]
             reason = f"module '{found[0][1]}' ({type(names[found[0][1]]).__name__}) holds parameters no style reaches"
         for unit in units:
             inputs, outputs, cannot, sent[unit] = hidden_io(module, unit, hidden) if probe else \
                 (("0",), (0,), "", (0, 0, 0, 0))
             if cannot and _inside(next(n for n in names if fnmatch.fnmatchcase(n, unit)), blocks) is None:
-                return _noted(layout, names, whole, why, head, sent, blocks)  # outside the blocks: the adapter refuses it
+                return _noted(layout, names, whole, why, head, sent, blocks, norm)  # outside the blocks: refused
             if cannot:
                 m = next(m for n, m in names.items() if fnmatch.fnmatchcase(n, unit))
                 raise ConfigError(f"{reason.rstrip('.')}; nor can '{unit}' ({type(m).__name__}) run whole: "
@@ -233,17 +234,20 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
             whole[unit], why[unit] = whole_style(inputs, outputs), reason
 
 
-def _differs(names: Mapping[str, nn.Module], pat: str, blocks: Sequence[str]) -> bool:
-    """Whether the modules of a pattern over the blocks differ by layer: of other classes, or
-    in some of the blocks only."""
-    hits = [m for n, m in names.items() if fnmatch.fnmatchcase(n, pat)]
+def _differs(names: Mapping[str, nn.Module], pat: str, blocks: Sequence[str], norm: "re.Pattern[str]") -> bool:
+    """Whether the norms of a pattern over the blocks (as the shape counts them, per layer)
+    differ by layer: of other classes (a norm in some, nothing in others), or in some blocks only."""
+    hits = [m for n, m in names.items() if fnmatch.fnmatchcase(n, pat) and n.count(".") == pat.count(".")]
+    if not any(norm.search(type(m).__name__) for m in hits):
+        return False
     list_ = pat.split(".*.")[0]
     blocks_ = [b for b in blocks if b.rpartition(".")[0] == list_]
     return len({type(m) for m in hits}) > 1 or (bool(blocks_) and len(hits) != len(blocks_))
 
 
 def _noted(layout: Any, names: Mapping[str, nn.Module], whole: Mapping[str, str], why: Mapping[str, str],
-           head: Optional[str], sent: Mapping[str, Tuple[int, int, int, int]], blocks: Sequence[str]) -> Any:
+           head: Optional[str], sent: Mapping[str, Tuple[int, int, int, int]], blocks: Sequence[str],
+           norm: "re.Pattern[str]") -> Any:
     """``layout`` noting what runs whole: the block children (``Layout.whole``), the head's module."""
     layout.whole = {u: _what(names, u, why[u]) for u in whole if u != head}
     layout.whole_head = head or ""
@@ -251,8 +255,9 @@ def _noted(layout: Any, names: Mapping[str, nn.Module], whole: Mapping[str, str]
     layout.whole_sent = tuple(map(sum, zip((0, 0, 0, 0), *(sent.get(u, (0, 0, 0, 0)) for u in layout.whole
                                                           if u not in partial))))
     # a pattern over the blocks whose modules differ by layer (a norm in some layers, nothing in others)
-    mixed = [p for p, st in layout.plan.items() if "*" in p and st.startswith("gathered(input=split") and
-             _differs(names, p, blocks)]
+    routed = [p.rpartition(".")[0] + "." for p, st in layout.plan.items() if st.startswith("hf_experts")]
+    mixed = [p for p, st in layout.plan.items() if "*" in p and st == "gathered(input=split, output=split)"
+             and p not in whole and not p.startswith(tuple(routed)) and _differs(names, p, blocks, norm)]
     layout.whole_unmodelled = "; ".join(
         ([f"collectives of modules run whole on other than every token ({', '.join(partial)})"] if partial else []) +
         ([f"modules that differ by layer ({', '.join(mixed)}), counted as in the first"] if mixed else []))
