@@ -134,16 +134,3 @@ def test_fork_server_started_for_a_run_is_gone_when_the_run_is_refused():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["GONE"]
 
-
-def test_a_key_the_transformers_config_does_not_have_is_refused_not_kept(compose_cfg):
-    """transformers keeps an unknown keyword as a plain attribute that nothing reads: a misspelt
-    ``model.hf`` key would be lost silently. It is refused in one line with the nearest field;
-    a legacy keyword transformers converts (``rope_theta``) passes."""
-    from atp_pipeline.errors import ConfigError
-    from atp_pipeline.run.resolve import resolve
-
-    with pytest.raises(ConfigError) as err:
-        resolve(compose_cfg("model=llama_tiny", "+model.hf.num_attention_head=4"))
-    assert str(err.value) == ("model 'llama_tiny': model.hf.num_attention_head is not a field of transformers' "
-                              "LlamaConfig (did you mean model.hf.num_attention_heads?)")
-    assert resolve(compose_cfg("model=llama_tiny", "+model.hf.rope_theta=5000.0")).shape.name == "llama_tiny"

@@ -84,20 +84,20 @@ def test_shape_is_read_from_the_model():
 
 
 def test_unsupported_family_is_one_line():
-    """A family whose declared layout ATP does not cover (multi-head latent attention: transformers
-    declares ``mla_kv_a_proj``) is refused in one line that names the model type, the
+    """A family whose declared layout ATP does not cover (a module whose output transformers
+    all-reduces by hand: ``all_reduce``) is refused in one line that names the model type, the
     declaration and what to do."""
     from transformers import AutoModelForCausalLM
 
     from atp_pipeline.models.adapter import find_adapters
     from benchmarks.hf_coverage import tiny_config
 
-    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
+    model = AutoModelForCausalLM.from_config(tiny_config("inkling_text"))
     (_, adapter, sub), = find_adapters(model)
     with pytest.raises(ConfigError) as err:
         adapter.parallel_plan(sub)
     msg = str(err.value)
-    assert "\n" not in msg and "model_type 'deepseek_v2'" in msg and "mla_kv_a_proj" in msg and "plan" in msg
+    assert "\n" not in msg and "model_type 'inkling_text'" in msg and "'all_reduce'" in msg and "plan" in msg
 
 
 @pytest.mark.parametrize("family, over, message", [

@@ -321,9 +321,6 @@ def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> 
             AutoConfig.for_model(kind, **fields)
     except Exception as exc:  # noqa: BLE001 - transformers' validation (huggingface_hub's strict dataclasses)
         raise ConfigError(f"model '{name}': {_rejected(exc, fields)}") from None
-    unknown = _unknown_fields(config, fields)
-    if unknown:
-        raise ConfigError(f"model '{name}': {unknown}")
     family_of(config)
     _decoder_only(config)
     return config
@@ -342,25 +339,6 @@ def _rejected(exc: BaseException, fields: Mapping[str, Any]) -> str:
     named = [f"model.hf.{k}={v}" for k, v in fields.items()
              if all(w in text for w in k.lower().split("_") if w not in ("num", "n", "of"))]
     return f"transformers rejects {', '.join(named) if named else 'model.hf'}: {why}"
-
-
-def _unknown_fields(config: Any, fields: Mapping[str, Any]) -> str:
-    """Why a ``model.hf`` key is not a field of the config class (transformers keeps an unknown
-    keyword as a plain attribute, which nothing reads: a misspelt key would be lost silently),
-    or "". A legacy keyword transformers converts (``rope_theta`` into ``rope_parameters``) is
-    consumed, not kept, and passes."""
-    import difflib
-    import inspect
-
-    cls = type(config)
-    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}) or {})
-    kept = config.to_dict()
-    for key in fields:
-        if key not in known and key in kept:
-            near = difflib.get_close_matches(key, sorted(known - {"self", "kwargs"}), n=1)
-            return (f"model.hf.{key} is not a field of transformers' {cls.__name__}"
-                    + (f" (did you mean model.hf.{near[0]}?)" if near else ""))
-    return ""
 
 
 class HFCausalLMAdapter(ModelAdapter):
