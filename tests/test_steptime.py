@@ -345,6 +345,36 @@ def test_more_ranks_than_cores_run_at_a_cores_speed_bounded_by_every_ranks_cpu()
     assert cp.CollectiveCPU({2: 0.2, 4: 0.6}).share(8) == pytest.approx(0.6)
 
 
+def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_cores_evenly():
+    """Kernels priced at a rank's CPU time (``kernel_time: cpu``): on the rank's timeline at that
+    time whatever the process count (no contention factor), the step no less than every rank's
+    CPU x processes / cores; the collectives and their sync term at the contention of the run's
+    processes (2 processes: x0.5)."""
+    ab = {"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+          "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]}
+    four = Topology.from_config(ab)
+    prof = cp.ComputeProfile("p", "test", _flat(500.0).fits, processes=4, cores=2, kernel_time="cpu",
+                             contention={1: 0.5, 2: 0.5, 4: 1.0}, collective_cpu=cp.CollectiveCPU({2: 0.25, 4: 0.25}),
+                             sync=cp.SyncFit(100e-6))
+    bare = dataclasses.replace(prof, cores=0, contention={})  # one process per core, no factors
+    est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+    ref = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), bare)
+    assert est.timeline_s == pytest.approx(ref.step_s) and ref.compute_s == pytest.approx(est.cpu_s - 0.25 * (
+        est.timeline_s - ref.compute_s))
+    assert est.host_bound and est.step_s == pytest.approx(2.0 * est.cpu_s) and est.compute_s == pytest.approx(
+        2.0 * ref.compute_s)
+    assert prof.host_factor(4) == 2.0 and prof.host_factor(2) == 1.0 and prof.timeline_factor(4) == 1.0
+    assert "at a rank's CPU time" in est.calibration and "a rank's kernels at their CPU time" in est.calibration
+    two = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
+    halved = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(),
+                              dataclasses.replace(bare, sync=cp.SyncFit(50e-6)))
+    assert not two.host_bound and two.compute_s == pytest.approx(halved.compute_s)
+    assert prof.sync_factor(2) == 0.5 and prof.sync_factor(4) == 1.0 and two.total_comm_s < halved.total_comm_s
+    assert cp.ComputeProfile.from_config(prof.to_config()).kernel_time == "cpu"
+    with pytest.raises(ConfigError, match="kernel_time 'gpu' \\(one of cpu, wall\\)"):
+        cp.ComputeProfile.from_config({**prof.to_config(), "kernel_time": "gpu"})
+
+
 def test_a_collective_in_flight_takes_its_backends_busy_share_of_the_overlap():
     """With the collectives' CPU calibrated, the compute overlapping a collective in flight is
     late by the backend's busy share of that overlap (the same as hidden = 1 - busy)."""

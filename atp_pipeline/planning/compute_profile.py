@@ -118,7 +118,8 @@ def shape_key(shape: ModelShape) -> str:
             f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
 
 
-PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits",
+KERNEL_TIMES = ("cpu", "wall")
+PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time",
                           "optimizer", "framework", "sync", "collective_cpu", "probes", "points"})
 
 
@@ -146,6 +147,39 @@ class ComputeProfile:
     probes: Tuple[Probe, ...] = ()
     cores: int = 0  # the host's cores when calibrated (how many the ``processes`` shared)
     collective_cpu: Optional[CollectiveCPU] = None
+    # "cpu": the kernels' points and fits and the framework are a rank's CPU seconds (its
+    # ``process_time``), what the work costs a core whatever shares it; "wall": the slowest
+    # rank's wall seconds with ``processes`` computing at once (an older calibration's)
+    kernel_time: str = "wall"
+
+    def __post_init__(self) -> None:
+        if self.kernel_time not in KERNEL_TIMES:
+            raise ConfigError(f"compute profile '{self.name}': kernel_time '{self.kernel_time}' "
+                              f"(one of {', '.join(KERNEL_TIMES)})")
+
+    def timeline_factor(self, processes: int) -> float:
+        """The factor of calibrated kernel times on one rank's timeline with ``processes`` on the
+        host: a CPU-priced profile's times are already what a kernel takes on a core (1); a
+        wall-priced one's, the contention factor of a rank with a core to itself
+        (:meth:`alone_factor`)."""
+        return 1.0 if self.kernel_time == "cpu" else self.alone_factor(processes)
+
+    def host_factor(self, processes: int) -> float:
+        """How much longer than on the rank's timeline its compute takes when every rank computes
+        at once: with more processes than cores, ``processes / cores`` (CPU-priced: the ranks
+        share the cores evenly); wall-priced, the contention factor at ``processes`` over the
+        one at a core's. 1 where every rank has a core."""
+        if not self.oversubscribed(processes):
+            return 1.0
+        if self.kernel_time == "cpu":
+            return processes / self.cores
+        return self.contention_factor(processes) / self.alone_factor(processes)
+
+    def sync_factor(self, processes: int) -> float:
+        """The factor of the sync term (a collective's extra, measured at the calibration's
+        processes) with ``processes`` on the host: the collectives' (contention at
+        ``processes``) for a CPU-priced profile, the timeline's for a wall-priced one."""
+        return self.contention_factor(processes) if self.kernel_time == "cpu" else self.alone_factor(processes)
 
     def oversubscribed(self, processes: int) -> bool:
         """More processes than the host's cores (known from the calibration)."""
@@ -202,7 +236,8 @@ class ComputeProfile:
 
     def describe(self, processes: Optional[int] = None) -> str:
         """Which calibrations a prediction uses, in one line."""
-        parts = [f"kernels '{self.name}'" + (f" ({self.date})" if self.date else "")]
+        parts = [f"kernels '{self.name}'" + (f" ({self.date})" if self.date else "")
+                 + (" at a rank's CPU time" if self.kernel_time == "cpu" else "")]
         fw = self.framework
         if fw is not None:
             parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
@@ -218,7 +253,10 @@ class ComputeProfile:
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})")
-            if self.oversubscribed(processes):
+            if self.oversubscribed(processes) and self.kernel_time == "cpu":
+                parts.append(f"{processes} processes on {self.cores} cores: a rank's kernels at their CPU time, "
+                             f"the step no less than every rank's CPU over the cores")
+            elif self.oversubscribed(processes):
                 parts.append(f"{processes} processes on {self.cores} cores: a rank alone on a core "
                              f"x{self.alone_factor(processes):.3f}, the step no less than every rank's CPU over the cores")
         return "; ".join(parts)
@@ -323,7 +361,8 @@ class ComputeProfile:
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
                        contention=contention, date=str(data.get("date", "")), probes=probes,
-                       cores=int(data.get("cores", 0)), collective_cpu=collective_cpu)
+                       cores=int(data.get("cores", 0)), collective_cpu=collective_cpu,
+                       kernel_time=str(data.get("kernel_time", "wall")))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -334,6 +373,7 @@ class ComputeProfile:
         fw = self.framework
         return {"name": self.name, "source": self.source, **({"date": self.date} if self.date else {}),
                 "processes": self.processes, **({"cores": self.cores} if self.cores else {}),
+                **({"kernel_time": self.kernel_time} if self.kernel_time != "wall" else {}),
                 "peak_GFLOPs": g(self.peak_flops / 1e9),
                 **({"contention": {int(p): g(c) for p, c in sorted(self.contention.items())}}
                    if self.contention else {}),

@@ -94,7 +94,8 @@ class _Timeline:
     clock: CommClock
     profile: ComputeProfile
     q: int
-    scale: float = 1.0  # the profile's contention factor for the run's processes on the host
+    scale: float = 1.0  # the factor of the profile's kernel times on this rank's timeline
+    sync_scale: float = 1.0  # the factor of its sync term (a collective's extra)
     now: float = 0.0
     compute: float = 0.0
     comm_total: float = 0.0
@@ -117,7 +118,7 @@ class _Timeline:
             self.compute += fw
             self.dispatch += fw
             self.since += fw
-            extra = self.scale * self.profile.sync_seconds(self.since)
+            extra = self.sync_scale * self.profile.sync_seconds(self.since)
             dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
             real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
                     if self.clock.emulated is not None else dur)
@@ -211,8 +212,8 @@ def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per
 
 
 def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
-         scale: float = 1.0) -> "_Timeline":
-    tl = _Timeline(clock, profile, bytes_per_element, scale)
+         scale: float = 1.0, sync_scale: Optional[float] = None) -> "_Timeline":
+    tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale)
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [stages(items) for items in layer])
@@ -282,20 +283,21 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
-    shared = profile.contention_factor(processes)  # every rank computing at once
-    alone = profile.alone_factor(processes)  # a rank with a core to itself
+    shared = profile.contention_factor(processes)  # the collectives as calibrated, at the run's processes
+    alone = profile.timeline_factor(processes)  # a rank's kernels with a core to itself
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, shared)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, alone)
+    tl = _run(prog, clock, profile, shape.bytes_per_element, alone, profile.sync_factor(processes))
     cpu = tl.compute + tl.coll_cpu
     path, compute = tl.now, tl.compute
     host_bound = False
     if profile.oversubscribed(processes):
         # more ranks than cores: a rank's compute runs at the speed of a core to itself while other
         # ranks wait in collectives (its timeline above), and the step is no less than every rank's
-        # CPU over the cores (the shared speed: ``shared / alone`` cores' worth of time per rank)
-        cores_s = cpu * shared / alone
+        # CPU over the cores (``host_factor``: processes / cores for a CPU-priced profile)
+        host = profile.host_factor(processes)
+        cores_s = cpu * host
         if cores_s > path:
-            path, compute, host_bound = cores_s, tl.compute * shared / alone, True
+            path, compute, host_bound = cores_s, tl.compute * host, True
     step = path + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None

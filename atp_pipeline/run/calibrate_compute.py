@@ -537,9 +537,11 @@ def fit_framework(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequenc
 
 
 def pattern_prediction(profile: ComputeProfile, topo: Any, pat: Pattern) -> Tuple[float, float]:
-    """(compute, collective) seconds the model gives a pattern without the sync term."""
+    """(compute, collective) seconds the model gives a pattern without the sync term: its GEMMs
+    as every rank runs them at once on the host (:meth:`ComputeProfile.host_factor`)."""
     d1, d2, dim, coll, nbytes, m, _ = pat
-    return m * profile.seconds(SYNC_GEMM), CommClock(topo, (d1, d2), 4).seconds(coll, dim, float(nbytes))
+    return (m * profile.seconds(SYNC_GEMM) * profile.host_factor(d1 * d2),
+            CommClock(topo, (d1, d2), 4).seconds(coll, dim, float(nbytes)))
 
 
 def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], seconds: Sequence[float]) -> SyncFit:
@@ -600,8 +602,7 @@ def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any],
     out = []
     for (mi, d1, d2, c), t in zip(plans, measured):
         est = estimate_step(topo, shapes[mi], (d1, d2), StepSetting(chunks=c), profile)
-        shared = profile.contention_factor(d1 * d2) / profile.alone_factor(d1 * d2)
-        pred = est.step_s - est.optimizer_s * (shared if est.host_bound else 1.0)
+        pred = est.step_s - est.optimizer_s * (profile.host_factor(d1 * d2) if est.host_bound else 1.0)
         out.append(abs(pred - t) / t)
     return out
 
@@ -610,11 +611,13 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
                  topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
                  contention: Optional[Mapping[int, float]] = None, probe_names: Sequence[str] = (),
-                 collective_cpu: Optional[CollectiveCPU] = None) -> ComputeProfile:
+                 collective_cpu: Optional[CollectiveCPU] = None, kernel_time: str = "wall") -> ComputeProfile:
     """The profile of a calibration's measurements: kernel points and per-kind fits, the
     framework cost fitted over the probe plans, the sync fit over the loops, the contention
     factors, the collectives' CPU (:func:`fit_collective_cpu`), and the probes it ran
-    (``probe_names`` name ``shapes``)."""
+    (``probe_names`` name ``shapes``). ``kernel_time``: what ``seconds`` and ``plan_seconds``
+    are — ``"cpu"``, a rank's CPU per call (``process_time``; :attr:`Timed.cpu`), or ``"wall"``
+    (the loops' ``pattern_seconds`` are wall times either way)."""
     fits: Dict[str, KindFit] = {}
     for kind in KINDS:
         idx = [i for i, k in enumerate(kernels) if k.kind == kind]
@@ -629,21 +632,23 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
               + (f", contention at {'/'.join(str(p) for p in sorted(contention))} processes" if contention else "")
               + (", the probe steps' CPU with and without their collectives" if collective_cpu is not None else "")
               + ")")
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
     base = ComputeProfile(name=name, source=source, fits=fits,
                           points={(k.kind, k.dims): s for k, s in zip(kernels, seconds)},
-                          processes=world, peak_flops=max(gemm), optimizer=OPTIMIZER_DESC)
+                          processes=world, peak_flops=max(gemm), optimizer=OPTIMIZER_DESC, cores=cores,
+                          kernel_time=kernel_time)
     framework = fit_framework(base, shapes, plans, plan_seconds) if plans else None
     sync = fit_sync(base, topo, patterns, pattern_seconds) if patterns else None
     names = list(probe_names) or [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
     probes = tuple(Probe(names[mi], shape_key(shapes[mi]), (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len)
                    for mi, d1, d2, c in plans)
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
     return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
                           contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
-                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes, collective_cpu=collective_cpu)
+                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes, collective_cpu=collective_cpu,
+                          kernel_time=kernel_time)
 
 
 # ------------------------------------------------------------------------ the command
@@ -768,9 +773,12 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     nk, npl, npa = len(kernels), len(plans), len(patterns)
     collective_cpu = (fit_collective_cpu(timed[nk:nk + npl], timed[nk + npl + npa:])
                       if run.framework and run.world > 1 else None)
-    profile = make_profile(name, kernels, got[:nk], run.world, shapes, plans, got[nk:nk + npl], topo, patterns,
+    # kernels and the probes' collective-free steps at a rank's CPU time (what the work costs a
+    # core, whatever shares it); the loops at their wall time (their compute priced as the host runs it)
+    cpu = [max(t.cpu, 1e-9) for t in timed]
+    profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns,
                            got[nk + npl:nk + npl + npa], contention, list(run.probes) if run.framework else (),
-                           collective_cpu)
+                           collective_cpu, kernel_time="cpu")
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
         errs = probe_step_errors(profile, topo, shapes, live, [t.wall for t in timed[nk + npl + npa:]])
