@@ -370,6 +370,10 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
                               dataclasses.replace(bare, sync=cp.SyncFit(50e-6)))
     assert not two.host_bound and two.compute_s == pytest.approx(halved.compute_s)
     assert prof.sync_factor(2) == 0.5 and prof.sync_factor(4) == 1.0 and two.total_comm_s < halved.total_comm_s
+    own = dataclasses.replace(prof, comm_contention={2: 0.25, 4: 1.0})  # the collectives' own factor
+    assert own.comm_factor(2) == 0.25 and own.sync_factor(2) == 0.25 and own.contention_factor(2) == 0.5
+    assert cp.ComputeProfile.from_config(own.to_config()).comm_contention == {2: 0.25, 4: 1.0}
+    assert "collectives x0.250" in st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), own).calibration
     assert cp.ComputeProfile.from_config(prof.to_config()).kernel_time == "cpu"
     with pytest.raises(ConfigError, match="kernel_time 'gpu' \\(one of cpu, wall\\)"):
         cp.ComputeProfile.from_config({**prof.to_config(), "kernel_time": "gpu"})
@@ -474,6 +478,30 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     assert {p.name for p in prof.probes} == {"gpt", "llama"} and prof.contention[2] == 0.5
     assert {(p.mesh, p.batch, p.seq_len) for p in prof.probes if p.name == "gpt"} == {
         (m, GPT.batch_size, GPT.seq_len) for m in ((4, 1), (2, 2), (1, 4))}
+
+
+def test_collectives_cpu_fit_recovers_busy_shares_and_per_call_costs_exactly():
+    """live CPU - collective-free CPU = busy[size] x waited[size] + calls x c + bytes x b: the fit
+    gives the terms back; on the timeline each call adds c + bytes x b to the rank's CPU."""
+    from atp_pipeline.run import calibrate_compute as cc
+
+    busy, c, b = {2: 0.3, 4: 0.1}, 400e-6, 2e-9
+    skip, live, calls = [], [], []
+    for i, (w2, w4, m, nb) in enumerate([(0.01, 0.0, 10, 1e5), (0.0, 0.02, 20, 4e5), (0.005, 0.01, 40, 2e5),
+                                         (0.02, 0.03, 15, 8e5), (0.001, 0.002, 60, 1e6)]):
+        base = 0.05 + 0.01 * i
+        skip.append(cc.Timed(base, base, {}))
+        live.append(cc.Timed(2 * base, base + busy[2] * w2 + busy[4] * w4 + m * c + nb * b, {2: w2, 4: w4}))
+        calls.append((m, nb))
+    got = cc.fit_collective_cpu(skip, live, calls)
+    assert got.busy == pytest.approx(busy, rel=1e-6) and (got.per_call_s, got.per_byte_s) == pytest.approx((c, b), rel=1e-6)
+    prof = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.0}, c, b))
+    back = cp.ComputeProfile.from_config(prof.to_config()).collective_cpu
+    assert (back.per_call_s, back.per_byte_s) == pytest.approx((c, b), rel=1e-9)
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
+    tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
+    tl.run([("sync", sp.Coll(term, Fraction(1), 1000)), ("sync", sp.Coll(term, Fraction(1), 1000))], [])
+    assert tl.coll_cpu == pytest.approx(2 * (c + 4000 * b))
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():

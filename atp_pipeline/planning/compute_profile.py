@@ -73,9 +73,17 @@ class CollectiveCPU:
     host with fewer cores than processes: every rank's compute and this CPU must fit on the
     cores, however much of a rank's waiting other ranks' compute fills. Calibrated from the
     probe models' steps with and without their collectives: the CPU time they differ by over
-    the time the ranks waited in the collectives of each group size."""
+    the time the ranks waited in the collectives of each group size, and per collective call
+    ``per_call_s`` plus ``per_byte_s`` per byte it moves (the backend's copies, reductions and
+    the loopback's syscalls, whatever the wait; 0 in a profile calibrated without them)."""
 
     busy: Mapping[int, float]
+    per_call_s: float = 0.0
+    per_byte_s: float = 0.0
+
+    def call_seconds(self, nbytes: float) -> float:
+        """The CPU one collective call moving ``nbytes`` costs its rank's backend."""
+        return self.per_call_s + nbytes * self.per_byte_s
 
     def share(self, size: int) -> float:
         """The busy share in a ``size``-rank group: the calibrated size's, linear in the size
@@ -119,7 +127,25 @@ def shape_key(shape: ModelShape) -> str:
 
 
 KERNEL_TIMES = ("cpu", "wall")
-PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time",
+
+
+def _factor(measured: Mapping[int, float], processes: int) -> float:
+    """A contention factor at ``processes``: measured where measured, linear between counts,
+    proportional beyond the largest, the smallest's below; 1 without a measurement."""
+    if not measured:
+        return 1.0
+    pts = sorted(measured.items())
+    if processes in measured:
+        return measured[processes]
+    if processes < pts[0][0]:
+        return pts[0][1]
+    if processes > pts[-1][0]:
+        return pts[-1][1] * processes / pts[-1][0]
+    for (p0, c0), (p1, c1) in zip(pts, pts[1:]):
+        if p0 <= processes <= p1:
+            return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
+    raise AssertionError("unreachable")
+PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time", "comm_contention",
                           "optimizer", "framework", "sync", "collective_cpu", "probes", "points"})
 
 
@@ -151,6 +177,9 @@ class ComputeProfile:
     # ``process_time``), what the work costs a core whatever shares it; "wall": the slowest
     # rank's wall seconds with ``processes`` computing at once (an older calibration's)
     kernel_time: str = "wall"
+    # the collectives' own factor with ``P`` processes on the host (pairs' all-reduce; absent:
+    # the kernels' ``contention``)
+    comm_contention: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kernel_time not in KERNEL_TIMES:
@@ -177,9 +206,15 @@ class ComputeProfile:
 
     def sync_factor(self, processes: int) -> float:
         """The factor of the sync term (a collective's extra, measured at the calibration's
-        processes) with ``processes`` on the host: the collectives' (contention at
-        ``processes``) for a CPU-priced profile, the timeline's for a wall-priced one."""
-        return self.contention_factor(processes) if self.kernel_time == "cpu" else self.alone_factor(processes)
+        processes) with ``processes`` on the host: the collectives' (:meth:`comm_factor`) for a
+        CPU-priced profile, the timeline's for a wall-priced one."""
+        return self.comm_factor(processes) if self.kernel_time == "cpu" else self.alone_factor(processes)
+
+    def comm_factor(self, processes: int) -> float:
+        """The factor of the calibrated collectives' times (α-β, measured with the calibration's
+        processes on the host) with ``processes`` on it: the collectives' own measured factor
+        where the profile has it, else the kernels' (:meth:`contention_factor`)."""
+        return _factor(self.comm_contention, processes) if self.comm_contention else self.contention_factor(processes)
 
     def oversubscribed(self, processes: int) -> bool:
         """More processes than the host's cores (known from the calibration)."""
@@ -199,19 +234,7 @@ class ComputeProfile:
         """The factor of calibrated times with ``processes`` on the host: measured where the
         calibration measured that count, linear between counts, proportional beyond the
         largest (every process wants a core), the smallest's below; 1 without a measurement."""
-        if not self.contention:
-            return 1.0
-        pts = sorted(self.contention.items())
-        if processes in self.contention:
-            return self.contention[processes]
-        if processes < pts[0][0]:
-            return pts[0][1]
-        if processes > pts[-1][0]:
-            return pts[-1][1] * processes / pts[-1][0]
-        for (p0, c0), (p1, c1) in zip(pts, pts[1:]):
-            if p0 <= processes <= p1:
-                return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
-        raise AssertionError("unreachable")
+        return _factor(self.contention, processes)
 
     def step_kernel_seconds(self, k: Kernel) -> float:
         """A kernel's time in a step: the kernel's time with the runtime's framework cost
@@ -249,10 +272,14 @@ class ComputeProfile:
             parts.append(f"optimizer {self.optimizer}")
         if self.collective_cpu is not None:
             parts.append("waiting in a collective keeps " + ", ".join(
-                f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items())))
+                f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items()))
+                + (f", its backend's CPU {self.collective_cpu.per_call_s * 1e6:.0f} us + "
+                   f"{self.collective_cpu.per_byte_s * 1e9:.3f} ns/B per call"
+                   if self.collective_cpu.per_call_s or self.collective_cpu.per_byte_s else ""))
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
-                         f"(calibrated at {self.processes})")
+                         f"(calibrated at {self.processes})"
+                         + (f", collectives x{self.comm_factor(processes):.3f}" if self.comm_contention else ""))
             if self.oversubscribed(processes) and self.kernel_time == "cpu":
                 parts.append(f"{processes} processes on {self.cores} cores: a rank's kernels at their CPU time, "
                              f"the step no less than every rank's CPU over the cores")
@@ -347,14 +374,22 @@ class ComputeProfile:
                     raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
             collective_cpu = None
             if data.get("collective_cpu"):
-                busy = {int(k): float(v) for k, v in dict(data["collective_cpu"]["busy"]).items()}
+                cd = data["collective_cpu"]
+                busy = {int(k): float(v) for k, v in dict(cd["busy"]).items()}
                 if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
                     raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
                                       f"got {busy}")
-                collective_cpu = CollectiveCPU(busy)
+                collective_cpu = CollectiveCPU(busy, float(cd.get("per_call_us", 0.0)) * 1e-6,
+                                               float(cd.get("per_byte_ns", 0.0)) * 1e-9)
+                if not (min(collective_cpu.per_call_s, collective_cpu.per_byte_s) >= 0 and all(
+                        math.isfinite(x) for x in (collective_cpu.per_call_s, collective_cpu.per_byte_s))):
+                    raise ConfigError(f"{where}.collective_cpu: per_call_us, per_byte_ns must be finite >= 0")
             contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
             if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
                 raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
+            comm_contention = {int(p): float(c) for p, c in dict(data.get("comm_contention") or {}).items()}
+            if any(p < 2 or not (c > 0 and math.isfinite(c)) for p, c in comm_contention.items()):
+                raise ConfigError(f"{where}.comm_contention: processes >= 2 -> finite factor > 0, got {comm_contention}")
             probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
                                  int(p["batch"]), int(p["seq_len"])) for p in data.get("probes") or [])
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
@@ -362,7 +397,7 @@ class ComputeProfile:
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
                        contention=contention, date=str(data.get("date", "")), probes=probes,
                        cores=int(data.get("cores", 0)), collective_cpu=collective_cpu,
-                       kernel_time=str(data.get("kernel_time", "wall")))
+                       kernel_time=str(data.get("kernel_time", "wall")), comm_contention=comm_contention)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -377,6 +412,8 @@ class ComputeProfile:
                 "peak_GFLOPs": g(self.peak_flops / 1e9),
                 **({"contention": {int(p): g(c) for p, c in sorted(self.contention.items())}}
                    if self.contention else {}),
+                **({"comm_contention": {int(p): g(c) for p, c in sorted(self.comm_contention.items())}}
+                   if self.comm_contention else {}),
                 "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
                              **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
                          for k, f in self.fits.items()},
@@ -388,7 +425,10 @@ class ComputeProfile:
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
-                **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())}}}
+                **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())},
+                                       **({"per_call_us": g(self.collective_cpu.per_call_s * 1e6),
+                                           "per_byte_ns": g(self.collective_cpu.per_byte_s * 1e9)}
+                                          if self.collective_cpu.per_call_s or self.collective_cpu.per_byte_s else {})}}
                    if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}

@@ -124,6 +124,8 @@ class _Timeline:
                     if self.clock.emulated is not None else dur)
             self.sync += dur - bare
             self.since = 0.0
+            if self.profile.collective_cpu is not None:  # its backend's CPU (in the transfer's time)
+                self.coll_cpu += self.scale * self.profile.collective_cpu.call_seconds(nbytes)
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur
         self.link_free[c.term.dim] = end
@@ -283,7 +285,7 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
     processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
-    shared = profile.contention_factor(processes)  # the collectives as calibrated, at the run's processes
+    shared = profile.comm_factor(processes)  # the collectives as calibrated, at the run's processes
     alone = profile.timeline_factor(processes)  # a rank's kernels with a core to itself
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, shared)
     tl = _run(prog, clock, profile, shape.bytes_per_element, alone, profile.sync_factor(processes))

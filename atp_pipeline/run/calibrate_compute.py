@@ -78,6 +78,7 @@ SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
 MIN_FACTOR = -0.5  # the least the framework's kernel_factor may be: a kernel never takes 0 s
 CONTENTION_KERNELS = (Kernel(GEMM, (32, 16, 16)), Kernel(GEMM, (512, 128, 256)), Kernel(POINTWISE, (65536,)))
+CONTENTION_BYTES = 262144  # the all-reduce of pairs of ranks the collectives' contention factor is timed by
 
 # The probe models: what the framework cost is fitted from. Synthetic sizes of the families
 # the runtime lays out (built-in GPT, transformers' llama and gpt2 configs), each a config
@@ -436,18 +437,29 @@ def contention_counts(world: int) -> List[int]:
 
 def _contention_worker(rank: int, world: int, counts: Sequence[int], passes: int,
                        batch_ms: float) -> List[List[List[float]]]:
-    """Per pass, per count ``P`` (interleaved), per contention kernel: the slowest of the first
-    ``P`` ranks' seconds per call while the others wait at the next barrier."""
+    """Per pass, per count ``P`` (interleaved), per contention kernel and then the pairs'
+    all-reduce: the slowest of the first ``P`` ranks' seconds per call while the others wait at
+    the next barrier (the all-reduce: ranks ``2i, 2i+1`` of the first ``P`` in a group each; 0
+    with fewer than 2)."""
     import torch
     import torch.distributed as dist
 
-    fns = [_runner(k, rank, world) for k in CONTENTION_KERNELS]
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
+    buf = torch.ones(CONTENTION_BYTES // 4)
+    mine_pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
+
+    def pair_all_reduce() -> None:
+        dist.all_reduce(buf, group=mine_pair)
+    fns = [_runner(k, rank, world) for k in CONTENTION_KERNELS] + [pair_all_reduce]
     reps = []
     for fn in fns:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        r = torch.tensor([max(1, min(2000, int(batch_ms * 1e-3 / max(time.perf_counter() - t0, 1e-7))))])
+        dt = 1.0
+        if mine_pair is not None or fn is not pair_all_reduce:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+        r = torch.tensor([max(1, min(2000, int(batch_ms * 1e-3 / max(dt, 1e-7))))])
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         reps.append(int(r))
     out = []
@@ -458,7 +470,7 @@ def _contention_worker(rank: int, world: int, counts: Sequence[int], passes: int
             for fn, k in zip(fns, reps):
                 dist.barrier()
                 mine = 0.0
-                if rank < count:
+                if rank < count and (fn is not pair_all_reduce or rank < count - count % 2):
                     t0 = time.perf_counter()
                     for _ in range(k):
                         fn()
@@ -471,22 +483,28 @@ def _contention_worker(rank: int, world: int, counts: Sequence[int], passes: int
     return out
 
 
-def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0, timeout: float = 600.0) -> Dict[int, float]:
+def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0,
+                       timeout: float = 600.0) -> Tuple[Dict[int, float], Dict[int, float]]:
     """The slowdown of CPU work with ``P`` processes on the host against ``world`` of them
     (:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.contention_factor`): the geometric
     mean over :data:`CONTENTION_KERNELS` (an overhead-bound GEMM, a compute-bound one, an
     elementwise kernel) of their time on ``P`` concurrent processes over their time on
     ``world``. One launch of ``world`` processes; in every pass the counts take turns (the
     first ``P`` ranks run, the others wait at a barrier), so a burst of other jobs' load hits
-    every count alike; median per kernel and count over the passes."""
+    every count alike; median per kernel and count over the passes. Second, the collectives'
+    factor (:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.comm_factor`): an
+    all-reduce of :data:`CONTENTION_BYTES` in pairs of ranks, ``P // 2`` pairs at once over
+    ``world // 2`` (counts of 2 and more; the pairs' median time)."""
     from atp_pipeline.launch import spawn
 
     counts = contention_counts(world)
     runs = spawn(_contention_worker, world, counts, passes, batch_ms, timeout=timeout)[0]
-    med = {c: [statistics.median(run[ci][ki] for run in runs) for ki in range(len(CONTENTION_KERNELS))]
-           for ci, c in enumerate(counts)}
+    nk = len(CONTENTION_KERNELS)
+    med = {c: [statistics.median(run[ci][ki] for run in runs) for ki in range(nk + 1)] for ci, c in enumerate(counts)}
     ref = med[world]
-    return {c: float(np.exp(np.mean([np.log(t / r) for t, r in zip(ts, ref)]))) for c, ts in med.items()}
+    kernels = {c: float(np.exp(np.mean([np.log(t / r) for t, r in zip(ts[:nk], ref[:nk])]))) for c, ts in med.items()}
+    comm = {c: ts[nk] / ref[nk] for c, ts in med.items() if c >= 2 and ts[nk] > 0 and ref[nk] > 0}
+    return kernels, comm
 
 
 # ------------------------------------------------------------------------ fitting
@@ -514,6 +532,14 @@ def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], ch
     colls = [it[1] for it in items if it[0] in ("sync", "async", "linear")]
     nbytes = float(sum(c.elements for c in colls)) * shape.bytes_per_element
     return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes
+
+
+def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Tuple[int, float]:
+    """A plan's collective calls in its forward and backward and the bytes they move (what
+    :func:`plan_features` counts)."""
+    prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
+    colls = [it[1] for it in all_items(prog) if it[0] in ("sync", "async", "linear")]
+    return len(colls), float(sum(c.elements for c in colls)) * shape.bytes_per_element
 
 
 def framework_seconds(fw: Framework, features: Tuple[float, int, int, float]) -> float:
@@ -573,24 +599,31 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
     return SyncFit(float(a), float(r), hidden)
 
 
-def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed]) -> Optional[CollectiveCPU]:
+def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
+                       calls: Optional[Sequence[Tuple[int, float]]] = None) -> Optional[CollectiveCPU]:
     """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
     the same plan): the CPU a step's collectives add on a rank, ``live.cpu - skip.cpu``, is
-    ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in; non-negative
-    least squares (each plan's row over its time waited, so short and long steps count alike),
-    shares clipped to [0, 1]. None without waits (a world of one process)."""
+    ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in, plus, with
+    ``calls`` (each plan's collective calls and the bytes they move), ``m·c + B·b`` (the
+    backend's CPU per call and byte); non-negative least squares (each plan's row over its
+    live CPU, so short and long steps count alike), shares clipped to [0, 1]. None without
+    waits (a world of one process)."""
     sizes = sorted({s for t in live for s, w in t.waits.items() if w > 0})
     rows, ys = [], []
-    for sk, lv in zip(skip, live):
+    for i, (sk, lv) in enumerate(zip(skip, live)):
         total = sum(lv.waits.get(s, 0.0) for s in sizes)
         if total <= 0:
             continue
-        rows.append([lv.waits.get(s, 0.0) / total for s in sizes])
-        ys.append((lv.cpu - sk.cpu) / total)
+        row = [lv.waits.get(s, 0.0) for s in sizes] + (list(calls[i]) if calls is not None else [])
+        rows.append([x / lv.cpu for x in row])
+        ys.append((lv.cpu - sk.cpu) / lv.cpu)
     if not rows:
         return None
     x = nnls(np.array(rows), np.array(ys))
-    return CollectiveCPU({s: float(min(1.0, v)) for s, v in zip(sizes, x)})
+    busy = {s: float(min(1.0, v)) for s, v in zip(sizes, x)}
+    if calls is None:
+        return CollectiveCPU(busy)
+    return CollectiveCPU(busy, float(x[len(sizes)]), float(x[len(sizes) + 1]))
 
 
 def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
@@ -611,7 +644,8 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
                  topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
                  contention: Optional[Mapping[int, float]] = None, probe_names: Sequence[str] = (),
-                 collective_cpu: Optional[CollectiveCPU] = None, kernel_time: str = "wall") -> ComputeProfile:
+                 collective_cpu: Optional[CollectiveCPU] = None, kernel_time: str = "wall",
+                 comm_contention: Optional[Mapping[int, float]] = None) -> ComputeProfile:
     """The profile of a calibration's measurements: kernel points and per-kind fits, the
     framework cost fitted over the probe plans, the sync fit over the loops, the contention
     factors, the collectives' CPU (:func:`fit_collective_cpu`), and the probes it ran
@@ -648,7 +682,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
                           contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
                               "%Y-%m-%dT%H:%M:%SZ"), probes=probes, collective_cpu=collective_cpu,
-                          kernel_time=kernel_time)
+                          kernel_time=kernel_time, comm_contention=dict(comm_contention or {}))
 
 
 # ------------------------------------------------------------------------ the command
@@ -765,20 +799,21 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
             watcher.join()
     if progress is not None:
         progress("kernels, probes, loops", total, total)
-    contention = None
+    contention = comm_contention = None
     if run.framework:
-        contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
+        contention, comm_contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
         if progress is not None:
             progress("contention", 1, 1)
     nk, npl, npa = len(kernels), len(plans), len(patterns)
-    collective_cpu = (fit_collective_cpu(timed[nk:nk + npl], timed[nk + npl + npa:])
+    calls = [plan_calls(shapes[mi], (d1, d2), c) for mi, d1, d2, c in live]  # each live step's calls, bytes
+    collective_cpu = (fit_collective_cpu(timed[nk:nk + npl], timed[nk + npl + npa:], calls)
                       if run.framework and run.world > 1 else None)
     # kernels and the probes' collective-free steps at a rank's CPU time (what the work costs a
     # core, whatever shares it); the loops at their wall time (their compute priced as the host runs it)
     cpu = [max(t.cpu, 1e-9) for t in timed]
     profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns,
                            got[nk + npl:nk + npl + npa], contention, list(run.probes) if run.framework else (),
-                           collective_cpu, kernel_time="cpu")
+                           collective_cpu, kernel_time="cpu", comm_contention=comm_contention)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
         errs = probe_step_errors(profile, topo, shapes, live, [t.wall for t in timed[nk + npl + npa:]])
@@ -851,6 +886,9 @@ def print_profile(profile: ComputeProfile) -> None:
     print(f"  {profile.describe(profile.processes)}")
     if profile.contention:
         print("  contention: " + ", ".join(f"{p} processes x{c:.2f}" for p, c in sorted(profile.contention.items())))
+    if profile.comm_contention:
+        print("  collectives' contention: " + ", ".join(f"{p} processes x{c:.2f}"
+                                                       for p, c in sorted(profile.comm_contention.items())))
     check = profile.source.partition("; the probes' own steps")[2]
     if check:
         print(f"  the probes' own steps{check}")
