@@ -210,8 +210,9 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     assert all(r["sml_shm_lossy_core"] for r in res)  # shared-memory transport: the very same bits
     assert not [r["sml_shm_lossy_segments_left"] for r in res if r["sml_shm_lossy_segments_left"]]
     assert all(torch.equal(a, b) for a, b in zip(r0["atp2"], r0["atp2_lossy"]))
-    for key in ("sml_lossy", "sml_shm_lossy", "atp2_lossy"):
-        assert r0[key + "_metrics"]["atp_retransmits"] > 0
+    for key in ("sml_lossy", "sml_shm_lossy", "atp2_lossy"):  # (a SwitchML slot lost once is resent by its
+        # sender; another rank's timer may never fire: that slot's result can arrive first)
+        assert sum(r[key + "_metrics"]["atp_retransmits"] for r in res) > 0
     jobs = r0["sml_lossy_stats"]["switch"]["jobs"]
     assert sum(j["complete"] for j in jobs.values()) > 0 and r0["sml_lossy_stats"]["ps"] == []
     clean = r0["atp2_metrics"]

@@ -43,6 +43,7 @@ from atp_pipeline.ina.quant import lane_limit
 EXP_BIAS = 128  # the exponent field holds e + 128; 0 = "no next chunk" (below every real exponent)
 EXP_MIN, EXP_MAX = -127, 126  # |x| < 2^e for every representable chunk; a larger one is refused
 _EMPTY = np.zeros(0, dtype=np.int32)
+_IN_SHM = np.zeros(1, dtype=np.int32)  # a sent chunk whose lanes are in the worker's shared memory (not on the wire)
 
 #: SwitchML's header (as modelled): job, slot, version, result flag, exponent-only flag,
 #: worker, offset (the chunk's index in the worker's stream), shared exponent (biased).
@@ -174,6 +175,14 @@ class SMLSwitch:
         out: List[Result] = []
         ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]] = {}  # (kind, job, worker) -> [(slot-version, j)]
         reads: List[Tuple[int, int, int]] = []  # (index in out, job, slot-version): rows read at the end
+        if len(job) >= ARRAY_MIN and self._batch_arrays(job, slot, ver, is_result, worker, exp, empty, payload,
+                                                        out, ops, reads):
+            if ops or reads:
+                self._sum(ops, reads, out, payload)
+            return out
+        if isinstance(job, np.ndarray):  # (fields given as arrays: the loop reads lists)
+            job, slot, ver, is_result, worker, exp, empty = (np.asarray(a).tolist() for a in (
+                job, slot, ver, is_result, worker, exp, empty))
         pending: set = set()  # job << 32 | slot-version, with pending lane work or a pending read
         jobs = self.jobs
         track = len(job) > 1  # (a batch of one has nothing pending before its packet)
@@ -228,36 +237,147 @@ class SMLSwitch:
             self._sum(ops, reads, out, payload)
         return out
 
+    def _batch_arrays(self, job: Sequence[int], slot: Sequence[int], ver: Sequence[int], is_result: Sequence[int],
+                      worker: Sequence[int], exp: Sequence[int], empty: Sequence[int],
+                      payload: Sequence[Optional[np.ndarray]], out: List[Result],
+                      ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]], reads: List[Tuple[int, int, int]]) -> bool:
+        """The decisions of :meth:`batch`'s per-packet loop as array operations, for the batches
+        where no packet's decision depends on another's (issue 28, pass 4): one job; every slot
+        in one version; a worker at most once per slot-version; a slot-version that gets new
+        contributions gets no retransmissions and does not complete and restart within the batch.
+        Then each packet's outcome follows from the state before the batch and its rank among the
+        new contributions to its slot-version (the count it brings the slot-version to), which is
+        what the loop computes one packet after the other. False (nothing changed) otherwise: the
+        loop decides. Fills ``out``/``ops``/``reads`` exactly as the loop does (tested equal)."""
+        j0 = int(job[0])
+        js = self.jobs.get(j0)
+        jb = np.asarray(job)
+        if js is None or (jb != j0).any():
+            return False
+        W, pool = js.W, js.pool
+        sl, vr, wk = np.asarray(slot, dtype=np.int64), np.asarray(ver, dtype=np.int64), np.asarray(worker, dtype=np.int64)
+        known = (np.asarray(is_result) == 0) & (sl >= 0) & (sl < pool) & (wk >= 0) & (wk < W)
+        idx = np.flatnonzero(known)
+        if not len(idx):
+            self.unknown += len(job)
+            return True
+        sl, vr, wk = sl[idx], vr[idx], wk[idx]
+        vi = vr * pool + sl
+        order = np.argsort(vi, kind="stable")  # grouped by slot-version, arrival order inside
+        vs = vi[order]
+        first = np.ones(len(vs), dtype=bool)
+        first[1:] = vs[1:] != vs[:-1]
+        uv = vs[first]  # the slot-versions, ascending
+        if len(np.unique(uv % pool)) != len(uv):  # a slot in both versions
+            return False
+        key = vi * W + wk
+        if len(np.unique(key)) != len(key):  # a worker twice on one slot-version
+            return False
+        seen = np.asarray(js.seen, dtype=np.int64)
+        count = np.asarray(js.count, dtype=np.int64)
+        bit = np.left_shift(1, wk)
+        new = (seen[vi] & bit) == 0
+        gid = np.cumsum(first) - 1  # group of each sorted packet
+        new_s = new[order]
+        n_new = np.bincount(gid, weights=new_s, minlength=len(uv)).astype(np.int64)
+        n_old = np.bincount(gid, weights=~new_s, minlength=len(uv)).astype(np.int64)
+        c0 = count[uv]
+        if ((n_new > 0) & (n_old > 0)).any() or (c0 + n_new > W).any():
+            return False
+        # rank of each new contribution in its slot-version (1-based), arrival order
+        rank_s = np.cumsum(new_s) - np.concatenate(([0], np.cumsum(n_new)))[gid]
+        rank = np.empty_like(rank_s)
+        rank[order] = rank_s
+        g = np.empty_like(gid)
+        g[order] = gid
+        c = (c0[g] + rank) % W
+        e = np.asarray(exp, dtype=np.int64)[idx]
+        em = np.asarray(empty, dtype=bool)[idx]
+        exps = np.asarray(js.exp, dtype=np.int64)
+        # the exponent each slot-version ends the batch with: max over its new contributions (and its
+        # earlier ones unless the batch starts it)
+        gmax = np.full(len(uv), -1, dtype=np.int64)
+        np.maximum.at(gmax, g[new], e[new])
+        start = (c0 == 0) & (n_new > 0)
+        fin = np.where(n_new > 0, np.where(start, gmax, np.maximum(exps[uv], gmax)), exps[uv])
+        # state
+        bits_new = np.zeros(len(uv), dtype=np.int64)
+        np.bitwise_or.at(bits_new, g[new], bit[new])
+        other = np.where(uv < pool, uv + pool, uv - pool)
+        seen[uv] |= bits_new
+        seen[other] &= ~bits_new
+        count[uv] = (c0 + n_new) % W
+        exps[uv] = fin
+        js.seen, js.count, js.exp = seen.tolist(), count.tolist(), exps.tolist()
+        st = js.stats
+        done = new & (c == 0)
+        uni = ~new & (c0[g] == 0)
+        st["merged"] += int(new.sum())
+        st["complete"] += int(done.sum())
+        st["result_unicast"] += int(uni.sum())
+        st["dropped"] += int((~new).sum() - uni.sum())
+        self.unknown += len(job) - len(idx)
+        # lane work, per (kind, job, worker), arrival order
+        kind = np.where(em | ~new, _NONE, np.where((rank == 1) & ((c0[g] == 0) | (W == 1)), _SET, _ADD))
+        jj = idx
+        for kd in (_SET, _ADD):
+            for w in range(W):
+                sel = np.flatnonzero((kind == kd) & (wk == w))
+                if len(sel):
+                    ops[(kd, j0, w)] = list(zip(vi[sel].tolist(), jj[sel].tolist()))
+        # results, arrival order
+        res = np.flatnonzero(done | uni)
+        dst = np.where(done[res], -1, wk[res])
+        ex = fin[g[res]]
+        for n_, (j, d, x_, v_) in enumerate(zip(jj[res].tolist(), dst.tolist(), ex.tolist(), vi[res].tolist())):
+            out.append((j, d, x_, None))
+            if not empty[j] and payload[j] is not None:
+                reads.append((n_, j0, v_))
+        return True
+
     def _sum(self, ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]], reads: List[Tuple[int, int, int]],
              out: List[Result], pay: Sequence[Optional[np.ndarray]]) -> None:
         """The pending lane work: first contributions (the contributor's lanes), then the
         other contributions added — per (job, worker) one numpy call per run of consecutive
         slot-versions (a worker contributes once to a slot-version between two restarts) —, then
-        the rows of the results that carry lanes (copies)."""
+        the rows of the results that carry lanes (copies). The calls go block by block over the
+        registers (:data:`SUM_BLOCK` values a block, in cache), each block taking every call's
+        rows in it in the same order: the contributions meet a register row while it is in
+        cache instead of one pass over the registers per worker (issue 28, pass 4)."""
+        prims: Dict[int, List[Tuple[int, int, int, np.ndarray]]] = {}  # job -> [(kind, first row, rows, source)]
         for key in (sorted(ops) if len(ops) > 1 else ops):  # _SET before _ADD
             kind, job, w = key
             items = ops[key]
             js = self.jobs[job]
-            vals = js.flat
+            todo = prims.setdefault(job, [])
             lanes = js.lanes_flat[w] if pay[items[0][1]] is None else None
             if len(items) == 1 or len({vi for vi, _ in items}) < len(items):  # (the latter: never; kept exact)
                 for vi, j in items:
-                    row = vals[vi]
                     src = pay[j] if pay[j] is not None else js.lanes_flat[w][vi]
-                    if kind == _SET:
-                        row[...] = src
-                    else:
-                        np.add(row, src, out=row)
+                    todo.append((kind, vi, 1, src.reshape(1, -1)))
                 continue
             vis = [vi for vi, _ in items]
             for a, b in _runs(vis):  # a run of consecutive slot-versions: one call over slices
                 v0, m = vis[a], b - a
-                dst = vals[v0:v0 + m]
                 src = lanes[v0:v0 + m] if lanes is not None else np.stack([pay[j] for _, j in items[a:b]])
-                if kind == _SET:
-                    dst[...] = src
-                else:
-                    np.add(dst, src, out=dst)
+                todo.append((kind, v0, m, src))
+        for job, todo in prims.items():
+            vals = self.jobs[job].flat
+            step = max(1, SUM_BLOCK // vals.shape[1])
+            lo, hi = min(t[1] for t in todo), max(t[1] + t[2] for t in todo)
+            if len(todo) == 1 or len(todo) > 4 * SUM_CALLS or hi - lo <= step:
+                step = hi - lo  # one block
+            for r0 in range(lo, hi, step):
+                r1 = r0 + step
+                for kind, v0, m, src in todo:
+                    a, b = max(r0, v0), min(r1, v0 + m)
+                    if a >= b:
+                        continue
+                    dst = vals[a:b]
+                    if kind == _SET:
+                        dst[...] = src[a - v0:b - v0]
+                    else:
+                        np.add(dst, src[a - v0:b - v0], out=dst)
         for o, job, vi in reads:
             j, dst_, e, _ = out[o]
             out[o] = (j, dst_, e, self.jobs[job].flat[vi].copy())
@@ -266,6 +386,9 @@ class SMLSwitch:
 
 
 _NONE, _SET, _ADD = 0, 1, 2  # lane work of a contribution (SMLSwitch.batch)
+SUM_BLOCK = 16384  # register values the switch sums per block (64 KiB of int32: in cache; SMLSwitch._sum)
+SUM_CALLS = 16  # (above 4x this many calls per job: one pass per call, no blocks)
+ARRAY_MIN = 16  # batches of at least this many packets try the array form (SMLSwitch._batch_arrays)
 
 
 class SMLWorkerStats(Counters):
@@ -455,7 +578,127 @@ class SMLFloatWorker(SMLWorker):
         self.flush()
         return out
 
-    def start_float(self, x: np.ndarray, now: float, out: Optional[np.ndarray] = None) -> List[SMLPacket]:
+    # ------------------------------------------------------------------ array form (issue 28, pass 4)
+    def on_headers(self, bufs: Sequence[bytes], now: float) -> np.ndarray:
+        """:meth:`on_datagrams` with the shared-memory transport, in array form: the received
+        headers read as one array and handled by :meth:`_results` (the per-packet rules of
+        :meth:`SMLWorker._result` over all of them at once, no packet objects), the packets to send
+        returned as one :data:`WIRE_HEADER` array (what :meth:`SMLFormat.header_array` writes
+        for them). A batch the array form does not cover (a slot twice, malformed datagrams) goes
+        packet by packet: the same outcome either way (tests/ina/test_switchml_live_core.py)."""
+        h = self.fmt.headers(bufs) if self.results is not None else None
+        if h is not None:
+            fl = h["flags"]
+            mine = (h["job"] == self.job) & ((fl & 0x40) != 0)
+            if not mine.all():
+                h, fl = h[mine], fl[mine]
+            out = self._results(h["slot"].astype(np.int64), (h["word"] >> 8).astype(np.int64),
+                                (fl >> 7).astype(np.int64), (h["word"] & 0xFF).astype(np.int64), now)
+            if out is not None:
+                self.flush()
+                return out
+            pkts = []
+            for slot, c, ver, exp in zip(h["slot"].tolist(), (h["word"] >> 8).tolist(), (fl >> 7).tolist(),
+                                         (h["word"] & 0xFF).tolist()):
+                pkts += self._result(slot, c, ver, exp, None, now)
+            self.flush()
+            return self.fmt.header_array(pkts)
+        return self.fmt.header_array(self.on_datagrams(bufs, now))
+
+    def _results(self, slot: np.ndarray, c: np.ndarray, ver: np.ndarray, exp: np.ndarray,
+                 now: float) -> Optional[np.ndarray]:
+        """:meth:`SMLWorker._result` of results ``(slot[j], c[j], ver[j], exp[j])`` in order, lanes
+        in shared memory, as array operations; the headers of the packets they let go. None (and
+        nothing changed) when two of them name one slot: then one result's effect can change
+        another's validity, which the per-packet form decides. Otherwise every result's validity
+        depends on the state before the batch alone (a slot holds one item; items of a slot are
+        distinct), so the rules apply to all at once: a valid result marks its item, keeps its
+        exponent and lanes for :meth:`flush`, and sends its slot's next item (or frees the slot);
+        the one that completes the tensor sends nothing and clears the timers."""
+        total = len(c)
+        if self.done:
+            self.stats.dup_acks += total
+            return np.zeros(0, dtype=WIRE_HEADER)
+        n = self.n
+        inr = (c >= 0) & (c < n) & (slot >= 0) & (slot < self.pool)
+        s_in = slot[inr]
+        if len(s_in) > 1 and len(np.unique(s_in)) != len(s_in):
+            return None
+        got = np.frombuffer(self.got, dtype=np.uint8)
+        cur = np.asarray(self.cur, dtype=np.int64)
+        idx = np.flatnonzero(inr)
+        idx = idx[(got[c[idx]] == 0) & (cur[slot[idx]] == c[idx])]
+        m = len(idx)
+        self.stats.dup_acks += total - m
+        if not m:
+            return np.zeros(0, dtype=WIRE_HEADER)
+        cs, ss = c[idx], slot[idx]
+        self.stats.acks += m
+        got[cs] = 1
+        self.n_got += m
+        es, vs = exp[idx], ver[idx]
+        low = cs < self.n_chunks
+        self.shared[cs[low]] = es[low]
+        hi = cs >= self.P
+        if hi.any():
+            self._stores_a.append((cs[hi] - self.P, vs[hi], ss[hi]))
+        done = self.n_got == n
+        if done:  # the last result completes the tensor: it sends nothing and keeps its slot
+            cs, ss = cs[:-1], ss[:-1]
+        nxt = cs + self.stride
+        go = nxt < n
+        cur[ss] = np.where(go, nxt, -1)
+        self.cur = cur.tolist()
+        dl = self.deadline
+        for s in ss[~go].tolist():
+            dl[s] = None
+        out = self._send_many(ss[go], nxt[go], now)
+        if done:
+            self.done = True
+            self.timers.clear()
+        return out
+
+    def _send_many(self, slots: np.ndarray, items: np.ndarray, now: float) -> np.ndarray:
+        """:meth:`_send` (not a resend) of ``items[j]`` through ``slots[j]`` (distinct slots), lanes in
+        shared memory: the versions flip, the deadlines and timers are set, the chunks are queued for
+        quantization at :meth:`flush`; the packets' headers as one array."""
+        m = len(slots)
+        h = np.zeros(m, dtype=WIRE_HEADER)
+        if not m:
+            return h
+        uses = np.asarray(self.uses, dtype=np.int64)
+        vv = uses[slots] & 1
+        uses[slots] += 1
+        self.uses = uses.tolist()
+        ver = np.asarray(self.ver, dtype=np.int64)
+        ver[slots] = vv
+        self.ver = ver.tolist()
+        d = now + self.rto
+        sl, it = slots.tolist(), items.tolist()
+        dl = self.deadline
+        for s in sl:
+            dl[s] = d
+        self.timers.extend(zip([d] * m, sl, it))
+        self.stats.sent += m
+        P = self.P
+        data = items >= P
+        if data.any():
+            q_c = items[data]
+            chunks = self.chunks
+            for it in q_c.tolist():
+                chunks[it] = _IN_SHM
+            self._quant_a.append((q_c - P, vv[data], slots[data]))
+        h["job"] = self.job
+        h["slot"] = slots
+        h["flags"] = (vv << 7) | np.where(data, SHM_FLAG, 0x20)
+        h["worker"] = self.wid
+        e = np.zeros(m, dtype=np.int64)
+        real = items < self.n_chunks
+        e[real] = self._local_exp[items[real]]
+        h["word"] = (items << 8) | e
+        return h
+
+    def start_float(self, x: np.ndarray, now: float, out: Optional[np.ndarray] = None, headers: bool = False) -> Any:
         """Begin streaming ``x`` (finite floats, ``|x| < 2^127``); the packets to send.
 
         A float32 ``x`` stays float32 (issue 28: half the bytes per pass): scaling by a power of
@@ -466,7 +709,8 @@ class SMLFloatWorker(SMLWorker):
         result is written as it arrives (dequantized from the received lanes in one pass, issue
         28: no integer copy of the whole result, no conversion pass at the end). A chunk is
         quantized before it is sent and its result arrives after, so ``out`` may alias ``x``.
-        Default: a float64 array (:attr:`result_float`)."""
+        Default: a float64 array (:attr:`result_float`). ``headers`` (shared-memory transport): the
+        packets as one :data:`WIRE_HEADER` array (:meth:`_send_many`) instead of packet objects."""
         x = np.asarray(x).ravel()
         if x.dtype != np.float32:
             x = x.astype(np.float64, copy=False)
@@ -490,16 +734,19 @@ class SMLFloatWorker(SMLWorker):
         e[peak == 0] = EXP_MIN
         if int(e.max()) > EXP_MAX:
             raise ValueError(f"a gradient of magnitude {float(peak.max()):.3g} exceeds SwitchML's exponent range")
-        self.local_exp = (np.maximum(e, EXP_MIN) + EXP_BIAS).tolist()
+        self._local_exp = np.maximum(e, EXP_MIN) + EXP_BIAS
+        self.local_exp = self._local_exp.tolist()
         P = min(self.pool, n, self.window)
         if P + n > MAX_ITEMS:
             raise ValueError(f"{n} packets of {k} values exceed SwitchML's 24-bit packet offset: raise payload_k")
         self.P, self.n_chunks, self.stride = P, n, P
         self.n = P + n  # stream items
         self.chunks = [_EMPTY] * P + [None] * n  # type: ignore[list-item] - quantized when sent
-        self.shared = [0] * n  # the exponent (biased) chunk c was quantized with
+        self.shared = np.zeros(n, dtype=np.int64)  # the exponent (biased) chunk c was quantized with
         self._quant: List[Tuple[int, int, int]] = []  # chunks to quantize at flush: (chunk, version, slot)
         self._stores: List[Tuple[int, int, int, Optional[np.ndarray]]] = []  # results to write at flush
+        self._quant_a: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the same from the array form:
+        self._stores_a: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (chunks, versions, slots) arrays
         if self.lanes is None:  # the chunks as they travel (big-endian int32), kept while the size stays
             if self._wire is None or self._wire.shape != (n, k):
                 self._wire = np.zeros((n, k), dtype=self.fmt.wire_dtype)
@@ -515,6 +762,8 @@ class SMLFloatWorker(SMLWorker):
         self.ver = [0] * self.pool
         self.timers = deque()
         self.done = False
+        if headers and self.lanes is not None:  # the array form (:meth:`on_headers`)
+            return self._send_many(np.arange(P, dtype=np.int64), np.arange(P, dtype=np.int64), now)
         return [self._send(t, t, now, 0) for t in range(P)]
 
     keep_ints = True  # keep every chunk's aggregated integers in result_q (the live engine turns it off)
@@ -530,7 +779,7 @@ class SMLFloatWorker(SMLWorker):
             if self.lanes is None:
                 self.chunks[item] = self._wire[c]
             else:  # into this worker's shared lanes of the slot's next version (SMLWorker._send flips it)
-                self.chunks[item] = self.lanes[self.uses[slot] & 1, slot]
+                self.chunks[item] = _IN_SHM
             self._quant.append((c, self.uses[slot] & 1, slot))
         p = super()._send(slot, item, now, resend)
         p.exp = self.local_exp[item] if item < self.n_chunks else 0
@@ -556,10 +805,17 @@ class SMLFloatWorker(SMLWorker):
         if self._quant:
             q, self._quant = self._quant, []
             self._quantize([c for c, _, _ in q], [v for _, v, _ in q], [s for _, _, s in q])
+        if self._quant_a:
+            qa, self._quant_a = self._quant_a, []
+            self._quantize(*(np.concatenate([t[i] for t in qa]) if len(qa) > 1 else qa[0][i] for i in range(3)))
         if self._stores:
             st, self._stores = self._stores, []
             self._dequantize([c for c, _, _, _ in st], [v for _, v, _, _ in st], [s for _, _, s, _ in st],
                              [p for _, _, _, p in st])
+        if self._stores_a:
+            sa, self._stores_a = self._stores_a, []
+            self._dequantize(*(np.concatenate([t[i] for t in sa]) if len(sa) > 1 else sa[0][i] for i in range(3)),
+                             None)
 
     def _parts(self, c0: int, shifts: np.ndarray, dtype: Any) -> List[Tuple[int, int, bool]]:
         """Chunks ``c0, c0+1, …`` (one per shift) cut into ``(lo, hi, fast)`` ranges: fast ones are
@@ -577,7 +833,7 @@ class SMLFloatWorker(SMLWorker):
         """``q = rint(x · 2^(B−e))`` of chunks ``cs`` into their lanes: a run is, block by block, a
         multiply into a scratch that stays in cache and a rounding into the lanes (int32, or the
         wire's big-endian rows): the tensor read once, the lanes written once."""
-        sh = self.bits - (np.asarray([self.shared[c] for c in cs]) - EXP_BIAS)
+        sh = self.bits - (self.shared[cs] - EXP_BIAS)
         x, k = self._x, self.k
         body = x[:self._full * k].reshape(self._full, k)
         for a, b in _runs(cs, slots, same=vers):  # consecutive chunks through consecutive slots
@@ -602,15 +858,16 @@ class SMLFloatWorker(SMLWorker):
             t = self._tmp = np.empty((m, self.k), dtype=dtype)
         return t[:m]
 
-    def _dequantize(self, ds: List[int], vers: List[int], slots: List[int], pay: List[Optional[np.ndarray]]) -> None:
+    def _dequantize(self, ds: Any, vers: Any, slots: Any, pay: Optional[List[Optional[np.ndarray]]]) -> None:
         """``Σq · 2^(e−B)`` of chunks ``ds`` into :attr:`out`: a run is one multiply from the
-        received lanes (the switch's registers, or the datagrams') into ``out``."""
-        shm = all(p is None for p in pay)
+        received lanes (the switch's registers, or the datagrams': ``pay``, None where all are in the
+        registers) into ``out``."""
+        shm = pay is None or all(p is None for p in pay)
         rows = None if shm else np.stack([p if p is not None else self.results[v, s]  # type: ignore[index]
                                           for p, v, s in zip(pay, vers, slots)])
         k, out = self.k, self.out
         body = out[:self._full * k].reshape(self._full, k)
-        sh = np.asarray([self.shared[d] for d in ds]) - EXP_BIAS - self.bits
+        sh = self.shared[ds] - EXP_BIAS - self.bits
         for a, b in _runs(ds, slots, same=vers):
             d0, m, v, s0 = ds[a], b - a, vers[a], slots[a]
             src = self.results[v, s0:s0 + m] if shm else rows[a:b]  # type: ignore[index]
@@ -710,9 +967,15 @@ class SMLFormat:
         return h
 
     @staticmethod
-    def fields(h: np.ndarray) -> Dict[str, List[int]]:
-        """The header fields of ``h`` as lists (job, slot, ver, is_result, empty, worker, off, exp)."""
+    def fields(h: np.ndarray, arrays: bool = False) -> Dict[str, Any]:
+        """The header fields of ``h`` as lists (job, slot, ver, is_result, empty, worker, off, exp), or
+        as int64 arrays (``arrays``)."""
         fl, word = h["flags"], h["word"]
+        if arrays:
+            i8 = np.int64
+            return {"job": h["job"].astype(i8), "slot": h["slot"].astype(i8), "ver": (fl >> 7).astype(i8),
+                    "is_result": (fl >> 6 & 1).astype(i8), "empty": (fl >> 5 & 1).astype(i8),
+                    "worker": h["worker"].astype(i8), "off": (word >> 8).astype(i8), "exp": (word & 0xFF).astype(i8)}
         return {"job": h["job"].tolist(), "slot": h["slot"].tolist(), "ver": (fl >> 7).tolist(),
                 "is_result": (fl >> 6 & 1).tolist(), "empty": (fl >> 5 & 1).tolist(), "worker": h["worker"].tolist(),
                 "off": (word >> 8).tolist(), "exp": (word & 0xFF).tolist()}

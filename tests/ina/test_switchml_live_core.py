@@ -56,11 +56,17 @@ def _run(xs: List[np.ndarray], pool: int, k: int, loss: float, seed: int, rounds
                     data = fmt.encode(r)
                     down += [(r.dst, data)] if r.dst >= 0 else [(w, data) for w in range(W)]
             up = []
+            got: List[List[bytes]] = [[] for _ in range(W)]
             for w, data in down:
                 if rng.random() < loss:
                     dropped += 1
                     continue
-                up += [fmt.encode(p) for p in ws[w].on_bytes(data, now)]
+                got[w].append(data)
+            for w in range(W):  # shm: each worker's results as one batch, in array form (SMLEngine's path)
+                if shm and got[w]:
+                    up += fmt.split(ws[w].on_headers(got[w], now).tobytes())
+                else:
+                    up += [fmt.encode(p) for data in got[w] for p in ws[w].on_bytes(data, now)]
             if not up and not all(w.done for w in ws):  # quiet: the earliest per-slot timeout
                 now = min(d for w in ws if (d := w.next_deadline()) is not None)
                 up = [fmt.encode(p) for w in ws for p in w.poll(now)]
@@ -142,3 +148,123 @@ def test_frames_cut_back_exactly_and_batches_keep_order():
     back = [sml.decode(p) for p in sml.split(b"".join(mixed))]
     assert [p.payload.size for p in back] == [0, 32, 0] and back[1].exp == 130 and back[1].off == 9
     assert np.array_equal(back[1].payload, full.payload) and back[2].slot == probes[1].slot
+
+
+def _state(js: SMLSwitchJob) -> tuple:
+    return (list(js.seen), list(js.count), list(js.exp), dict(js.stats), js.values.copy())
+
+
+def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
+    """``SMLSwitch.batch`` decides large batches with array operations (issue 28, pass 4) and
+    falls back to its per-packet loop where one packet's decision depends on another's: on
+    random batches — retransmissions, stale versions, duplicates, exponent-only and lane
+    packets, unknown slots and workers, UDP payloads and shared lanes — the results, the state
+    and the registers equal those of the same packets sent one at a time."""
+    monkeypatch.setattr(core, "ARRAY_MIN", 2)
+    rng = np.random.default_rng(11)
+    W, pool, k = 3, 4, 8
+    lanes = [rng.integers(-1000, 1000, size=(2, pool, k), dtype=np.int32) for _ in range(W)]
+    ref, arr = SMLSwitch(), SMLSwitch()
+    for sw in (ref, arr):
+        sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), lanes=lanes)
+    fast = 0
+    for step in range(400):
+        m = int(rng.integers(2, 24))
+        if step % 2:  # a realistic batch: one version per slot, each worker once, a few retransmissions
+            v = int(rng.integers(0, 2))
+            cells = [(s, w) for s in range(pool) for w in range(W)]
+            pick = rng.permutation(len(cells))[:m]
+            f = dict(job=[1] * len(pick), slot=[cells[i][0] for i in pick], ver=[v] * len(pick), is_result=[0] * len(pick),
+                     worker=[cells[i][1] for i in pick])
+        else:
+            f = dict(job=[1 if rng.random() > 0.03 else 2 for _ in range(m)], slot=rng.integers(0, pool + 1, m).tolist(),
+                     ver=rng.integers(0, 2, m).tolist(), is_result=(rng.random(m) < 0.03).astype(int).tolist(),
+                     worker=rng.integers(0, W + 1, m).tolist())
+        n = len(f["job"])
+        f["exp"] = rng.integers(100, 160, n).tolist()
+        f["empty"] = (rng.random(n) < 0.2).astype(int).tolist()
+        udp = step % 5 == 0
+        f["payload"] = [rng.integers(-1000, 1000, k, dtype=np.int32) if udp and not e else None for e in f["empty"]]
+        before = arr.unknown, dict(arr.jobs[1].stats)
+        # (the live role passes the header fields as arrays: SMLFormat.fields(h, arrays=True))
+        got = arr.batch(**{x: (np.asarray(v) if step % 3 == 0 and x != "payload" else v) for x, v in f.items()})
+        want = []
+        for j in range(n):  # one at a time: what the simulator does
+            for _, d, e, row in ref.batch(*([f[x][j]] for x in ("job", "slot", "ver", "is_result", "worker", "exp",
+                                                                  "empty", "payload"))):
+                want.append((j, d, e, row))
+        assert [(j, d, e) for j, d, e, _ in got] == [(j, d, e) for j, d, e, _ in want]
+        assert all((a is None) == (b is None) and (a is None or np.array_equal(a, b))
+                   for (*_, a), (*_, b) in zip(got, want))
+        sa, sr = _state(arr.jobs[1]), _state(ref.jobs[1])
+        assert sa[:4] == sr[:4] and np.array_equal(sa[4], sr[4]) and arr.unknown == ref.unknown
+        fast += step % 2 and (arr.unknown, dict(arr.jobs[1].stats)) != before
+    assert fast > 100 and arr.jobs[1].stats["complete"] > 50 and arr.jobs[1].stats["result_unicast"] > 10
+
+
+def test_worker_array_form_equals_the_per_packet_form():
+    """``SMLFloatWorker.on_headers`` (the engine's shared-memory path: headers in and out as
+    arrays, issue 28 pass 4) against ``on_datagrams`` (packet by packet) on twin workers fed
+    the same batches of a run with 15% loss, per-slot timeouts and duplicated results: the same
+    packets to send, the same protocol state, the same lanes quantized and the same results,
+    bit for bit."""
+    rng = np.random.default_rng(7)
+    W, pool, k = 3, 4, 16
+    fmt = SMLFormat(k, shm=True)
+    regs = np.zeros((2, pool, k), dtype=np.int32)
+    sw = SMLSwitch()
+    sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), values=regs)
+    lanes = [np.zeros((2, pool, k), dtype=np.int32) for _ in range(W)]
+    twin_lanes = [np.zeros((2, pool, k), dtype=np.int32) for _ in range(W)]
+    ws = [SMLFloatWorker(1, w, W, pool, k, rto=1.0, lanes=lanes[w], results=regs) for w in range(W)]
+    tw = [SMLFloatWorker(1, w, W, pool, k, rto=1.0, lanes=twin_lanes[w], results=regs) for w in range(W)]
+
+    def same(a: SMLFloatWorker, b: SMLFloatWorker) -> None:
+        for x in ("cur", "ver", "uses", "deadline", "n_got", "done"):
+            assert getattr(a, x) == getattr(b, x), x
+        assert list(a.timers) == list(b.timers) and bytes(a.got) == bytes(b.got)
+        assert np.array_equal(a.shared, b.shared) and np.array_equal(a.out, b.out)
+        assert [getattr(a.stats, s) for s in a.stats.__slots__] == [getattr(b.stats, s) for s in b.stats.__slots__]
+
+    dups = 0
+    for rnd in range(3):
+        xs = [rng.normal(size=150) * 10.0 ** (w - 1) for w in range(W)]
+        now = float(rnd)
+        up = []
+        for w in range(W):
+            h = ws[w].start_float(xs[w], now, out=np.zeros(150), headers=True)
+            assert h.tobytes() == fmt.header_array(tw[w].start_float(xs[w], now, out=np.zeros(150))).tobytes()
+            up += fmt.split(h.tobytes())
+        while not all(w.done for w in ws):
+            got: List[List[bytes]] = [[] for _ in range(W)]
+            for buf in up:
+                if rng.random() < 0.15:
+                    continue
+                p = fmt.decode(buf)
+                if p.payload is None:  # lanes in shared memory (the switch reads them there)
+                    p.payload = lanes[p.worker][p.ver, p.slot]
+                for r in sw(p, None):
+                    for w in ([r.dst] if r.dst >= 0 else range(W)):
+                        if rng.random() >= 0.15:
+                            got[w] += [fmt.encode(r)] * (2 if rng.random() < 0.05 else 1)
+            up = []
+            for w in range(W):
+                if got[w]:
+                    dups += len(got[w]) != len(set(got[w]))
+                    h = ws[w].on_headers(got[w], now)
+                    assert h.tobytes() == fmt.header_array(tw[w].on_datagrams(got[w], now)).tobytes()
+                    assert np.array_equal(lanes[w], twin_lanes[w])
+                    same(ws[w], tw[w])
+                    up += fmt.split(h.tobytes())
+            if not up and not all(w.done for w in ws):
+                now = min(d for w in ws if (d := w.next_deadline()) is not None)
+                for w in range(W):
+                    a, b = ws[w].poll(now), tw[w].poll(now)
+                    assert fmt.header_array(a).tobytes() == fmt.header_array(b).tobytes()
+                    ws[w].flush(), tw[w].flush()
+                    up += [fmt.encode(p) for p in a]
+        for w in range(W):
+            same(ws[w], tw[w])
+    assert dups > 0 and sum(w.stats.timeouts for w in ws) > 0
+    total = np.sum(xs, axis=0)
+    assert np.abs(ws[0].out - total).max() <= 3 * 2.0 ** (max(ws[0].shared) - EXP_BIAS - ws[0].bits)

@@ -358,7 +358,7 @@ class SMLEngine(Engine):
         """The sum over the job's workers: ``Σq · 2^(e−B)`` per chunk (exact integer sums)."""
         w = self.worker
         try:
-            pkts = w.start_float(x, time.monotonic(), out=x)  # results overwrite x chunk by chunk
+            pkts = w.start_float(x, time.monotonic(), out=x, headers=True)  # results overwrite x chunk by chunk
         except ValueError as e:
             who = f"rank {self.ranks[self.wid]} has " if "NaN/inf" in str(e) else ""
             raise AggregationError(f"SwitchML job {self.job}: {who}{e}") from None
@@ -369,13 +369,18 @@ class SMLEngine(Engine):
         return x
 
     def _receive(self, bufs: List[bytes], now: float) -> List[Any]:
+        if self.fmt.shm:  # headers in, headers out: the array form (issue 28, pass 4)
+            return self.worker.on_headers(bufs, now)  # type: ignore[return-value]
         return self.worker.on_datagrams(bufs, now)  # the whole batch at once (issue 28)
 
-    def _send(self, pkts: List[Any]) -> None:
-        if not (pkts and self.fmt.shm):
+    def _send(self, pkts: Any) -> None:
+        if not len(pkts):
+            return
+        if not self.fmt.shm:
             super()._send(pkts)
             return
-        data = self.fmt.header_array(pkts).tobytes()  # headers only: encoded as one array
+        hdr = pkts if isinstance(pkts, np.ndarray) else self.fmt.header_array(pkts)
+        data = hdr.tobytes()  # headers only: encoded as one array
         step = MAX_DATAGRAM // self.fmt.header_bytes * self.fmt.header_bytes
         for i in range(0, len(data), step):
             self._put(data[i:i + step])

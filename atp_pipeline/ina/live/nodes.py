@@ -222,10 +222,11 @@ class SMLSwitchNode(Role):
             pkts = [pkts[i] for i in keep] if pkts is not None else None
         if not len(hdr):
             return
-        f = fmt.fields(hdr)
+        f = fmt.fields(hdr, arrays=True)  # (the switch function decides large batches on arrays)
         jp = self.job_packets
-        for j in set(f["job"]):
-            jp[j] = jp.get(j, 0) + f["job"].count(j)
+        jobs = f["job"].tolist()
+        for j in set(jobs):
+            jp[j] = jp.get(j, 0) + jobs.count(j)
         payload = [p.payload for p in pkts] if pkts is not None else [None] * len(hdr)
         out = self.sml.batch(f["job"], f["slot"], f["ver"], f["is_result"], f["worker"], f["exp"], f["empty"],
                              payload)
@@ -236,7 +237,7 @@ class SMLSwitchNode(Role):
             res = fmt.results(hdr, [r[0] for r in out], [r[2] for r in out])
             groups: Dict[Tuple[int, int], List[int]] = {}
             for n, (j, d, _, _) in enumerate(out):
-                groups.setdefault((f["job"][j], d), []).append(n)
+                groups.setdefault((jobs[j], d), []).append(n)
             per = MAX_DATAGRAM // fmt.header_bytes
             for (job, d), idx in groups.items():
                 workers = self.routes[job]
