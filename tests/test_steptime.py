@@ -370,6 +370,10 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
                               dataclasses.replace(bare, sync=cp.SyncFit(50e-6)))
     assert not two.host_bound and two.compute_s == pytest.approx(halved.compute_s)
     assert prof.sync_factor(2) == 0.5 and prof.sync_factor(4) == 1.0 and two.total_comm_s < halved.total_comm_s
+    skew = dataclasses.replace(prof, sync=cp.SyncFit(100e-6, 0.5))  # per_compute: only where ranks share cores
+    assert st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), skew).step_s == pytest.approx(two.step_s)
+    assert st.estimate_step(four, GPT, (2, 2), st.StepSetting(), skew).timeline_s > est.timeline_s
+    assert not prof.skewed(2) and prof.skewed(4) and dataclasses.replace(prof, kernel_time="wall").skewed(2)
     own = dataclasses.replace(prof, comm_contention={2: 0.25, 4: 1.0})  # the collectives' own factor
     assert own.comm_factor(2) == 0.25 and own.sync_factor(2) == 0.25 and own.contention_factor(2) == 0.5
     assert cp.ComputeProfile.from_config(own.to_config()).comm_contention == {2: 0.25, 4: 1.0}
@@ -393,6 +397,11 @@ def test_a_collective_in_flight_takes_its_backends_busy_share_of_the_overlap():
         tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
         got.append(tl.now)
     assert got[0] == pytest.approx(got[1]) == pytest.approx(10e-6 + 0.75 * 4e-6)
+    # the backend's CPU per call (2 us over the 4 us transfer: half a core) adds to its busy share
+    per_call = dataclasses.replace(busy, collective_cpu=cp.CollectiveCPU({2: 0.25}, 2e-6))
+    tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), per_call, 4)
+    tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
+    assert tl.now == pytest.approx(got[0]) and tl.coll_cpu == pytest.approx(2e-6 + 0.25 * 3e-6)  # and its 3 us wait
 
 
 def test_collective_cpu_is_fitted_from_the_probe_steps_with_and_without_collectives():

@@ -210,6 +210,14 @@ class ComputeProfile:
         CPU-priced profile, the timeline's for a wall-priced one."""
         return self.comm_factor(processes) if self.kernel_time == "cpu" else self.alone_factor(processes)
 
+    def skewed(self, processes: int) -> bool:
+        """Whether ranks reach a collective apart by a share of the compute before it (the sync
+        term's ``per_compute``): where they share cores (more processes than cores), as the
+        calibration's loops measured it; with a core each (a CPU-priced profile), they run the
+        same compute in step and only the sync term's ``alpha`` stays. A wall-priced profile:
+        always (as it was calibrated)."""
+        return self.kernel_time != "cpu" or self.oversubscribed(processes)
+
     def comm_factor(self, processes: int) -> float:
         """The factor of the calibrated collectives' times (α-β, measured with the calibration's
         processes on the host) with ``processes`` on it: the collectives' own measured factor

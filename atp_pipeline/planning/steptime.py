@@ -49,12 +49,14 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
 
 * **More processes than cores** (the profile's ``cores``): ranks do not compute all at
   once — while one waits in a collective another computes on its core. So a rank's timeline
-  runs its kernels at the speed of a rank with a core to itself (the contention factor at
-  ``min(processes, cores)``) and its collectives at their calibrated times; and the step is no
-  less than every rank's CPU over the cores: the rank's compute plus the CPU its collective
-  backend keeps busy while it waits (:class:`~atp_pipeline.planning.compute_profile.CollectiveCPU`,
-  a share of a core per group size, from the probe steps' CPU with and without their
-  collectives), at the shared speed (the contention factor at ``processes``). The same busy
+  runs its kernels at the speed of a rank with a core to itself (a CPU-priced profile,
+  ``kernel_time: cpu``: their CPU time; a wall-priced one: the contention factor at
+  ``min(processes, cores)``) and its collectives at their calibrated times (× the collectives'
+  contention factor at ``processes``); and the step is no less than every rank's CPU shared
+  over the cores (:meth:`ComputeProfile.host_factor`: ``processes / cores``): the rank's compute
+  plus its collectives' backend CPU (:class:`~atp_pipeline.planning.compute_profile.CollectiveCPU`:
+  per call and byte, and a share of a core per group size while it waits, from the probe steps'
+  CPU with and without their collectives). The same busy
   share is what a collective in flight takes from the compute overlapping it (§4.1/§4.2
   overlap), where the profile has it (else the loops' ``1 - hidden``).
 
@@ -87,6 +89,7 @@ from atp_pipeline.planning.step_program import Coll, Item, Program, stages, buil
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]
+Flight = Tuple[float, float, float, int, float]  # a collective in flight: start, end, end of its real transfer, dimension, its backend's CPU
 
 
 @dataclass
@@ -96,6 +99,7 @@ class _Timeline:
     q: int
     scale: float = 1.0  # the factor of the profile's kernel times on this rank's timeline
     sync_scale: float = 1.0  # the factor of its sync term (a collective's extra)
+    skew: bool = True  # ranks reach a collective apart by a share of the compute before it (they share cores)
     now: float = 0.0
     compute: float = 0.0
     comm_total: float = 0.0
@@ -106,34 +110,37 @@ class _Timeline:
     since: float = 0.0  # compute since this rank's previous collective
     link_free: Dict[int, float] = field(default_factory=dict)
 
-    def launch(self, c: Coll) -> Tuple[float, float, float, int]:
+    def launch(self, c: Coll) -> Flight:
         """Start a collective now (after the ones in flight on its dimension); ``(start, end,
-        end of its real transfer, its dimension)`` (an emulated link's remaining time is a sleep)."""
+        end of its real transfer, its dimension, its backend's CPU)`` (an emulated link's
+        remaining time is a sleep)."""
         nbytes = float(c.elements) * self.q
         bare = self.clock.seconds(c.term.collective, c.term.dim, nbytes)
         dur = real = bare
+        cpu = 0.0
         if bare > 0:
             fw = self.scale * self.profile.collective_framework_seconds(nbytes)  # the rank's CPU, before launch
             self.now += fw
             self.compute += fw
             self.dispatch += fw
             self.since += fw
-            extra = self.sync_scale * self.profile.sync_seconds(self.since)
+            extra = self.sync_scale * self.profile.sync_seconds(self.since if self.skew else 0.0)
             dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
             real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
                     if self.clock.emulated is not None else dur)
             self.sync += dur - bare
             self.since = 0.0
             if self.profile.collective_cpu is not None:  # its backend's CPU (in the transfer's time)
-                self.coll_cpu += self.scale * self.profile.collective_cpu.call_seconds(nbytes)
+                cpu = self.scale * self.profile.collective_cpu.call_seconds(nbytes)
+                self.coll_cpu += cpu
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur
         self.link_free[c.term.dim] = end
         self.comm_total += dur
-        return start, end, start + real, c.term.dim
+        return start, end, start + real, c.term.dim, cpu
 
-    def run(self, items: Sequence[Item], pending: List[Tuple[float, float, float, int]]) -> None:
-        joined: List[Tuple[float, float, float, int]] = []
+    def run(self, items: Sequence[Item], pending: List[Flight]) -> None:
+        joined: List[Flight] = []
         for item in items:
             tag = item[0]
             if tag == "k":
@@ -159,13 +166,14 @@ class _Timeline:
             else:  # pragma: no cover - the builders emit only the tags above
                 raise ValueError(f"unknown schedule item {tag!r}")
 
-    def wait(self, pending: List[Tuple[float, float, float, int]]) -> None:
-        """Wait for collectives in flight ``(start, end, end of the real transfer, dimension)``: the
-        compute that ran during a real transfer is late by the share ``1 - hidden`` of that
-        overlap (the transfer took CPU from it); the clock moves to that or the last end."""
+    def wait(self, pending: List[Flight]) -> None:
+        """Wait for collectives in flight (:data:`Flight`): the compute that ran during a real
+        transfer is late by the share of that overlap the transfer took from it (:meth:`stolen`;
+        its backend's CPU spread over the transfer besides); the clock moves to that or the last end."""
         if pending:
-            steal = sum(self.stolen(d) * max(0.0, min(self.now, r) - i) for i, _, r, d in pending)
-            last = max(self.now, *(e for _, e, _, _ in pending))
+            steal = sum(min(1.0, self.stolen(d) + (cpu / (r - i) if r > i else 0.0)) * max(0.0, min(self.now, r) - i)
+                        for i, _, r, d, cpu in pending)
+            last = max(self.now, *(e for _, e, _, _, _ in pending))
             now = max(self.now + steal, last)
             self.sync += now - last
             self.comm_total += now - last
@@ -191,7 +199,7 @@ class _Timeline:
 def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
     """Chunks' stages (``stages[chunk][stage]``) as the runtime's wavefront runs them: chunks
     take turns stage by stage; a chunk waits for its collectives in flight when its turn comes."""
-    pending: List[List[Tuple[float, float, float, int]]] = [[] for _ in stages]
+    pending: List[List[Flight]] = [[] for _ in stages]
     for st in range(max(len(s) for s in stages)):
         for c, chunk in enumerate(stages):
             if st < len(chunk):
@@ -214,8 +222,9 @@ def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per
 
 
 def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
-         scale: float = 1.0, sync_scale: Optional[float] = None) -> "_Timeline":
-    tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale)
+         scale: float = 1.0, sync_scale: Optional[float] = None, skew: bool = True) -> "_Timeline":
+    tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale,
+                   skew=skew)
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [stages(items) for items in layer])
@@ -288,7 +297,8 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     shared = profile.comm_factor(processes)  # the collectives as calibrated, at the run's processes
     alone = profile.timeline_factor(processes)  # a rank's kernels with a core to itself
     clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, shared)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, alone, profile.sync_factor(processes))
+    tl = _run(prog, clock, profile, shape.bytes_per_element, alone, profile.sync_factor(processes),
+              profile.skewed(processes))
     cpu = tl.compute + tl.coll_cpu
     path, compute = tl.now, tl.compute
     host_bound = False
