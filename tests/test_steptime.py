@@ -398,7 +398,7 @@ def test_a_collective_in_flight_takes_its_backends_busy_share_of_the_overlap():
         got.append(tl.now)
     assert got[0] == pytest.approx(got[1]) == pytest.approx(10e-6 + 0.75 * 4e-6)
     # the backend's CPU per call (2 us over the 4 us transfer: half a core) adds to its busy share
-    per_call = dataclasses.replace(busy, collective_cpu=cp.CollectiveCPU({2: 0.25}, 2e-6))
+    per_call = dataclasses.replace(busy, collective_cpu=cp.CollectiveCPU({2: 0.25}, {2: 2e-6}))
     tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), per_call, 4)
     tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
     assert tl.now == pytest.approx(got[0]) and tl.coll_cpu == pytest.approx(2e-6 + 0.25 * 3e-6)  # and its 3 us wait
@@ -490,27 +490,33 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
 
 
 def test_collectives_cpu_fit_recovers_busy_shares_and_per_call_costs_exactly():
-    """live CPU - collective-free CPU = busy[size] x waited[size] + calls x c + bytes x b: the fit
-    gives the terms back; on the timeline each call adds c + bytes x b to the rank's CPU."""
+    """live CPU - collective-free CPU = busy[size] x waited[size] + calls[size] x c[size] + bytes x b:
+    the fit gives the terms back; on the timeline each call adds c[size] + bytes x b to the rank's CPU."""
     from atp_pipeline.run import calibrate_compute as cc
 
-    busy, c, b = {2: 0.3, 4: 0.1}, 400e-6, 2e-9
+    busy, per_call, b = {2: 0.3, 4: 0.1}, {2: 300e-6, 4: 500e-6}, 2e-9
     skip, live, calls = [], [], []
-    for i, (w2, w4, m, nb) in enumerate([(0.01, 0.0, 10, 1e5), (0.0, 0.02, 20, 4e5), (0.005, 0.01, 40, 2e5),
-                                         (0.02, 0.03, 15, 8e5), (0.001, 0.002, 60, 1e6)]):
+    for i, (w2, w4, m2, m4, nb) in enumerate([(0.01, 0.0, 10, 0, 1e5), (0.0, 0.02, 0, 20, 4e5),
+                                              (0.005, 0.01, 40, 5, 2e5), (0.02, 0.03, 15, 30, 8e5),
+                                              (0.001, 0.002, 60, 2, 1e6), (0.003, 0.0, 7, 0, 3e6)]):
         base = 0.05 + 0.01 * i
         skip.append(cc.Timed(base, base, {}))
-        live.append(cc.Timed(2 * base, base + busy[2] * w2 + busy[4] * w4 + m * c + nb * b, {2: w2, 4: w4}))
-        calls.append((m, nb))
+        cpu = base + busy[2] * w2 + busy[4] * w4 + m2 * per_call[2] + m4 * per_call[4] + nb * b
+        live.append(cc.Timed(2 * base, cpu, {2: w2, 4: w4}))
+        calls.append(({2: m2, 4: m4}, nb))
     got = cc.fit_collective_cpu(skip, live, calls)
-    assert got.busy == pytest.approx(busy, rel=1e-6) and (got.per_call_s, got.per_byte_s) == pytest.approx((c, b), rel=1e-6)
-    prof = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.0}, c, b))
+    assert got.busy == pytest.approx(busy, rel=1e-6) and got.per_call == pytest.approx(per_call, rel=1e-6)
+    assert got.per_byte_s == pytest.approx(b, rel=1e-6)
+    prof = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.0}, {2: 400e-6}, b))
     back = cp.ComputeProfile.from_config(prof.to_config()).collective_cpu
-    assert (back.per_call_s, back.per_byte_s) == pytest.approx((c, b), rel=1e-9)
+    assert back.per_call == pytest.approx({2: 400e-6}, rel=1e-9) and back.per_byte_s == pytest.approx(b, rel=1e-9)
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
     tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
     tl.run([("sync", sp.Coll(term, Fraction(1), 1000)), ("sync", sp.Coll(term, Fraction(1), 1000))], [])
-    assert tl.coll_cpu == pytest.approx(2 * (c + 4000 * b))
+    assert tl.coll_cpu == pytest.approx(2 * (400e-6 + 4000 * b))
+    calls, nbytes = cc.plan_calls(GPT, (2, 2), 1)
+    assert set(calls) == {2} and calls[2] == len([i for i in sp.all_items(sp.build_program(GPT, (2, 2), GPT.batch_size, 1)[0])
+                                                  if i[0] in ("sync", "async", "linear")]) and nbytes > 0
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():

@@ -74,29 +74,35 @@ class CollectiveCPU:
     cores, however much of a rank's waiting other ranks' compute fills. Calibrated from the
     probe models' steps with and without their collectives: the CPU time they differ by over
     the time the ranks waited in the collectives of each group size, and per collective call
-    ``per_call_s`` plus ``per_byte_s`` per byte it moves (the backend's copies, reductions and
-    the loopback's syscalls, whatever the wait; 0 in a profile calibrated without them)."""
+    ``per_call[size]`` plus ``per_byte_s`` per byte it moves (the backend's copies, reductions
+    and the loopback's syscalls, whatever the wait; none in a profile calibrated without them)."""
 
     busy: Mapping[int, float]
-    per_call_s: float = 0.0
+    per_call: Mapping[int, float] = field(default_factory=dict)
     per_byte_s: float = 0.0
 
-    def call_seconds(self, nbytes: float) -> float:
-        """The CPU one collective call moving ``nbytes`` costs its rank's backend."""
-        return self.per_call_s + nbytes * self.per_byte_s
+    def call_seconds(self, size: int, nbytes: float) -> float:
+        """The CPU one collective call of a ``size``-rank group moving ``nbytes`` costs its rank's backend."""
+        return _by_size(self.per_call, size) + nbytes * self.per_byte_s
 
     def share(self, size: int) -> float:
         """The busy share in a ``size``-rank group: the calibrated size's, linear in the size
         between calibrated sizes, the nearest one's beyond them."""
-        if size <= 1 or not self.busy:
-            return 0.0
-        pts = sorted(self.busy.items())
-        if size <= pts[0][0]:
-            return pts[0][1]
-        if size >= pts[-1][0]:
-            return pts[-1][1]
-        return next(c0 + (c1 - c0) * (size - s0) / (s1 - s0)
-                    for (s0, c0), (s1, c1) in zip(pts, pts[1:]) if s0 <= size <= s1)
+        return _by_size(self.busy, size)
+
+
+def _by_size(values: Mapping[int, float], size: int) -> float:
+    """A per-group-size value at ``size``: the calibrated size's, linear in the size between
+    calibrated sizes, the nearest one's beyond them (0 for a group of one or none calibrated)."""
+    if size <= 1 or not values:
+        return 0.0
+    pts = sorted(values.items())
+    if size <= pts[0][0]:
+        return pts[0][1]
+    if size >= pts[-1][0]:
+        return pts[-1][1]
+    return next(c0 + (c1 - c0) * (size - s0) / (s1 - s0)
+                for (s0, c0), (s1, c1) in zip(pts, pts[1:]) if s0 <= size <= s1)
 
 
 @dataclass(frozen=True)
@@ -281,9 +287,10 @@ class ComputeProfile:
         if self.collective_cpu is not None:
             parts.append("waiting in a collective keeps " + ", ".join(
                 f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items()))
-                + (f", its backend's CPU {self.collective_cpu.per_call_s * 1e6:.0f} us + "
-                   f"{self.collective_cpu.per_byte_s * 1e9:.3f} ns/B per call"
-                   if self.collective_cpu.per_call_s or self.collective_cpu.per_byte_s else ""))
+                + (", its backend's CPU per call " + ", ".join(
+                    f"{v * 1e6:.0f} us ({k} ranks)" for k, v in sorted(self.collective_cpu.per_call.items()))
+                   + f" + {self.collective_cpu.per_byte_s * 1e9:.3f} ns/B"
+                   if self.collective_cpu.per_call or self.collective_cpu.per_byte_s else ""))
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})"
@@ -387,11 +394,12 @@ class ComputeProfile:
                 if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
                     raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
                                       f"got {busy}")
-                collective_cpu = CollectiveCPU(busy, float(cd.get("per_call_us", 0.0)) * 1e-6,
-                                               float(cd.get("per_byte_ns", 0.0)) * 1e-9)
-                if not (min(collective_cpu.per_call_s, collective_cpu.per_byte_s) >= 0 and all(
-                        math.isfinite(x) for x in (collective_cpu.per_call_s, collective_cpu.per_byte_s))):
-                    raise ConfigError(f"{where}.collective_cpu: per_call_us, per_byte_ns must be finite >= 0")
+                per_call = {int(k): float(v) * 1e-6 for k, v in dict(cd.get("per_call_us") or {}).items()}
+                collective_cpu = CollectiveCPU(busy, per_call, float(cd.get("per_byte_ns", 0.0)) * 1e-9)
+                vals = [*per_call.values(), collective_cpu.per_byte_s]
+                if not (min(vals) >= 0 and all(math.isfinite(x) for x in vals) and all(k >= 2 for k in per_call)):
+                    raise ConfigError(f"{where}.collective_cpu: per_call_us (group size >= 2 -> us), per_byte_ns "
+                                      f"must be finite >= 0")
             contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
             if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
                 raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
@@ -434,9 +442,10 @@ class ComputeProfile:
                              "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
                 **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())},
-                                       **({"per_call_us": g(self.collective_cpu.per_call_s * 1e6),
+                                       **({"per_call_us": {int(k): g(v * 1e6)
+                                                           for k, v in sorted(self.collective_cpu.per_call.items())},
                                            "per_byte_ns": g(self.collective_cpu.per_byte_s * 1e9)}
-                                          if self.collective_cpu.per_call_s or self.collective_cpu.per_byte_s else {})}}
+                                          if self.collective_cpu.per_call or self.collective_cpu.per_byte_s else {})}}
                    if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}

@@ -534,12 +534,16 @@ def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], ch
     return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes
 
 
-def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Tuple[int, float]:
-    """A plan's collective calls in its forward and backward and the bytes they move (what
-    :func:`plan_features` counts)."""
+def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Tuple[Dict[int, int], float]:
+    """A plan's collective calls in its forward and backward by group size, and the bytes they
+    move (what :func:`plan_features` counts)."""
     prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
     colls = [it[1] for it in all_items(prog) if it[0] in ("sync", "async", "linear")]
-    return len(colls), float(sum(c.elements for c in colls)) * shape.bytes_per_element
+    calls: Dict[int, int] = {}
+    for c in colls:
+        size = mesh[0] if c.term.dim == 1 else mesh[1]
+        calls[size] = calls.get(size, 0) + 1
+    return calls, float(sum(c.elements for c in colls)) * shape.bytes_per_element
 
 
 def framework_seconds(fw: Framework, features: Tuple[float, int, int, float]) -> float:
@@ -600,21 +604,24 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
 
 
 def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
-                       calls: Optional[Sequence[Tuple[int, float]]] = None) -> Optional[CollectiveCPU]:
+                       calls: Optional[Sequence[Tuple[Mapping[int, int], float]]] = None) -> Optional[CollectiveCPU]:
     """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
     the same plan): the CPU a step's collectives add on a rank, ``live.cpu - skip.cpu``, is
     ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in, plus, with
-    ``calls`` (each plan's collective calls and the bytes they move), ``m·c + B·b`` (the
-    backend's CPU per call and byte); non-negative least squares (each plan's row over its
-    live CPU, so short and long steps count alike), shares clipped to [0, 1]. None without
-    waits (a world of one process)."""
+    ``calls`` (each plan's collective calls by group size and the bytes they move),
+    ``Σ calls[size] · c[size] + B·b`` (the backend's CPU per call and byte); non-negative least
+    squares (each plan's row over its live CPU, so short and long steps count alike), shares
+    clipped to [0, 1]. None without waits (a world of one process)."""
     sizes = sorted({s for t in live for s, w in t.waits.items() if w > 0})
+    call_sizes = sorted({s for m, _ in calls for s in m}) if calls is not None else []
     rows, ys = [], []
     for i, (sk, lv) in enumerate(zip(skip, live)):
         total = sum(lv.waits.get(s, 0.0) for s in sizes)
         if total <= 0:
             continue
-        row = [lv.waits.get(s, 0.0) for s in sizes] + (list(calls[i]) if calls is not None else [])
+        row = [lv.waits.get(s, 0.0) for s in sizes]
+        if calls is not None:
+            row += [float(calls[i][0].get(s, 0)) for s in call_sizes] + [calls[i][1]]
         rows.append([x / lv.cpu for x in row])
         ys.append((lv.cpu - sk.cpu) / lv.cpu)
     if not rows:
@@ -623,7 +630,8 @@ def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
     busy = {s: float(min(1.0, v)) for s, v in zip(sizes, x)}
     if calls is None:
         return CollectiveCPU(busy)
-    return CollectiveCPU(busy, float(x[len(sizes)]), float(x[len(sizes) + 1]))
+    n = len(sizes)
+    return CollectiveCPU(busy, {s: float(v) for s, v in zip(call_sizes, x[n:n + len(call_sizes)])}, float(x[-1]))
 
 
 def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
