@@ -45,9 +45,10 @@ _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_atte
 _KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 _FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "inner_hidden_size",
-        "decoder_ffn_dim", "encoder_ffn_dim", "dim_feedforward", "mlp_dim", "hidden_dim", "ffn_hidden_dim")
+        "decoder_ffn_dim", "encoder_ffn_dim", "dim_feedforward", "mlp_dim", "hidden_dim", "ffn_hidden_dim",
+        "shared_intermediate_size", "expert_ffn_hidden_size")
 _POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
-_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
 _LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 TINY = dict(hidden=64, heads=8, kv=4, head_dim=8, layers=2, ffn=96, positions=64, experts=4)
 
@@ -89,6 +90,21 @@ def _shrink(config: Any) -> None:
             d[k] = TINY["ffn"]  # (unset, or not split over 4 ranks: DeepSeek-V2's experts' 1407)
     if d.get("rope_parameters") == {} and isinstance(d.get("layer_types"), list):
         d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(d["layer_types"])}
+    for k, v in list(d.items()):  # layer groups and a looped span of layers: within the tiny stack (its last layer)
+        if isinstance(v, int) and not isinstance(v, bool) and layers_before:
+            if k.startswith("n_layers_per_"):
+                d[k] = 1
+            elif k.endswith("layer_index_start"):
+                d[k] = TINY["layers"] - 1
+            elif k.endswith("layer_index_end"):
+                d[k] = TINY["layers"]
+    if all(isinstance(d.get(k), int) for k in ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
+        # a Mamba-2 mixer's heads tile its expanded width (mamba_expand x hidden = heads x head size)
+        d["mamba_n_heads"] = TINY["heads"]
+        d["mamba_d_head"] = d["mamba_expand"] * TINY["hidden"] // TINY["heads"]
+        d.update({k: 16 for k in ("mamba_d_state", "mamba_chunk_size") if isinstance(d.get(k), int)})
+        if isinstance(d.get("mamba_d_ssm"), int):  # the expanded width, where a config gives it
+            d["mamba_d_ssm"] = d["mamba_expand"] * TINY["hidden"]
     if isinstance(d.get("rotary_dim"), int):
         d["rotary_dim"] = TINY["head_dim"] // 2  # partial rotary, as GPT-J and CodeGen ship it
     if isinstance(d.get("vocab_size"), int):

@@ -84,20 +84,21 @@ def test_shape_is_read_from_the_model():
 
 
 def test_unsupported_family_is_one_line():
-    """A family whose declared layout ATP does not cover (a module whose output transformers
-    all-reduces by hand: ``all_reduce``) is refused in one line that names the model type, the
-    declaration and what to do."""
+    """A family whose layout ATP does not cover (Gemma-4's per-layer inputs: a norm outside the
+    blocks over a width other than the hidden, between split linears) is refused in one line
+    that names the model type, the module and what to do."""
     from transformers import AutoModelForCausalLM
 
     from atp_pipeline.models.adapter import find_adapters
     from benchmarks.hf_coverage import tiny_config
 
-    model = AutoModelForCausalLM.from_config(tiny_config("inkling_text"))
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma4_text"))
     (_, adapter, sub), = find_adapters(model)
     with pytest.raises(ConfigError) as err:
         adapter.parallel_plan(sub)
     msg = str(err.value)
-    assert "\n" not in msg and "model_type 'inkling_text'" in msg and "'all_reduce'" in msg and "plan" in msg
+    assert "\n" not in msg and "model_type 'gemma4_text'" in msg and "'model.per_layer_projection_norm'" in msg \
+        and "other than the hidden state" in msg and "plan" in msg
 
 
 @pytest.mark.parametrize("family, over, message", [

@@ -464,6 +464,10 @@ class HFCausalLMAdapter(ModelAdapter):
         else:
             plan[head] = "column(input=split, output=full)" if isinstance(out, nn.Linear) and \
                 type(out).forward is nn.Linear.forward else "gathered(input=split, output=full)"
+        # a module run whole (style gathered: an embedding with a norm of its own inside) runs its own
+        # forward on whole tensors: nothing inside it is laid out again
+        runs_whole = [p for p, s in plan.items() if str(s).startswith("gathered")]
+        plan = {p: s for p, s in plan.items() if not any(p.startswith(g + ".") for g in runs_whole)}
         self._check_covered(module, plan)
         module.__dict__[SHAPE_ATTR] = shape_of_model(module, layout=layout)  # adapter.shape, once laid out
         return plan

@@ -60,14 +60,12 @@ PER_HEAD = "replicated_with_grad_allreduce"
 LOCAL = "local_params"
 EMBEDDING_KINDS = ("embedding_rowwise", "embedding_colwise")
 EXPERTS = "moe_tp_experts"  # transformers' experts module (style hf_experts)
-REFUSED_KINDS = {
-    EXPERTS: "mixture-of-experts experts",
-    "moe_identity_expert": "mixture-of-experts identity experts",
-    "replicate": "a replicated module whose outputs are combined by hand",
-    "all_reduce": "a module whose output transformers all-reduces by hand",
-}
+# how transformers' own tensor parallelism combines a module's outputs by hand (a module kept
+# replicated, an all-reduce after a module, identity experts beside the routed ones): ATP reads
+# such a module off the modules instead (laid out by the rules below, or run whole: .whole)
+BY_HAND = ("replicate", "all_reduce", "moe_identity_expert")
 NORM = re.compile(r"(Norm|LayerNorm|RMSNorm)\d*P?$")  # Nemotron's LayerNorm1P too
-ATTENTION = re.compile(r"(Attention|Attn)", re.IGNORECASE)
+ATTENTION = re.compile(r"(Attention|Attn|MLA$)", re.IGNORECASE)  # (MLA: a latent attention, LongcatFlashMLA)
 OUTPUT_NAME = re.compile(r"^(o|out|dense|c_proj|proj|wo|o_proj|out_proj|out_lin)$", re.IGNORECASE)
 ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
         "k": re.compile(r"(^|_)(k|key)(_|$)|^wk$", re.IGNORECASE),
@@ -245,10 +243,7 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
         no_heads = str(exc).removesuffix("; pass a plan")
     hidden = int((_text_config(config) or config).hidden_size)
     declared = declared_plan(config)
-    for pat, style in declared.items():
-        if style in REFUSED_KINDS and style != EXPERTS:
-            raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' "
-                              f"({REFUSED_KINDS[style]}), which ATP's layout does not cover yet; pass a plan")
+    declared = {pat: style for pat, style in declared.items() if style not in BY_HAND}
     layout = Layout(source="declared" if declared else "modules")
     # the linears of each repeated block, by full pattern: declared kind, or read off the modules
     blocks = [n for n, _ in block_units(module)]
@@ -343,7 +338,7 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                                          for p in (spec.q, spec.qkv, spec.o) if p)
     inside = lambda n: any(fnmatch.fnmatchcase(n, a + ".*") for a in attention)  # noqa: E731
     for full in local:
-        if full not in attention:
+        if full not in attention and full not in run_whole:  # (a module run whole keeps its parameters whole)
             raise ConfigError(f"transformers model_type '{kind}': '{full}' is declared '{LOCAL}' (parameters kept "
                               f"local to each rank) on a module other than an attention; ATP's layout does not "
                               f"cover it; pass a plan")
@@ -399,13 +394,16 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                 plan[f"{parent}.{child}"] = "hf_scalars(axis=d1)"
                 layout.scalar_params = layout.scalar_params or sum(p.numel() for p in params)
     for full in experts:
-        layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn)
+        layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn,
+                                      module if probe else None)
     if layout.moe is not None and not layout.ffn:
         layout.ffn = layout.moe.ffn  # every layer's MLP is routed
     # norms outside the attention: the family's own norm on the gathered hidden
     for name in sorted({pattern(n, lists) for n, m in names.items() if NORM.search(type(m).__name__)}):
         if not inside(name) and not any(fnmatch.fnmatchcase(name, p + ".*") for p in plan):
-            widths = {int(q.numel()) for q in _first(names, name).parameters()}
+            inner = any(p.startswith(name + ".") for p in plan)  # (a gate's linears inside a gated norm, laid
+            # out by none: aside, it runs whole on the gathered hidden like any norm)
+            widths = {int(q.numel()) for q in _first(names, name).parameters() if inner or q.dim() <= 1}
             parent = name.rpartition(".")[0]
             if len(widths) == 1 and widths - {hidden} and \
                     _whole_between(plan, names, by_parent.get(parent, []), next(iter(widths))):
@@ -503,7 +501,7 @@ def _whole_between(plan: Dict[str, str], names: Mapping[str, nn.Module], members
 
 
 def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full: str, hidden: int, kind: str,
-                     config: Any, shared_ffn: int) -> MoEShape:
+                     config: Any, shared_ffn: int, root: Optional[nn.Module] = None) -> MoEShape:
     """A declared experts module: every expert tensor-parallel (style ``hf_experts``); the other
     modules with parameters in its mixture-of-experts block that nothing lays out (the router, a
     shared expert's gate, an undeclared shared expert) run whole on the gathered hidden, their
@@ -529,7 +527,8 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
                 any(p == child_pat or p.startswith(child_pat + ".") for p in plan):
             continue
         gathered += 1
-        if any(_is_linear(x) and as_linear(x)[1] == hidden for x in child.modules()):  # writes a hidden state
+        if any(_is_linear(x) and as_linear(x)[1] == hidden for x in child.modules()) or \
+                _writes_hidden(root, child_pat, hidden):  # writes a hidden state (a shared expert of 3-D weights)
             plan[child_pat] = "gathered(input=split, output=split)"
             split_outputs += 1
         elif any(p.dim() == 2 and p.shape[0] == experts for p in child.parameters()):  # the router: its
@@ -542,6 +541,18 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
                     ffn=int(m.down_proj.shape[1 if m.is_transposed else 2]),  # an expert's intermediate
                     gated=bool(m.has_gate), shared_ffn=shared_ffn, gathered=gathered, split_outputs=split_outputs,
                     partial_width=partial_width)
+
+
+def _writes_hidden(root: Optional[nn.Module], unit: str, hidden: int) -> bool:
+    """Whether the modules ``unit`` return a hidden state (a tensor, or a tuple's first, over
+    the hidden) on a forward of ``root`` on tokens (:func:`~.whole.hidden_io`; False: not run,
+    ``root`` None)."""
+    from atp_pipeline.models.hf.whole import hidden_io
+
+    if root is None:
+        return False
+    _, outputs, cannot, _ = hidden_io(root, unit, hidden)
+    return not cannot and 0 in outputs
 
 
 def _top_k(config: Any, experts: int) -> int:

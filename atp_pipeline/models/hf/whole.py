@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel.apply import match_plan
 
 QUOTED = re.compile(r"'([A-Za-z0-9_.*]+)'")
 MAX_UNITS = 8  # distinct mixers a model may run whole (a guard against a loop that never ends)
@@ -40,9 +41,35 @@ def whole_style(inputs: Sequence[str], outputs: Sequence[int] = (0,)) -> str:
     return f"gathered(input=split, output=split{extra})"
 
 
+def _is(name: str, unit: str) -> bool:
+    """Whether the module ``name`` is one of the units ``unit`` (a pattern; its ``*`` one
+    component: a block's, not a module inside it)."""
+    return fnmatch.fnmatchcase(name, unit) and name.count(".") == unit.count(".")
+
+
+def _first_is(names: Mapping[str, nn.Module], unit: str) -> nn.Module:
+    return next(m for n, m in names.items() if _is(n, unit))
+
+
+def _within(unit: str, whole: Mapping[str, str]) -> bool:
+    """Whether the unit ``unit`` lies inside one of the units ``whole`` (a block run whole)."""
+    return any(unit.startswith(u + ".") for u in whole)
+
+
 def _inside(name: str, blocks: Sequence[str]) -> Optional[str]:
     """The block ``name`` lies strictly inside, if any."""
     return next((b for b in blocks if name.startswith(b + ".")), None)
+
+
+def _child_unit(names: Mapping[str, nn.Module], block: str, name: str, lists: Tuple[str, ...],
+                pattern: Callable[[str, Tuple[str, ...]], str]) -> str:
+    """The block child holding the module ``name``, as a pattern over the blocks; a child that
+    is a list of modules (two attentions per block) gives its elements (``...self_attn.*``)."""
+    parts = name[len(block) + 1:].split(".")
+    child = f"{block}.{parts[0]}"
+    if isinstance(names.get(child), (nn.ModuleList, nn.ModuleDict)) and len(parts) > 1:
+        return pattern(child, lists) + ".*"
+    return pattern(child, lists)
 
 
 def unit_of(message: str, names: Mapping[str, nn.Module], blocks: Sequence[str],
@@ -53,8 +80,7 @@ def unit_of(message: str, names: Mapping[str, nn.Module], blocks: Sequence[str],
         hit = token if token in names else next((n for n in names if fnmatch.fnmatchcase(n, token)), None)
         block = _inside(hit, blocks) if hit else None
         if block:
-            child = hit[len(block) + 1:].split(".")[0]
-            return pattern(f"{block}.{child}", lists)
+            return _child_unit(names, block, hit, lists, pattern)
     return None
 
 
@@ -75,7 +101,9 @@ def uncovered_units(root: nn.Module, names: Mapping[str, nn.Module], plan: Mappi
             continue
         block = _inside(name, blocks)
         if block is not None:
-            unit = pattern(f"{block}.{name[len(block) + 1:].split('.')[0]}", lists)
+            unit = _child_unit(names, block, name, lists, pattern)
+        elif name in blocks:  # the block itself holds parameters (a learned residual rate): it runs whole
+            unit = pattern(name, lists)
         elif any(name == k or name.startswith(k + ".") for k in kept):
             continue
         else:
@@ -133,7 +161,7 @@ def _calls(root: nn.Module, unit: str) -> List[Tuple[tuple, dict, Any]]:
     ``root`` on 4 tokens (:func:`_token_forward`; []: it cannot run here)."""
     seen: List[Tuple[tuple, dict, Any]] = []
     hooks = [m.register_forward_hook(lambda mod, a, k, out: seen.append((a, k, out)), with_kwargs=True)
-             for n, m in root.named_modules() if fnmatch.fnmatchcase(n, unit)]
+             for n, m in root.named_modules() if _is(n, unit)]
     return seen if _token_forward(root, hooks) else []
 
 
@@ -171,7 +199,10 @@ def hidden_io(root: nn.Module, unit: str, hidden: int
         mine = [str(i) for i, a in enumerate(args) if over(a) and a.dim() >= 2] + \
             [k for k, v in kwargs.items() if over(v) and v.dim() >= 2]
         if not mine:
-            return (), (), "its input is not the hidden state", (0, 0, 0, 0)
+            seen = sorted({int(t.shape[-1]) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() and t.dim() >= 2})
+            over_what = f" (its tensors' last widths {seen}, the hidden {hidden})" if seen else ""
+            return (), (), f"its input is not the hidden state{over_what}", (0, 0, 0, 0)
         main = out[0] if isinstance(out, tuple) and out else out
         if not isinstance(out, (tuple, torch.Tensor)) or not over(main) or main.dim() < 2:
             return (), (), "its output is not the hidden state", (0, 0, 0, 0)
@@ -203,10 +234,11 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
     while True:
         try:
             layout = derive_once(whole)
+            match_plan(module, layout.plan, check=True)  # every module a pattern reaches takes its style
         except ConfigError as exc:
             message = str(exc).splitlines()[0]
             unit = unit_of(message, names, blocks, lists, pattern)
-            if unit is None or unit in whole or len(whole) >= MAX_UNITS:
+            if unit is None or unit in whole or _within(unit, whole) or len(whole) >= MAX_UNITS:
                 raise
             units, reason = [unit], message
         else:
@@ -220,18 +252,41 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
                                       f"cross-attention over another model's states, e.g. an encoder's); ATP's "
                                       f"layout does not cover it; pass a plan")
                 return _noted(layout, names, whole, why, head, sent, blocks, norm)
-            units = [u for u, _ in found]
+            units = [u for u, _ in found if not _within(u, whole)]
+            if not units:  # (none: every one inside a block run whole, which the plan reaches)
+                return _noted(layout, names, whole, why, head, sent, blocks, norm)
             reason = f"module '{found[0][1]}' ({type(names[found[0][1]]).__name__}) holds parameters no style reaches"
         for unit in units:
+            if _within(unit, whole):  # (after its block, found in the same pass)
+                continue
             inputs, outputs, cannot, sent[unit] = hidden_io(module, unit, hidden) if probe else \
                 (("0",), (0,), "", (0, 0, 0, 0))
             if cannot and _inside(next(n for n in names if fnmatch.fnmatchcase(n, unit)), blocks) is None:
-                return _noted(layout, names, whole, why, head, sent, blocks, norm)  # outside the blocks: refused
-            if cannot:
-                m = next(m for n, m in names.items() if fnmatch.fnmatchcase(n, unit))
-                raise ConfigError(f"{reason.rstrip('.')}; nor can '{unit}' ({type(m).__name__}) run whole: "
-                                  f"{cannot}") from None
+                m = next(m for n, m in names.items() if fnmatch.fnmatchcase(n, unit))  # outside the blocks
+                own = ", ".join(n for n, _ in m.named_parameters(recurse=False)) or "in its modules"
+                raise ConfigError(f"transformers model '{type(module).__name__}': module '{unit}' "
+                                  f"({type(m).__name__}) holds parameters no style reaches ({own}), nor can it run "
+                                  f"whole: {cannot}; pass a plan") from None
+            if cannot:  # the block holding it runs whole instead, where it can (its residual stream wider
+                # than the hidden: hyper-connections mixing several hidden states)
+                first = next(n for n in names if _is(n, unit))
+                m, block = names[first], pattern(_inside(first, blocks), lists)
+                b_inputs, b_outputs, b_cannot, b_sent = hidden_io(module, block, hidden)
+                if b_cannot:
+                    what = f"'{unit}' ({type(m).__name__})"
+                    of_block = f"its block '{block}' ({type(_first_is(names, block)).__name__})"
+                    raise ConfigError(f"{reason.rstrip('.')}; nor can {what} or {of_block} run whole: {cannot}"
+                                      if b_cannot == cannot else
+                                      f"{reason.rstrip('.')}; nor can {what} run whole: {cannot}; nor {of_block}: "
+                                      f"{b_cannot}") from None
+                sent.pop(unit, None)
+                reason = f"{reason.rstrip('.')}; '{unit}' ({type(m).__name__}) cannot run whole alone: {cannot}"
+                unit, inputs, outputs, sent[block] = block, b_inputs, b_outputs, b_sent
             whole[unit], why[unit] = whole_style(inputs, outputs), reason
+            for inner in [u for u in whole if u.startswith(unit + ".")]:  # inside a whole block: whole with it
+                del whole[inner]
+                why.pop(inner, None)
+                sent.pop(inner, None)
 
 
 def _differs(names: Mapping[str, nn.Module], pat: str, blocks: Sequence[str], norm: "re.Pattern[str]") -> bool:
@@ -266,7 +321,7 @@ def _noted(layout: Any, names: Mapping[str, nn.Module], whole: Mapping[str, str]
 
 def _what(names: Mapping[str, nn.Module], unit: str, reason: str) -> str:
     """One line on a block child run whole: its class, and what the layout could not split."""
-    classes = dict.fromkeys(type(m).__name__ for n, m in names.items() if fnmatch.fnmatchcase(n, unit))
+    classes = dict.fromkeys(type(m).__name__ for n, m in names.items() if _is(n, unit))
     short = reason.split(": ", 1)[-1] if reason.startswith("transformers model") else reason
     return f"{'/'.join(classes)} run whole ({short[:160]})"
 
