@@ -268,47 +268,52 @@ class SMLSwitch:
         first = np.ones(len(vs), dtype=bool)
         first[1:] = vs[1:] != vs[:-1]
         uv = vs[first]  # the slot-versions, ascending
-        if len(np.unique(uv % pool)) != len(uv):  # a slot in both versions
+        touched = np.zeros(2 * pool, dtype=bool)
+        touched[uv] = True
+        if (touched[:pool] & touched[pool:]).any():  # a slot in both versions
             return False
-        key = vi * W + wk
-        if len(np.unique(key)) != len(key):  # a worker twice on one slot-version
-            return False
-        seen = np.asarray(js.seen, dtype=np.int64)
-        count = np.asarray(js.count, dtype=np.int64)
-        bit = np.left_shift(1, wk)
-        new = (seen[vi] & bit) == 0
+        # the registers of the slot-versions the batch touches (gathered: a batch touches few of the pool's)
+        uvl = uv.tolist()
+        other = np.where(uv < pool, uv + pool, uv - pool)
+        othl = other.tolist()
+        seen_l, count_l, exp_l = js.seen, js.count, js.exp
+        seen0 = np.array([seen_l[v] for v in uvl], dtype=np.int64)
+        c0 = np.array([count_l[v] for v in uvl], dtype=np.int64)
+        e0 = np.array([exp_l[v] for v in uvl], dtype=np.int64)
         gid = np.cumsum(first) - 1  # group of each sorted packet
+        g = np.empty_like(gid)
+        g[order] = gid  # group of each packet
+        bit = np.left_shift(1, wk)
+        bits_all = np.zeros(len(uv), dtype=np.int64)
+        np.bitwise_or.at(bits_all, g, bit)
+        if (np.bincount(g, weights=bit, minlength=len(uv)) != bits_all).any():  # a worker twice on one slot-version
+            return False
+        new = (seen0[g] & bit) == 0
         new_s = new[order]
         n_new = np.bincount(gid, weights=new_s, minlength=len(uv)).astype(np.int64)
         n_old = np.bincount(gid, weights=~new_s, minlength=len(uv)).astype(np.int64)
-        c0 = count[uv]
         if ((n_new > 0) & (n_old > 0)).any() or (c0 + n_new > W).any():
             return False
         # rank of each new contribution in its slot-version (1-based), arrival order
         rank_s = np.cumsum(new_s) - np.concatenate(([0], np.cumsum(n_new)))[gid]
         rank = np.empty_like(rank_s)
         rank[order] = rank_s
-        g = np.empty_like(gid)
-        g[order] = gid
         c = (c0[g] + rank) % W
         e = np.asarray(exp, dtype=np.int64)[idx]
         em = np.asarray(empty, dtype=bool)[idx]
-        exps = np.asarray(js.exp, dtype=np.int64)
         # the exponent each slot-version ends the batch with: max over its new contributions (and its
         # earlier ones unless the batch starts it)
         gmax = np.full(len(uv), -1, dtype=np.int64)
         np.maximum.at(gmax, g[new], e[new])
         start = (c0 == 0) & (n_new > 0)
-        fin = np.where(n_new > 0, np.where(start, gmax, np.maximum(exps[uv], gmax)), exps[uv])
+        fin = np.where(n_new > 0, np.where(start, gmax, np.maximum(e0, gmax)), e0)
         # state
         bits_new = np.zeros(len(uv), dtype=np.int64)
         np.bitwise_or.at(bits_new, g[new], bit[new])
-        other = np.where(uv < pool, uv + pool, uv - pool)
-        seen[uv] |= bits_new
-        seen[other] &= ~bits_new
-        count[uv] = (c0 + n_new) % W
-        exps[uv] = fin
-        js.seen, js.count, js.exp = seen.tolist(), count.tolist(), exps.tolist()
+        for v, o, sv, b, cv, ev in zip(uvl, othl, (seen0 | bits_new).tolist(), (~bits_new).tolist(),
+                                       ((c0 + n_new) % W).tolist(), fin.tolist()):
+            seen_l[v], count_l[v], exp_l[v] = sv, cv, ev
+            seen_l[o] &= b
         st = js.stats
         done = new & (c == 0)
         uni = ~new & (c0[g] == 0)
@@ -622,12 +627,13 @@ class SMLFloatWorker(SMLWorker):
         n = self.n
         inr = (c >= 0) & (c < n) & (slot >= 0) & (slot < self.pool)
         s_in = slot[inr]
-        if len(s_in) > 1 and len(np.unique(s_in)) != len(s_in):
+        if len(s_in) > 1 and np.bincount(s_in, minlength=self.pool).max() > 1:
             return None
         got = np.frombuffer(self.got, dtype=np.uint8)
-        cur = np.asarray(self.cur, dtype=np.int64)
+        cur_l = self.cur
         idx = np.flatnonzero(inr)
-        idx = idx[(got[c[idx]] == 0) & (cur[slot[idx]] == c[idx])]
+        cur = np.array([cur_l[s] for s in slot[idx].tolist()], dtype=np.int64)
+        idx = idx[(got[c[idx]] == 0) & (cur == c[idx])]
         m = len(idx)
         self.stats.dup_acks += total - m
         if not m:
@@ -647,8 +653,8 @@ class SMLFloatWorker(SMLWorker):
             cs, ss = cs[:-1], ss[:-1]
         nxt = cs + self.stride
         go = nxt < n
-        cur[ss] = np.where(go, nxt, -1)
-        self.cur = cur.tolist()
+        for s, x in zip(ss.tolist(), np.where(go, nxt, -1).tolist()):
+            cur_l[s] = x
         dl = self.deadline
         for s in ss[~go].tolist():
             dl[s] = None
@@ -666,18 +672,17 @@ class SMLFloatWorker(SMLWorker):
         h = np.zeros(m, dtype=WIRE_HEADER)
         if not m:
             return h
-        uses = np.asarray(self.uses, dtype=np.int64)
-        vv = uses[slots] & 1
-        uses[slots] += 1
-        self.uses = uses.tolist()
-        ver = np.asarray(self.ver, dtype=np.int64)
-        ver[slots] = vv
-        self.ver = ver.tolist()
-        d = now + self.rto
         sl, it = slots.tolist(), items.tolist()
-        dl = self.deadline
-        for s in sl:
+        uses, ver, dl = self.uses, self.ver, self.deadline
+        d = now + self.rto
+        vl = []
+        for s in sl:  # a new chunk in a slot flips its version (SMLWorker._send)
+            u = uses[s]
+            v = ver[s] = u & 1
+            uses[s] = u + 1
             dl[s] = d
+            vl.append(v)
+        vv = np.array(vl, dtype=np.int64)
         self.timers.extend(zip([d] * m, sl, it))
         self.stats.sent += m
         P = self.P
