@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -49,6 +49,14 @@ def start_train(args: List[str], cwd: Optional[Path] = None) -> subprocess.Popen
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_side_by_side(cases: List[Tuple[List[str], Path]], timeout: float = 300
+                     ) -> List[subprocess.CompletedProcess]:
+    """``python train.py`` for every ``(args, cwd)`` at once, results in order: for cases that
+    end during start-up (bad input), which is mostly importing, so they share the cores."""
+    procs = [start_train(args, cwd) for args, cwd in cases]
+    return [finish_train(p, timeout) for p in procs]
 
 
 def finish_train(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:

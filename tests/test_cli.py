@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 import yaml
 
-from .conftest import run_train
+from .conftest import run_side_by_side, run_train
 
 
 def _user_conf(tmp_path: Path) -> Path:
@@ -22,7 +24,7 @@ def _user_conf(tmp_path: Path) -> Path:
     return conf
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["topology=ic9"], "error: unknown topology 'ic9' (available: fig7a, fig7b, ic1, ic2, ic3, ic4, "
                        "ic5, ic6, local); did you mean 'ic6'?"),
     (["topology=ic1", "model.hiden=64"], "error: unknown key 'hiden' at model.hiden (ModelConfig keys: "),
@@ -34,17 +36,33 @@ def _user_conf(tmp_path: Path) -> Path:
     (["model=llama_tiny", "model.hf.num_attention_heads=6"],
      "error: model 'llama_tiny': transformers rejects model.hf.hidden_size=64, model.hf.num_attention_heads=6: "
      "The hidden size (64) is not a multiple of the number of attention heads (6)"),
-])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    conf = _user_conf(tmp_path)
-    args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
-    out = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory) -> List[Tuple[subprocess.CompletedProcess, Path]]:
+    """Every :data:`BAD_INPUT` case's ``python train.py``, run side by side."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    conf = _user_conf(tmp)
+    cases = []
+    for i, (args, _) in enumerate(BAD_INPUT):
+        args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
+        cwd = tmp / f"case{i}"
+        cwd.mkdir()
+        cases.append(([*args, f"hydra.run.dir={cwd / 'run'}"], cwd))
+    return [(out, cwd / "run") for out, (_, cwd) in zip(run_side_by_side(cases), cases)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
+    message = BAD_INPUT[case][1]
+    out, run = bad_input_runs[case]
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(message), lines[0]
     assert "Traceback" not in out.stderr + out.stdout
-    assert not (tmp_path / "run" / "plan.json").exists()
+    assert not (run / "plan.json").exists()
 
 
 def test_stage_plan_writes_report(tmp_path):

@@ -21,7 +21,7 @@ from atp_pipeline.run.fit import fit
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import resolve
 
-from .conftest import run_train
+from .conftest import run_side_by_side, run_train
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
@@ -131,7 +131,7 @@ def test_four_run_sweep_leaves_one_sweep_dir(tmp_path):
     assert not list(tmp_path.glob("outputs")), "no second sweep directory from re-executed argv"
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_TRAINING_INPUT = [
     (["mesh=3x1"], "error: mesh 3x1 needs 3 devices but topology 'local' has 4"),
     (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
     (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
@@ -140,16 +140,32 @@ def test_four_run_sweep_leaves_one_sweep_dir(tmp_path):
     (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
     (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"], "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),
-])
-def test_bad_training_input_fails_before_any_worker(tmp_path, args, message):
-    conf = tmp_path / "userconf"
+]
+
+
+@pytest.fixture(scope="module")
+def bad_training_runs(tmp_path_factory) -> List[Dict[str, Any]]:
+    """Every :data:`BAD_TRAINING_INPUT` case's ``python train.py``, run side by side."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    conf = tmp / "userconf"
     (conf / "model").mkdir(parents=True)
     (conf / "model" / "badplan.yaml").write_text(  # a user's model whose plan has a typo
         "name: badplan\nhidden: 64\nheads: 8\nlayers: 2\nseq_len: 32\nbatch_size: 8\n"
         "vocab_size: 256\ndtype: fp32\nparallel_plan:\n  'blocks.*.atn': column\n")
-    args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
-    run = tmp_path / "run"
-    out = run_train([*args, f"hydra.run.dir={run}"], cwd=tmp_path)
+    cases = []
+    for i, (args, _) in enumerate(BAD_TRAINING_INPUT):
+        args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
+        cwd = tmp / f"case{i}"
+        cwd.mkdir()
+        cases.append(([*args, f"hydra.run.dir={cwd / 'run'}"], cwd))
+    return [{"out": out, "run": cwd / "run"} for out, (_, cwd) in zip(run_side_by_side(cases), cases)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TRAINING_INPUT)),
+                         ids=[m for _, m in BAD_TRAINING_INPUT])
+def test_bad_training_input_fails_before_any_worker(bad_training_runs, case):
+    message = BAD_TRAINING_INPUT[case][1]
+    out, run = bad_training_runs[case]["out"], bad_training_runs[case]["run"]
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
