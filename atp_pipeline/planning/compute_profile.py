@@ -74,16 +74,16 @@ class CollectiveCPU:
     cores, however much of a rank's waiting other ranks' compute fills. Calibrated from the
     probe models' steps with and without their collectives: the CPU time they differ by over
     the time the ranks waited in the collectives of each group size, and per collective call
-    ``per_call[size]`` plus ``per_byte_s`` per byte it moves (the backend's copies, reductions
-    and the loopback's syscalls, whatever the wait; none in a profile calibrated without them)."""
+    ``per_call[size]`` (the backend's work to start and finish one, whatever the wait; none in a
+    profile calibrated without it). What grows with the bytes is in the wait's busy share: the
+    probes' messages are too few sizes to fit a cost per byte apart from it."""
 
     busy: Mapping[int, float]
     per_call: Mapping[int, float] = field(default_factory=dict)
-    per_byte_s: float = 0.0
 
-    def call_seconds(self, size: int, nbytes: float) -> float:
-        """The CPU one collective call of a ``size``-rank group moving ``nbytes`` costs its rank's backend."""
-        return _by_size(self.per_call, size) + nbytes * self.per_byte_s
+    def call_seconds(self, size: int) -> float:
+        """The CPU one collective call of a ``size``-rank group costs its rank's backend."""
+        return _by_size(self.per_call, size)
 
     def share(self, size: int) -> float:
         """The busy share in a ``size``-rank group: the calibrated size's, linear in the size
@@ -289,8 +289,7 @@ class ComputeProfile:
                 f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items()))
                 + (", its backend's CPU per call " + ", ".join(
                     f"{v * 1e6:.0f} us ({k} ranks)" for k, v in sorted(self.collective_cpu.per_call.items()))
-                   + f" + {self.collective_cpu.per_byte_s * 1e9:.3f} ns/B"
-                   if self.collective_cpu.per_call or self.collective_cpu.per_byte_s else ""))
+                   if self.collective_cpu.per_call else ""))
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})"
@@ -390,16 +389,19 @@ class ComputeProfile:
             collective_cpu = None
             if data.get("collective_cpu"):
                 cd = data["collective_cpu"]
+                extra = sorted(set(cd) - {"busy", "per_call_us"})
+                if extra:
+                    raise ConfigError(f"{where}.collective_cpu: unknown key(s) {', '.join(map(str, extra))} "
+                                      f"(calibrate again: python train.py stage=calibrate)")
                 busy = {int(k): float(v) for k, v in dict(cd["busy"]).items()}
                 if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
                     raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
                                       f"got {busy}")
                 per_call = {int(k): float(v) * 1e-6 for k, v in dict(cd.get("per_call_us") or {}).items()}
-                collective_cpu = CollectiveCPU(busy, per_call, float(cd.get("per_byte_ns", 0.0)) * 1e-9)
-                vals = [*per_call.values(), collective_cpu.per_byte_s]
-                if not (min(vals) >= 0 and all(math.isfinite(x) for x in vals) and all(k >= 2 for k in per_call)):
-                    raise ConfigError(f"{where}.collective_cpu: per_call_us (group size >= 2 -> us), per_byte_ns "
-                                      f"must be finite >= 0")
+                collective_cpu = CollectiveCPU(busy, per_call)
+                if not all(k >= 2 and v >= 0 and math.isfinite(v) for k, v in per_call.items()):
+                    raise ConfigError(f"{where}.collective_cpu.per_call_us: group size >= 2 -> finite us >= 0, "
+                                      f"got {per_call}")
             contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
             if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
                 raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
@@ -443,9 +445,8 @@ class ComputeProfile:
                    if self.sync is not None else {}),
                 **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())},
                                        **({"per_call_us": {int(k): g(v * 1e6)
-                                                           for k, v in sorted(self.collective_cpu.per_call.items())},
-                                           "per_byte_ns": g(self.collective_cpu.per_byte_s * 1e9)}
-                                          if self.collective_cpu.per_call or self.collective_cpu.per_byte_s else {})}}
+                                                           for k, v in sorted(self.collective_cpu.per_call.items())}}
+                                          if self.collective_cpu.per_call else {})}}
                    if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}

@@ -132,7 +132,7 @@ class _Timeline:
             self.since = 0.0
             if self.profile.collective_cpu is not None:  # its backend's CPU (in the transfer's time)
                 d1, d2 = self.clock.mesh
-                cpu = self.scale * self.profile.collective_cpu.call_seconds(d1 if c.term.dim == 1 else d2, nbytes)
+                cpu = self.scale * self.profile.collective_cpu.call_seconds(d1 if c.term.dim == 1 else d2)
                 self.coll_cpu += cpu
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur

@@ -534,16 +534,15 @@ def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], ch
     return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes
 
 
-def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Tuple[Dict[int, int], float]:
-    """A plan's collective calls in its forward and backward by group size, and the bytes they
-    move (what :func:`plan_features` counts)."""
+def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Dict[int, int]:
+    """A plan's collective calls in its forward and backward by group size."""
     prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
     colls = [it[1] for it in all_items(prog) if it[0] in ("sync", "async", "linear")]
     calls: Dict[int, int] = {}
     for c in colls:
         size = mesh[0] if c.term.dim == 1 else mesh[1]
         calls[size] = calls.get(size, 0) + 1
-    return calls, float(sum(c.elements for c in colls)) * shape.bytes_per_element
+    return calls
 
 
 def framework_seconds(fw: Framework, features: Tuple[float, int, int, float]) -> float:
@@ -604,16 +603,16 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
 
 
 def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
-                       calls: Optional[Sequence[Tuple[Mapping[int, int], float]]] = None) -> Optional[CollectiveCPU]:
+                       calls: Optional[Sequence[Mapping[int, int]]] = None) -> Optional[CollectiveCPU]:
     """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
     the same plan): the CPU a step's collectives add on a rank, ``live.cpu - skip.cpu``, is
     ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in, plus, with
-    ``calls`` (each plan's collective calls by group size and the bytes they move),
-    ``Σ calls[size] · c[size] + B·b`` (the backend's CPU per call and byte); non-negative least
+    ``calls`` (each plan's collective calls by group size), ``Σ calls[size] · c[size]`` (the
+    backend's CPU per call); non-negative least
     squares (each plan's row over its live CPU, so short and long steps count alike), shares
     clipped to [0, 1]. None without waits (a world of one process)."""
     sizes = sorted({s for t in live for s, w in t.waits.items() if w > 0})
-    call_sizes = sorted({s for m, _ in calls for s in m}) if calls is not None else []
+    call_sizes = sorted({s for m in calls for s in m}) if calls is not None else []
     rows, ys = [], []
     for i, (sk, lv) in enumerate(zip(skip, live)):
         total = sum(lv.waits.get(s, 0.0) for s in sizes)
@@ -621,7 +620,7 @@ def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
             continue
         row = [lv.waits.get(s, 0.0) for s in sizes]
         if calls is not None:
-            row += [float(calls[i][0].get(s, 0)) for s in call_sizes] + [calls[i][1]]
+            row += [float(calls[i].get(s, 0)) for s in call_sizes]
         rows.append([x / lv.cpu for x in row])
         ys.append((lv.cpu - sk.cpu) / lv.cpu)
     if not rows:
@@ -631,7 +630,7 @@ def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
     if calls is None:
         return CollectiveCPU(busy)
     n = len(sizes)
-    return CollectiveCPU(busy, {s: float(v) for s, v in zip(call_sizes, x[n:n + len(call_sizes)])}, float(x[-1]))
+    return CollectiveCPU(busy, {s: float(v) for s, v in zip(call_sizes, x[n:])})
 
 
 def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
