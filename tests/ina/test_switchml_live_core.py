@@ -202,12 +202,13 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
     assert fast > 100 and arr.jobs[1].stats["complete"] > 50 and arr.jobs[1].stats["result_unicast"] > 10
 
 
-def test_worker_array_form_equals_the_per_packet_form():
+def test_worker_array_form_equals_the_per_packet_form(monkeypatch):
     """``SMLFloatWorker.on_headers`` (the engine's shared-memory path: headers in and out as
     arrays, issue 28 pass 4) against ``on_datagrams`` (packet by packet) on twin workers fed
     the same batches of a run with 15% loss, per-slot timeouts and duplicated results: the same
     packets to send, the same protocol state, the same lanes quantized and the same results,
     bit for bit."""
+    monkeypatch.setattr(core, "WORKER_ARRAY_MIN", 2)
     rng = np.random.default_rng(7)
     W, pool, k = 3, 4, 16
     fmt = SMLFormat(k, shm=True)
