@@ -26,6 +26,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import time
 import traceback
 from pathlib import Path
@@ -46,7 +47,7 @@ _KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_n
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 _FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "inner_hidden_size",
         "decoder_ffn_dim", "encoder_ffn_dim", "dim_feedforward", "mlp_dim", "hidden_dim", "ffn_hidden_dim",
-        "shared_intermediate_size", "expert_ffn_hidden_size")
+        "expert_ffn_hidden_size")
 _POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
 _LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
@@ -90,6 +91,11 @@ def _shrink(config: Any) -> None:
             d[k] = TINY["ffn"]  # (unset, or not split over 4 ranks: DeepSeek-V2's experts' 1407)
     if d.get("rope_parameters") == {} and isinstance(d.get("layer_types"), list):
         d["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(d["layer_types"])}
+    groups = [k for k, v in d.items() if re.fullmatch(r"n_\w+_layers", k) and type(v) is int]
+    if layers_before and len(groups) > 1 and sum(d[k] for k in groups) == layers_before:
+        # the stack split into groups (input, recurrent, output layers): one layer to each of the largest
+        ranked = sorted(groups, key=lambda k: -d[k])
+        d.update({k: int(k in ranked[:TINY["layers"]]) for k in groups})
     for k, v in list(d.items()):  # layer groups and a looped span of layers: within the tiny stack (its last layer)
         if isinstance(v, int) and not isinstance(v, bool) and layers_before:
             if k.startswith("n_layers_per_"):
@@ -105,6 +111,10 @@ def _shrink(config: Any) -> None:
         d.update({k: 16 for k in ("mamba_d_state", "mamba_chunk_size") if isinstance(d.get(k), int)})
         if isinstance(d.get("mamba_d_ssm"), int):  # the expanded width, where a config gives it
             d["mamba_d_ssm"] = d["mamba_expand"] * TINY["hidden"]
+    for heads, size, expand in (("num_heads", "head_dim", "expand"), ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
+        if all(isinstance(d.get(k), int) for k in (heads, size, expand)) and \
+                any(k in d for k in ("state_size", "mamba_d_state")):  # a Mamba-2 mixer's heads, as above
+            d[size] = d[expand] * TINY["hidden"] // d[heads]
     if isinstance(d.get("rotary_dim"), int):
         d["rotary_dim"] = TINY["head_dim"] // 2  # partial rotary, as GPT-J and CodeGen ship it
     if isinstance(d.get("vocab_size"), int):

@@ -16,7 +16,8 @@ Tiny configs of transformers' own defaults, laid out with no plan of ours on 2x2
   back; named in the plan's notes): Jamba (a Mamba mixer and a routed block beside it), BERT as a
   decoder (an encoder-style attention with its residual and norm inside, the head's transform),
   DiffLlama (an attention with parameters of its own mixed in its code), Mamba (a state-space
-  model: every mixer);
+  model: every mixer), Doge (a block holding parameters of its own: the whole block), MiniMax
+  (an attention pattern whose lightning-attention layers have no q_proj: every layer's attention);
 * refused in one line before any step: a hidden-wide buffer added to the split embeddings
   (CTRL), a cross-attention over an encoder's states (TrOCR). (Mixtures of experts that declare
   their layout are exact: qwen2_moe in tests/test_hf_models.py.)
@@ -31,7 +32,7 @@ pytest.importorskip("transformers", reason="pip install transformers")
 from atp_pipeline.launch import spawn  # noqa: E402
 
 EXACT = ["gemma2", "olmo2", "granitemoe_swa", "stablelm", "bloom", "gpt_bigcode", "deepseek_v3",
-         "jamba", "bert", "diffllama", "mamba"]
+         "jamba", "bert", "diffllama", "mamba", "doge", "minimax"]
 REFUSED = {"ctrl": "holds a buffer 'pos_encoding'", "trocr": "does not run in a forward on tokens alone"}
 
 
