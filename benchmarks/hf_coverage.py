@@ -278,6 +278,7 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
             loss = model(input_ids=idx, labels=idx).loss
             loss.backward()
             counted = {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()}
+            local = {id(p): (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()}
             grads = dense_tensors(model, grad=True)
             row["shape"] = adapter.shape(sub).to_dict()
         except ConfigError as exc:
@@ -292,7 +293,7 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
         missing = sorted(set(ref_grads) - set(grads))
         grad_rel = max(errs.values()) if errs else math.inf
         mesh_row = {"loss_rel": loss_rel, "grad_rel": grad_rel, "worst": max(errs, key=errs.get) if errs else None,
-                    "missing": missing[:3], "counted": counted}
+                    "missing": missing[:3], "counted": counted, "local_params": sum(local.values())}
         worst[f"{d1}x{d2}"] = mesh_row
         if missing or not (loss_rel <= tol and grad_rel <= tol):
             return {**row, "result": "wrong", "reason": f"{d1}x{d2}: loss {loss_rel:.1e}, grad {grad_rel:.1e} "

@@ -73,6 +73,23 @@ def test_the_planner_predicts_the_collectives_the_layout_sends(rows, kind):
         assert m["counted"] == predicted(r["shape"], (d1, d2)), (kind, mesh)
 
 
+@pytest.mark.parametrize("kind", EXACT)
+def test_the_memory_model_counts_the_parameters_a_rank_holds(rows, kind):
+    """``per_device_memory(...).params`` against the elements of the parameters rank 0 holds
+    after the layout (split ones: its block): modules run whole (Mamba mixers, a BERT head's
+    transform, MoE routers) and latent projections count whole; within 2 % (biases and norms
+    are placed by rule, not read off the model)."""
+    from atp_pipeline.planning.memory import per_device_memory
+    from atp_pipeline.planning.shape import ModelShape
+
+    r = rows[kind]
+    for mesh, m in r["meshes"].items():
+        d1, d2 = map(int, mesh.split("x"))
+        shape = ModelShape(**{k: v for k, v in r["shape"].items() if k in ModelShape.__dataclass_fields__})
+        est = per_device_memory(shape, (d1, d2)).params
+        assert abs(est / m["local_params"] - 1) <= 0.02, (kind, mesh, est, m["local_params"])
+
+
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_what_the_layout_cannot_cover_is_refused_in_one_line(rows, kind):
     r = rows[kind]

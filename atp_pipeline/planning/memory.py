@@ -3,8 +3,9 @@
 Parameters per device follow ATP's layout (§3.2): matrices over d1*d2, the column-first
 biases over d1, the row-first biases, norms and embeddings over d2 (norms whole on every
 rank where a family is laid out module by module), the LM head over d1*d2 (none when tied
-to the embedding; a tied ``vocab_split`` head's embedding over d1*d2 too); weights and
-gradients in the model's dtype, AdamW's two
+to the embedding; a tied ``vocab_split`` head's embedding over d1*d2 too); modules run whole
+(``whole_params``: a whole head's module around it, not its weight) on every rank, in place of
+the split weights of the layers they stand for; weights and gradients in the model's dtype, AdamW's two
 moments in fp32 (plus fp32 master weights for fp16/bf16). Activations use Korthikanti et
 al. (2022)'s per-layer estimate without recomputation, ``s*b*h*(34 + 5*a*s/h)`` bytes for
 half precision, scaled to the dtype and divided over the tensor-parallel group, for the
@@ -66,7 +67,9 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     head = 0 if m.tied_embeddings else V * h / (1 if whole else tp)
     table = V * h / (tp if m.tied_embeddings and m.head_layout == "vocab_split" else
                      1 if m.tied_embeddings and whole else d2)
-    params = L * per_layer + table + positions * h / d2 + final_norm / norm_split + head
+    # modules run whole (models/hf/whole.py) and latent projections: on every rank, not split
+    params = (L * per_layer - (L * m.weights_per_layer - m.split_weights) / tp + m.whole_params + m.latent_whole_weights
+              + table + positions * h / d2 + final_norm / norm_split + head)
     q = m.bytes_per_element
     gathered = 0.0
     if fsdp and dp > 1:  # every state is split over the replicas; one block is gathered at a time

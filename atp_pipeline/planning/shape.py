@@ -83,6 +83,11 @@ class LatentShape:
         queries = self.q_latent * (hidden + q) if self.q_latent else hidden * q
         return queries + hidden * (self.kv_latent + self.shared) + self.kv_latent * kv + heads * self.v_head_dim * hidden
 
+    def whole_weights(self, hidden: int) -> int:
+        """Of :meth:`weights`, the projections of the hidden into the latents: run whole, on
+        every rank."""
+        return hidden * (self.q_latent + self.kv_latent + self.shared)
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -224,6 +229,27 @@ class ModelShape:
         """Matrix weights of one layer: q, k, v, o and the MLP's matrices (with experts: the
         average over the layers, every expert counted)."""
         return self._weights(active=False)
+
+    @property
+    def split_weights(self) -> int:
+        """Matrix weights of the whole model the layout splits over d1*d2: every layer's
+        (:attr:`weights_per_layer`) less the attention of layers whose mixer runs whole and the
+        dense MLP of layers that neither route nor split it (those modules are in
+        :attr:`whole_params`, whole on every rank), and a latent attention's projections of
+        the hidden (:attr:`latent_whole_weights`)."""
+        h = self.hidden
+        attention = h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else \
+            self.latent.weights(h, self.heads)
+        routed = self.moe.layers if self.moe is not None else 0
+        unsplit_mlps = max(self.layers - routed - self.dense_mlp_layers, 0)
+        return (self.layers * self.weights_per_layer - (self.layers - self.split_attention_layers) * attention
+                - unsplit_mlps * self.ffn_matrices * h * self.ffn - self.latent_whole_weights)
+
+    @property
+    def latent_whole_weights(self) -> int:
+        """A latent attention's projections of the hidden (run whole, on every rank), over the
+        layers that split the attention."""
+        return self.split_attention_layers * self.latent.whole_weights(self.hidden) if self.latent else 0
 
     def _weights(self, active: bool) -> int:
         h = self.hidden

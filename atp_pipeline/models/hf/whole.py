@@ -328,7 +328,8 @@ def _what(names: Mapping[str, nn.Module], unit: str, reason: str) -> str:
 
 def whole_fields(module: nn.Module, layout: Any) -> Dict[str, Any]:
     """The :class:`~atp_pipeline.planning.shape.ModelShape` fields of ``layout``'s modules run
-    whole: their instances, the hidden inputs they gather, their parameters, a note naming
+    whole: their instances, the hidden inputs they gather, their parameters (the LM head's
+    weight aside: the shape's head), a note naming
     them, and the layers whose attention and dense MLP are still split ({} where none runs
     whole: every layer splits both)."""
     if not layout.whole and not layout.whole_head:
@@ -343,6 +344,9 @@ def whole_fields(module: nn.Module, layout: Any) -> Dict[str, Any]:
         for n in hits(unit):
             instances += 1
             params.update({id(p): p.numel() for p in names[n].parameters()})
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if head is not None:  # the LM head's weight is the shape's head (head_layout 'whole'), not counted twice
+        params.pop(id(head.weight), None)
     calls, inputs, token_outputs, vector_outputs = layout.whole_sent
     if not calls:  # not shown (meta device): one hidden input and output each
         inputs = token_outputs = instances - bool(layout.whole_head)
