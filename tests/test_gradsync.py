@@ -7,6 +7,7 @@ E = 6,200 fp32 elements per worker = 100 ATP packets of 62 lanes (319 wire bytes
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,22 @@ def test_packet_geometry_defaults_are_the_protocols() -> None:
 
     assert packet_geometry(62) == PacketGeometry()
     assert packet_geometry(2048).wire_bytes == PacketFormat(2048).wire_bytes
+
+
+def test_a_calibrated_topology_plans_a_mesh_of_one_device(compose_cfg, tmp_path) -> None:
+    """After ``stage=calibrate`` (here: the committed calibration of ``local``), ``mesh=1x1
+    mesh.dp=4`` plans: its tensor-parallel group is one device, no collective to time with the
+    fitted alpha-beta (it used to stop with 'a single device has no collectives')."""
+    import shutil
+
+    from atp_pipeline.run import run
+
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "docs" / "step_validation" / "local_cpu.yaml",
+                profiles / "local.yaml")
+    cfg = compose_cfg("stage=plan", "mesh=1x1", "mesh.dp=4", "planner.plot=false", f"calibration.dir={profiles}")
+    run(cfg, output_dir=tmp_path / "run")
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["selected"] == [1, 1] and plan["gradient_sync"]["buckets"][0]["workers"] == 4
+    assert plan["candidates"][0]["step"]["step_s"] > 0  # the step model ran on the calibration

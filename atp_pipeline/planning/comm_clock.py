@@ -26,7 +26,8 @@ class CommClock:
     def __init__(self, topo: Topology, mesh: Mesh, bytes_per_element: int,
                  emulated: Optional[Tuple[Topology, float]] = None, scale: float = 1.0) -> None:
         self.mesh, self.q, self.scale = mesh, bytes_per_element, scale
-        self.ab = AlphaBeta.from_topology(topo) if topo.alpha_beta else None
+        # a single device (a 1x1 mesh's group) has no collectives to time, fitted or not
+        self.ab = AlphaBeta.from_topology(topo) if topo.alpha_beta and topo.world_size > 1 else None
         self.dims = {1: dimension_bandwidth(topo, mesh, 1), 2: dimension_bandwidth(topo, mesh, 2)}
         self.emulated = None if emulated is None else EmulatedLinks(emulated[0], mesh, emulated[1])
         self.source = "alpha-beta (fitted)" if self.ab is not None else "Eq. 3-4 bandwidths"
