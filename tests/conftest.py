@@ -51,12 +51,19 @@ def start_train(args: List[str], cwd: Optional[Path] = None) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_side_by_side(cases: List[Tuple[List[str], Path]], timeout: float = 300
-                     ) -> List[subprocess.CompletedProcess]:
-    """``python train.py`` for every ``(args, cwd)`` at once, results in order: for cases that
-    end during start-up (bad input), which is mostly importing, so they share the cores."""
-    procs = [start_train(args, cwd) for args, cwd in cases]
-    return [finish_train(p, timeout) for p in procs]
+def run_side_by_side(tmp: Path, cases: List[List[str]], conf: Optional[Path] = None
+                     ) -> List[Tuple[subprocess.CompletedProcess, Path]]:
+    """``python train.py`` for every case at once, each in a directory of its own under ``tmp``
+    (``+USERCONF`` in a case: ``hydra.searchpath`` of ``conf``); per case, in order, its result
+    and its run directory. For cases that end during start-up (bad input), which is mostly
+    importing, so they share the cores."""
+    started = []
+    for i, args in enumerate(cases):
+        cwd = tmp / f"case{i}"
+        cwd.mkdir()
+        args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
+        started.append((start_train([*args, f"hydra.run.dir={cwd / 'run'}"], cwd), cwd / "run"))
+    return [(finish_train(p, 300), run) for p, run in started]
 
 
 def finish_train(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:

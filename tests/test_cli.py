@@ -43,14 +43,7 @@ BAD_INPUT = [
 def bad_input_runs(tmp_path_factory) -> List[Tuple[subprocess.CompletedProcess, Path]]:
     """Every :data:`BAD_INPUT` case's ``python train.py``, run side by side."""
     tmp = tmp_path_factory.mktemp("bad_input")
-    conf = _user_conf(tmp)
-    cases = []
-    for i, (args, _) in enumerate(BAD_INPUT):
-        args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
-        cwd = tmp / f"case{i}"
-        cwd.mkdir()
-        cases.append(([*args, f"hydra.run.dir={cwd / 'run'}"], cwd))
-    return [(out, cwd / "run") for out, (_, cwd) in zip(run_side_by_side(cases), cases)]
+    return run_side_by_side(tmp, [args for args, _ in BAD_INPUT], _user_conf(tmp))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(a) for a, _ in BAD_INPUT])

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -144,7 +144,7 @@ BAD_TRAINING_INPUT = [
 
 
 @pytest.fixture(scope="module")
-def bad_training_runs(tmp_path_factory) -> List[Dict[str, Any]]:
+def bad_training_runs(tmp_path_factory) -> List[Tuple[subprocess.CompletedProcess, Path]]:
     """Every :data:`BAD_TRAINING_INPUT` case's ``python train.py``, run side by side."""
     tmp = tmp_path_factory.mktemp("bad_input")
     conf = tmp / "userconf"
@@ -152,20 +152,14 @@ def bad_training_runs(tmp_path_factory) -> List[Dict[str, Any]]:
     (conf / "model" / "badplan.yaml").write_text(  # a user's model whose plan has a typo
         "name: badplan\nhidden: 64\nheads: 8\nlayers: 2\nseq_len: 32\nbatch_size: 8\n"
         "vocab_size: 256\ndtype: fp32\nparallel_plan:\n  'blocks.*.atn': column\n")
-    cases = []
-    for i, (args, _) in enumerate(BAD_TRAINING_INPUT):
-        args = [f"hydra.searchpath=[file://{conf}]" if a == "+USERCONF" else a for a in args]
-        cwd = tmp / f"case{i}"
-        cwd.mkdir()
-        cases.append(([*args, f"hydra.run.dir={cwd / 'run'}"], cwd))
-    return [{"out": out, "run": cwd / "run"} for out, (_, cwd) in zip(run_side_by_side(cases), cases)]
+    return run_side_by_side(tmp, [args for args, _ in BAD_TRAINING_INPUT], conf)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_TRAINING_INPUT)),
                          ids=[m for _, m in BAD_TRAINING_INPUT])
 def test_bad_training_input_fails_before_any_worker(bad_training_runs, case):
     message = BAD_TRAINING_INPUT[case][1]
-    out, run = bad_training_runs[case]["out"], bad_training_runs[case]["run"]
+    out, run = bad_training_runs[case]
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
