@@ -200,3 +200,39 @@ def test_an_attention_the_declaration_leaves_out_is_read_off_its_modules():
     the modules, as for a family that declares nothing."""
     att = _plan("flint")["model.layers.*.self_attn"]
     assert att.startswith("hf_attention(q=q_proj, k=k_proj, v=v_proj, o=o_proj"), att
+
+
+def _probed_shape(kind: str):
+    """The shape read off ``kind``'s tiny model with the layout its forward shows (as laid out)."""
+    from benchmarks.hf_coverage import build
+    from atp_pipeline.models.hf.adapter import family_of, shape_of_model
+    from atp_pipeline.models.hf.layout import derive
+
+    model = build(kind)
+    return shape_of_model(model, layout=derive(model, family_of(model.config)))
+
+
+def test_a_parallel_block_sends_one_input_gradient_for_attention_and_mlp():
+    """Cohere runs attention and a gated MLP on one normed input: q/k/v and gate/up sum their
+    partial input gradients and all-reduce them once over d1 a layer (GPT-J's single MLP input
+    linear does not share: two). The cost model drops the MLP's: h/d2 a token and layer."""
+    from atp_pipeline.planning.cost import predicted_counts
+    from atp_pipeline.planning.shape import ModelShape
+
+    assert _probed_shape("cohere").shared_mlp_input and not _probed_shape("gptj").shared_mlp_input
+    base = dict(name="m", hidden=64, heads=8, layers=2, seq_len=8, vocab_size=128, ffn=96, norm_layout="gathered",
+                head_layout="gathered", bias=False, gated=True, qkv_fused=False, layer_norms=1)
+    two = predicted_counts(ModelShape(**base).to_dict(), (2, 2), 16)
+    one = predicted_counts(ModelShape(**base, shared_mlp_input=True).to_dict(), (2, 2), 16)
+    assert two["all_reduce/d1"] - one["all_reduce/d1"] == 64 // 2 * 16 * 2
+    assert {k: v for k, v in one.items() if k != "all_reduce/d1"} == \
+        {k: v for k, v in two.items() if k != "all_reduce/d1"}
+
+
+def test_norms_and_layers_are_counted_as_called_and_as_nested():
+    """NanoChat applies its final norm before the layers too (two calls: one extra norm); BioGPT's
+    learned positions, looked up once for the batch, are noted as unmodelled; AXK1's norm inside
+    the routed block is the experts' (2 norms a layer, not 3)."""
+    assert _probed_shape("nanochat").extra_norms == 1
+    assert "biogpt.embed_positions" in _probed_shape("biogpt").unmodelled
+    assert _probed_shape("axk1").layer_norms == 2

@@ -99,7 +99,10 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     and — tied — the vocabulary-split embedding's rows all-reduced over d1); embeddings run
     whole and sliced over d2 (their gradient gathered). What the HF layout reads off the modules
     (:class:`~atp_pipeline.planning.shape.ModelShape`): ``layer_norms`` norms a layer and
-    ``extra_norms`` beside the final one; a core on the d1 heads replicated over d2
+    ``extra_norms`` beside the final one (or calls of it beyond one); an MLP reading the
+    attention's input (``shared_mlp_input``, a parallel block: the readers of one input sum their
+    partial gradients, so q/k/v and the MLP's column-first linears send one input-gradient
+    all-reduce over d1 a layer, counted with f1); a core on the d1 heads replicated over d2
     (``heads_over_d2=False``, a core the attention runs itself, e.g. with position biases for
     all heads: no scatter, gather or pick over d2); a whole MLP,
     attention sinks and activation scalars (:func:`_layout_variants`).
@@ -131,8 +134,9 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
         t("f2", "output linear (row-first)", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f2", "output linear: input gradient", ALL_REDUCE, 2, F_(q, d1), 1, "bwd"),
         t("f3", "MLP column-first linears", ALL_REDUCE, 2, F_(up * f, d1), 1, "fwd"),
+    ] + ([] if shape.shared_mlp_input else [
         t("f3", "MLP column-first linears: input gradient (one for gate and up)", ALL_REDUCE, 1, F_(h, d2), 1,
-          "bwd"),
+          "bwd")]) + [
         t("f4", "MLP row-first linear", ALL_REDUCE, 1, F_(h, d2), 1, "fwd"),
         t("f4", "MLP row-first linear: input gradient", ALL_REDUCE, 2, F_(f, d1), 1, "bwd"),
     ]

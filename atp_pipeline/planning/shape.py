@@ -119,7 +119,8 @@ class ModelShape:
     moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
     latent: Optional[LatentShape] = None  # a multi-head latent attention in every layer (else q/k/v)
     layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; 4: outputs normed too)
-    extra_norms: int = 0  # norms outside the layers besides the final one (an embedding's), each like it
+    extra_norms: int = 0  # norms outside the layers besides the final one (an embedding's; one called again)
+    shared_mlp_input: bool = False  # the MLP reads the attention's input (a parallel block): one d1 input gradient
     heads_over_d2: bool = True  # False: the core runs on the d1 block of heads, replicated over d2
     mlp_layout: str = "split"  # "whole": the MLP's intermediate gathered over d1 (a norm over all of it)
     sink_params: int = 0  # per layer: per-head parameters read by the core (gradients summed over d1 and d2)

@@ -147,10 +147,15 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
     inp, out = module.get_input_embeddings(), module.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and m is not inp]
-    # norms outside the blocks (the final one, an embedding's): each on the hidden gathered over d2
+    # norms outside the blocks (the final one, an embedding's): each on the hidden gathered over d2 —
+    # but not one inside an embedding run whole (a forward of its own): it runs on the whole output
+    whole_tables = [n for n, m in module.named_modules() if isinstance(m, nn.Embedding)
+                    and (type(m).forward is not nn.Embedding.forward
+                         or (m is inp and tied and bool(layout.whole_head)))]
     outside = sum(any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules())
                   for p, s in layout.plan.items() if s.startswith("gathered(input=split") and "*" not in p
-                  and p != layout.whole_head and p not in layout.whole)
+                  and p != layout.whole_head and p not in layout.whole
+                  and not any(p.startswith(t + ".") for t in whole_tables))
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
         seq_len=max(int(getattr(text, "max_position_embeddings", None) or 2048), 1), vocab_size=int(text.vocab_size),
@@ -158,28 +163,43 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         bias=layout.bias, position="learned" if embeddings else "rotary",
         tied_embeddings=tied, norm_layout="gathered",
         head_layout="whole" if layout.whole_head else _head_layout(module, tied),
-        layer_norms=_layer_norms(module, layout.plan),
-        qkv_fused=layout.qkv_fused, final_norm=outside > 0, extra_norms=max(outside - 1, 0),
+        layer_norms=_layer_norms(module, layout.plan, int(text.num_hidden_layers)),
+        qkv_fused=layout.qkv_fused, final_norm=outside > 0,
+        extra_norms=max(outside - 1, 0) + (layout.outside_norm_calls if outside else 0),
+        shared_mlp_input=layout.parallel_block,
         gathered_embeddings=sum(type(m).forward is not nn.Embedding.forward for m in embeddings)
         + int(type(inp).forward is not nn.Embedding.forward or (tied and bool(layout.whole_head))),
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
         heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
         sink_params=layout.sink_params, scalar_params=layout.scalar_params,
         unmodelled=", ".join(x for x in ("per-head output gates" if layout.head_gates else "",
-                                         layout.whole_unmodelled) if x), moe=layout.moe, latent=layout.latent,
+                                         layout.whole_unmodelled, layout.probe_unmodelled) if x),
+        moe=layout.moe, latent=layout.latent,
         **whole_fields(module, layout))
 
 
-def _layer_norms(module: nn.Module, plan: Dict[str, str]) -> int:
+def _layer_norms(module: nn.Module, plan: Dict[str, str], layers: int = 0) -> int:
     """Norms a block runs on the hidden gathered over d2 (style ``gathered(input=split,
-    output=split)`` on a norm module; the two before attention and MLP, Gemma-2's four)."""
+    output=split)`` on a norm module; the two before attention and MLP, Gemma-2's four). A norm
+    inside a routed block (beside style ``hf_experts``) is not one: the block's modules run on
+    the gathered hidden are counted with the experts (``MoEShape.gathered``). Blocks that hold
+    several of the config's ``layers`` (sub-layers in a block, each with its norms: the shape's
+    layer is the config's) count their norms' instances over ``layers``."""
     names = dict(module.named_modules())
-    count = 0
+    routed = tuple(p.rpartition(".")[0] + "." for p, s in plan.items() if s.startswith("hf_experts"))
+    count = spread = spread_patterns = 0
     for p, s in plan.items():
-        if "*" in p and s.startswith("gathered(input=split") and "output=split" in s:
+        if "*" in p and s.startswith("gathered(input=split") and "output=split" in s and not p.startswith(routed):
             hit = next((m for n, m in names.items() if fnmatch.fnmatchcase(n, p)), None)
-            count += hit is not None and bool(NORM.search(type(hit).__name__))
-    return count
+            if hit is None or not NORM.search(type(hit).__name__):
+                continue
+            blocks = names.get(p.split(".*.")[0])
+            if layers and isinstance(blocks, nn.ModuleList) and len(blocks) != layers:
+                spread_patterns += 1
+                spread += sum(fnmatch.fnmatchcase(n, p) and n.count(".") == p.count(".") for n in names)
+            else:
+                count += 1
+    return count + ((spread // layers if spread % layers == 0 else spread_patterns) if spread_patterns else 0)
 
 
 VOCAB_SPLIT_ATTR = "_atp_vocab_parallel_loss"

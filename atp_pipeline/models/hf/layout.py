@@ -140,6 +140,9 @@ class Layout:
     whole_head: str = ""  # a module around the LM head run whole, its logits whole (an encoder-style head)
     whole_sent: Tuple[int, int, int, int] = (0, 0, 0, 0)  # whole modules' calls, inputs, outputs, vector outputs
     whole_unmodelled: str = ""  # what of the whole modules' sends the cost model does not count
+    outside_norm_calls: int = 0  # calls of the norms outside the blocks beyond one each (shown on a forward)
+    parallel_block: bool = False  # the MLP's shared column-first linears read the attention's q/k/v input
+    probe_unmodelled: str = ""  # what a forward shows the cost model does not count ("": nothing)
 
 
 def pattern(name: str, lists: Tuple[str, ...] = ()) -> str:
@@ -222,8 +225,74 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     blocks = [n for n, _ in block_units(module)]
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     hidden = int(getattr(_text_config(module.config) or module.config, "hidden_size", 0) or 0)  # (none: refused below)
-    return derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
-                             probe, pattern, NORM)
+    layout = derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
+                               probe, pattern, NORM)
+    if probe:
+        _probe_calls(module, layout)
+    return layout
+
+
+def _probe_calls(root: nn.Module, layout: "Layout") -> None:
+    """What a forward on tokens shows of ``layout`` that its modules' names do not (nothing on
+    the meta device, or where the model cannot run here): ``outside_norm_calls`` — the calls
+    beyond the first of each norm outside the blocks run on the gathered hidden (a norm applied
+    before the layers and again after them: each call gathers and sends its gradient); and
+    ``parallel_block`` — the MLP's shared column-first linears read the very tensor the
+    attention's separate q/k/v read (a block running attention and MLP on one normed input),
+    so their partial input gradients join one fan-in: one all-reduce over d1 for both; and
+    ``probe_unmodelled`` — embeddings run whole whose output the batch's sequences share (its
+    gradient gathered per position, while the cost model counts per token)."""
+    from atp_pipeline.models.hf.whole import _token_forward
+
+    if any(p.is_meta for p in root.parameters()):
+        return
+    names = dict(root.named_modules())
+    outside = [p for p, s in layout.plan.items() if "*" not in p and s.startswith("gathered(input=split")
+               and p != layout.whole_head and p not in layout.whole and p in names
+               and not any(p.startswith(n + ".") for n, m in names.items() if isinstance(m, nn.Embedding))]
+    attention = [p for p, s in layout.plan.items() if s.startswith("hf_attention")]
+    shared = [p for p, s in layout.plan.items() if s.startswith("column(") and "shared=true" in s]
+    first = lambda pat: next((n for n in names if fnmatch.fnmatchcase(n, pat)), None)  # noqa: E731
+    calls: Dict[str, int] = {p: 0 for p in outside}
+    inputs: Dict[str, List[Any]] = {}  # module name -> the tensors its calls read first (kept: compared by identity)
+
+    def watch(name: str, count: bool):
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if count:
+                calls[name] += 1
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            inputs.setdefault(name, []).append(x)
+        return hook
+
+    watched = {p: True for p in outside}
+    att = [first(p) for p in attention]
+    for a in att:
+        if a is not None:
+            watched.update({f"{a}.{c}": False for c, _ in names[a].named_children()})
+    watched.update({n: False for n in (first(p) for p in shared) if n is not None})
+    hooks = [names[n].register_forward_pre_hook(watch(n, c), with_kwargs=True) for n, c in watched.items()
+             if n in names]
+    rows: Dict[str, int] = {}  # embeddings run whole (gathered): rows of their output, 2 sequences of 4 tokens
+    hidden = int(getattr(_text_config(root.config) or root.config, "hidden_size", 0) or 0)
+    for n, m in names.items():
+        if isinstance(m, nn.Embedding) and type(m).forward is not nn.Embedding.forward:
+            hooks.append(m.register_forward_hook(
+                lambda mod, a, out, n=n: rows.__setitem__(n, int(out.numel()) // hidden)
+                if hasattr(out, "numel") and hidden and out.shape[-1] == hidden else None))
+    if not _token_forward(root, hooks, batch=2):
+        return
+    shared_rows = [n for n, r in rows.items() if r < 2 * 4]
+    if shared_rows:  # e.g. learned positions looked up once, broadcast over the batch
+        layout.probe_unmodelled = (f"embeddings run whole whose output the batch's sequences share "
+                                   f"({', '.join(shared_rows)}): their gradient is gathered per position, "
+                                   f"counted per token")
+    layout.outside_norm_calls = sum(max(n - 1, 0) for n in calls.values())
+    read = [x for a in att if a is not None for c, _ in names[a].named_children()
+            for x in inputs.get(f"{a}.{c}", [])]
+    mlp = [x for p in shared for n in [first(p)] if n is not None and not any(
+        n.startswith(a + ".") for a in att if a is not None) for x in inputs.get(n, [])]
+    layout.parallel_block = not layout.qkv_fused and not layout.whole_attention and any(
+        x is y for x in mlp for y in read if x is not None)
 
 
 def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str, str]) -> Layout:

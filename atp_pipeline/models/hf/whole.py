@@ -137,16 +137,16 @@ def head_unit(root: nn.Module, names: Mapping[str, nn.Module], blocks: Sequence[
     return None
 
 
-def _token_forward(root: nn.Module, hooks: List[Any]) -> bool:
-    """Run ``root`` on 4 tokens in evaluation mode, without gradients, then remove ``hooks``
-    (handles of the hooks that watch it); False: it cannot run here."""
+def _token_forward(root: nn.Module, hooks: List[Any], batch: int = 1) -> bool:
+    """Run ``root`` on ``batch`` sequences of 4 tokens in evaluation mode, without gradients,
+    then remove ``hooks`` (handles of the hooks that watch it); False: it cannot run here."""
     import torch
 
     training = root.training
     root.eval()
     try:
         with torch.no_grad():
-            root(input_ids=torch.zeros(1, 4, dtype=torch.long, device=next(root.parameters()).device))
+            root(input_ids=torch.zeros(batch, 4, dtype=torch.long, device=next(root.parameters()).device))
         return True
     except Exception:  # noqa: BLE001 — a model this call cannot run: no answer
         return False
@@ -359,4 +359,6 @@ def whole_fields(module: nn.Module, layout: Any) -> Dict[str, Any]:
                 whole_note="; ".join([f"'{u}': {what}" for u, what in layout.whole.items()] + (
                     [f"'{layout.whole_head}': the LM head with the module around it (its logits whole)"]
                     if layout.whole_head else [])),
-                attention_layers=sum(len(hits(p)) for p in attention), mlp_layers=len(rows))
+                attention_layers=sum(len([n for n in hits(p) if n.count(".") == p.count(".")])  # (not their children:
+                                     for p in attention),  # fnmatch's "*" crosses dots)
+                mlp_layers=len(rows))
