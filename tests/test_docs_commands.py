@@ -313,11 +313,16 @@ def _has_opt(text: str, flag: str) -> bool:
     return re.search(rf"(?<!\S){re.escape(flag)}(?=[\s=]|$)", text) is not None
 
 
+def _opt(flag: str) -> str:
+    """The pattern of ``flag value`` (``flag=value``; a quoted value whole), the value a group."""
+    return rf"(?<!\S){re.escape(flag)}(?:=|\s+)('[^']*'|\"[^\"]*\"|\S+)"
+
+
 def set_opt(text: str, flag: str, value: Optional[str] = None) -> str:
     """``flag value`` replaced in ``text``, or appended (``value=None``: a switch)."""
     if value is None:
         return text if _has_opt(text, flag) else f"{text} {flag}"
-    pat = re.compile(rf"(?<!\S){re.escape(flag)}(?:=|\s+)(?:'[^']*'|\"[^\"]*\"|\S+)")
+    pat = re.compile(_opt(flag))
     if pat.search(text):
         return pat.sub(lambda _: f"{flag} {value}", text, count=1)
     return f"{text} {flag} {value}"
@@ -325,12 +330,11 @@ def set_opt(text: str, flag: str, value: Optional[str] = None) -> str:
 
 def drop_opt(text: str, flag: str) -> str:
     """``flag value`` removed from ``text``."""
-    pat = re.compile(rf"\s*(?<!\S){re.escape(flag)}(?:=|\s+)(?:'[^']*'|\"[^\"]*\"|\S+)")
-    return pat.sub("", text, count=1)
+    return re.sub(rf"\s*{_opt(flag)}", "", text, count=1)
 
 
 def get_opt(text: str, flag: str) -> Optional[str]:
-    m = re.search(rf"(?<!\S){re.escape(flag)}(?:=|\s+)('[^']*'|\"[^\"]*\"|\S+)", text)
+    m = re.search(_opt(flag), text)
     return m.group(1).strip("'\"") if m else None
 
 

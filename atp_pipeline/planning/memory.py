@@ -59,17 +59,18 @@ def per_device_memory(m: ModelShape, mesh: Tuple[int, int], dp: int = 1, fsdp: b
     tp = d1 * d2
     h, L, V, s = m.hidden, m.layers, m.vocab_size, m.seq_len
     norm_split = d2 if m.norm_layout == "stats" else 1  # gathered: the norms' weights stay whole
-    per_layer = (m.weights_per_layer / tp + m.column_bias_per_layer / d1 + m.row_bias_per_layer / d2
-                 + m.norm_params_per_layer / norm_split)
+    vectors = m.column_bias_per_layer / d1 + m.row_bias_per_layer / d2 + m.norm_params_per_layer / norm_split
+    per_layer = m.weights_per_layer / tp + vectors  # a block's (FSDP gathers one at a time)
     positions = s if m.position == "learned" else 0
     final_norm = m.norm_params_per_layer / 2 if m.final_norm else 0
     whole = m.head_layout == "whole"  # a head (tied: and its table) run whole on every rank
     head = 0 if m.tied_embeddings else V * h / (1 if whole else tp)
     table = V * h / (tp if m.tied_embeddings and m.head_layout == "vocab_split" else
                      1 if m.tied_embeddings and whole else d2)
-    # modules run whole (models/hf/whole.py) and latent projections: on every rank, not split
-    params = (L * per_layer - (L * m.weights_per_layer - m.split_weights) / tp + m.whole_params + m.latent_whole_weights
-              + table + positions * h / d2 + final_norm / norm_split + head)
+    # matrices: the split ones over d1*d2; modules run whole (models/hf/whole.py) and latent
+    # projections whole on every rank
+    weights = m.split_weights / tp + m.whole_params + m.latent_whole_weights
+    params = weights + L * vectors + table + positions * h / d2 + final_norm / norm_split + head
     q = m.bytes_per_element
     gathered = 0.0
     if fsdp and dp > 1:  # every state is split over the replicas; one block is gathered at a time

@@ -238,13 +238,10 @@ class ModelShape:
         dense MLP of layers that neither route nor split it (those modules are in
         :attr:`whole_params`, whole on every rank), and a latent attention's projections of
         the hidden (:attr:`latent_whole_weights`)."""
-        h = self.hidden
-        attention = h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else \
-            self.latent.weights(h, self.heads)
         routed = self.moe.layers if self.moe is not None else 0
         unsplit_mlps = max(self.layers - routed - self.dense_mlp_layers, 0)
-        return (self.layers * self.weights_per_layer - (self.layers - self.split_attention_layers) * attention
-                - unsplit_mlps * self.ffn_matrices * h * self.ffn - self.latent_whole_weights)
+        return (self.layers * self.weights_per_layer - (self.layers - self.split_attention_layers) * self.attention_weights
+                - unsplit_mlps * self.ffn_matrices * self.hidden * self.ffn - self.latent_whole_weights)
 
     @property
     def latent_whole_weights(self) -> int:
@@ -252,10 +249,15 @@ class ModelShape:
         layers that split the attention."""
         return self.split_attention_layers * self.latent.whole_weights(self.hidden) if self.latent else 0
 
+    @property
+    def attention_weights(self) -> int:
+        """Matrix weights of one layer's attention: q, k, v and o (or the latent attention's)."""
+        h = self.hidden
+        return h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else self.latent.weights(h, self.heads)
+
     def _weights(self, active: bool) -> int:
         h = self.hidden
-        attention = h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else \
-            self.latent.weights(h, self.heads)
+        attention = self.attention_weights
         dense = self.ffn_matrices * h * self.ffn
         if self.moe is None:
             return attention + dense

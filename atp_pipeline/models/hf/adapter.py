@@ -36,7 +36,7 @@ from torch import nn
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.hf.layout import NORM, AttentionSpec, Layout, derive, register_conv1d
-from atp_pipeline.models.hf.whole import whole_fields
+from atp_pipeline.models.hf.whole import is_unit, whole_fields
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
@@ -196,7 +196,7 @@ def _layer_norms(module: nn.Module, plan: Dict[str, str], layers: int = 0) -> in
             blocks = names.get(p.split(".*.")[0])
             if layers and isinstance(blocks, nn.ModuleList) and len(blocks) != layers:
                 spread_patterns += 1
-                spread += sum(fnmatch.fnmatchcase(n, p) and n.count(".") == p.count(".") for n in names)
+                spread += sum(is_unit(n, p) for n in names)
             else:
                 count += 1
     return count + ((spread // layers if spread % layers == 0 else spread_patterns) if spread_patterns else 0)

@@ -49,6 +49,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
 from atp_pipeline.models.hf import mla
+from atp_pipeline.models.hf.whole import derive_with_whole, hidden_io, is_unit, token_forward
 from atp_pipeline.planning.shape import LatentShape, MoEShape
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
@@ -218,7 +219,6 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     ``probe=False``: what the shape needs only — no module is run (a model on the meta
     device, planned before it is built), a fused q|k|v of undeclared layout is taken as is.
     A block's mixer the layout cannot split runs whole (:mod:`.whole`; ``Layout.whole``)."""
-    from atp_pipeline.models.hf.whole import derive_with_whole
 
     register_conv1d()
     register_plain_linears(module)
@@ -228,11 +228,11 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     layout = derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
                                probe, pattern, NORM)
     if probe:
-        _probe_calls(module, layout)
+        _probe_calls(module, layout, hidden)
     return layout
 
 
-def _probe_calls(root: nn.Module, layout: "Layout") -> None:
+def _probe_calls(root: nn.Module, layout: "Layout", hidden: int) -> None:
     """What a forward on tokens shows of ``layout`` that its modules' names do not (nothing on
     the meta device, or where the model cannot run here): ``outside_norm_calls`` — the calls
     beyond the first of each norm outside the blocks run on the gathered hidden (a norm applied
@@ -241,9 +241,8 @@ def _probe_calls(root: nn.Module, layout: "Layout") -> None:
     attention's separate q/k/v read (a block running attention and MLP on one normed input),
     so their partial input gradients join one fan-in: one all-reduce over d1 for both; and
     ``probe_unmodelled`` — embeddings run whole whose output the batch's sequences share (its
-    gradient gathered per position, while the cost model counts per token)."""
-    from atp_pipeline.models.hf.whole import _token_forward
-
+    gradient gathered per position, while the cost model counts per token); ``hidden``: the
+    config's hidden size."""
     if any(p.is_meta for p in root.parameters()):
         return
     names = dict(root.named_modules())
@@ -273,13 +272,12 @@ def _probe_calls(root: nn.Module, layout: "Layout") -> None:
     hooks = [names[n].register_forward_pre_hook(watch(n, c), with_kwargs=True) for n, c in watched.items()
              if n in names]
     rows: Dict[str, int] = {}  # embeddings run whole (gathered): rows of their output, 2 sequences of 4 tokens
-    hidden = int(getattr(_text_config(root.config) or root.config, "hidden_size", 0) or 0)
     for n, m in names.items():
         if isinstance(m, nn.Embedding) and type(m).forward is not nn.Embedding.forward:
             hooks.append(m.register_forward_hook(
                 lambda mod, a, out, n=n: rows.__setitem__(n, int(out.numel()) // hidden)
                 if hasattr(out, "numel") and hidden and out.shape[-1] == hidden else None))
-    if not _token_forward(root, hooks, batch=2):
+    if not token_forward(root, hooks, batch=2):
         return
     shared_rows = [n for n, r in rows.items() if r < 2 * 4]
     if shared_rows:  # e.g. learned positions looked up once, broadcast over the batch
@@ -616,8 +614,6 @@ def _writes_hidden(root: Optional[nn.Module], unit: str, hidden: int) -> bool:
     """Whether the modules ``unit`` return a hidden state (a tensor, or a tuple's first, over
     the hidden) on a forward of ``root`` on tokens (:func:`~.whole.hidden_io`; False: not run,
     ``root`` None)."""
-    from atp_pipeline.models.hf.whole import hidden_io
-
     if root is None:
         return False
     _, outputs, cannot, _ = hidden_io(root, unit, hidden)
@@ -693,7 +689,7 @@ def _attention_spec(root: nn.Module, att: str, names: Mapping[str, nn.Module], k
     if len(rows) != 1:
         raise ConfigError(f"{what} has {len(rows)} output projections ({', '.join(rows) or 'none'}); "
                           f"ATP's layout needs one; pass a plan")
-    own = sorted({n for name, m in names.items() if fnmatch.fnmatchcase(name, att) and name.count(".") == att.count(".")
+    own = sorted({n for name, m in names.items() if is_unit(name, att)
                   for n, _ in m.named_parameters(recurse=False)})  # in any of the blocks
     head_params = tuple(own)
     if own and not _read_by_core(root, att, own, heads, probe):
@@ -773,8 +769,8 @@ def _read_by_core(root: nn.Module, att: str, own: List[str], heads: int, probe: 
     head and are read by its core alone (transformers' attention interface: an attribute of the
     module or a keyword input), as attention sinks are, shown on a forward (``probe``; not
     shown on the meta device)."""
-    modules = [m for name, m in root.named_modules() if fnmatch.fnmatchcase(name, att) and
-               name.count(".") == att.count(".")]  # every block's: the same parameters, one value per head
+    modules = [m for name, m in root.named_modules() if is_unit(name, att)]  # every block's: the same
+    # parameters, one value per head
     if any(not isinstance(getattr(m, n, None), nn.Parameter) or tuple(getattr(m, n).shape) != (heads,)
            for m in modules for n in own):
         return False

@@ -41,14 +41,14 @@ def whole_style(inputs: Sequence[str], outputs: Sequence[int] = (0,)) -> str:
     return f"gathered(input=split, output=split{extra})"
 
 
-def _is(name: str, unit: str) -> bool:
+def is_unit(name: str, unit: str) -> bool:
     """Whether the module ``name`` is one of the units ``unit`` (a pattern; its ``*`` one
     component: a block's, not a module inside it)."""
     return fnmatch.fnmatchcase(name, unit) and name.count(".") == unit.count(".")
 
 
 def _first_is(names: Mapping[str, nn.Module], unit: str) -> nn.Module:
-    return next(m for n, m in names.items() if _is(n, unit))
+    return next(m for n, m in names.items() if is_unit(n, unit))
 
 
 def _within(unit: str, whole: Mapping[str, str]) -> bool:
@@ -137,7 +137,7 @@ def head_unit(root: nn.Module, names: Mapping[str, nn.Module], blocks: Sequence[
     return None
 
 
-def _token_forward(root: nn.Module, hooks: List[Any], batch: int = 1) -> bool:
+def token_forward(root: nn.Module, hooks: List[Any], batch: int = 1) -> bool:
     """Run ``root`` on ``batch`` sequences of 4 tokens in evaluation mode, without gradients,
     then remove ``hooks`` (handles of the hooks that watch it); False: it cannot run here."""
     import torch
@@ -158,11 +158,11 @@ def _token_forward(root: nn.Module, hooks: List[Any], batch: int = 1) -> bool:
 
 def _calls(root: nn.Module, unit: str) -> List[Tuple[tuple, dict, Any]]:
     """(args, kwargs, output) of every call of the modules ``unit`` (a pattern) in a forward of
-    ``root`` on 4 tokens (:func:`_token_forward`; []: it cannot run here)."""
+    ``root`` on 4 tokens (:func:`token_forward`; []: it cannot run here)."""
     seen: List[Tuple[tuple, dict, Any]] = []
     hooks = [m.register_forward_hook(lambda mod, a, k, out: seen.append((a, k, out)), with_kwargs=True)
-             for n, m in root.named_modules() if _is(n, unit)]
-    return seen if _token_forward(root, hooks) else []
+             for n, m in root.named_modules() if is_unit(n, unit)]
+    return seen if token_forward(root, hooks) else []
 
 
 def _idle_attention(root: nn.Module, plan: Mapping[str, str]) -> List[str]:
@@ -173,7 +173,7 @@ def _idle_attention(root: nn.Module, plan: Mapping[str, str]) -> List[str]:
     ran: set = set()
     hooks = [m.register_forward_pre_hook(lambda mod, a, p=p: ran.add(p))
              for n, m in root.named_modules() for p in patterns if fnmatch.fnmatchcase(n, p)]
-    return [p for p in patterns if p not in ran] if _token_forward(root, hooks) else []
+    return [p for p in patterns if p not in ran] if token_forward(root, hooks) else []
 
 
 def hidden_io(root: nn.Module, unit: str, hidden: int
@@ -269,7 +269,7 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
                                   f"whole: {cannot}; pass a plan") from None
             if cannot:  # the block holding it runs whole instead, where it can (its residual stream wider
                 # than the hidden: hyper-connections mixing several hidden states)
-                first = next(n for n in names if _is(n, unit))
+                first = next(n for n in names if is_unit(n, unit))
                 m, block = names[first], pattern(_inside(first, blocks), lists)
                 b_inputs, b_outputs, b_cannot, b_sent = hidden_io(module, block, hidden)
                 if b_cannot:
@@ -292,7 +292,7 @@ def derive_with_whole(module: nn.Module, derive_once: Callable[..., Any], blocks
 def _differs(names: Mapping[str, nn.Module], pat: str, blocks: Sequence[str], norm: "re.Pattern[str]") -> bool:
     """Whether the norms of a pattern over the blocks (as the shape counts them, per layer)
     differ by layer: of other classes (a norm in some, nothing in others), or in some blocks only."""
-    hits = [m for n, m in names.items() if fnmatch.fnmatchcase(n, pat) and n.count(".") == pat.count(".")]
+    hits = [m for n, m in names.items() if is_unit(n, pat)]
     if not any(norm.search(type(m).__name__) for m in hits):
         return False
     list_ = pat.split(".*.")[0]
@@ -321,7 +321,7 @@ def _noted(layout: Any, names: Mapping[str, nn.Module], whole: Mapping[str, str]
 
 def _what(names: Mapping[str, nn.Module], unit: str, reason: str) -> str:
     """One line on a block child run whole: its class, and what the layout could not split."""
-    classes = dict.fromkeys(type(m).__name__ for n, m in names.items() if _is(n, unit))
+    classes = dict.fromkeys(type(m).__name__ for n, m in names.items() if is_unit(n, unit))
     short = reason.split(": ", 1)[-1] if reason.startswith("transformers model") else reason
     return f"{'/'.join(classes)} run whole ({short[:160]})"
 
@@ -359,6 +359,5 @@ def whole_fields(module: nn.Module, layout: Any) -> Dict[str, Any]:
                 whole_note="; ".join([f"'{u}': {what}" for u, what in layout.whole.items()] + (
                     [f"'{layout.whole_head}': the LM head with the module around it (its logits whole)"]
                     if layout.whole_head else [])),
-                attention_layers=sum(len([n for n in hits(p) if n.count(".") == p.count(".")])  # (not their children:
-                                     for p in attention),  # fnmatch's "*" crosses dots)
+                attention_layers=sum(len([n for n in hits(p) if is_unit(n, p)]) for p in attention),
                 mlp_layers=len(rows))
