@@ -58,9 +58,12 @@ class Skip(Exception):
     """A model type this sweep does not build (the message says why)."""
 
 
-def _shrink(config: Any) -> None:
-    """Shrink ``config`` (and its sub-configs) in place to :data:`TINY` sizes."""
+def _shrink(config: Any, cover: bool = False) -> None:
+    """Shrink ``config`` (and its sub-configs) in place to :data:`TINY` sizes. The tiny stack
+    keeps the first layers (``cover``: the first layer of each kind, for a config that rejects a
+    stack without some kind); per-layer lists and per-layer overrides follow the layers kept."""
     d = config.__dict__
+    before = dict(d)
     layers_before = next((int(d[k]) for k in _LAYERS if isinstance(d.get(k), int)), None)
     for names, value in ((_HIDDEN, TINY["hidden"]), (_HEADS, TINY["heads"]), (_LAYERS, TINY["layers"]),
                          (_FFN, TINY["ffn"]), (_POS, TINY["positions"]), (_EXPERTS, TINY["experts"])):
@@ -122,16 +125,19 @@ def _shrink(config: Any) -> None:
     for k, v in list(d.items()):  # every vocabulary (BLT's hash-embedding tables too)
         if "vocab" in k.lower() and isinstance(v, int) and not isinstance(v, bool) and v > VOCAB:
             d[k] = VOCAB
+    per_layer = [k for k, v in d.items() if isinstance(v, list) and layers_before and len(v) == layers_before
+                 and k != "architectures"]  # per-layer lists (layer_types, ...)
+    keep = _layers_kept(layers_before, [d[k] for k in per_layer], cover) if layers_before else []
+    for k in per_layer:
+        d[k] = [d[k][i] for i in keep]
     for k, v in list(d.items()):
         low = k.lower()
         if isinstance(v, float) and not isinstance(v, bool) and ("dropout" in low or "pdrop" in low) and v > 0:
             d[k] = 0.0
         if isinstance(v, int) and not isinstance(v, bool) and ("token_id" in low) and v >= VOCAB:
             d[k] = VOCAB - 1
-        if isinstance(v, list) and layers_before and len(v) == layers_before and k != "architectures":
-            d[k] = v[:TINY["layers"]]  # per-layer lists (layer_types, ...)
         if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (text_config, ...)
-            _shrink(v)
+            _shrink(v, cover)
     if any(k in d and d[k] is None for k in _EXPERTS):  # experts left unset by the defaults (Dots1)
         d.update({k: TINY["experts"] for k in _EXPERTS if k in d and d[k] is None})
         d.update({k: v for k, v in (("num_experts_per_tok", 2), ("n_shared_experts", 1)) if k in d and d[k] is None})
@@ -148,6 +154,26 @@ def _shrink(config: Any) -> None:
     if isinstance(d.get("sliding_window"), int) and d.get("use_sliding_window") is not False:
         d["sliding_window"] = None if "use_sliding_window" in d else max(SEQ // 2, 2)
     d["use_cache"] = False
+    spec = d.get("_heterogeneity_spec")
+    if spec is not None and keep:
+        # per-layer overrides (transformers' heterogeneous configs): those of the layers kept, at their
+        # new index, without the size fields shrunk above (the tiny value holds for every layer)
+        shrunk = {k for k in before if k in d and before[k] is not d[k] and before[k] != d[k]}
+        config.per_layer_config = {j: {a: v for a, v in spec.per_layer_overrides[i].items() if a not in shrunk}
+                                   for j, i in enumerate(keep) if i in spec.per_layer_overrides}
+
+
+def _layers_kept(layers: int, per_layer: List[List[Any]], cover: bool) -> List[int]:
+    """The indices of the :data:`TINY` layers kept of ``layers``: the first ones, or (``cover``)
+    the first layer of each kind (its entries in the ``per_layer`` lists), then the first ones."""
+    n = min(TINY["layers"], layers)
+    if not cover:
+        return list(range(n))
+    first: Dict[Any, int] = {}
+    for i in range(layers):
+        first.setdefault(repr(tuple(v[i] for v in per_layer)), i)
+    kept = sorted(first.values())[:n]
+    return sorted(kept + [i for i in range(layers) if i not in kept][:n - len(kept)])
 
 
 def tiny_config(model_type: str) -> Any:
@@ -160,7 +186,17 @@ def tiny_config(model_type: str) -> Any:
         raise Skip(f"no default config: {_line(exc)}") from None
     if getattr(config, "is_encoder_decoder", False):
         raise Skip("encoder-decoder")
+    pristine = copy.deepcopy(config)
     _shrink(config)
+    try:  # what an exported checkpoint's config must pass: transformers' validation on reading it
+        text = config.get_text_config(decoder=True)
+        lists = [{k: v for k, v in c.to_dict().items() if isinstance(v, list)}
+                 for c in (text, type(text).from_dict(text.to_dict()))]
+        if lists[0] != lists[1]:
+            raise ValueError("the layer kinds read back differ")  # (transformers changed a layer's kind)
+    except Exception:  # noqa: BLE001 — the first layers alone may lack a kind the config requires
+        config = pristine
+        _shrink(config, cover=True)
     return config
 
 

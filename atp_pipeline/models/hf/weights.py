@@ -7,7 +7,9 @@
   prefix (GPT-2's ``h.0...`` for ``transformer.h.0...``) are found too.
 * :func:`export_pretrained` — the sharded model gathered into the dense model's names and
   layouts (:func:`~atp_pipeline.parallel.dense.dense_tensors`) and written by transformers'
-  own ``save_pretrained`` on global rank 0, loadable by ``AutoModelForCausalLM.from_pretrained``.
+  own ``save_pretrained`` on global rank 0, loadable by ``AutoModelForCausalLM.from_pretrained``
+  (a model built on a sub-config that ``AutoModelForCausalLM`` does not map, a multimodal
+  model's text decoder, is written under the config class it maps to that model class).
 """
 
 from __future__ import annotations
@@ -105,7 +107,30 @@ def export_pretrained(model: nn.Module, out_dir: str) -> Optional[Path]:
                           f"(missing {left[:3]}, unexpected {unexpected[:3]})")
     out = Path(out_dir)
     dense.save_pretrained(str(out))
+    outer = _causal_lm_config(dense)
+    if outer is not None:
+        outer.save_pretrained(str(out))  # (config.json only: the weights are the decoder's, by its names)
     return out
+
+
+def _causal_lm_config(model: nn.Module) -> Optional[Any]:
+    """The config ``AutoModelForCausalLM.from_pretrained`` builds ``model``'s class from, where
+    ``model.config``'s own class is not one it maps (Emu3's or Mllama's text decoder, built on
+    the text sub-config): the config class mapped to ``type(model)`` holding ``model.config`` as
+    its sub-config of that class (transformers builds the class on that sub-config again). None
+    where ``model.config`` is mapped as it is, or no mapped config holds it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    mapped = [c for c, m in MODEL_FOR_CAUSAL_LM_MAPPING.items() if m is type(model)]
+    if not mapped or type(model.config) in mapped:
+        return None
+    for cls in mapped:
+        key = next((k for k, v in (getattr(cls, "sub_configs", None) or {}).items() if v is type(model.config)), None)
+        if key is not None:
+            outer = cls(**{key: model.config.to_dict()})
+            outer.architectures = [type(model).__name__]
+            return outer
+    return None
 
 
 def _plain_config(model: nn.Module) -> Dict[str, Any]:
