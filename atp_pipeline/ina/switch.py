@@ -8,7 +8,9 @@ other than updating the register arrays held by ``state`` (in place, as a P4 reg
 action would) and rewriting the packet; the returned packets are forwarded by normal
 routing (gradients toward the PS, parameter packets along the job's multicast tree). The
 simulator, the live UDP emulator and the P4 program all run or mirror this one function;
-the step markers ①–⑩ in the code are Figure 4's.
+the step markers ①–⑩ in the code are Figure 4's. :func:`process_batch` is the same function over a
+batch of packets (the live emulator's): the decisions packet by packet, the lane work of the
+whole batch collected (:class:`LanePlan`) and done in a few array operations.
 
 Registers (Figure 3): ``n`` aggregators, each ⟨valid, job, seq, shard, bitmap, count, flags,
 K int32 lanes⟩ (``count`` is the redundant popcount of footnote 1; ``flags`` ORs the ECN and
@@ -76,7 +78,7 @@ does with ``enq_qdepth``; the simulator's links apply the same rule (inlined in 
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -209,6 +211,8 @@ class SwitchState:
         self.hmemo: Dict[int, int] = {}
         #: aggregator allocations per job since start (a per-job counter register in P4)
         self.job_allocs: Dict[int, int] = {}
+        #: sequences completed here per job (⑥; a per-job counter register in P4)
+        self.job_complete: Dict[int, int] = {}
 
     def add_job(self, job: int) -> None:
         """Per-job setup (§5.1): the job's multicast group exists at this switch."""
@@ -252,9 +256,13 @@ def _free(st: SwitchState, i: int) -> None:
     st.job[i] = st.seq[i] = st.shard[i] = st.bitmap[i] = st.count[i] = st.flags[i] = 0
 
 
-def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]]:
+def process(st: SwitchState, p: Packet, plan: Optional["LanePlan"] = None) -> Tuple[SwitchState, Tuple[Packet, ...]]:
     """One packet through the ATP data plane; returns the packets to forward (a tuple,
-    empty when the packet was consumed or dropped)."""
+    empty when the packet was consumed or dropped).
+
+    ``plan`` (:func:`process_batch`): the packet's lane work — the int32 adds, copies and reads of
+    aggregator rows — is recorded there instead of done now (the returned packets' payloads are
+    filled when the batch's plan runs); every decision is taken here, packet by packet, either way."""
     S = st.stats
     job = p.job
     if job not in st.jobs:  # classifier/job table miss: not an ATP job known here
@@ -328,8 +336,11 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
             if have & bm:  # ④ already aggregated and not a retransmission: drop
                 S.dup_dropped += 1
                 return st, ()
-            row = st.rows[i]
-            np.add(row, p.payload, row)
+            if plan is None:
+                row = st.rows[i]
+                np.add(row, p.payload, row)
+            else:
+                plan.add(i, p.payload)
             bmap[i] = have | bm
             counts = st.count
             cnt = counts[i] = counts[i] + 1  # ⑤ redundant popcount
@@ -338,12 +349,15 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
             S.merged += 1
             if cnt < fan_in:  # ⑥ not complete: the packet is consumed
                 return st, ()
-            return st, (_complete(st, i, p, e),)
+            return st, (_complete(st, i, p, e, plan),)
         if e == 1:
             # ⑦ second level: forward the retransmission directly; flush what this
             # aggregator holds in a clone, then ⑩ deallocate
             c = p.copy()
-            c.payload = st.rows[i].copy()
+            if plan is None:
+                c.payload = st.rows[i].copy()
+            else:
+                plan.read(i, c)
             c.bitmap1 = st.bitmap[i]
             c.agg1 = 1
             c.ecn |= st.flags[i] & FLAG_ECN
@@ -356,13 +370,19 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         # first level: ④ merge if this worker is new (⑧: already merged), ⑨ copy the
         # aggregator's value and bitmap into the packet, send upstream, ⑩ deallocate
         if not st.bitmap[i] & bm:
-            row = st.rows[i]
-            np.add(row, p.payload, row)
+            if plan is None:
+                row = st.rows[i]
+                np.add(row, p.payload, row)
+            else:
+                plan.add(i, p.payload)
             st.bitmap[i] |= bm
             st.count[i] += 1
             st.flags[i] |= p.ecn | (p.overflow << 1)
             S.resend_merged += 1
-        p.payload = st.rows[i].copy()
+        if plan is None:
+            p.payload = st.rows[i].copy()
+        else:
+            plan.read(i, p)
         p.bitmap0 = st.bitmap[i]
         p.ecn |= st.flags[i] & FLAG_ECN
         p.overflow |= (st.flags[i] & FLAG_OVF) >> 1
@@ -380,11 +400,14 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
         # allocation: claim the free aggregator with ⟨job, seq⟩, value and bitmap
         _claim(st, i, job, seq, p.ps_index, bm)
         st.flags[i] = p.ecn | (p.overflow << 1)
-        st.rows[i][:] = p.payload
+        if plan is None:
+            st.rows[i][:] = p.payload
+        else:
+            plan.set(i, p.payload)
         S.alloc += 1
         if fan_in > 1:
             return st, ()
-        return st, (_complete(st, i, p, e),)
+        return st, (_complete(st, i, p, e, plan),)
     # ① occupied by another ⟨job, seq⟩: upstream untouched, resend set, level flipped
     p.resend = p.collision = 1
     p.edge = e ^ 1
@@ -392,9 +415,101 @@ def process(st: SwitchState, p: Packet) -> Tuple[SwitchState, Tuple[Packet, ...]
     return st, (p,)
 
 
-def _complete(st: SwitchState, i: int, p: Packet, e: int) -> Packet:
+def process_batch(st: SwitchState, pkts: Sequence[Packet]) -> List[Tuple[Packet, ...]]:
+    """Packets ``pkts``, in order, through the data plane: for each, the packets to forward —
+    what :func:`process` returns for them one at a time (tested equal: outputs, registers and
+    counters; ``tests/ina/test_switch.py``). Every decision is :func:`process`'s, packet by packet;
+    the lane work is collected in a :class:`LanePlan` and done at the end in a few array
+    operations (the live emulator's batch, issue 28)."""
+    plan = LanePlan()
+    outs = [process(st, p, plan)[1] for p in pkts]
+    plan.run(st)
+    return outs
+
+
+_SET, _ADD, _READ = 0, 1, 2
+
+
+class LanePlan:
+    """The lane work of a batch of packets (:func:`process_batch`), recorded in order by
+    :func:`process`: ``set`` (an allocation writes the packet's lanes into aggregator ``i``),
+    ``add`` (a merge adds them), ``read`` (a packet leaving with the aggregator's value: ⑥, ⑦, ⑨).
+
+    :meth:`run` replays it level by level: an aggregator's ``d``-th operation is at level ``d``,
+    so a level names each aggregator at most once and its operations are array operations over
+    all its rows at once (one copy of their lanes, one add, one gather), and every aggregator
+    sees its operations in the order the packets recorded them — the rows and the packets'
+    payloads end as :func:`process` one packet at a time leaves them."""
+
+    __slots__ = ("ops", "depth")
+
+    def __init__(self) -> None:
+        self.ops: List[Tuple[int, int, int, Any]] = []  # (level, kind, aggregator, lanes or packet)
+        self.depth: Dict[int, int] = {}  # aggregator -> operations recorded on it
+
+    def _level(self, i: int) -> int:
+        d = self.depth.get(i, 0)
+        self.depth[i] = d + 1
+        return d
+
+    def set(self, i: int, lanes: np.ndarray) -> None:
+        self.ops.append((self._level(i), _SET, i, lanes))
+
+    def add(self, i: int, lanes: np.ndarray) -> None:
+        self.ops.append((self._level(i), _ADD, i, lanes))
+
+    def read(self, i: int, p: Packet) -> None:
+        self.ops.append((self._level(i), _READ, i, p))
+
+    def run(self, st: SwitchState) -> None:
+        if not self.ops:
+            return
+        vals, rows = st.values, st.rows
+        levels: Dict[int, Tuple[List[Tuple[int, Any]], ...]] = {}
+        for lvl, kind, i, x in self.ops:
+            got = levels.get(lvl)
+            if got is None:
+                got = levels[lvl] = ([], [], [])
+            got[kind].append((i, x))
+        for lvl in sorted(levels):
+            sets, adds, reads = levels[lvl]
+            for todo, kind in ((sets, _SET), (adds, _ADD)):
+                if len(todo) < LANE_ARRAY_MIN:  # a few rows: one call each
+                    for i, x in todo:
+                        if kind == _SET:
+                            rows[i][:] = x
+                        else:
+                            np.add(rows[i], x, rows[i])
+                    continue
+                idx = np.fromiter((i for i, _ in todo), dtype=np.intp, count=len(todo))
+                src = np.stack([x for _, x in todo])
+                if kind == _SET:
+                    vals[idx] = src
+                else:
+                    vals[idx] += src  # (distinct rows within a level)
+            if reads:
+                if len(reads) < LANE_ARRAY_MIN:
+                    for i, p in reads:
+                        p.payload = rows[i].copy()
+                    continue
+                got = vals[np.fromiter((i for i, _ in reads), dtype=np.intp, count=len(reads))]
+                for n, (_, p) in enumerate(reads):
+                    p.payload = got[n]
+        self.ops.clear()
+        self.depth.clear()
+
+
+#: a level's operations of one kind on at least this many aggregators go as one array operation
+#: (:meth:`LanePlan.run`); fewer, one numpy call per aggregator
+LANE_ARRAY_MIN = 4
+
+
+def _complete(st: SwitchState, i: int, p: Packet, e: int, plan: Optional["LanePlan"]) -> Packet:
     """⑥ complete: the packet carries the aggregate upstream; the aggregator stays until ②."""
-    p.payload = st.rows[i].copy()
+    if plan is None:
+        p.payload = st.rows[i].copy()
+    else:
+        plan.read(i, p)
     if e == 0:
         p.bitmap0 = st.bitmap[i]
     else:
@@ -405,6 +520,7 @@ def _complete(st: SwitchState, i: int, p: Packet, e: int) -> Packet:
     p.overflow = (f & FLAG_OVF) >> 1
     p.edge = e ^ 1
     st.stats.complete += 1
+    st.job_complete[p.job] = st.job_complete.get(p.job, 0) + 1
     return p
 
 

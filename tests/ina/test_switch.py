@@ -187,3 +187,71 @@ def test_parameter_packets_sweep_stale_aggregators_of_their_job_and_teardown_cle
     assert allocated(s) == 0 and s.stats.stale_reclaimed == 1
     process(s, grad(0, seq=6))
     assert s.remove_job(JOB) == 1 and allocated(s) == 0 and JOB not in s.jobs and s.watermark == {}
+
+
+def test_batch_form_equals_the_per_packet_form_on_a_faulty_two_level_run(monkeypatch):
+    """:func:`process_batch` (the live emulator's) against :func:`process` one packet at a time,
+    on the packets every switch of a simulated run received: two jobs (one two-level across 3
+    racks), 4 aggregators per switch (collisions, resends, ⑦ flushes, reallocation within a
+    batch), 5% loss, duplication and reordering on every link. Replayed from each switch's
+    initial state, in batches of random sizes: the same outputs (headers and payloads), registers,
+    watermarks and counters."""
+    import copy
+    import random
+
+    from atp_pipeline.ina import switch as S
+    from atp_pipeline.ina.sim import fabric as F
+    from atp_pipeline.ina.sim.atp_job import AtpJobSpec
+    from atp_pipeline.ina.sim.fabric import FabricConfig, LinkFaults
+    from atp_pipeline.ina.sim.scenario import run
+    from atp_pipeline.ina.worker import WorkerConfig
+
+    seen = {}  # switch -> (its state before the first packet, the packets it received)
+
+    def clone(st):  # (the per-aggregator rows are views of the registers: a deep copy must keep them so)
+        c = copy.deepcopy(st)
+        c.rows = list(c.values)
+        return c
+
+    def recording(st, p, plan=None):
+        if id(st) not in seen:
+            seen[id(st)] = (clone(st), [])
+        q = p.copy()
+        q.payload = np.array(p.payload)
+        seen[id(st)][1].append(q)
+        return S.process(st, p, plan)
+
+    monkeypatch.setattr(F, "process", recording)
+    jobs = [AtpJobSpec(job=3, worker_hosts=[0, 1, 2, 17, 18, 33], ps_hosts=[40], tensor_elems=62 * 30 + 5, rounds=2,
+                       two_level=True, worker=WorkerConfig(rto=100e-6)),
+            AtpJobSpec(job=9, worker_hosts=[3, 4, 5], ps_hosts=[41, 42], tensor_elems=62 * 20, rounds=2,
+                       worker=WorkerConfig(rto=100e-6))]
+    res = run(FabricConfig(n_racks=3, hosts_per_rack=16, n_aggregators=4, seed=5), jobs,
+              faults=LinkFaults(loss=0.05, dup=0.05, reorder=0.05, reorder_delay=20e-6))
+    assert all(j.finished and j.mismatches == 0 for j in res.jobs)
+    rnd = random.Random(0)
+    total = 0
+    kinds = S.SwitchStats()
+    for st0, pkts in seen.values():
+        one = clone(st0)
+        want = [S.process(one, p.copy())[1] for p in pkts]
+        for array_min in (1, S.LANE_ARRAY_MIN):  # every level's lane work as array operations; the default
+            monkeypatch.setattr(S, "LANE_ARRAY_MIN", array_min)
+            many, got, i = clone(st0), [], 0
+            while i < len(pkts):
+                n = rnd.choice([1, 2, 7, 40, 200])
+                got += S.process_batch(many, [p.copy() for p in pkts[i:i + n]])
+                i += n
+            assert len(got) == len(want)
+            for a, b in zip(want, got):
+                assert [(q.header(), q.payload.tolist()) for q in a] == [(q.header(), q.payload.tolist()) for q in b]
+            for f in ("key", "bitmap", "count", "flags", "watermark", "job_allocs", "job_complete"):
+                assert getattr(one, f) == getattr(many, f), f
+            assert np.array_equal(one.values, many.values)
+            assert one.stats.as_dict() == many.stats.as_dict()
+        total += len(pkts)
+        for k, v in one.stats.as_dict().items():
+            setattr(kinds, k, getattr(kinds, k) + v)
+    # the run exercised what the batch form must get right
+    assert total > 2000
+    assert min(kinds.collision, kinds.resend_flush, kinds.l1_flush, kinds.merged, kinds.complete, kinds.dup_dropped) > 0

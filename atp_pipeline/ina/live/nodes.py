@@ -5,7 +5,7 @@ payload, exactly the bytes of :meth:`PacketFormat.encode`) and a control server
 (:mod:`.rpc`) for job setup/teardown (§5.1) and statistics. The data plane is one thread
 that hands every datagram to the protocol's transport-free role — the switch emulator
 runs :func:`atp_pipeline.ina.switch.process`, the very function the simulator runs and the
-P4 programs mirror; the parameter server runs :class:`~atp_pipeline.ina.ps.ParameterServer`
+P4 programs mirror, over each drained batch (:func:`~atp_pipeline.ina.switch.process_batch`); the parameter server runs :class:`~atp_pipeline.ina.ps.ParameterServer`
 — and sends what it returns.
 
 Forwarding replaces the fabric of the simulator. The switch keeps, per job, a route
@@ -59,10 +59,10 @@ from atp_pipeline.ina.live.shm import SharedLanes
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
 from atp_pipeline.ina.switchml import SMLFormat, SMLPacket, SMLSwitch, SMLSwitchJob
-from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process_batch
 
 class SwitchNode(Role):
-    """The emulated programmable switch: :func:`process` plus per-job routes."""
+    """The emulated programmable switch: :func:`process` (over batches: :func:`process_batch`) plus per-job routes."""
 
     role = "switch"
 
@@ -78,35 +78,37 @@ class SwitchNode(Role):
         self.routes: Dict[int, Tuple[List[Addr], List[Addr]]] = {}
         self.unroutable = 0
         self.job_packets: Dict[int, int] = {}
-        self.job_complete: Dict[int, int] = {}  # job -> sequences completed here (⑥; per level: §4.1)
         self.removed: Dict[int, int] = {}  # job -> aggregators freed by its teardown
-        self.ecn_threshold, self.backlog, self.ecn_marked, self._tick = ecn_threshold, 0, 0, 0
+        self.ecn_threshold, self.backlog, self.ecn_marked = ecn_threshold, 0, 0
 
-    def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
-        self._tick += 1
-        if not self._tick & 7:
-            self.backlog = meminfo(self.sock)[0]
-        copies = self.copies()
-        if not copies:
-            return
-        try:
-            pkt = self.fmt.decode(buf)
-        except DecodeError:
-            self.state.stats.malformed += 1
-            return
-        jp = self.job_packets
-        jp[pkt.job] = jp.get(pkt.job, 0) + copies
-        stats = self.state.stats
-        for c in range(copies):
-            p = pkt.copy() if c + 1 < copies else pkt
-            before = stats.complete
-            _, out = process(self.state, p)
-            if stats.complete != before:  # ⑥ this packet completed its sequence at this switch
-                self.job_complete[pkt.job] = self.job_complete.get(pkt.job, 0) + 1
+    def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
+        """Everything drained, through the switch function at once (:func:`process_batch`: the
+        decisions packet by packet, the lane work of the whole batch in a few array operations;
+        issue 28), then forwarded. The receive buffer's occupancy (ECN) is read once a batch."""
+        self.backlog = meminfo(self.sock)[0]
+        fmt, copies, jp = self.fmt, self.copies, self.job_packets
+        pkts: List[Any] = []
+        raws: List[bytes] = []
+        for buf, _ in got:
+            for raw in fmt.split(buf):
+                n = copies()
+                if not n:
+                    continue
+                try:
+                    pkt = fmt.decode(raw)
+                except DecodeError:
+                    self.state.stats.malformed += 1
+                    continue
+                jp[pkt.job] = jp.get(pkt.job, 0) + n
+                for c in range(n):
+                    pkts.append(pkt.copy() if c + 1 < n else pkt)
+                    raws.append(raw)
+        forward = self.forward
+        for p, raw, out in zip(pkts, raws, process_batch(self.state, pkts)):
             for q in out:
                 # a parameter packet leaves as it came (② only frees an aggregator): its
                 # received bytes are forwarded, not encoded again (issue 28)
-                self.forward(q, buf if q is p and p.is_param else None)
+                forward(q, raw if q is p and p.is_param else None)
 
     def forward(self, p: Any, raw: Optional[bytes] = None) -> None:
         """Route ``p`` (``raw``: its bytes, when the switch did not change it)."""
@@ -167,7 +169,7 @@ class SwitchNode(Role):
                 "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1],
                 "jobs": {j: {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
                              "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
-                             "complete": self.job_complete.get(j, 0)}
+                             "complete": st.job_complete.get(j, 0)}
                          for j in jobs}}
 
 
