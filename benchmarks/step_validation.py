@@ -80,9 +80,12 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
     tgt = torch.randint(0, V, (b, s), generator=g)
     emu_topo = Topology.from_config(spec["emulate"]) if spec["emulate"] else None
     runners: List[Tuple[str, Any, Any, Any]] = []
+    meshes: Dict[Tuple[int, int, bool], Any] = {}
     for key in spec["points"]:
         d1, d2, chunks, emulated = key
-        mesh = init_mesh((d1, d2))
+        # one mesh per shape (and interconnect), as training holds one: every mesh more holds gloo
+        # process groups whose idle threads take CPU from the ranks (docs/step-time.md)
+        mesh = meshes.get((d1, d2, emulated)) or meshes.setdefault((d1, d2, emulated), init_mesh((d1, d2)))
         model = copy.deepcopy(dense)
         apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
         comm_for(mesh, TopologyEmulator(emu_topo, (d1, d2), spec["slowdown"]) if emulated else None)
@@ -283,20 +286,70 @@ def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str
     return classes
 
 
-def resummarize(path: Path, out: Path, tag: str) -> int:
+def prediction_fields(est: Any, measured: float) -> Dict[str, Any]:
+    """A row's predicted step and its split (:class:`~atp_pipeline.planning.steptime.StepEstimate`)."""
+    return {"predicted_s": est.step_s, "rel_error": rel_error(est.step_s, measured),
+            "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
+            "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
+            "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
+            "predicted_timeline_s": est.timeline_s, "predicted_rank_cpu_s": est.cpu_s,
+            "predicted_host_bound": est.host_bound}
+
+
+def calibration_field(calibration: Dict[str, Any], est: Any) -> str:
+    return f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"
+
+
+def repredict(rows: List[Dict[str, Any]], meta: Dict[str, Any], ref: str, calibration_dir: str,
+              conf: Path) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """``--rows ... --repredict``: an earlier run's measured rows predicted again from another
+    calibration (``--topology``/``--calibration-dir``; the rows' measurements unchanged). A
+    development check: a calibration taken after those rows were measured is not a validation
+    of it, and the meta says so (``repredicted``)."""
+    from atp_pipeline.planning.compute_profile import profile_of
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
+    from atp_pipeline.run.calibrate_compute import compose_models
+
+    topo, calibration = load_calibrated(ref, calibration_dir, conf)
+    profile = profile_of(topo)
+    keys = sorted({(r["model"], r["batch"], r["seq_len"]) for r in rows})
+    built = compose_models([(f"{m}@{b}x{s}", variant_overrides(m, b, s, conf)) for m, b, s in keys], conf)
+    shapes = {k: sh for k, (sh, _) in zip(keys, built)}
+    out = []
+    for r in rows:
+        if r["interconnect"] != "gloo":
+            raise ValueError(f"step_validation: --repredict: row {r['group']} {r['point']} is emulated (real rows only)")
+        d1, d2 = (int(x) for x in r["mesh"].split("x"))
+        shape = shapes[(r["model"], r["batch"], r["seq_len"])]
+        est = estimate_step(topo.restrict(r["processes"]), shape, (d1, d2), StepSetting(chunks=r["chunks"]), profile)
+        why = in_sample(profile, shape, (d1, d2), r["processes"])
+        out.append({**r, **prediction_fields(est, r["measured_s"]), "in_sample": why,
+                    "class": ("in-sample " if why else "") + "real", "calibration": calibration_field(calibration, est)})
+    meta = {**meta, "calibration": calibration, "profile_terms": profile.describe(),
+            "repredicted": f"measured rows re-predicted from {calibration['file']} (sha256 {calibration['sha256']}): "
+                           f"a development check, not a validation of that calibration"}
+    return out, meta
+
+
+def resummarize(path: Path, out: Path, tag: str, again: Optional[Tuple[str, str, Path]] = None) -> int:
     """``--rows``: an earlier run's figures, files and plot again from its rows (this code's
-    figures; the rows and their calibration unchanged)."""
+    figures; the rows and their calibration unchanged). ``again`` (``--repredict``: topology,
+    calibration directory, conf): the rows predicted again from that calibration (:func:`repredict`)."""
     from atp_pipeline.cli import EXIT_BAD_INPUT
+    from atp_pipeline.errors import ConfigError
 
     try:
         data = json.loads(path.read_text())
         rows, meta = data["rows"], dict(data["meta"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if again is not None:
+            rows, meta = repredict(rows, meta, *again)
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
         sys.stderr.write(f"error: step_validation: --rows {path}: not a validation run ({type(exc).__name__}: {exc})\n")
         return EXIT_BAD_INPUT
     meta["resummarized_from"] = str(path)
     report(rows, meta, out, tag)
-    print(f"wrote {out / tag}.{{json,csv,png}} (from the rows of {path})")
+    print(f"wrote {out / tag}.{{json,csv,png}} (from the rows of {path}"
+          + (f", re-predicted from {meta['calibration']['file']}" if again is not None else "") + ")")
     return 0
 
 
@@ -361,12 +414,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="measure points the calibration ran (flagged, reported apart) instead of refusing")
     p.add_argument("--rows", default=None,
                    help="an earlier run's <tag>.json: its figures and plot again from its rows, nothing measured")
+    p.add_argument("--repredict", action="store_true",
+                   help="with --rows: predict those measured rows again from --topology/--calibration-dir "
+                        "(a development check, flagged in the JSON)")
     p.add_argument("--tag", default="steps")
     p.add_argument("--out", default="outputs/benchmarks/step_validation")
     p.add_argument("--conf", type=Path, default=CONF)
     args = p.parse_args(argv)
     if args.rows:
-        return resummarize(Path(args.rows), Path(args.out), args.tag)
+        return resummarize(Path(args.rows), Path(args.out), args.tag,
+                           (args.topology, args.calibration_dir, args.conf) if args.repredict else None)
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
@@ -444,18 +501,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "interconnect": inter, "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
                          "in_sample": why, "group": f"{model} {variant} / {w} proc. / {inter}",
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
-                         "measured_s": meas, "predicted_s": est.step_s, "rel_error": rel_error(est.step_s, meas),
-                         "host_load_cores": load,
-                         "predicted_compute_s": est.compute_s, "predicted_exposed_comm_s": est.exposed_comm_s,
-                         "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
-                         "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
-                         "predicted_timeline_s": est.timeline_s, "predicted_rank_cpu_s": est.cpu_s,
-                         "predicted_host_bound": est.host_bound,
+                         "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
                          "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
                          # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
-                         "calibration": f"{calibration['file']} sha256 {calibration['sha256']}: {est.calibration}"})
+                         "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
             "contention": {str(k): v for k, v in sorted(profile.contention.items())},

@@ -215,6 +215,21 @@ def _runner(k: Kernel, rank: int, world: int) -> Any:
 _MESHES: Dict[Any, Any] = {}
 
 
+def _mesh(d1: int, d2: int) -> Any:
+    """This process's one :func:`~atp_pipeline.parallel.init_mesh` of shape ``(d1, d2)``, shared by
+    every measurement on that mesh. Training holds one mesh; every new one holds new gloo
+    process groups, whose threads wake up many times a second while idle (on a 2-core host, 48
+    extra 2x2 meshes: ~440 threads per rank, ~10 % of a core busy per rank asleep, kernels
+    ~1.5-2x the CPU per call of a process with none, docs/step-time.md), so a mesh per
+    measurement would price every kernel of the calibration at that cost."""
+    key = ("mesh", d1, d2)
+    if key not in _MESHES:
+        from atp_pipeline.parallel import init_mesh
+
+        _MESHES[key] = init_mesh((d1, d2))
+    return _MESHES[key]
+
+
 def _optimizer_mesh(world: int) -> Any:
     """A (d1, d2) device mesh like the runtime's tensor-parallel one (2 x world/2 where it splits)."""
     if "opt" not in _MESHES:
@@ -234,7 +249,7 @@ def _plan_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
     import torch
 
     from atp_pipeline.models.adapter import get_adapter
-    from atp_pipeline.parallel import comm_for, init_mesh
+    from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.apply import apply_plan
 
     mi, d1, d2, chunks = plan
@@ -248,16 +263,19 @@ def _plan_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
         b, s_, V = spec["batch"], spec["seq_len"], spec["vocab"]
         _MESHES[key] = (dense, torch.randint(0, V, (b, s_), generator=g), torch.randint(0, V, (b, s_), generator=g))
     dense, idx, tgt = _MESHES[key]
-    mesh = init_mesh((d1, d2))
+    mesh = _mesh(d1, d2)
     model = copy.deepcopy(dense)
     apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
-    comm = comm_for(mesh)
-    launch = comm._launch
-    comm._launch = lambda kind, axis, el, nb, work_fn: launch(kind, axis, el, nb, lambda: None)  # type: ignore
+    comm = comm_for(mesh)  # the mesh's one Comm, shared with the live runners: skipped only here
 
     def step() -> None:
-        adapter.lm_loss(model, idx, tgt).backward()
-        model.zero_grad(set_to_none=True)
+        launch = comm._launch
+        comm._launch = lambda kind, axis, el, nb, work_fn: launch(kind, axis, el, nb, lambda: None)  # type: ignore
+        try:
+            adapter.lm_loss(model, idx, tgt).backward()
+            model.zero_grad(set_to_none=True)
+        finally:
+            del comm._launch  # the class's own again
     return step
 
 
@@ -268,14 +286,14 @@ def _live_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
     import copy
 
     from atp_pipeline.models.adapter import get_adapter
-    from atp_pipeline.parallel import comm_for, init_mesh
+    from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.apply import apply_plan
 
     _plan_runner(plan, models, rank)  # the dense model and batch, built once
     mi, d1, d2, chunks = plan
     adapter = get_adapter(models[mi]["family"])
     dense, idx, tgt = _MESHES[("dense", mi)]
-    mesh = init_mesh((d1, d2))
+    mesh = _mesh(d1, d2)
     model = copy.deepcopy(dense)
     apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
 
@@ -293,14 +311,11 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from atp_pipeline.parallel import comm_for, init_mesh
+    from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.comm import _all_gather
 
     d1, d2, dim, coll, nbytes, m, mode = pat
-    key = ("mesh", d1, d2)
-    if key not in _MESHES:
-        _MESHES[key] = comm_for(init_mesh((d1, d2)))
-    comm = _MESHES[key]
+    comm = comm_for(_mesh(d1, d2))
     axis = f"d{dim}"
     group, size = comm.group(axis), comm.size(axis)
     g = torch.Generator().manual_seed(rank)
