@@ -22,7 +22,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel import rng
 from atp_pipeline.parallel.layers import FULL
 from atp_pipeline.parallel.overlap import chunk_blocks
-from atp_pipeline.parallel.styles import (AttentionHeads, ColumnFirst, ParallelStyle, Replicated, StyleContext,
+from atp_pipeline.parallel.styles import (AttentionHeads, ColumnFirst, ParallelStyle, StyleContext,
                                           StyleSpec, Tied, VocabLoss, parse_style)
 
 
@@ -38,7 +38,7 @@ def match_plan(root: nn.Module, plan: Mapping[str, StyleSpec], check: bool = Tru
             raise ConfigError(f"parallel plan: pattern '{pattern}' matches no module of "
                               f"{type(root).__name__} (top-level modules: {', '.join(top)})")
         for n in hits:
-            inside = any(n.startswith(p + ".") for p, s in chosen.items() if not isinstance(s, Replicated))
+            inside = any(n.startswith(p + ".") for p, s in chosen.items() if not s.transparent)
             if n not in chosen and not inside:
                 chosen[n] = style
     if check:
@@ -69,6 +69,6 @@ def apply_plan(root: nn.Module, plan: Mapping[str, StyleSpec], mesh: DeviceMesh,
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, style.apply(name, getattr(parent, attr), ctx))
-    rng.install(root, {n: _region_after(s) for n, s in chosen.items() if not isinstance(s, Replicated)}, mesh, seed)
+    rng.install(root, {n: _region_after(s) for n, s in chosen.items() if not s.transparent}, mesh, seed)
     chunk_blocks(root, chunks)
     return {n: s.describe() for n, s in chosen.items()}

@@ -88,7 +88,7 @@ class ParallelLayerNorm(nn.Module):
 
 def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output: str = SPLIT,
                  partial_grad: bool = False, inputs: Tuple[str, ...] = ("0",),
-                 outputs: Tuple[int, ...] = (0,)) -> nn.Module:
+                 outputs: Tuple[int, ...] = (0,), stream: Tuple[int, int] = (1, 0)) -> nn.Module:
     """Make ``module`` run on the whole hidden, in place: a forward pre-hook gathers its
     ``inputs`` over d2 (``input="split"``; positional indices as digits, keyword names
     otherwise — by default its first input), a forward hook slices its output over d2
@@ -98,13 +98,25 @@ def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output
     same full tensors, the output's gradient all-gathered whole before the module's backward
     (the slice's backward). ``partial_grad`` (``output="full"``): the output's gradient is
     all-reduced over d2 on its way back, for code that combines the whole output with
-    hidden-split tensors."""
+    hidden-split tensors. ``stream`` = (k, hidden): the inputs gathered and outputs sliced that
+    are k hidden states side by side (a residual stream of hyper-connections, width k*hidden)
+    are split as k parts, each over d2 as the hidden is."""
     comm, d2 = comm_for(mesh), Axis.d2.value
     positions = {int(k) for k in inputs if k.isdigit()}
     keywords = {k for k in inputs if not k.isdigit()}
+    parts, hidden = stream
 
     def gather(x):  # noqa: ANN001, ANN202
-        return gather_last(x, comm, d2) if isinstance(x, torch.Tensor) else x
+        if not isinstance(x, torch.Tensor):
+            return x
+        if parts > 1 and x.shape[-1] * comm.size(d2) == parts * hidden:  # the stream: part by part
+            return gather_last(x.unflatten(-1, (parts, -1)), comm, d2).flatten(-2)
+        return gather_last(x, comm, d2)
+
+    def split(o):  # noqa: ANN001, ANN202
+        if parts > 1 and o.shape[-1] == parts * hidden:
+            return split_last(o.unflatten(-1, (parts, hidden)), comm, d2).flatten(-2)
+        return split_last(o, comm, d2)
 
     def before(mod: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if input != SPLIT:
@@ -115,9 +127,9 @@ def run_gathered(module: nn.Module, mesh: DeviceMesh, input: str = SPLIT, output
     def after(mod: nn.Module, args: tuple, out):  # noqa: ANN001, ANN202
         if output == SPLIT:
             if isinstance(out, tuple):
-                return tuple(split_last(o, comm, d2) if i in outputs and isinstance(o, torch.Tensor) else o
+                return tuple(split(o) if i in outputs and isinstance(o, torch.Tensor) else o
                              for i, o in enumerate(out))
-            return split_last(out, comm, d2)
+            return split(out)
         if partial_grad:  # its consumers' gradients are partial over d2 (``partial_grad``): sum them
             return copy_to_axis(out, comm, d2) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
         return out

@@ -27,7 +27,8 @@ the axis the style reads or writes):
                d2 (code combines it with hidden-split tensors, e.g. a gate scaling them);
                ``inputs=0+hidden_states``: the inputs gathered (positions or keyword names;
                default the first); ``outputs=0+2``: of a tuple output, the elements sliced
-               (default the first)
+               (default the first); ``stream=4x64``: those of width 4*64 are 4 hidden states
+               side by side (hyper-connections' residual stream), each split over d2
 ``embedding``  ``nn.Embedding`` split by hidden feature over d2 (``output`` only)
 ``tied``       an LM head ``nn.Linear`` whose weight is the table of the ``embedding``
                named by ``table=`` (tied embeddings): logits all-reduced over d2
@@ -41,7 +42,11 @@ the axis the style reads or writes):
 ``heads``      an attention core module ``forward(q, k, v)`` on ``[b, heads, s, d]`` tensors
                whose heads arrive split over d1 (column-first q/k/v): run on this rank's
                heads (scattered over d2), output gathered back over d2 (§3.2.1)
-``replicated`` kept whole on every rank (stated explicitly; nothing changes)
+``replicated`` kept whole on every rank (stated explicitly; nothing changes); ``idle=true``: a
+               module no forward runs (its parameters get no gradient), refusing in one line if it runs
+``split_params`` the module's own parameters ``params=a+b`` over the hidden (last dimension) split
+               over d2 as the hidden state, its code seeing this rank's slice; its modules keep
+               their own styles
 =============  ============================================================================
 
 Defaults are ``full`` in and out: a style dropped into any user model is exact on every
@@ -66,13 +71,14 @@ from typing import Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type, Uni
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
                                          TiedHead, VocabParallelLoss)
-from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds
+from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds, sharded_parameter
 from atp_pipeline.parallel.rng import LOCAL, REPLICATED, fork_module
 from atp_pipeline.parallel.vocab import VocabSplitEmbedding, VocabSplitHead
 
@@ -95,6 +101,9 @@ class ParallelStyle(ABC):
     name: ClassVar[str] = ""
     applies_to: ClassVar[Tuple[type, ...]] = ()
     order: ClassVar[int] = 0  # styles apply by (order, depth): 1 = after the modules they share with
+    # True: the module stays itself (its modules take their own styles, its output its caller's layout)
+    transparent: ClassVar[bool] = False
+    own_only: ClassVar[bool] = False  # True: it styles the module's own parameters, not its modules'
 
     def options(self) -> Dict[str, str]:
         return {}
@@ -217,8 +226,14 @@ class Gathered(_InOutStyle):
     name = "gathered"
 
     def __init__(self, input: str = FULL, output: str = FULL, partial_grad: str = "false",
-                 inputs: str = "0", outputs: str = "0") -> None:
+                 inputs: str = "0", outputs: str = "0", stream: str = "") -> None:
         super().__init__(input, output)
+        # ``stream=KxH``: the tensors of width K*H gathered and sliced are K hidden states (of H) side by
+        # side, each split over d2 (a residual stream of hyper-connections)
+        m = re.fullmatch(r"(\d+)x(\d+)", str(stream)) if stream else None
+        if stream and (m is None or int(m.group(1)) < 2):
+            raise ConfigError(f"style 'gathered': stream={stream!r} must be KxH (K >= 2 hidden states of width H)")
+        self.stream = (int(m.group(1)), int(m.group(2))) if m else (1, 0)
         if partial_grad not in ("true", "false") or (partial_grad == "true" and output != FULL):
             raise ConfigError(f"style 'gathered': partial_grad={partial_grad!r} must be true or false (true with "
                               f"output=full only)")
@@ -237,10 +252,12 @@ class Gathered(_InOutStyle):
     def options(self) -> Dict[str, str]:
         return {**super().options(), **({"partial_grad": "true"} if self.partial_grad else {}),
                 **({"inputs": "+".join(self.inputs)} if self.inputs != ("0",) else {}),
-                **({"outputs": "+".join(map(str, self.outputs))} if self.outputs != (0,) else {})}
+                **({"outputs": "+".join(map(str, self.outputs))} if self.outputs != (0,) else {}),
+                **({"stream": f"{self.stream[0]}x{self.stream[1]}"} if self.stream[0] > 1 else {})}
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
-        module = run_gathered(module, ctx.mesh, self.input, self.output, self.partial_grad, self.inputs, self.outputs)
+        module = run_gathered(module, ctx.mesh, self.input, self.output, self.partial_grad, self.inputs, self.outputs,
+                              self.stream)
         fork_module(module, REPLICATED)  # its draws: on whole tensors, equal on every rank
         return module
 
@@ -415,12 +432,82 @@ class AttentionHeads(ParallelStyle):
         return module
 
 
-class Replicated(ParallelStyle):
-    """Kept whole on every rank (stated explicitly; nothing changes)."""
+class SplitParams(ParallelStyle):
+    """The module's own parameters ``params`` (names joined by '+'), each over the hidden state
+    in its last dimension (an initial hidden state, a bias added to the hidden), split over d2
+    as the hidden state is and replicated over d1 (as an ``embedding``'s table): the module's
+    own code, which combines them elementwise with the hidden state, sees this rank's slice
+    (its gradient then this slice's, complete). The module otherwise stays itself: its
+    modules take their own styles. The layout that names it has shown, on a forward, that the
+    code uses them elementwise with the hidden state only
+    (:func:`~atp_pipeline.models.hf.whole.hidden_vector_use`)."""
 
-    name = "replicated"
+    name = "split_params"
+    transparent = True
+    own_only = True
+
+    def __init__(self, params: str = "") -> None:
+        self.params = tuple(x for x in str(params).split("+") if x)
+        if not self.params or not all(re.fullmatch(r"[A-Za-z_]\w*", x) for x in self.params):
+            raise ConfigError(f"style 'split_params': params={params!r} must be parameter names joined by '+'")
+
+    def options(self) -> Dict[str, str]:
+        return {"params": "+".join(self.params)}
+
+    def check(self, fqn: str, module: nn.Module) -> None:
+        own = dict(module.named_parameters(recurse=False))
+        bad = [n for n in self.params if n not in own or own[n].dim() < 1]
+        if bad:
+            raise ConfigError(f"parallel plan: '{fqn}' ({type(module).__name__}) holds no parameter "
+                              f"{', '.join(bad)} of one dimension or more (style 'split_params')")
 
     def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        split: Dict[str, nn.Parameter] = {}
+        for n in self.params:
+            p = module._parameters[n]
+            assert p is not None
+            split[n] = sharded_parameter(p, ctx.mesh, [Replicate(), Shard(p.dim() - 1)])
+            split[n].requires_grad_(p.requires_grad)
+            module._parameters[n] = split[n]
+
+        def local(mod: nn.Module, args: tuple) -> None:  # its code sees this rank's slices
+            for n, q in split.items():
+                mod._parameters[n] = q.to_local()  # type: ignore[assignment]
+
+        def restore(mod: nn.Module, args: tuple, out: object) -> None:
+            mod._parameters.update(split)
+
+        module.register_forward_pre_hook(local)
+        module.register_forward_hook(restore, always_call=True)
+        return module
+
+
+class Replicated(ParallelStyle):
+    """Kept whole on every rank (stated explicitly; nothing changes). ``idle=true``: a module
+    the layout found running in no forward of the model it lays out (an image encoder of a
+    model trained on tokens): its parameters stay whole, receive no gradient, as on one
+    process; should it run after all, it refuses in one line rather than meet inputs laid out
+    for the rest of the model."""
+
+    name = "replicated"
+    transparent = True
+
+    def __init__(self, idle: str = "false") -> None:
+        if idle not in ("true", "false"):
+            raise ConfigError(f"style 'replicated': idle={idle!r} must be true or false")
+        self.idle = idle == "true"
+
+    def options(self) -> Dict[str, str]:
+        return {"idle": "true"} if self.idle else {}
+
+    def apply(self, fqn: str, module: nn.Module, ctx: StyleContext) -> nn.Module:
+        if self.idle:
+            def refuse(mod: nn.Module, args: tuple) -> None:
+                raise ConfigError(f"'{fqn}' ({type(mod).__name__}) was kept whole as running in no forward of the "
+                                  f"model laid out (style 'replicated(idle=true)'), but it ran: ATP's layout does "
+                                  f"not cover its inputs; pass a plan")
+
+            module.register_forward_pre_hook(refuse)
         return module
 
 
@@ -465,7 +552,7 @@ def parse_style(spec: StyleSpec) -> ParallelStyle:
 
 
 for _cls in (ColumnFirst, RowFirst, LayerNormStyle, Gathered, EmbeddingStyle, Tied, VocabLoss, AttentionHeads,
-             Replicated, VocabEmbedding, VocabHead, VocabTied):
+             Replicated, SplitParams, VocabEmbedding, VocabHead, VocabTied):
     register_style(_cls.name, _cls)
 
 PlanSpec = Mapping[str, StyleSpec]

@@ -463,10 +463,13 @@ class HFCausalLMAdapter(ModelAdapter):
         split_table = split_table and not (tied and layout.whole_head)  # a tied head run whole: its table too
         plan[table] = "embedding(output=split)" if split_table else "gathered(input=full, output=split)"
         blocks = [b for b, _ in block_units(module)]
+        hidden = int(getattr(text, "hidden_size", 0) or 0)
         for n, m in names.items():  # other embeddings outside the blocks (learned positions)
             if isinstance(m, nn.Embedding) and n != table and not any(n.startswith(b + ".") for b in blocks):
                 whole = type(m).forward is not nn.Embedding.forward  # its forward derives the positions
                 plan[n] = "gathered(input=full, output=split)" if whole else "embedding(output=split)"
+                if hidden and m.embedding_dim != hidden:  # over another width (per-layer inputs): whole, as
+                    plan[n] = "gathered"  # every tensor outside the blocks not over the hidden
         if out is None:
             raise ConfigError(f"transformers model '{type(module).__name__}' has no output embeddings (LM head)")
         head = by_object[id(out)]
@@ -486,7 +489,7 @@ class HFCausalLMAdapter(ModelAdapter):
                 type(out).forward is nn.Linear.forward else "gathered(input=split, output=full)"
         # a module run whole (style gathered: an embedding with a norm of its own inside) runs its own
         # forward on whole tensors: nothing inside it is laid out again
-        runs_whole = [p for p, s in plan.items() if str(s).startswith("gathered")]
+        runs_whole = [p for p, s in plan.items() if str(s).startswith(("gathered", "replicated"))]
         plan = {p: s for p, s in plan.items() if not any(p.startswith(g + ".") for g in runs_whole)}
         self._check_covered(module, plan)
         module.__dict__[SHAPE_ATTR] = shape_of_model(module, layout=layout)  # adapter.shape, once laid out
@@ -506,7 +509,7 @@ class HFCausalLMAdapter(ModelAdapter):
         text = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
         hidden = int(getattr(text, "hidden_size", 0) or 0)
         for name, sub in module.named_modules():
-            if any(name == n or name.startswith(n + ".") for n in styled):
+            if any(name == n or name.startswith(n + ".") and not st.own_only for n, st in styled.items()):
                 continue
             if next(sub.parameters(recurse=False), None) is not None:
                 raise ConfigError(f"transformers model '{type(module).__name__}': module '{name}' "

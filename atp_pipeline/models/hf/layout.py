@@ -49,7 +49,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
 from atp_pipeline.models.hf import mla
-from atp_pipeline.models.hf.whole import derive_with_whole, hidden_io, is_unit, token_forward
+from atp_pipeline.models.hf.whole import derive_with_whole, hidden_io, idle_units, is_unit, token_forward
 from atp_pipeline.planning.shape import LatentShape, MoEShape
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
@@ -223,10 +223,12 @@ def derive(module: nn.Module, family: Any = None, probe: bool = True) -> Layout:
     register_conv1d()
     register_plain_linears(module)
     blocks = [n for n, _ in block_units(module)]
+    idle = idle_units(module, blocks) if probe else []  # modules no forward on tokens reaches: kept whole
+    blocks = [n for n in blocks if not any(n.startswith(u + ".") for u in idle)]
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     hidden = int(getattr(_text_config(module.config) or module.config, "hidden_size", 0) or 0)  # (none: refused below)
     layout = derive_with_whole(module, lambda units: _derive(module, family, probe, units), blocks, lists, hidden,
-                               probe, pattern, NORM)
+                               probe, pattern, NORM, idle)
     if probe:
         _probe_calls(module, layout, hidden)
     return layout
@@ -313,7 +315,7 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
     declared = {pat: style for pat, style in declared.items() if style not in BY_HAND}
     layout = Layout(source="declared" if declared else "modules")
     # the linears of each repeated block, by full pattern: declared kind, or read off the modules
-    blocks = [n for n, _ in block_units(module)]
+    blocks = [n for n, _ in block_units(module) if not any(n.startswith(w + ".") for w in run_whole)]
     lists = tuple(sorted({b.rpartition(".")[0] for b in blocks}))
     kinds: Dict[str, str] = {}
     per_head: List[str] = []
@@ -346,6 +348,10 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
         if not all(_is_linear(names[h]) for h in hits):
             raise ConfigError(f"transformers model_type '{kind}': '{pat}' is declared '{style}' but is a "
                               f"{type(names[hits[0]]).__name__}, not a linear; pass a plan")
+        n_in, n_out, _, _ = as_linear(names[hits[0]])
+        if not any(h.startswith(b + ".") for h in hits for b in blocks) and \
+                hidden not in ((n_out,) if style in ROW_KINDS else (n_in,)):
+            continue  # outside the blocks, not beside the hidden as declared: a module around it may run whole
         kinds[full] = style
     if not kinds:  # nothing declared, or only embeddings: read the blocks' linears off the modules
         declared = {}
@@ -478,6 +484,11 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                 # column-first outputs gathered, the norm run whole, its row-first input whole
                 plan[name] = "gathered"
                 layout.whole_mlp = True
+                continue
+            if widths - {hidden} and "*" not in name and not any(name.startswith(b + ".") for b in blocks):
+                # outside the blocks, over another width (a per-layer input computed beside the hidden): every
+                # tensor there is whole (the modules writing it run whole, .whole.side_style): so is the norm
+                plan[name] = "gathered"
                 continue
             if widths - {hidden}:
                 raise ConfigError(f"transformers model_type '{kind}': norm '{name}' ({type(_first(names, name)).__name__}) "
