@@ -144,6 +144,7 @@ class SMLSwitch:
     def __init__(self) -> None:
         self.jobs: Dict[int, SMLSwitchJob] = {}
         self.unknown = 0
+        self._ops: Dict[Tuple[int, int, int], List[Tuple[int, Optional[np.ndarray]]]] = {}  # carried lane work
 
     def __call__(self, p: SMLPacket, link: Any) -> List[SMLPacket]:
         pay = p.payload
@@ -169,16 +170,23 @@ class SMLSwitch:
         A slot-version's sum starts with its first contribution's lanes and adds the others' (an
         exponent-only packet has none: the slot-version's contributions all are, and its lanes are
         never read). The lane work is collected per (job, worker,
-        kind) and done at the end (:meth:`_sum`); a slot-version that restarts while an earlier
+        kind) and done when a batch sends a result (:meth:`_sum`), before any register is read;
+        a batch that sends none carries it to the next (issue 28, pass 5: the live role drains one
+        worker's packets at a time, and the work of all of a slot-version's contributions then goes
+        through the registers in one blocked pass instead of one pass per worker's batch). A
+        worker's lanes of a slot-version stay as sent until its result has left (a worker rewrites
+        them only after that result: the shadow copy), a datagram's payload is kept with the work,
+        and registers are only read by results. A slot-version that restarts while an earlier
         use of it is still pending has the pending work done first, so the result is that of
-        handling the packets one at a time."""
+        handling the packets one at a time (:meth:`settle` does the carried work: the registers
+        then equal the per-packet form's)."""
         out: List[Result] = []
-        ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]] = {}  # (kind, job, worker) -> [(slot-version, j)]
+        ops = self._ops  # (kind, job, worker) -> [(slot-version, lanes or None)]: carried until a result leaves
         reads: List[Tuple[int, int, int]] = []  # (index in out, job, slot-version): rows read at the end
         if len(job) >= ARRAY_MIN and self._batch_arrays(job, slot, ver, is_result, worker, exp, empty, payload,
                                                         out, ops, reads):
-            if ops or reads:
-                self._sum(ops, reads, out, payload)
+            if out:
+                self._sum(ops, reads, out)
             return out
         if isinstance(job, np.ndarray):  # (fields given as arrays: the loop reads lists)
             job, slot, ver, is_result, worker, exp, empty = (np.asarray(a).tolist() for a in (
@@ -201,7 +209,7 @@ class SMLSwitch:
                 c = js.count[vi] = (js.count[vi] + 1) % js.W
                 if c == 1 or js.W == 1:  # the slot-version's first contribution: its sum starts here
                     if track and js.job << 32 | vi in pending:  # its last use is still pending here: do it first
-                        self._sum(ops, reads, out, payload)
+                        self._sum(ops, reads, out)
                         pending.clear()
                     kind = _NONE if empty[j] else _SET
                     js.exp[vi] = exp[j]
@@ -213,9 +221,9 @@ class SMLSwitch:
                     key = (kind, js.job, w)
                     got = ops.get(key)
                     if got is None:
-                        ops[key] = [(vi, j)]
+                        ops[key] = [(vi, payload[j])]
                     else:
-                        got.append((vi, j))
+                        got.append((vi, payload[j]))
                     if track:
                         pending.add(js.job << 32 | vi)
                 st["merged"] += 1
@@ -233,9 +241,20 @@ class SMLSwitch:
                 reads.append((len(out) - 1, js.job, vi))
                 if track:
                     pending.add(js.job << 32 | vi)
-        if ops or reads:
-            self._sum(ops, reads, out, payload)
+        if out:
+            self._sum(ops, reads, out)
         return out
+
+    def settle(self) -> None:
+        """Do the lane work still carried (contributions to slot-versions no result has left yet):
+        the registers then hold what the packets one at a time would have left there."""
+        if self._ops:
+            self._sum(self._ops, [], [])
+
+    def drop(self, job: int) -> None:
+        """Forget job ``job``'s carried lane work (its partition is being torn down)."""
+        for key in [k for k in self._ops if k[1] == job]:
+            del self._ops[key]
 
     def _batch_arrays(self, job: Sequence[int], slot: Sequence[int], ver: Sequence[int], is_result: Sequence[int],
                       worker: Sequence[int], exp: Sequence[int], empty: Sequence[int],
@@ -248,7 +267,12 @@ class SMLSwitch:
         Then each packet's outcome follows from the state before the batch and its rank among the
         new contributions to its slot-version (the count it brings the slot-version to), which is
         what the loop computes one packet after the other. False (nothing changed) otherwise: the
-        loop decides. Fills ``out``/``ops``/``reads`` exactly as the loop does (tested equal)."""
+        loop decides. Fills ``out``/``ops``/``reads`` as the loop does (tested equal).
+
+        Pass 5: grouped by a stable sort on the slot-version, every per-group quantity is a
+        ``reduceat`` (no ``ufunc.at``), the job's registers are read and written as whole arrays
+        when its partition is small (else only the slot-versions touched), and the results are
+        built from arrays — a few dozen numpy calls a batch, no Python loop over its packets."""
         j0 = int(job[0])
         js = self.jobs.get(j0)
         jb = np.asarray(job)
@@ -257,91 +281,108 @@ class SMLSwitch:
         W, pool = js.W, js.pool
         sl, vr, wk = np.asarray(slot, dtype=np.int64), np.asarray(ver, dtype=np.int64), np.asarray(worker, dtype=np.int64)
         known = (np.asarray(is_result) == 0) & (sl >= 0) & (sl < pool) & (wk >= 0) & (wk < W)
-        idx = np.flatnonzero(known)
-        if not len(idx):
-            self.unknown += len(job)
-            return True
-        sl, vr, wk = sl[idx], vr[idx], wk[idx]
+        if known.all():
+            idx = None
+        else:
+            idx = np.flatnonzero(known)
+            if not len(idx):
+                self.unknown += len(job)
+                return True
+            sl, vr, wk = sl[idx], vr[idx], wk[idx]
         vi = vr * pool + sl
         order = np.argsort(vi, kind="stable")  # grouped by slot-version, arrival order inside
         vs = vi[order]
-        first = np.ones(len(vs), dtype=bool)
-        first[1:] = vs[1:] != vs[:-1]
-        uv = vs[first]  # the slot-versions, ascending
-        touched = np.zeros(2 * pool, dtype=bool)
-        touched[uv] = True
-        if (touched[:pool] & touched[pool:]).any():  # a slot in both versions
-            return False
-        # the registers of the slot-versions the batch touches (gathered: a batch touches few of the pool's)
-        uvl = uv.tolist()
+        m = len(vs)
+        first = np.empty(m, dtype=bool)
+        first[0] = True
+        np.not_equal(vs[1:], vs[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        uv = vs[starts]  # the slot-versions, ascending
         other = np.where(uv < pool, uv + pool, uv - pool)
-        othl = other.tolist()
-        seen_l, count_l, exp_l = js.seen, js.count, js.exp
-        seen0 = np.array([seen_l[v] for v in uvl], dtype=np.int64)
-        c0 = np.array([count_l[v] for v in uvl], dtype=np.int64)
-        e0 = np.array([exp_l[v] for v in uvl], dtype=np.int64)
+        if len(uv) > 1 and np.isin(other, uv, assume_unique=True).any():  # a slot in both versions
+            return False
+        whole = 2 * pool <= WHOLE_STATE * m
+        if whole:
+            seen_a = np.array(js.seen, dtype=np.int64)
+            cnt_a = np.array(js.count, dtype=np.int64)
+            exp_a = np.array(js.exp, dtype=np.int64)
+            seen0, c0, e0, so = seen_a[uv], cnt_a[uv], exp_a[uv], seen_a[other]
+        else:
+            uvl, othl = uv.tolist(), other.tolist()
+            seen0 = np.array([js.seen[v] for v in uvl], dtype=np.int64)
+            c0 = np.array([js.count[v] for v in uvl], dtype=np.int64)
+            e0 = np.array([js.exp[v] for v in uvl], dtype=np.int64)
+            so = np.array([js.seen[v] for v in othl], dtype=np.int64)
         gid = np.cumsum(first) - 1  # group of each sorted packet
-        g = np.empty_like(gid)
-        g[order] = gid  # group of each packet
-        bit = np.left_shift(1, wk)
-        bits_all = np.zeros(len(uv), dtype=np.int64)
-        np.bitwise_or.at(bits_all, g, bit)
-        if (np.bincount(g, weights=bit, minlength=len(uv)) != bits_all).any():  # a worker twice on one slot-version
+        bit = np.left_shift(1, wk[order])
+        if (np.bitwise_or.reduceat(bit, starts) != np.add.reduceat(bit, starts)).any():  # a worker twice
             return False
-        new = (seen0[g] & bit) == 0
-        new_s = new[order]
-        n_new = np.bincount(gid, weights=new_s, minlength=len(uv)).astype(np.int64)
-        n_old = np.bincount(gid, weights=~new_s, minlength=len(uv)).astype(np.int64)
-        if ((n_new > 0) & (n_old > 0)).any() or (c0 + n_new > W).any():
+        new = (seen0[gid] & bit) == 0
+        newi = new.astype(np.int64)
+        n_new = np.add.reduceat(newi, starts)
+        n_all = np.diff(np.append(starts, m))
+        if ((n_new > 0) & (n_new < n_all)).any() or (c0 + n_new > W).any():
             return False
-        # rank of each new contribution in its slot-version (1-based), arrival order
-        rank_s = np.cumsum(new_s) - np.concatenate(([0], np.cumsum(n_new)))[gid]
-        rank = np.empty_like(rank_s)
-        rank[order] = rank_s
-        c = (c0[g] + rank) % W
-        e = np.asarray(exp, dtype=np.int64)[idx]
-        em = np.asarray(empty, dtype=bool)[idx]
+        cum = np.cumsum(newi)
+        rank = cum - (cum[starts] - newi[starts])[gid]  # of each new contribution in its slot-version (1-based)
+        c0g = c0[gid]
+        c = (c0g + rank) % W
+        e = np.asarray(exp, dtype=np.int64)
+        em = np.asarray(empty, dtype=bool)
+        if idx is not None:
+            e, em = e[idx], em[idx]
+        e, em = e[order], em[order]
         # the exponent each slot-version ends the batch with: max over its new contributions (and its
         # earlier ones unless the batch starts it)
-        gmax = np.full(len(uv), -1, dtype=np.int64)
-        np.maximum.at(gmax, g[new], e[new])
-        start = (c0 == 0) & (n_new > 0)
-        fin = np.where(n_new > 0, np.where(start, gmax, np.maximum(e0, gmax)), e0)
+        gmax = np.maximum.reduceat(np.where(new, e, -1), starts)
+        touched = n_new > 0
+        fin = np.where(touched, np.where(c0 == 0, gmax, np.maximum(e0, gmax)), e0)
         # state
-        bits_new = np.zeros(len(uv), dtype=np.int64)
-        np.bitwise_or.at(bits_new, g[new], bit[new])
-        for v, o, sv, b, cv, ev in zip(uvl, othl, (seen0 | bits_new).tolist(), (~bits_new).tolist(),
-                                       ((c0 + n_new) % W).tolist(), fin.tolist()):
-            seen_l[v], count_l[v], exp_l[v] = sv, cv, ev
-            seen_l[o] &= b
+        bits_new = np.bitwise_or.reduceat(np.where(new, bit, 0), starts)
+        seen1, cnt1 = seen0 | bits_new, (c0 + n_new) % W
+        so1 = so & ~bits_new
+        if whole:
+            seen_a[uv], seen_a[other], cnt_a[uv], exp_a[uv] = seen1, so1, cnt1, fin
+            js.seen[:], js.count[:], js.exp[:] = seen_a.tolist(), cnt_a.tolist(), exp_a.tolist()
+        else:
+            for v, o, sv, ov, cv, ev in zip(uvl, othl, seen1.tolist(), so1.tolist(), cnt1.tolist(), fin.tolist()):
+                js.seen[v], js.seen[o], js.count[v], js.exp[v] = sv, ov, cv, ev
         st = js.stats
         done = new & (c == 0)
-        uni = ~new & (c0[g] == 0)
-        st["merged"] += int(new.sum())
-        st["complete"] += int(done.sum())
-        st["result_unicast"] += int(uni.sum())
-        st["dropped"] += int((~new).sum() - uni.sum())
-        self.unknown += len(job) - len(idx)
-        # lane work, per (kind, job, worker), arrival order
-        kind = np.where(em | ~new, _NONE, np.where((rank == 1) & ((c0[g] == 0) | (W == 1)), _SET, _ADD))
-        jj = idx
-        for kd in (_SET, _ADD):
-            for w in range(W):
-                sel = np.flatnonzero((kind == kd) & (wk == w))
-                if len(sel):
-                    ops[(kd, j0, w)] = list(zip(vi[sel].tolist(), jj[sel].tolist()))
+        uni = ~new & (c0g == 0)
+        n_m, n_d, n_u = int(newi.sum()), int(done.sum()), int(uni.sum())
+        st["merged"] += n_m
+        st["complete"] += n_d
+        st["result_unicast"] += n_u
+        st["dropped"] += m - n_m - n_u
+        self.unknown += len(job) - m
+        jj = order if idx is None else idx[order]  # each sorted packet's index in the batch
+        # lane work, per (kind, job, worker), in slot-version order
+        lane = new & ~em
+        if lane.any():
+            kind = np.where(lane, np.where((rank == 1) & ((c0g == 0) | (W == 1)), _SET, _ADD), _NONE)
+            ws = wk[order]
+            for kd in (_SET, _ADD):
+                for w in range(W):
+                    sel = np.flatnonzero((kind == kd) & (ws == w))
+                    if len(sel):
+                        ops.setdefault((kd, j0, w), []).extend(zip(vs[sel].tolist(), [payload[j] for j in jj[sel].tolist()]))
         # results, arrival order
         res = np.flatnonzero(done | uni)
-        dst = np.where(done[res], -1, wk[res])
-        ex = fin[g[res]]
-        for n_, (j, d, x_, v_) in enumerate(zip(jj[res].tolist(), dst.tolist(), ex.tolist(), vi[res].tolist())):
-            out.append((j, d, x_, None))
-            if not empty[j] and payload[j] is not None:
-                reads.append((n_, j0, v_))
+        if len(res):
+            res = res[np.argsort(jj[res], kind="stable")]
+            rj = jj[res]
+            base = len(out)
+            out.extend(zip(rj.tolist(), np.where(done[res], -1, wk[order][res]).tolist(), fin[gid[res]].tolist(),
+                           [None] * len(res)))
+            if any(p is not None for p in payload):
+                for n_, (j, v_) in enumerate(zip(rj.tolist(), vs[res].tolist())):
+                    if not empty[j] and payload[j] is not None:
+                        reads.append((base + n_, j0, v_))
         return True
 
-    def _sum(self, ops: Dict[Tuple[int, int, int], List[Tuple[int, int]]], reads: List[Tuple[int, int, int]],
-             out: List[Result], pay: Sequence[Optional[np.ndarray]]) -> None:
+    def _sum(self, ops: Dict[Tuple[int, int, int], List[Tuple[int, Optional[np.ndarray]]]],
+             reads: List[Tuple[int, int, int]], out: List[Result]) -> None:
         """The pending lane work: first contributions (the contributor's lanes), then the
         other contributions added — per (job, worker) one numpy call per run of consecutive
         slot-versions (a worker contributes once to a slot-version between two restarts) —, then
@@ -353,18 +394,23 @@ class SMLSwitch:
         for key in (sorted(ops) if len(ops) > 1 else ops):  # _SET before _ADD
             kind, job, w = key
             items = ops[key]
-            js = self.jobs[job]
+            js = self.jobs.get(job)
+            if js is None:  # (torn down: :meth:`drop`)
+                continue
             todo = prims.setdefault(job, [])
-            lanes = js.lanes_flat[w] if pay[items[0][1]] is None else None
-            if len(items) == 1 or len({vi for vi, _ in items}) < len(items):  # (the latter: never; kept exact)
-                for vi, j in items:
-                    src = pay[j] if pay[j] is not None else js.lanes_flat[w][vi]
+            shm = [x is None for _, x in items]
+            lanes = js.lanes_flat[w] if shm[0] else None
+            # one at a time: a single item, a slot-version twice (never: kept exact), lanes of both kinds
+            # (never live: a job has one transport)
+            if len(items) == 1 or len({vi for vi, _ in items}) < len(items) or any(shm) != all(shm):
+                for vi, x in items:
+                    src = x if x is not None else js.lanes_flat[w][vi]
                     todo.append((kind, vi, 1, src.reshape(1, -1)))
                 continue
             vis = [vi for vi, _ in items]
             for a, b in _runs(vis):  # a run of consecutive slot-versions: one call over slices
                 v0, m = vis[a], b - a
-                src = lanes[v0:v0 + m] if lanes is not None else np.stack([pay[j] for _, j in items[a:b]])
+                src = lanes[v0:v0 + m] if lanes is not None else np.stack([x for _, x in items[a:b]])
                 todo.append((kind, v0, m, src))
         for job, todo in prims.items():
             vals = self.jobs[job].flat
@@ -397,6 +443,9 @@ SUM_CALLS = 16  # (above 4x this many calls per job: one pass per call, no block
 #: microseconds here: measured in one process on this host, the array form saved 30% of the switch's CPU
 #: with 1,712-packet batches and cost 10% more with 428-packet ones than the per-packet loop)
 ARRAY_MIN = 1024
+#: the array form reads a job's registers whole when its partition (2 x pool slot-versions) is at most this
+#: many times the batch (else only the slot-versions the batch touches)
+WHOLE_STATE = 8
 #: a worker handles a batch of at least this many results in array form (SMLFloatWorker.on_headers)
 WORKER_ARRAY_MIN = 32
 

@@ -169,6 +169,8 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
         sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), lanes=lanes)
     fast = 0
     for step in range(400):
+        # the array form reads the registers whole (small partitions) or only the slot-versions touched
+        monkeypatch.setattr(core, "WHOLE_STATE", 0 if step % 4 == 1 else 8)
         m = int(rng.integers(2, 24))
         if step % 2:  # a realistic batch: one version per slot, each worker once, a few retransmissions
             v = int(rng.integers(0, 2))
@@ -196,8 +198,11 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
         assert [(j, d, e) for j, d, e, _ in got] == [(j, d, e) for j, d, e, _ in want]
         assert all((a is None) == (b is None) and (a is None or np.array_equal(a, b))
                    for (*_, a), (*_, b) in zip(got, want))
+        for sw in (arr, ref) if step % 2 else ():  # (the lane work no result has needed yet is carried)
+            sw.settle()
         sa, sr = _state(arr.jobs[1]), _state(ref.jobs[1])
-        assert sa[:4] == sr[:4] and np.array_equal(sa[4], sr[4]) and arr.unknown == ref.unknown
+        assert sa[:4] == sr[:4] and arr.unknown == ref.unknown
+        assert np.array_equal(sa[4], sr[4]) or not step % 2
         fast += step % 2 and (arr.unknown, dict(arr.jobs[1].stats)) != before
     assert fast > 100 and arr.jobs[1].stats["complete"] > 50 and arr.jobs[1].stats["result_unicast"] > 10
 

@@ -51,6 +51,8 @@ import socket
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM
 from atp_pipeline.ina.live.rpc import Addr
@@ -226,25 +228,29 @@ class SMLSwitchNode(Role):
             return
         f = fmt.fields(hdr, arrays=True)  # (the switch function decides large batches on arrays)
         jp = self.job_packets
-        jobs = f["job"].tolist()
-        for j in set(jobs):
-            jp[j] = jp.get(j, 0) + jobs.count(j)
+        job_a = f["job"]
+        for j, n in zip(*(a.tolist() for a in np.unique(job_a, return_counts=True))):
+            jp[j] = jp.get(j, 0) + n
         payload = [p.payload for p in pkts] if pkts is not None else [None] * len(hdr)
-        out = self.sml.batch(f["job"], f["slot"], f["ver"], f["is_result"], f["worker"], f["exp"], f["empty"],
-                             payload)
+        out = self.sml.batch(job_a, f["slot"], f["ver"], f["is_result"], f["worker"], f["exp"], f["empty"], payload)
         if not out:
             return
         put = self.outbox.put
-        if pkts is None:  # headers only: the results as one array, one block per destination
-            res = fmt.results(hdr, [r[0] for r in out], [r[2] for r in out])
-            groups: Dict[Tuple[int, int], List[int]] = {}
-            for n, (j, d, _, _) in enumerate(out):
-                groups.setdefault((jobs[j], d), []).append(n)
+        if pkts is None:  # headers only: the results as one array, one block per destination (no loop over them)
+            ii, dd, ee, _ = zip(*out)
+            ia, da = np.array(ii, dtype=np.intp), np.array(dd, dtype=np.int64)
+            res = fmt.results(hdr, ia, ee)
+            key = job_a[ia] << 9 | (da + 1)  # (job, destination: -1 for the group or a worker id < 255)
+            if (key == key[0]).all():
+                groups = [(int(key[0]), res)]
+            else:
+                uk, inv = np.unique(key, return_inverse=True)
+                groups = [(int(k_), res[inv == g]) for g, k_ in enumerate(uk.tolist())]
             per = MAX_DATAGRAM // fmt.header_bytes
-            for (job, d), idx in groups.items():
-                workers = self.routes[job]
-                for lo in range(0, len(idx), per):
-                    data = res[idx[lo:lo + per]].tobytes()
+            for k_, block in groups:
+                workers, d = self.routes[k_ >> 9], (k_ & 511) - 1
+                for lo in range(0, len(block), per):
+                    data = block[lo:lo + per].tobytes()
                     for a in ([workers[d]] if d >= 0 else workers):
                         put(data, a)
             return
@@ -290,6 +296,7 @@ class SMLSwitchNode(Role):
         """Teardown: the job's partition is freed. Returns 0: a static partition holds no
         per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
+        self.sml.drop(job)  # (lane work carried for slot-versions that never completed)
         js = self.sml.jobs.pop(job, None)
         seg = self.shm.pop(job, None)
         if seg is not None:
