@@ -35,7 +35,9 @@ processes (:func:`atp_pipeline.launch.spawn`, one thread each), a barrier, then 
 the measurement ``k`` times back to back (``k`` from a warm-up so a batch lasts about
 ``--batch-ms``); a measurement's time is the slowest rank's mean per call, and the median over
 ``--passes`` passes interleaved over all measurements. A pass during which other jobs loaded
-the host is measured again (:mod:`atp_pipeline.run.hostload`).
+the host is measured again (:mod:`atp_pipeline.run.hostload`). A process holds one device mesh per
+shape (:func:`_mesh`), as training holds one: a mesh per measurement left ~50 meshes' gloo threads
+waking up in every rank and priced every kernel 1.5-2x its CPU (docs/step-time.md, run 8).
 
 **Output.** The topology ``--topology`` (a config name under ``--conf`` or
 ``outputs/conf``, or a YAML path) with ``device.compute`` = the profile: measured points,
