@@ -69,6 +69,27 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_repredict_keeps_the_measurements_and_names_the_new_calibration():
+    """``--rows ... --repredict``: an earlier run's measured rows predicted again from another
+    calibration, flagged; emulated rows are refused. Run 8's rows (one mesh per process) from
+    run 7's calibration (taken in processes holding ~50 meshes): every step predicted longer."""
+    from benchmarks import step_validation as sv
+
+    root = CONF.parent
+    rows = json.loads((root / "docs/step_validation/steps_mesh.json").read_text())["rows"]
+    group = [r for r in rows if (r["model"], r["batch"], r["processes"]) == ("small", 6, 2)]
+    old = str(root / "docs/step_validation/local_cpu.yaml")
+    out, meta = sv.repredict(group, {"command": "x"}, old, "unused", CONF)
+    assert len(out) == len(group) == 4
+    assert [(r["point"], r["measured_s"]) for r in out] == [(r["point"], r["measured_s"]) for r in group]
+    assert all(r["calibration"].startswith(f"{old} sha256 d56bf43bf682: ") for r in out)
+    assert meta["calibration"]["sha256"] == "d56bf43bf682" and "development check" in meta["repredicted"]
+    assert all(a["predicted_s"] > 1.3 * b["predicted_s"] for a, b in zip(out, group))
+    assert all(r["rel_error"] == abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in out)
+    with pytest.raises(ValueError, match="emulated"):
+        sv.repredict([dict(group[0], interconnect="emulated ic1 x3000")], {}, old, "unused", CONF)
+
+
 def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
     """A round with more than QUIET_CORES of other jobs' load is run again (at most `retries`
     more); the least loaded are kept, in their order."""
