@@ -453,6 +453,7 @@ class HFCausalLMAdapter(ModelAdapter):
         if text is not config:
             text.use_cache = False
         layout = derive(module, family_of(config))
+        hidden = int(getattr(text, "hidden_size", 0) or 0)
         plan: Dict[str, Any] = dict(layout.plan)
         names = dict(module.named_modules())
         by_object = {id(m): n for n, m in names.items()}
@@ -463,13 +464,12 @@ class HFCausalLMAdapter(ModelAdapter):
         split_table = split_table and not (tied and layout.whole_head)  # a tied head run whole: its table too
         plan[table] = "embedding(output=split)" if split_table else "gathered(input=full, output=split)"
         blocks = [b for b, _ in block_units(module)]
-        hidden = int(getattr(text, "hidden_size", 0) or 0)
         for n, m in names.items():  # other embeddings outside the blocks (learned positions)
             if isinstance(m, nn.Embedding) and n != table and not any(n.startswith(b + ".") for b in blocks):
                 whole = type(m).forward is not nn.Embedding.forward  # its forward derives the positions
                 plan[n] = "gathered(input=full, output=split)" if whole else "embedding(output=split)"
-                if hidden and m.embedding_dim != hidden:  # over another width (per-layer inputs): whole, as
-                    plan[n] = "gathered"  # every tensor outside the blocks not over the hidden
+                if m.embedding_dim not in (inp.embedding_dim, hidden):  # over a width beside the token
+                    plan[n] = "gathered"  # table's (per-layer inputs): whole, as every such tensor outside the blocks
         if out is None:
             raise ConfigError(f"transformers model '{type(module).__name__}' has no output embeddings (LM head)")
         head = by_object[id(out)]

@@ -485,9 +485,10 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                 plan[name] = "gathered"
                 layout.whole_mlp = True
                 continue
-            if widths - {hidden} and "*" not in name and not any(name.startswith(b + ".") for b in blocks):
-                # outside the blocks, over another width (a per-layer input computed beside the hidden): every
-                # tensor there is whole (the modules writing it run whole, .whole.side_style): so is the norm
+            table = getattr(module.get_input_embeddings(), "embedding_dim", hidden)
+            if widths - {hidden, table} and "*" not in name and not any(name.startswith(b + ".") for b in blocks):
+                # outside the blocks, over a width neither the hidden's nor the (split) token table's (a per-layer
+                # input computed beside the hidden): whole, as the modules writing it (.whole.side_style)
                 plan[name] = "gathered"
                 continue
             if widths - {hidden}:

@@ -309,8 +309,8 @@ def side_style(root: nn.Module, unit: str, names: Mapping[str, nn.Module], block
     writing the stream whole (``gathered(input=split, output=full)``), or reading the stream and
     writing the hidden sliced (``gathered(input=full, output=split)``). Inside a block, the
     stream's width must be that of an input the block is handed (each layer's slice of the
-    stream) — shown on a forward; outside the blocks every tensor not over the hidden is whole.
-    None: ``unit`` is not such a linear."""
+    stream) — shown on a forward; outside the blocks, only the linear writing the stream from
+    the gathered hidden. None: ``unit`` is not such a linear."""
     import torch
 
     m = next((m for n, m in names.items() if is_unit(n, unit)), None)
@@ -323,6 +323,8 @@ def side_style(root: nn.Module, unit: str, names: Mapping[str, nn.Module], block
         return None
     first = next(n for n in names if is_unit(n, unit))
     block = _inside(first, blocks)
+    if block is None and n_in != hidden:  # outside the blocks, what it reads may be split (an embedding's)
+        return None
     if block is not None:  # the widths of the tensors the block is handed (its per-layer input among them)
         widths = {int(t.shape[-1]) for args, kwargs, _ in _calls(root, block.rpartition(".")[0] + ".*")
                   for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.is_floating_point()
