@@ -21,6 +21,20 @@ register_mesh_source()
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
+# Modules that must not run beside each other under pytest-xdist (``-n 2 --dist loadgroup``):
+# tests/test_live_aggregation.py asserts that no aggregation role process or socket is left
+# anywhere on the host, and the documented ``aggregation=...`` commands start such roles.
+SAME_WORKER = {"test_live_aggregation.py": "test_docs_commands.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """One xdist group per test module (its module-scoped launches run once, on one worker),
+    modules of :data:`SAME_WORKER` sharing one; without ``-n`` the marks change nothing."""
+    for item in items:
+        name = item.path.relative_to(ROOT / "tests").as_posix()
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(name, name)))
+
 
 @pytest.fixture
 def compose_cfg() -> Callable[..., DictConfig]:
