@@ -40,7 +40,8 @@ TOL = 1e-9  # float64 throughout
 TOL32 = 1e-6  # where the model's own code computes in float32 (float32_inside)
 
 # size fields and the tiny value each takes (whichever names a config uses)
-_HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim", "n_embed", "word_embed_proj_dim")
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim", "n_embed", "word_embed_proj_dim",
+           "emb_dim")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
           "decoder_attention_heads")
 _KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")

@@ -84,20 +84,20 @@ def test_shape_is_read_from_the_model():
 
 
 def test_unsupported_family_is_one_line():
-    """A family whose layout ATP does not cover (Gemma-4's per-layer inputs: a norm outside the
-    blocks over a width other than the hidden, between split linears) is refused in one line
-    that names the model type, the module and what to do."""
+    """A family whose layout ATP does not cover (RemBERT's embeddings: a norm outside the blocks
+    over the split token table's width, other than the hidden) is refused in one line that
+    names the model type, the module and what to do."""
     from transformers import AutoModelForCausalLM
 
     from atp_pipeline.models.adapter import find_adapters
     from benchmarks.hf_coverage import tiny_config
 
-    model = AutoModelForCausalLM.from_config(tiny_config("gemma4_text"))
+    model = AutoModelForCausalLM.from_config(tiny_config("rembert"))
     (_, adapter, sub), = find_adapters(model)
     with pytest.raises(ConfigError) as err:
         adapter.parallel_plan(sub)
     msg = str(err.value)
-    assert "\n" not in msg and "model_type 'gemma4_text'" in msg and "'model.per_layer_projection_norm'" in msg \
+    assert "\n" not in msg and "model_type 'rembert'" in msg and "'rembert.embeddings.LayerNorm'" in msg \
         and "other than the hidden state" in msg and "plan" in msg
 
 

@@ -60,7 +60,6 @@ def test_a_norm_over_the_whole_intermediate_runs_whole_between_gathered_linears(
 @pytest.mark.parametrize("kind, why", [
     ("trocr", "does not run in a forward on tokens alone"),  # a cross-attention over an encoder's states
     ("ctrl", "holds a buffer 'pos_encoding'"),  # a sinusoidal table added to the split hidden
-    ("zaya", "module 'model' (ZayaModel) holds parameters"),  # outside the blocks: nothing runs it whole
 ])
 def test_what_the_modules_show_cannot_be_split_is_refused_in_one_line(kind, why):
     with pytest.raises(ConfigError) as err:

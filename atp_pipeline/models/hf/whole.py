@@ -207,14 +207,13 @@ def idle_units(root: nn.Module, blocks: Sequence[str]) -> List[str]:
         with torch.enable_grad():
             out = root(input_ids=torch.zeros(1, 4, dtype=torch.long, device=params[0].device))
             first = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
-            grads = torch.autograd.grad(first.sum(), params, allow_unused=True)
+            reached = _leaves(first.grad_fn)  # the parameters its graph reaches (no gradient computed)
     except Exception:  # noqa: BLE001 — a model this call cannot run: no answer
         return []
     finally:
         for h in hooks:
             h.remove()
         root.train(training)
-    reached = {id(p) for p, g in zip(params, grads) if g is not None}
     names = dict(root.named_modules())
     running = [b for b in blocks if id(names[b]) in ran]
     out_: List[str] = []
@@ -225,6 +224,20 @@ def idle_units(root: nn.Module, blocks: Sequence[str]) -> List[str]:
         if mine and not any(id(p) in reached for p in mine) and not any(id(x) in ran for x in m.modules()):
             out_.append(name)
     return out_
+
+
+def _leaves(fn: Any) -> set:
+    """ids of the leaf tensors (parameters) an autograd graph from ``fn`` reaches."""
+    seen, out, todo = set(), set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if hasattr(f, "variable"):  # AccumulateGrad: a leaf
+            out.add(id(f.variable))
+        todo += [g for g, _ in getattr(f, "next_functions", ())]
+    return out
 
 
 # how a parameter over the hidden (and what is made of it alone) may be used for its split over d2
@@ -323,14 +336,15 @@ def side_style(root: nn.Module, unit: str, names: Mapping[str, nn.Module], block
         return None
     first = next(n for n in names if is_unit(n, unit))
     block = _inside(first, blocks)
-    if block is None and n_in != hidden:  # outside the blocks, what it reads may be split (an embedding's)
+    if block is None and (n_in != hidden or not blocks):  # outside the blocks, what it reads may be split
         return None
-    if block is not None:  # the widths of the tensors the block is handed (its per-layer input among them)
-        widths = {int(t.shape[-1]) for args, kwargs, _ in _calls(root, block.rpartition(".")[0] + ".*")
-                  for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.is_floating_point()
-                  and 2 <= t.dim() <= 3}
-        if (n_out if n_in == hidden else n_in) not in widths:
-            return None
+    # the widths of the tensors the blocks are handed besides the hidden (a per-layer input among them)
+    widths = {int(t.shape[-1]) for args, kwargs, _ in _calls(root, (block or blocks[0]).rpartition(".")[0] + ".*")
+              for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and 2 <= t.dim() <= 3} - {hidden}
+    side = n_out if n_in == hidden else n_in
+    if block is not None and side not in widths or block is None and not any(side % w == 0 for w in widths):
+        return None  # (outside the blocks: the stream of every layer's slices, side by side)
     n = len(calls)
     return ("gathered(input=split, output=full)", (n, n, 0, 0)) if n_in == hidden else \
         ("gathered(input=full, output=split)", (n, 0, n, 0))
