@@ -41,7 +41,6 @@ from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
 from atp_pipeline.parallel.materialize import parameters_on_meta
-from atp_pipeline.parallel.styles import register_style
 from atp_pipeline.parallel.vocab import VocabParallelCausalLMLoss
 from atp_pipeline.planning.shape import ModelShape
 
@@ -522,15 +521,4 @@ class HFCausalLMAdapter(ModelAdapter):
                                       f"state, which ATP's layout does not split; pass a plan")
 
 
-def _register_styles() -> None:
-    from atp_pipeline.models.hf.attention import HFAttention, HFLatentAttention, HFScalars
-    from atp_pipeline.models.hf.experts import HFExperts
-
-    register_style(HFAttention.name, HFAttention)
-    register_style(HFLatentAttention.name, HFLatentAttention)
-    register_style(HFScalars.name, HFScalars)
-    register_style(HFExperts.name, HFExperts)
-
-
 ADAPTER = register_adapter(HFCausalLMAdapter())
-_register_styles()
