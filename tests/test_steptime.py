@@ -383,25 +383,59 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
         cp.ComputeProfile.from_config({**prof.to_config(), "kernel_time": "gpu"})
 
 
-def test_a_collective_in_flight_takes_its_backends_busy_share_of_the_overlap():
-    """With the collectives' CPU calibrated, the compute overlapping a collective in flight is
-    late by the backend's busy share of that overlap (the same as hidden = 1 - busy)."""
+def test_a_collective_in_flight_takes_the_loops_unhidden_share_of_the_overlap():
+    """The compute overlapping a collective in flight is late by ``1 - hidden`` of that overlap
+    (the collective-during-compute loops' share) wherever the profile has those loops, whatever
+    its collectives' backend CPU; a profile without them (older ones) takes the backend's busy
+    share, plus its CPU per call spread over the transfer."""
     term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "bwd")
     gemm = kn.Kernel(kn.GEMM, (10, 10, 10))
-    busy = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.75}),
-                               sync=cp.SyncFit(0.0, 0.0, 1.0))
+    busy = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.75}))
     hid = dataclasses.replace(_flat(5.0), sync=cp.SyncFit(0.0, 0.0, 0.25))
+    both = dataclasses.replace(hid, collective_cpu=cp.CollectiveCPU({}, {2: 3e-6}, {2: 1e-9}))
     got = []
-    for prof in (busy, hid):
+    for prof in (busy, hid, both):
         tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
         tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
         got.append(tl.now)
-    assert got[0] == pytest.approx(got[1]) == pytest.approx(10e-6 + 0.75 * 4e-6)
-    # the backend's CPU per call (2 us over the 4 us transfer: half a core) adds to its busy share
+    assert got[0] == pytest.approx(got[1]) == pytest.approx(got[2]) == pytest.approx(10e-6 + 0.75 * 4e-6)
+    # without the loops: the backend's CPU per call (2 us over the 4 us transfer: half a core) adds to its busy share
     per_call = dataclasses.replace(busy, collective_cpu=cp.CollectiveCPU({2: 0.25}, {2: 2e-6}))
     tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), per_call, 4)
     tl.run([("k", gemm), ("linear", sp.Coll(term, Fraction(1), 1000)), ("k", gemm), ("join",)], [])
     assert tl.now == pytest.approx(got[0]) and tl.coll_cpu == pytest.approx(2e-6 + 0.25 * 3e-6)  # and its 3 us wait
+
+
+def test_collective_cpu_per_call_and_byte_from_the_pure_collective_loops():
+    """The pure collective loops (no GEMMs, every rank in them at once) give per group size a
+    CPU per call and per byte; waiting costs nothing (no busy share); on the timeline a call of
+    ``size`` ranks moving B bytes adds ``c + b·B`` to the rank's CPU; the terms round-trip."""
+    from atp_pipeline.run import calibrate_compute as cc_
+
+    c, b = {2: 150e-6, 4: 400e-6}, {2: 0.5e-9, 4: 2e-9}
+    pats, timed = [], []
+    for d1, d2, dim in ((4, 1, 1), (2, 2, 1), (2, 2, 2)):
+        size = d1 if dim == 1 else d2
+        for coll in cc_.SYNC_COLLECTIVES:
+            for nbytes in (16384, 262144, 1048576):
+                pats.append((d1, d2, dim, coll, nbytes, 0, cc_.SYNC))
+                timed.append(cc_.Timed(1e-3, c[size] + b[size] * nbytes, {}))
+            pats.append((d1, d2, dim, coll, 16384, 4, cc_.SYNC))  # loops with compute: not this fit's
+            timed.append(cc_.Timed(1e-3, 1.0, {}))
+    fit = cc_.fit_collective_cpu_loops(pats, timed)
+    assert fit.busy == {} and fit.per_call == pytest.approx(c, rel=1e-6) and fit.per_byte == pytest.approx(b, rel=1e-6)
+    assert fit.call_seconds(4, 1e6) == pytest.approx(400e-6 + 2e-3) and fit.share(4) == 0.0
+    assert cc_.fit_collective_cpu_loops(pats[3:4], timed[3:4]) is None
+    prof = dataclasses.replace(_flat(5.0), collective_cpu=fit)
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
+    assert back.collective_cpu.per_byte == pytest.approx(b) and back.collective_cpu.busy == {}
+    assert "backend CPU per call 150 us + 0.500 ns/B (2 ranks), 400 us + 2.000 ns/B (4 ranks)" in back.describe()
+    with pytest.raises(ConfigError, match=r"collective_cpu.per_byte_ns: group size >= 2 -> finite ns >= 0"):
+        cp.ComputeProfile.from_config({**prof.to_config(), "collective_cpu": {"per_byte_ns": {2: -1.0}}})
+    term = CommTerm("f1", "x", ALL_REDUCE, 1, Fraction(1), 1, "fwd")
+    tl = st._Timeline(cc.CommClock(_two(), (2, 1), 4), prof, 4)
+    tl.run([("sync", sp.Coll(term, Fraction(1), 1000)), ("sync", sp.Coll(term, Fraction(1), 1000))], [])
+    assert tl.coll_cpu == pytest.approx(2 * (150e-6 + 0.5e-9 * 4000))  # 1000 float32 elements a call
 
 
 def test_collective_cpu_is_fitted_from_the_probe_steps_with_and_without_collectives():

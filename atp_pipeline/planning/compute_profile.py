@@ -67,23 +67,28 @@ class SyncFit:
 
 @dataclass(frozen=True)
 class CollectiveCPU:
-    """The share of a core a rank keeps busy while it waits in a collective of a group of
-    ``size`` ranks (``busy[size]``): the backend's threads (copies, reductions, the loopback's
-    syscalls and wake-ups) run while the rank is blocked. What bounds a step from below on a
-    host with fewer cores than processes: every rank's compute and this CPU must fit on the
-    cores, however much of a rank's waiting other ranks' compute fills. Calibrated from the
-    probe models' steps with and without their collectives: the CPU time they differ by over
-    the time the ranks waited in the collectives of each group size, and per collective call
-    ``per_call[size]`` (the backend's work to start and finish one, whatever the wait; none in a
-    profile calibrated without it). What grows with the bytes is in the wait's busy share: the
-    probes' messages are too few sizes to fit a cost per byte apart from it."""
+    """The CPU a rank's collectives cost its process beside its compute, per group size
+    ``size``: per call ``per_call[size]`` plus per byte moved ``per_byte[size]`` (the backend's
+    work: its threads' wake-ups, copies, reductions, the loopback's syscalls), and the share of a
+    core ``busy[size]`` kept busy per second waited in one. What bounds a step from below on a
+    host with fewer cores than processes: every rank's compute and this CPU must fit on the cores,
+    however much of a rank's waiting other ranks' compute fills.
+
+    Calibrated (``stage=calibrate``) from the pure collective loops (the compute-then-collective
+    loops with no compute: every rank in the same back-to-back collectives after a barrier, so
+    nobody waits for a slower rank): per call and per byte, no busy share. A rank blocked in a
+    gloo collective sleeps (``docs/step_validation/diagnosis/e7.log``: ranks waiting for a late one
+    spend less CPU per call, not more), so time waited costs nothing. Profiles of earlier
+    calibrations carry busy shares and per-call costs fitted from the probe steps' CPU with and
+    without their collectives (which charged the validation models' waits as work)."""
 
     busy: Mapping[int, float]
     per_call: Mapping[int, float] = field(default_factory=dict)
+    per_byte: Mapping[int, float] = field(default_factory=dict)
 
-    def call_seconds(self, size: int) -> float:
-        """The CPU one collective call of a ``size``-rank group costs its rank's backend."""
-        return _by_size(self.per_call, size)
+    def call_seconds(self, size: int, nbytes: float = 0.0) -> float:
+        """The CPU one collective call of a ``size``-rank group moving ``nbytes`` costs its rank's backend."""
+        return _by_size(self.per_call, size) + nbytes * _by_size(self.per_byte, size)
 
     def share(self, size: int) -> float:
         """The busy share in a ``size``-rank group: the calibrated size's, linear in the size
@@ -285,11 +290,15 @@ class ComputeProfile:
         if self.optimizer:
             parts.append(f"optimizer {self.optimizer}")
         if self.collective_cpu is not None:
-            parts.append("waiting in a collective keeps " + ", ".join(
-                f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(self.collective_cpu.busy.items()))
-                + (", its backend's CPU per call " + ", ".join(
-                    f"{v * 1e6:.0f} us ({k} ranks)" for k, v in sorted(self.collective_cpu.per_call.items()))
-                   if self.collective_cpu.per_call else ""))
+            cc = self.collective_cpu
+            parts.append("; ".join(x for x in (
+                ("waiting in a collective keeps " + ", ".join(
+                    f"{v:.0%} of a core busy ({k} ranks)" for k, v in sorted(cc.busy.items()))) if cc.busy else "",
+                ("a collective's backend CPU per call " + ", ".join(
+                    f"{cc.per_call.get(k, 0.0) * 1e6:.0f} us"
+                    + (f" + {cc.per_byte[k] * 1e9:.3f} ns/B" if k in cc.per_byte else "") + f" ({k} ranks)"
+                    for k in sorted(set(cc.per_call) | set(cc.per_byte)))) if cc.per_call or cc.per_byte else "")
+                if x) or "collectives' backend CPU 0")
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})"
@@ -389,19 +398,21 @@ class ComputeProfile:
             collective_cpu = None
             if data.get("collective_cpu"):
                 cd = data["collective_cpu"]
-                extra = sorted(set(cd) - {"busy", "per_call_us"})
+                extra = sorted(set(cd) - {"busy", "per_call_us", "per_byte_ns"})
                 if extra:
                     raise ConfigError(f"{where}.collective_cpu: unknown key(s) {', '.join(map(str, extra))} "
                                       f"(calibrate again: python train.py stage=calibrate)")
-                busy = {int(k): float(v) for k, v in dict(cd["busy"]).items()}
+                busy = {int(k): float(v) for k, v in dict(cd.get("busy") or {}).items()}
                 if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
                     raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
                                       f"got {busy}")
                 per_call = {int(k): float(v) * 1e-6 for k, v in dict(cd.get("per_call_us") or {}).items()}
-                collective_cpu = CollectiveCPU(busy, per_call)
-                if not all(k >= 2 and v >= 0 and math.isfinite(v) for k, v in per_call.items()):
-                    raise ConfigError(f"{where}.collective_cpu.per_call_us: group size >= 2 -> finite us >= 0, "
-                                      f"got {per_call}")
+                per_byte = {int(k): float(v) * 1e-9 for k, v in dict(cd.get("per_byte_ns") or {}).items()}
+                collective_cpu = CollectiveCPU(busy, per_call, per_byte)
+                for key, vals, unit in (("per_call_us", per_call, "us"), ("per_byte_ns", per_byte, "ns")):
+                    if not all(k >= 2 and v >= 0 and math.isfinite(v) for k, v in vals.items()):
+                        raise ConfigError(f"{where}.collective_cpu.{key}: group size >= 2 -> finite {unit} >= 0, "
+                                          f"got {vals}")
             contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
             if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
                 raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
@@ -443,10 +454,13 @@ class ComputeProfile:
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}
                    if self.sync is not None else {}),
-                **({"collective_cpu": {"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())},
-                                       **({"per_call_us": {int(k): g(v * 1e6)
-                                                           for k, v in sorted(self.collective_cpu.per_call.items())}}
-                                          if self.collective_cpu.per_call else {})}}
+                **({"collective_cpu": {
+                    **({"busy": {int(k): g(v) for k, v in sorted(self.collective_cpu.busy.items())}}
+                       if self.collective_cpu.busy else {}),
+                    **({"per_call_us": {int(k): g(v * 1e6) for k, v in sorted(self.collective_cpu.per_call.items())}}
+                       if self.collective_cpu.per_call else {}),
+                    **({"per_byte_ns": {int(k): g(v * 1e9) for k, v in sorted(self.collective_cpu.per_byte.items())}}
+                       if self.collective_cpu.per_byte else {})}}
                    if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}

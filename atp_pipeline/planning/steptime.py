@@ -55,10 +55,12 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   contention factor at ``processes``); and the step is no less than every rank's CPU shared
   over the cores (:meth:`ComputeProfile.host_factor`: ``processes / cores``): the rank's compute
   plus its collectives' backend CPU (:class:`~atp_pipeline.planning.compute_profile.CollectiveCPU`:
-  per call and byte, and a share of a core per group size while it waits, from the probe steps'
-  CPU with and without their collectives). The same busy
-  share is what a collective in flight takes from the compute overlapping it (§4.1/§4.2
-  overlap), where the profile has it (else the loops' ``1 - hidden``).
+  per call and per byte by group size, from pure collective loops, every rank in them at once;
+  time waited in a collective costs none, a blocked rank sleeps; older profiles: a share of a
+  core per second waited besides). A collective in flight takes ``1 - hidden`` of the compute
+  overlapping it (§4.1/§4.2 overlap; ``hidden`` from the collective-during-compute loops: on a
+  CPU host the transfer is the backends' work on the ranks' own cores), where the profile has
+  no loops, its backend CPU and busy share.
 
 The pieces live in flat modules by concern: :mod:`~atp_pipeline.planning.kernels` (kernel kinds
 and their work), :mod:`~atp_pipeline.planning.compute_profile` (the calibrated kernel and framework
@@ -132,7 +134,7 @@ class _Timeline:
             self.since = 0.0
             if self.profile.collective_cpu is not None:  # its backend's CPU (in the transfer's time)
                 d1, d2 = self.clock.mesh
-                cpu = self.scale * self.profile.collective_cpu.call_seconds(d1 if c.term.dim == 1 else d2)
+                cpu = self.scale * self.profile.collective_cpu.call_seconds(d1 if c.term.dim == 1 else d2, nbytes)
                 self.coll_cpu += cpu
         start = max(self.now, self.link_free.get(c.term.dim, 0.0))
         end = start + dur
@@ -172,8 +174,7 @@ class _Timeline:
         transfer is late by the share of that overlap the transfer took from it (:meth:`stolen`;
         its backend's CPU spread over the transfer besides); the clock moves to that or the last end."""
         if pending:
-            steal = sum(min(1.0, self.stolen(d) + (cpu / (r - i) if r > i else 0.0)) * max(0.0, min(self.now, r) - i)
-                        for i, _, r, d, cpu in pending)
+            steal = sum(self.stolen(d, cpu, r - i) * max(0.0, min(self.now, r) - i) for i, _, r, d, cpu in pending)
             last = max(self.now, *(e for _, e, _, _, _ in pending))
             now = max(self.now + steal, last)
             self.sync += now - last
@@ -182,13 +183,17 @@ class _Timeline:
             self.now = now
             pending.clear()
 
-    def stolen(self, dim: int) -> float:
-        """The share of a collective's overlap with compute that the compute loses: the share of
-        a core the backend keeps busy meanwhile (:class:`CollectiveCPU`), else ``1 - hidden``."""
-        if self.profile.collective_cpu is None:
+    def stolen(self, dim: int, cpu: float = 0.0, transfer: float = 0.0) -> float:
+        """The share of a collective's overlap with compute that the compute loses. Where the
+        profile has the collective-during-compute loops' hidden share (:class:`SyncFit`), ``1 -
+        hidden``: on a CPU host a transfer in flight is the backends' work on the ranks' own
+        cores, and those loops time exactly how much of it compute hides (its backend CPU
+        ``cpu`` over the ``transfer``'s seconds is within it). Else that backend CPU spread over
+        the transfer plus the share of a core a collective keeps busy (:class:`CollectiveCPU`)."""
+        if self.profile.sync is not None or self.profile.collective_cpu is None:
             return 1.0 - self.profile.hidden
         d1, d2 = self.clock.mesh
-        return self.profile.collective_busy(d1 if dim == 1 else d2)
+        return min(1.0, self.profile.collective_busy(d1 if dim == 1 else d2) + (cpu / transfer if transfer > 0 else 0.0))
 
     def waited(self, dim: int, seconds: float) -> None:
         """The rank waits ``seconds`` in a collective on ``dim``: the CPU its backend keeps busy meanwhile."""

@@ -77,6 +77,7 @@ SYNC_GEMM = Kernel(GEMM, (64, 256, 256))  # the compute of the compute-then-coll
 SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
+LOOP_BYTES = (1048576,)  # besides SYNC_BYTES: the pure collective loops the collectives' CPU per byte is fitted over
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
 MIN_FACTOR = -0.5  # the least the framework's kernel_factor may be: a kernel never takes 0 s
 CONTENTION_KERNELS = (Kernel(GEMM, (32, 16, 16)), Kernel(GEMM, (512, 128, 256)), Kernel(POINTWISE, (65536,)))
@@ -153,6 +154,14 @@ def sync_patterns(world: int) -> List[Pattern]:
             out += [(d1, d2, dim, coll, b, m, mode) for coll in SYNC_COLLECTIVES for b in SYNC_BYTES
                     for mode in (SYNC, ASYNC) for m in SYNC_COMPUTE if m or mode == SYNC]
     return out
+
+
+def cpu_loops(world: int) -> List[Pattern]:
+    """Pure collective loops at LOOP_BYTES on every group layout :func:`sync_patterns` times (no
+    GEMMs, blocking): with its own pure loops, what :func:`fit_collective_cpu_loops` prices a
+    collective's backend CPU per call and per byte from (not the sync fit's)."""
+    return [(d1, d2, dim, coll, b, 0, SYNC) for d1, d2, dim, coll, b0, m, mode in sync_patterns(world)
+            if m == 0 and mode == SYNC and b0 == SYNC_BYTES[0] for b in LOOP_BYTES]
 
 
 # ------------------------------------------------------------------------ timing (workers)
@@ -619,6 +628,29 @@ def fit_sync(profile: ComputeProfile, topo: Any, patterns: Sequence[Pattern], se
     return SyncFit(float(a), float(r), hidden)
 
 
+def fit_collective_cpu_loops(patterns: Sequence[Pattern], timed: Sequence[Timed]) -> Optional[CollectiveCPU]:
+    """The collectives' backend CPU from the pure collective loops (the patterns with no GEMMs,
+    ``SYNC``: every rank in the same back-to-back collectives after a barrier, so no rank waits
+    for a slower one's compute): per group size, a rank's CPU per call ``c + b·bytes`` (relative
+    non-negative least squares over the loops of that size, every collective and message size
+    alike). Waiting costs nothing (no busy share): a rank blocked in a gloo collective sleeps
+    (``docs/step_validation/diagnosis/e7.log``). None without such loops (a world of one process)."""
+    by_size: Dict[int, List[Tuple[float, float]]] = {}
+    for pat, t in zip(patterns, timed):
+        d1, d2, dim, _, nbytes, m, mode = pat
+        if m == 0 and mode == SYNC and t.cpu > 0:
+            by_size.setdefault(d1 if dim == 1 else d2, []).append((float(nbytes), t.cpu))
+    if not by_size:
+        return None
+    per_call, per_byte = {}, {}
+    for size, pts in sorted(by_size.items()):
+        a = np.array([[1.0 / c, b / c] for b, c in pts])
+        x = nnls(a, np.ones(len(pts))) if len({b for b, _ in pts}) > 1 else np.array(
+            [statistics.median(c for _, c in pts), 0.0])
+        per_call[size], per_byte[size] = float(x[0]), float(x[1])
+    return CollectiveCPU({}, per_call, per_byte)
+
+
 def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
                        calls: Optional[Sequence[Mapping[int, int]]] = None) -> Optional[CollectiveCPU]:
     """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
@@ -688,7 +720,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
               + (f", {len(plans)} collective-free probe steps of {len(shapes)} probe models" if plans else "")
               + (f", {len(patterns)} compute-then-collective loops" if patterns else "")
               + (f", contention at {'/'.join(str(p) for p in sorted(contention))} processes" if contention else "")
-              + (", the probe steps' CPU with and without their collectives" if collective_cpu is not None else "")
+              + (", the collectives' CPU per call and byte from the pure collective loops" if collective_cpu is not None else "")
               + ")")
     import os
 
@@ -797,6 +829,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     shapes = [sh for sh, _ in built]
     plans = plan_points(shapes, run.world, run.chunks) if run.framework else []
     patterns = sync_patterns(run.world) if run.framework else []
+    nsync = len(patterns)
+    patterns += cpu_loops(run.world) if run.framework else []
     live = list(plans)  # the same probe steps with their collectives (their CPU: CollectiveCPU)
     total = (len(kernels) + len(plans) + len(patterns) + len(live)) * run.passes
     with tempfile.TemporaryDirectory() as tmp:
@@ -829,14 +863,15 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         if progress is not None:
             progress("contention", 1, 1)
     nk, npl, npa = len(kernels), len(plans), len(patterns)
-    calls = [plan_calls(shapes[mi], (d1, d2), c) for mi, d1, d2, c in live]  # each live step's calls, bytes
-    collective_cpu = (fit_collective_cpu(timed[nk:nk + npl], timed[nk + npl + npa:], calls)
+    # the collectives' backend CPU per call and byte, from the pure collective loops (no rank waits
+    # for another's compute there; the probes' live steps stay the in-sample check below)
+    collective_cpu = (fit_collective_cpu_loops(patterns, timed[nk + npl:nk + npl + npa])
                       if run.framework and run.world > 1 else None)
     # kernels and the probes' collective-free steps at a rank's CPU time (what the work costs a
     # core, whatever shares it); the loops at their wall time (their compute priced as the host runs it)
     cpu = [max(t.cpu, 1e-9) for t in timed]
-    profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns,
-                           got[nk + npl:nk + npl + npa], contention, list(run.probes) if run.framework else (),
+    profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns[:nsync],
+                           got[nk + npl:nk + npl + nsync], contention, list(run.probes) if run.framework else (),
                            collective_cpu, kernel_time="cpu", comm_contention=comm_contention)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
