@@ -43,10 +43,14 @@ def test_replay_matches_and_covers_every_branch(records):
     sys.settrace(tracer)
     try:
         replayed = traces.replay(records)
+        batched = traces.replay(records, batched=True)  # the batch form (process_batch) hits plan.*
     finally:
         sys.settrace(old)
     for rec, out in replayed:
         assert out == rec["out"], f"{rec['scenario']} step {rec['step']}"
+    assert len(batched) == len(replayed)
+    for rec, out in batched:
+        assert out == rec["out"], f"batched: {rec['scenario']} step {rec['step']}"
     # line coverage of the whole function body (every branch of process and _complete)
     missing = {(c.co_name, ln) for c in codes for ln in _lines(c) if (c, ln) not in hit}
     assert not missing, f"lines of switch.process not covered by the corpus: {sorted(missing)}"

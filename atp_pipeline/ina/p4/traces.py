@@ -36,8 +36,8 @@ import numpy as np
 
 from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
 from atp_pipeline.ina.packet import ATP_UDP_PORT
-from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, ecn_mark, process_bytes
+from atp_pipeline.ina.packet import DecodeError, PacketFormat
+from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, ecn_mark, process_batch, process_bytes
 
 DEFAULT_TRACE_FILE = Path("p4") / "traces" / "atp.jsonl"  # CLI default, relative to the current directory
 WORKER_MAC, PS_MAC = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
@@ -240,17 +240,45 @@ def load(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def replay(records: Sequence[dict]) -> List[Tuple[dict, List[str]]]:
+def replay(records: Sequence[dict], batched: bool = False) -> List[Tuple[dict, List[str]]]:
     """Re-run every step's input through a fresh Python switch per scenario:
-    ``[(step_record, actual_output_hex), ...]``."""
+    ``[(step_record, actual_output_hex), ...]``. ``batched``: each run of well-formed ATP
+    frames goes through :func:`~atp_pipeline.ina.switch.process_batch` at once (the live
+    emulator's batch form), flushed before a frame the classifier forwards or drops — the
+    outputs must be the per-frame ones."""
     out: List[Tuple[dict, List[str]]] = []
     st: Optional[SwitchState] = None
+    pending: List[Tuple[dict, bytes, object]] = []
+
+    def flush() -> None:
+        if pending:
+            assert st is not None
+            outs = process_batch(st, [p for _, _, p in pending])
+            for (r, buf, _), os_ in zip(pending, outs):
+                eg = r["egress"]
+                marked = [ecn_mark(o, eg["backlog_bytes"], eg["threshold_bytes"]) if eg is not None else o for o in os_]
+                out.append((r, [(buf[:42] + FMT.encode(o)).hex() for o in marked]))
+            pending.clear()
+
     for r in records:
         if "step" not in r:
+            flush()
             st = SwitchState(r["n_aggregators"], r["payload_k"], r["bitmap_bits"], jobs=r["jobs"])
             continue
         assert st is not None
-        out.append((r, [o.hex() for o in run_step(st, bytes.fromhex(r["in"]), r["egress"])]))
+        buf = bytes.fromhex(r["in"])
+        if batched:
+            atp = atp_payload(buf)
+            try:
+                pkt = FMT.decode(atp) if atp is not None else None
+            except DecodeError:
+                pkt = None
+            if pkt is not None:
+                pending.append((r, buf, pkt))
+                continue
+            flush()
+        out.append((r, [o.hex() for o in run_step(st, buf, r["egress"])]))
+    flush()
     return out
 
 
