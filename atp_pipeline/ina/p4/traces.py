@@ -210,6 +210,12 @@ def run_step(st: SwitchState, buf: bytes, egress: Optional[Dict[str, int]]) -> L
     if atp is None:
         return [buf]  # non-ATP traffic is forwarded untouched
     _, outs = process_bytes(st, FMT, atp)  # a malformed ATP payload is dropped (and counted)
+    return _frames(buf, outs, egress)
+
+
+def _frames(buf: bytes, outs: Sequence[object], egress: Optional[Dict[str, int]]) -> List[bytes]:
+    """The switch's output packets for input frame ``buf`` as frames: its headers, each packet
+    marked by the egress (ECN) and encoded."""
     res = []
     for o in outs:
         if egress is not None:
@@ -255,9 +261,7 @@ def replay(records: Sequence[dict], batched: bool = False) -> List[Tuple[dict, L
             assert st is not None
             outs = process_batch(st, [p for _, _, p in pending])
             for (r, buf, _), os_ in zip(pending, outs):
-                eg = r["egress"]
-                marked = [ecn_mark(o, eg["backlog_bytes"], eg["threshold_bytes"]) if eg is not None else o for o in os_]
-                out.append((r, [(buf[:42] + FMT.encode(o)).hex() for o in marked]))
+                out.append((r, [f.hex() for f in _frames(buf, os_, r["egress"])]))
             pending.clear()
 
     for r in records:
