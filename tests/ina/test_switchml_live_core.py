@@ -274,3 +274,70 @@ def test_worker_array_form_equals_the_per_packet_form(monkeypatch):
     assert dups > 0 and sum(w.stats.timeouts for w in ws) > 0
     total = np.sum(xs, axis=0)
     assert np.abs(ws[0].out - total).max() <= 3 * 2.0 ** (max(ws[0].shared) - EXP_BIAS - ws[0].bits)
+
+
+def test_switch_role_gathers_every_workers_datagrams_before_deciding(monkeypatch):
+    """The SwitchML switch role (``nodes.SMLSwitchNode``) decides a batch once every worker of the
+    job has sent (issue 28, pass 6: one decision a round instead of one per worker's datagram), and
+    at its deadline with what it has when a worker sends nothing (lost packets, a resend): over real
+    UDP sockets in one process, the batch handed to the switch function holds every worker's
+    datagram, also one sent after the role woke, and deciding it completes every slot at once."""
+    import socket
+    import threading
+
+    from atp_pipeline.ina.live import nodes
+    from atp_pipeline.ina.live.frames import datagrams, drain
+
+    W, pool, k = 3, 8, 4
+    fmt = SMLFormat(k)
+    node = nodes.SMLSwitchNode(fmt)
+    node.sock.setblocking(False)  # (as its serve loop has it)
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(W)]
+    try:
+        for s_ in socks:
+            s_.bind(("127.0.0.1", 0))
+            s_.settimeout(5.0)
+        node.op_add_job(None, [list(s_.getsockname()) for s_ in socks], job=5, pool=pool)
+        ws = [SMLFloatWorker(5, w, W, pool, k, rto=1.0) for w in range(W)]
+        sent = [datagrams([fmt.encode(p) for p in ws[w].start_float(np.arange(20.0) + w, 0.0)]) for w in range(W)]
+        assert all(len(d) == 1 for d in sent)
+
+        def send(w: int) -> None:
+            socks[w].sendto(sent[w][0], node.data_addr)
+
+        monkeypatch.setattr(nodes, "GATHER_S", 0.05)  # the deadline: workers 0 and 1 only
+        send(0), send(1)
+        got = node.gather(drain(node.sock))
+        assert sorted(buf for buf, _ in got) == sorted([sent[0][0], sent[1][0]])
+        node.handle_batch(got)
+        node.outbox.flush()
+        assert node.sml.jobs[5].stats["complete"] == 0  # (worker 2's contributions missing)
+
+        monkeypatch.setattr(nodes, "GATHER_S", 30.0)  # all three, worker 2's after the role woke
+        send(0), send(1)
+        late = threading.Timer(0.05, send, (2,))
+        late.start()
+        while not select_readable(node.sock):
+            pass
+        got = node.gather(drain(node.sock))
+        late.join()
+        assert sorted(buf for buf, _ in got) == sorted(d[0] for d in sent)
+        node.handle_batch(got)
+        node.outbox.flush()
+        js = node.sml.jobs[5]
+        P = ws[0].P
+        assert js.stats["complete"] == P and js.stats["result_unicast"] == 0 and js.stats["dropped"] == P * 2
+        for s_ in socks:  # one batch of results: every slot's, to every worker
+            res = fmt.split(s_.recv(65536))
+            assert sorted(fmt.decode(r).slot for r in res) == list(range(P))
+    finally:
+        node.control.close()
+        node.sock.close()
+        for s_ in socks:
+            s_.close()
+
+
+def select_readable(sock) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 5.0)[0])

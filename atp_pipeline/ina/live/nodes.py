@@ -46,15 +46,17 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import sys
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.shm import SharedLanes
@@ -175,6 +177,11 @@ class SwitchNode(Role):
                          for j in jobs}}
 
 
+#: how long the SwitchML switch role waits, from its first drained datagram, for the other workers of a
+#: job before it decides a batch (:meth:`SMLSwitchNode.gather`; issue 28, pass 6)
+GATHER_S = 0.002
+
+
 class SMLSwitchNode(Role):
     """The switch role running SwitchML (``--protocol switchml``): :class:`SMLSwitch`, the
     simulator's switch function, over real UDP. Each job is a static partition of ``pool``
@@ -202,6 +209,38 @@ class SMLSwitchNode(Role):
         for seg in self.shm.values():
             seg.close()
         self.shm.clear()
+
+    def gather(self, got: List[Tuple[bytes, Addr]]) -> List[Tuple[bytes, Addr]]:
+        """Wait (at most :data:`GATHER_S` from now, sleeping in ``select``) until every worker of each
+        job the drained datagrams name has sent one, then the whole lot is one batch (issue 28, pass
+        6). A worker packs its packets of a round into datagrams of its own, so the first header of
+        each datagram names its job and worker. Without this the role woke for about one worker's
+        datagram at a time: ~6 batches a sync, each deciding one worker's packets (below the array
+        form's :data:`~atp_pipeline.ina.switchml.ARRAY_MIN`) and each paying the role's per-batch
+        costs. Only when packets are decided changes: the switch function is the same over any
+        batching (tests/ina/test_switchml_live_core.py), loss and retransmissions included — a
+        round where some worker sends nothing (its packets lost, or a resend after a timeout) is
+        decided at the deadline."""
+        jobs = self.sml.jobs
+        seen: Dict[int, int] = {}
+        deadline = 0.0
+        n = 0
+        while True:
+            for buf, _ in got[n:]:
+                if len(buf) >= 6:
+                    j = buf[0] << 8 | buf[1]
+                    seen[j] = seen.get(j, 0) | 1 << buf[5]
+            n = len(got)
+            if all(bin(b).count("1") >= jobs[j].W for j, b in seen.items() if j in jobs):
+                return got
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + GATHER_S
+            elif now >= deadline:
+                return got
+            if not select.select([self.sock], [], [], deadline - now)[0]:
+                return got
+            got += drain(self.sock)
 
     def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
         """Everything drained, through the switch function :meth:`SMLSwitch.batch` at once (issue

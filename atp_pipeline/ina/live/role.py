@@ -96,7 +96,7 @@ class Role:
                     break  # the process that started us is gone: never outlive it
                 continue
             try:
-                got = drain(sock)
+                got = self.gather(drain(sock))
             except OSError:
                 break
             with lock:
@@ -104,6 +104,11 @@ class Role:
                 flush()
         self.control.close()
         sock.close()
+
+    def gather(self, got: List[Tuple[bytes, Addr]]) -> List[Tuple[bytes, Addr]]:
+        """The batch the data plane handles next, from the datagrams just drained (a role that waits
+        for more before deciding overrides this: :class:`~.nodes.SMLSwitchNode`)."""
+        return got
 
     def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
         """Everything drained from the socket: each datagram's packets to :meth:`handle`, in order

@@ -1,0 +1,39 @@
+import os, sys, time
+from atp_pipeline.ina.live import nodes as N, role as R, frames as F
+from atp_pipeline.ina import switchml as S
+if "GATHER_S" in os.environ:  # pass 6: the switch role's gather deadline (0: decide every drain, as before)
+    N.GATHER_S = float(os.environ["GATHER_S"])
+acc = {}
+sizes = {}
+b0 = S.SMLSwitch.batch
+def batch(self, job, *a):
+    n = len(job)
+    k = "<256" if n < 256 else "<1024" if n < 1024 else ">=1024"
+    sizes[k] = sizes.get(k, 0) + 1
+    return b0(self, job, *a)
+S.SMLSwitch.batch = batch
+def wrap(cls, name, key):
+    f = getattr(cls, name)
+    def g(*a, **kw):
+        c0 = time.thread_time()
+        try:
+            return f(*a, **kw)
+        finally:
+            d = acc.setdefault(key, [0.0, 0]); d[0] += time.thread_time() - c0; d[1] += 1
+    setattr(cls, name, g)
+wrap(N.SMLSwitchNode, "handle_batch", "handle_batch")
+wrap(S.SMLSwitch, "batch", "batch")
+wrap(S.SMLSwitch, "_sum", "_sum")
+wrap(S.SMLSwitch, "_batch_arrays", "_batch_arrays")
+wrap(S.SMLFormat, "headers", "headers")
+wrap(F.Outbox, "flush", "outbox_flush")
+d0 = F.drain
+def drain(*a):
+    c0 = time.thread_time()
+    r = d0(*a)
+    d = acc.setdefault("drain", [0.0, 0]); d[0] += time.thread_time() - c0; d[1] += 1
+    return r
+R.drain = drain
+N.SMLSwitchNode.op_timers = lambda self: {**{k: list(v) for k, v in acc.items()},
+                                           **{"batches " + k: [0.0, v] for k, v in sizes.items()}}
+sys.exit(N.main(sys.argv[1:]))
