@@ -147,9 +147,13 @@ class SMLSwitch:
     call each (gather, add, scatter) before any result is read. Calling the switch with one
     packet (the simulator, :meth:`__call__`) is a batch of one."""
 
+    #: threads that sum the lanes (:meth:`_sum`): 1 (the simulator); the live role uses 2 where there are cores
+    threads = 1
+
     def __init__(self) -> None:
         self.jobs: Dict[int, SMLSwitchJob] = {}
         self.unknown = 0
+        self._pool: Any = None
         self._ops: Dict[Tuple[int, int, int], List[Tuple[int, Optional[np.ndarray]]]] = {}  # carried lane work
 
     def __call__(self, p: SMLPacket, link: Any) -> List[SMLPacket]:
@@ -426,17 +430,19 @@ class SMLSwitch:
             lo, hi = min(t[1] for t in todo), max(t[1] + t[2] for t in todo)
             if len(todo) == 1 or len(todo) > 4 * SUM_CALLS or hi - lo <= step:
                 step = hi - lo  # one block
-            for r0 in range(lo, hi, step):
-                r1 = r0 + step
-                for kind, v0, m, src in todo:
-                    a, b = max(r0, v0), min(r1, v0 + m)
-                    if a >= b:
-                        continue
-                    dst = vals[a:b]
-                    if kind == _SET:
-                        dst[...] = src[a - v0:b - v0]
-                    else:
-                        np.add(dst, src[a - v0:b - v0], out=dst)
+            if self.threads > 1 and (hi - lo) * vals.shape[1] >= SUM_SPLIT_MIN and hi - lo > 1:
+                # two halves of the rows at once (numpy lets the GIL go): the live role sums when every
+                # worker waits for the results, so a second core is free (issue 28, pass 6)
+                mid = lo + max(1, (hi - lo) // 2 // step) * step if hi - lo > step else lo + (hi - lo) // 2
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="sml-sum")
+                half = self._pool.submit(_apply, todo, vals, mid, hi, step)
+                _apply(todo, vals, lo, mid, step)
+                half.result()
+            else:
+                _apply(todo, vals, lo, hi, step)
         for o, job, vi in reads:
             j, dst_, e, _ = out[o]
             out[o] = (j, dst_, e, self.jobs[job].flat[vi].copy())
@@ -444,9 +450,26 @@ class SMLSwitch:
         reads.clear()
 
 
+def _apply(todo: List[Tuple[int, int, int, np.ndarray]], vals: np.ndarray, lo: int, hi: int, step: int) -> None:
+    """The lane work ``todo`` (:meth:`SMLSwitch._sum`) on register rows ``[lo, hi)``, ``step`` rows a
+    block, every call's rows of a block in ``todo``'s order."""
+    for r0 in range(lo, hi, step):
+        r1 = min(r0 + step, hi)
+        for kind, v0, m, src in todo:
+            a, b = max(r0, v0), min(r1, v0 + m)
+            if a >= b:
+                continue
+            dst = vals[a:b]
+            if kind == _SET:
+                dst[...] = src[a - v0:b - v0]
+            else:
+                np.add(dst, src[a - v0:b - v0], out=dst)
+
+
 _NONE, _SET, _ADD = 0, 1, 2  # lane work of a contribution (SMLSwitch.batch)
 SUM_BLOCK = 1 << 17  # register values the switch sums per block (512 KiB of int32: in L2; SMLSwitch._sum)
 SUM_CALLS = 16  # (above 4x this many calls per job: one pass per call, no blocks)
+SUM_SPLIT_MIN = 1 << 18  # register values from which a switch with threads > 1 sums two halves at once
 #: batches of at least this many packets try the array form (SMLSwitch._batch_arrays; a numpy call costs
 #: microseconds here: measured in one process on this host, the array form saved 30% of the switch's CPU
 #: with 1,712-packet batches and cost 10% more with 428-packet ones than the per-packet loop)

@@ -156,8 +156,8 @@ def _state(js: SMLSwitchJob) -> tuple:
 
 def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
     """``SMLSwitch.batch`` decides large batches with array operations (issue 28, pass 4) and
-    falls back to its per-packet loop where one packet's decision depends on another's: on
-    random batches — retransmissions, stale versions, duplicates, exponent-only and lane
+    falls back to its per-packet loop where one packet's decision depends on another's, and sums
+    in two threads (the live role's): on random batches — retransmissions, stale versions, duplicates, exponent-only and lane
     packets, unknown slots and workers, UDP payloads and shared lanes — the results, the state
     and the registers equal those of the same packets sent one at a time."""
     monkeypatch.setattr(core, "ARRAY_MIN", 2)
@@ -167,6 +167,8 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
     ref, arr = SMLSwitch(), SMLSwitch()
     for sw in (ref, arr):
         sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), lanes=lanes)
+    arr.threads = 2  # (the live role's: the sums in two halves at once, here from 2 register rows up)
+    monkeypatch.setattr(core, "SUM_SPLIT_MIN", 2 * k)
     fast = 0
     for step in range(400):
         # the array form reads the registers whole (small partitions) or only the slot-versions touched

@@ -195,6 +195,7 @@ class SMLSwitchNode(Role):
         super().__init__(fmt, **kw)  # type: ignore[arg-type]
         self.faults(loss, 0.0, seed)
         self.sml = SMLSwitch()
+        self.sml.threads = min(2, os.cpu_count() or 1)  # the lane sums in two halves at once (issue 28, pass 6)
         self.routes: Dict[int, List[Addr]] = {}  # job -> worker addresses, worker-id order
         self.job_packets: Dict[int, int] = {}
         self.removed: Dict[int, int] = {}  # job -> slots freed at teardown

@@ -3,6 +3,12 @@ from atp_pipeline.ina.live import nodes as N, role as R, frames as F
 from atp_pipeline.ina import switchml as S
 if "GATHER_S" in os.environ:  # pass 6: the switch role's gather deadline (0: decide every drain, as before)
     N.GATHER_S = float(os.environ["GATHER_S"])
+if "SML_THREADS" in os.environ:  # pass 6: threads summing the lanes (1: one, as before)
+    i0 = N.SMLSwitchNode.__init__
+    def init(self, *a, **kw):
+        i0(self, *a, **kw)
+        self.sml.threads = int(os.environ["SML_THREADS"])
+    N.SMLSwitchNode.__init__ = init
 acc = {}
 sizes = {}
 b0 = S.SMLSwitch.batch
