@@ -209,7 +209,16 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     models = {m: spearman([r["predicted_s"] for r in rows if r["model"] == m],
                           [r["measured_s"] for r in rows if r["model"] == m])
               for m in sorted({r["model"] for r in rows}) if sum(r["model"] == m for r in rows) > 1}
+    speeds = [r["host_speed"] for r in rows if r.get("host_speed")]
+    speed = ({g: [min(x[g] for x in speeds), max(x[g] for x in speeds)] for g in ("compute", "overhead")}
+             if speeds else None)  # the reference probe's ratio (now / at calibration) the predictions were priced at
+    flat = [rel_error(r["predicted_at_calibration_speed_s"], r["measured_s"]) for r in rows
+            if r.get("predicted_at_calibration_speed_s")]
     return {"points": len(rows), "median_rel_error": statistics.median(errs), "worst_rel_error": max(errs),
+            "host_speed": speed,
+            # the same points predicted at the calibration's own host speed (no re-timing), for comparison
+            "at_calibration_speed": {"median_rel_error": statistics.median(flat), "worst_rel_error": max(flat)}
+            if flat and speeds else None,
             "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
             "spearman_per_model": models,
             "best_agrees": f"{sum(g['agree'] for g in groups.values())} of {len(groups)}",
@@ -410,6 +419,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--retime", choices=("group", "once", "off"), default="group",
+                   help="time the calibration's reference probe again before each launch (group), once before the "
+                        "grid (once), or never (off), and price the predictions at that host speed")
     p.add_argument("--allow-in-sample", action="store_true",
                    help="measure points the calibration ran (flagged, reported apart) instead of refusing")
     p.add_argument("--rows", default=None,
@@ -430,12 +442,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
     from atp_pipeline.planning.compute_profile import profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml
+    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime
     from atp_pipeline.run.hostload import wait_quiet
 
     try:
         topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
-        profile = profile_of(topo)
+        profile = calibrated = profile_of(topo)  # the calibration's own prices (at its host speed)
         worlds = [int(w) for w in args.worlds.split(",") if w]
         if any(w < 1 or w > topo.world_size for w in worlds):
             raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
@@ -473,11 +485,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     rows: List[Dict[str, Any]] = []
     foreign_load: List[Dict[str, Any]] = []
+    speeds: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
     load_start = _loadavg()
+    speed = None
     for model, shape, spec, w, points in plan:
         if not points:
             continue
+        if calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
+            # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
+            # never this grid's models, meshes or batches) timed again, the predictions priced at it
+            wait_quiet(30.0)
+            speed = retime(calibrated, args.conf)
+            profile = calibrated.at_speed(speed)
+            speeds.append({"before": f"{shape.name} / {w} proc.", **speed.to_dict()})
+            print(f"  {speed.describe()}", flush=True)
         emu = emu_full.restrict(w) if emu_full is not None else None
         sub = topo.restrict(w)
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
@@ -493,6 +515,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
             est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)  # what stage=plan says
+            # beside it, the same prediction at the calibration's own host speed (not re-timed)
+            flat = est if profile is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
+                                                                    calibrated, emulated)
             key = json.dumps([d1, d2, c, e])
             meas = statistics.median(times[key])
             inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
@@ -506,9 +531,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
+                         "host_speed": speed.to_dict() if speed is not None else None,
+                         "predicted_at_calibration_speed_s": flat.step_s,
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
-    meta = {"topology": topo.name, "calibration": calibration, "profile_terms": profile.describe(),
+    retimed = (f"--retime {args.retime}: the calibration's reference probe timed again "
+               + ("before each launch" if args.retime == "group" else "before the grid")
+               + ", every prediction priced at the host speed it gave (rows: host_speed)"
+               if speeds else "not re-timed: predicted at the calibration's host speed"
+               + ("" if calibrated.reference else " (the calibration has no reference probe)"))
+    meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
+            "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds},
             "contention": {str(k): v for k, v in sorted(profile.contention.items())},
             "probes": sorted({p.name for p in profile.probes}),
             "load_average": {"start": load_start, "end": _loadavg()},

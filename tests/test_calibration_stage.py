@@ -31,10 +31,18 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     prof = cp.ComputeProfile.from_config(__import__("yaml").safe_load(path.read_text())["device"]["compute"])
     assert prof.processes == 2 and set(prof.contention) == {1, 2} and prof.framework is not None
     assert {p.name for p in prof.probes} == {"probe_gpt_s"} and prof.date
-    plan = plan_from_config(compose_cfg(*two, "model=tiny"))
+    from atp_pipeline.run.calibrate_compute import REFERENCE, REFERENCE_STEP, reference_label
+
+    assert {g: sorted(v) for g, v in prof.reference.items()} == {  # the host's speed at calibration
+        "compute": sorted(map(reference_label, REFERENCE["compute"])),
+        "overhead": sorted([*map(reference_label, REFERENCE["overhead"]), f"step {REFERENCE_STEP} 2x1/c1"])}
+    plan = plan_from_config(compose_cfg(*two, "model=tiny"))  # re-times the reference probe (stage=plan's default)
     assert plan.objective.value == "step" and all(c.step is not None for c in plan.candidates)
-    assert plan.profile.name == prof.name
+    assert plan.profile.name == prof.name and plan.profile.speed is not None
     assert any(f"calibration {path} (sha256 {row['sha256']}" in n for n in plan.notes)
+    assert any(plan.profile.speed.describe() in n for n in plan.notes)
+    cached = json.loads((tmp_path / "local_speed.json").read_text())
+    assert cached["sha256"] == row["sha256"] and cached["compute"] == plan.profile.speed.compute
     other = plan_from_config(compose_cfg("topology=local", f"calibration.dir={tmp_path}", "model=tiny"))
     assert other.objective.value == "comm"  # 4 processes: the file is for 2
     assert any("is for levels (('process', 2),)" in n and "not used" in n for n in other.notes)

@@ -601,3 +601,71 @@ def test_bounded_least_squares_is_the_constrained_optimum():
         bounded_lstsq(A, y, [0.0])
 
 
+
+
+def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_now(tmp_path):
+    """Run 10 (issue 27): the profile records its reference probe's times; timed again, the ratio
+    per group (geometric mean) scales the kernel prices (compute) and the per-call prices
+    (overhead: framework, collectives' backend CPU, sync extra), ratios unchanged; profile_of
+    applies a topology's ``device.host_speed``; the plan's notes say it. A profile without a
+    reference is used at its calibration's speed, flagged; a re-timed profile is never written."""
+    from types import SimpleNamespace
+
+    from atp_pipeline.planning.alphabeta_fit import write_topology
+    from atp_pipeline.run.calibration import file_digest, with_calibration
+
+    recorded = {"compute": {"a": 1e-3, "b": 2e-3}, "overhead": {"c": 1e-4, "d": 4e-4}}
+    now = {"compute": {"a": 1.2e-3, "b": 2.4e-3, "new": 1.0}, "overhead": {"c": 1.5e-4, "d": 6e-4}}
+    speed = cp.host_speed(recorded, now, "2026-11-27T11:00:00Z")
+    assert (speed.compute, speed.overhead) == pytest.approx((1.2, 1.5))
+    ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
+    prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, points={(kn.GEMM, (8, 8, 8)): 50e-6},
+                             processes=4, cores=2, kernel_time="cpu", peak_flops=6e9,
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9), sync=cp.SyncFit(150e-6, 0.125, 0.75),
+                             collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
+                             contention={1: 0.5, 4: 1.0}, reference=recorded)
+    fast = prof.at_speed(speed)
+    gemm, big = kn.Kernel(kn.GEMM, (8, 8, 8)), kn.Kernel(kn.NORM_FWD, (4096,))
+    assert fast.seconds(gemm) == pytest.approx(60e-6) and fast.seconds(big) == pytest.approx(120e-6)
+    assert fast.peak_flops == pytest.approx(5e9) and fast.contention == prof.contention
+    assert dataclasses.astuple(fast.framework) == pytest.approx((45e-6, 0.25, 600e-6, 3e-9))
+    assert (fast.sync.alpha_s, fast.sync.per_compute, fast.sync.hidden) == pytest.approx((225e-6, 0.125, 0.75))
+    assert fast.collective_cpu.call_seconds(4, 1000.0) == pytest.approx(300e-6 + 1.5e-6)
+    assert fast.step_kernel_seconds(gemm) == pytest.approx(60e-6 * 1.25 + 45e-6)
+    # both ratios 2: a rank's compute, its CPU and its collectives' CPU exactly twice; the alpha-beta not
+    four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                                 "alpha_beta": ab})
+    base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+    twice = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))
+    assert twice.compute_s == pytest.approx(2 * base.compute_s) and twice.cpu_s == pytest.approx(2 * base.cpu_s)
+    assert "host speed re-timed now: the reference probe ran x2.000 (kernels) and x2.000" in twice.calibration
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
+    assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in recorded.items()}
+    with pytest.raises(ConfigError, match="is re-timed .*write the calibration's own profile"):
+        fast.to_config()
+    with pytest.raises(ConfigError, match="already at a re-timed speed"):
+        fast.at_speed(speed)
+    with pytest.raises(ConfigError, match=r"^reference probe: no 'overhead' timing both at calibration and now"):
+        cp.host_speed(recorded, {"compute": now["compute"]})
+    # stage=plan's path: the file's probe re-timed (here: a re-timing of this file's SHA-256 a moment ago)
+    path = tmp_path / "t.yaml"
+    write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                    "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
+    (tmp_path / "t_speed.json").write_text(json.dumps({"sha256": file_digest(path), "epoch": __import__("time").time(),
+                                                       "compute": 1.2, "overhead": 1.5, "measured": "just now"}))
+    bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
+    topo = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
+    assert topo.device["host_speed"] == {"compute": 1.2, "overhead": 1.5, "measured": "just now"}
+    got = cp.profile_of(topo)
+    assert got.seconds(gemm) == pytest.approx(60e-6) and got.seconds(big) == pytest.approx(120e-6)
+    assert dataclasses.astuple(got.framework) == pytest.approx(dataclasses.astuple(fast.framework))
+    assert "the reference probe ran x1.200 (kernels) and x1.500 (per-call work)" in topo.note and "reused" in topo.note
+    off = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
+    assert "host_speed" not in off.device and "calibration.retime=false" in off.note
+    old = {**prof.to_config()}
+    del old["reference"]
+    write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                    "alpha_beta": ab, "device": {"name": "cpu", "compute": old}}, path)
+    was = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
+    assert "host_speed" not in was.device and cp.profile_of(was).speed is None
+    assert "has no reference probe (calibrated before it was recorded): predicted at the calibration's host speed" in was.note

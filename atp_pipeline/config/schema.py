@@ -360,8 +360,13 @@ class CalibrationConfig:
 
     dir: str = "outputs/calibration/profiles"
     use: bool = True
-    passes: int = 3  # interleaved timed passes per measurement (median)
+    passes: int = 5  # interleaved timed passes per measurement (median; 3 until run 10)
     quick: bool = False  # a coarse sweep, one probe (a smoke run: tests)
+    # price predictions at the host's speed now: the calibration's reference probe timed again
+    # (~10 s), reused for ``retime_s`` seconds (``<dir>/<topology>_speed.json``); false: at the
+    # calibration's speed (the plan's notes say which)
+    retime: bool = True
+    retime_s: float = 300.0
 
 
 @dataclass

@@ -5,7 +5,7 @@ read from a topology's ``device.compute`` or derived from its spec."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.errors import ConfigError
@@ -137,6 +137,46 @@ def shape_key(shape: ModelShape) -> str:
             f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
 
 
+REFERENCE_GROUPS = ("compute", "overhead")
+
+
+@dataclass(frozen=True)
+class HostSpeed:
+    """How fast the host runs now against when it was calibrated: the *reference probe* (a
+    fixed synthetic set of the calibration's own kernel runners and one probe model's
+    collective-free step, :data:`atp_pipeline.run.calibrate_compute.REFERENCE`) timed again,
+    over its times recorded at calibration (:attr:`ComputeProfile.reference`). ``compute``: the
+    geometric mean of the ratio over the rate-bound kernels (GEMMs, norms, elementwise over
+    64 K elements); ``overhead``: over the per-call-bound ones (tiny kernels, the probe step of
+    a small model). :meth:`ComputeProfile.at_speed` scales the profile's kernel prices by the
+    first and its per-kernel, per-collective and backend CPU prices by the second."""
+
+    compute: float
+    overhead: float
+    measured: str = ""  # when the probe was timed again (UTC)
+
+    def describe(self) -> str:
+        return (f"host speed re-timed {self.measured or '?'}: the reference probe ran x{self.compute:.3f} "
+                f"(kernels) and x{self.overhead:.3f} (per-call work) its time at calibration")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"compute": self.compute, "overhead": self.overhead, "measured": self.measured}
+
+
+def host_speed(recorded: Mapping[str, Mapping[str, float]], now: Mapping[str, Mapping[str, float]],
+               measured: str = "") -> HostSpeed:
+    """The reference probe's ratio now over at calibration, per group of :data:`REFERENCE_GROUPS`:
+    the geometric mean of ``now[g][label] / recorded[g][label]`` over the labels both have."""
+    ratios = []
+    for g in REFERENCE_GROUPS:
+        common = sorted(set(recorded.get(g) or {}) & set(now.get(g) or {}))
+        if not common:
+            raise ConfigError(f"reference probe: no '{g}' timing both at calibration and now "
+                              f"(calibrate again: python train.py stage=calibrate)")
+        ratios.append(math.exp(sum(math.log(now[g][k] / recorded[g][k]) for k in common) / len(common)))
+    return HostSpeed(ratios[0], ratios[1], measured)
+
+
 KERNEL_TIMES = ("cpu", "wall")
 
 
@@ -157,7 +197,7 @@ def _factor(measured: Mapping[int, float], processes: int) -> float:
             return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
     raise AssertionError("unreachable")
 PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time", "comm_contention",
-                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points"})
+                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points", "reference"})
 
 
 @dataclass(frozen=True)
@@ -191,6 +231,32 @@ class ComputeProfile:
     # the collectives' own factor with ``P`` processes on the host (pairs' all-reduce; absent:
     # the kernels' ``contention``)
     comm_contention: Mapping[int, float] = field(default_factory=dict)
+    # the reference probe's times at calibration: group (REFERENCE_GROUPS) -> label -> a rank's
+    # CPU seconds per call (absent in profiles calibrated before run 10)
+    reference: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # set by :meth:`at_speed`: the prices are this calibration's scaled to the host's speed now
+    speed: Optional[HostSpeed] = None
+
+    def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
+        """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
+        every kernel price (measured points, fits; the peak throughput inversely) x ``speed.compute``;
+        the framework's per-kernel and per-collective prices, the collectives' backend CPU and the
+        sync term's per-collective extra x ``speed.overhead``. Ratios (contention factors, the
+        framework's ``kernel_factor``, the overlap's hidden share) and the topology's α-β stay."""
+        if self.speed is not None:
+            raise ConfigError(f"compute profile '{self.name}' is already at a re-timed speed ({self.speed.describe()})")
+        c, o = speed.compute, speed.overhead
+        fits = {k: KindFit(f.alpha_s * c, f.per_unit_s * c, f.per_tensor_s * c) for k, f in self.fits.items()}
+        fw = self.framework
+        if fw is not None:
+            fw = Framework(fw.per_kernel_s * o, fw.kernel_factor, fw.per_collective_s * o, fw.per_collective_byte_s * o)
+        sync = None if self.sync is None else SyncFit(self.sync.alpha_s * o, self.sync.per_compute, self.sync.hidden)
+        cc = self.collective_cpu
+        if cc is not None:
+            cc = CollectiveCPU(dict(cc.busy), {k: v * o for k, v in cc.per_call.items()},
+                               {k: v * o for k, v in cc.per_byte.items()})
+        return replace(self, fits=fits, points={k: t * c for k, t in self.points.items()},
+                       peak_flops=self.peak_flops / c, framework=fw, sync=sync, collective_cpu=cc, speed=speed)
 
     def __post_init__(self) -> None:
         if self.kernel_time not in KERNEL_TIMES:
@@ -280,6 +346,8 @@ class ComputeProfile:
         """Which calibrations a prediction uses, in one line."""
         parts = [f"kernels '{self.name}'" + (f" ({self.date})" if self.date else "")
                  + (" at a rank's CPU time" if self.kernel_time == "cpu" else "")]
+        if self.speed is not None:
+            parts.append(self.speed.describe())
         fw = self.framework
         if fw is not None:
             parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
@@ -419,6 +487,12 @@ class ComputeProfile:
             comm_contention = {int(p): float(c) for p, c in dict(data.get("comm_contention") or {}).items()}
             if any(p < 2 or not (c > 0 and math.isfinite(c)) for p, c in comm_contention.items()):
                 raise ConfigError(f"{where}.comm_contention: processes >= 2 -> finite factor > 0, got {comm_contention}")
+            reference = {str(g): {str(k): float(v) * 1e-6 for k, v in dict(vals or {}).items()}
+                         for g, vals in dict(data.get("reference") or {}).items()}
+            if any(g not in REFERENCE_GROUPS for g in reference) or not all(
+                    v > 0 and math.isfinite(v) for vals in reference.values() for v in vals.values()):
+                raise ConfigError(f"{where}.reference: group ({', '.join(REFERENCE_GROUPS)}) -> label -> "
+                                  f"microseconds > 0, got {sorted(reference)}")
             probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
                                  int(p["batch"]), int(p["seq_len"])) for p in data.get("probes") or [])
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
@@ -426,13 +500,17 @@ class ComputeProfile:
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
                        contention=contention, date=str(data.get("date", "")), probes=probes,
                        cores=int(data.get("cores", 0)), collective_cpu=collective_cpu,
-                       kernel_time=str(data.get("kernel_time", "wall")), comm_contention=comm_contention)
+                       kernel_time=str(data.get("kernel_time", "wall")), comm_contention=comm_contention,
+                       reference=reference)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"{where}: not a compute profile ({type(exc).__name__}: {exc})") from None
 
     def to_config(self) -> Dict[str, Any]:
+        if self.speed is not None:  # its prices are not the calibration's: it would be read back re-timed twice
+            raise ConfigError(f"compute profile '{self.name}' is re-timed ({self.speed.describe()}): "
+                              f"write the calibration's own profile")
         g = lambda x: float(f"{x:.6g}")  # noqa: E731
         fw = self.framework
         return {"name": self.name, "source": self.source, **({"date": self.date} if self.date else {}),
@@ -463,6 +541,8 @@ class ComputeProfile:
                        if self.collective_cpu.per_byte else {})}}
                    if self.collective_cpu is not None else {}),
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
+                **({"reference": {grp: {k: g(v * 1e6) for k, v in sorted(vals.items())}
+                                  for grp, vals in self.reference.items()}} if self.reference else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 
     @classmethod
@@ -492,5 +572,9 @@ def profile_of(topo: Topology) -> Optional[ComputeProfile]:
     """The topology's compute profile: its calibrated ``device.compute``, else its spec."""
     compute = topo.device.get("compute")
     if compute:
-        return ComputeProfile.from_config(compute, f"topology '{topo.name}': device.compute")
+        prof = ComputeProfile.from_config(compute, f"topology '{topo.name}': device.compute")
+        speed = topo.device.get("host_speed")  # the reference probe re-timed (run.calibration.with_calibration)
+        if speed:
+            prof = prof.at_speed(HostSpeed(float(speed["compute"]), float(speed["overhead"]), str(speed.get("measured", ""))))
+        return prof
     return ComputeProfile.from_spec(topo.device)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import math
 import platform
 import statistics
 import sys
@@ -97,6 +98,13 @@ PROBES: Dict[str, Tuple[str, ...]] = {
     "probe_gpt2": ("model=gpt2_tiny", "model.hf.hidden_size=48", "model.hf.num_attention_heads=4",
                    "model.hf.num_hidden_layers=1", "model.seq_len=48", "model.batch_size=6"),
 }
+# Two of them again at 8x the batch: the same kernels (n) and collective calls (m), 8x the work of
+# each (K). With the batch-6 steps alone, K and n rose together from probe to probe, so the
+# framework's kernel_factor f and per-kernel o traded against each other: two calibrations taken
+# back to back fitted 57 us + 101 % and 113 us - 10 % (docs/step_validation/diagnosis/e9.md), and
+# predicted the same validation rows 0.72-1.15x apart.
+PROBES["probe_gpt_s_b48"] = (*PROBES["probe_gpt_s"][:-1], "model.batch_size=48")
+PROBES["probe_llama_b48"] = (*PROBES["probe_llama"][:-1], "model.batch_size=48")
 
 
 # ------------------------------------------------------------------------ what is measured
@@ -741,6 +749,57 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                           kernel_time=kernel_time, comm_contention=dict(comm_contention or {}))
 
 
+# ------------------------------------------------------------------------ the host's speed now
+# The reference probe: a fixed synthetic set of the calibration's own measurements, timed in a
+# launch of its own at calibration (recorded in the profile, ``reference``) and again wherever a
+# prediction is made (``stage=plan``, the step validation), so a prediction is priced at the host's
+# speed now (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`). Never a model, batch or
+# sequence length a user plans: kernels at sweep shapes and the smallest probe model's step.
+REFERENCE: Dict[str, Tuple[Kernel, ...]] = {
+    "compute": (Kernel(GEMM, (512, 256, 256)), Kernel(GEMM, (2048, 64, 256)), Kernel(NORM_FWD, (65536,)),
+                Kernel(NORM_BWD, (65536,)), Kernel(POINTWISE, (65536,))),  # rate-bound
+    "overhead": (Kernel(GEMM, (32, 16, 16)), Kernel(POINTWISE, (1024,)), Kernel(NORM_FWD, (1024,))),  # per call
+}
+REFERENCE_STEP = "probe_gpt_s"  # its collective-free step on (world, 1), chunks 1: the framework's per-kernel work
+REFERENCE_PASSES, REFERENCE_BATCH_MS = 9, 20.0
+
+
+def reference_label(k: Kernel) -> str:
+    return f"{k.kind} {'x'.join(str(d) for d in k.dims)}"
+
+
+def reference_probe(world: int, conf: Path = CONF, passes: int = REFERENCE_PASSES,
+                    batch_ms: float = REFERENCE_BATCH_MS) -> Dict[str, Dict[str, float]]:
+    """Time the reference probe on ``world`` processes at once, as the calibration times its
+    kernels (:func:`measure_all`: the same runners, one thread per process, a rank's CPU per
+    call, median over interleaved passes, passes under other jobs' load measured again):
+    group -> label -> seconds. Its own launch, at calibration and wherever it is timed again."""
+    built = compose_models(probe_entries([REFERENCE_STEP]), conf)
+    kernels = [k for ks in REFERENCE.values() for k in ks]
+    plan: Plan = (0, world, 1, 1)
+    _, timed, _ = measure_all(kernels, world, passes, batch_ms, plans=[plan], models=[built[0][1]])
+    out: Dict[str, Dict[str, float]] = {g: {} for g in REFERENCE}
+    i = 0
+    for g, ks in REFERENCE.items():
+        for k in ks:
+            out[g][reference_label(k)] = max(timed[i].cpu, 1e-9)
+            i += 1
+    out["overhead"][f"step {REFERENCE_STEP} {world}x1/c1"] = max(timed[i].cpu, 1e-9)
+    return out
+
+
+def retime(profile: ComputeProfile, conf: Path = CONF) -> Any:
+    """The host's speed now against the calibration's (:class:`HostSpeed`): the reference probe
+    timed again on the calibration's process count; None for a profile without a reference
+    (calibrated before it had one: predicted at its calibration's speed, and said so)."""
+    from atp_pipeline.planning.compute_profile import host_speed
+
+    if not profile.reference:
+        return None
+    now = reference_probe(profile.processes, conf)
+    return host_speed(profile.reference, now, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+
 # ------------------------------------------------------------------------ the command
 def load_topology_yaml(ref: str, conf: Path) -> Tuple[Dict[str, Any], Path]:
     """A topology config by path or name (``<conf>/topology``, then ``outputs/conf/topology``)."""
@@ -849,6 +908,10 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         try:
             if not run.quick:
                 wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
+            ref_timing = (1, 2.0) if run.quick else (REFERENCE_PASSES, REFERENCE_BATCH_MS)
+            before = reference_probe(run.world, conf, *ref_timing)
+            if progress is not None:
+                progress("reference probe (before, after)", 1, 2)
             got, timed, foreign = measure_all(kernels, run.world, run.passes, run.batch_ms, plans=plans,
                                               models=[spec for _, spec in built], patterns=patterns,
                                               progress=str(tick), live=live)
@@ -873,6 +936,14 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns[:nsync],
                            got[nk + npl:nk + npl + nsync], contention, list(run.probes) if run.framework else (),
                            collective_cpu, kernel_time="cpu", comm_contention=comm_contention)
+    # the host's speed at calibration: the reference probe before and after the measurements (the host's
+    # speed moves by 10-30 % within a minute, docs/step_validation/diagnosis/e9.md), their geometric mean;
+    # timed again wherever a prediction is made
+    after = reference_probe(run.world, conf, *ref_timing)
+    if progress is not None:
+        progress("reference probe (before, after)", 2, 2)
+    reference = {g: {k: math.sqrt(v * after[g][k]) for k, v in before[g].items()} for g in before}
+    profile = dataclasses.replace(profile, reference=reference)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
         errs = probe_step_errors(profile, topo, shapes, live, [t.wall for t in timed[nk + npl + npa:]])

@@ -82,8 +82,47 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
     note = (f"calibration {path} (sha256 {file_digest(path)}, measured {compute.get('date', '?')}): "
             f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
     device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
+    speed, said = host_speed_now(path, compute, getattr(calibration, "retime", False),
+                                 float(getattr(calibration, "retime_s", 0.0)))
+    if speed is not None:
+        device["host_speed"] = speed.to_dict()  # profile_of prices the calibration at it
     return dataclasses.replace(topo, levels=found.levels, alpha_beta=found.alpha_beta, device=device,
-                               note="; ".join(x for x in (topo.note, note) if x))
+                               note="; ".join(x for x in (topo.note, note, said) if x))
+
+
+def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float) -> Tuple[Any, str]:
+    """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`:
+    its reference probe timed again, :func:`atp_pipeline.run.calibrate_compute.retime`), and the
+    plan's note on it. A re-timing of the same file (SHA-256) younger than ``max_age_s`` seconds is
+    reused (``<topology>_speed.json`` beside it). None where the profile has no reference probe (a
+    calibration older than it: priced at its calibration's speed, flagged) or ``retime`` is off."""
+    import json
+
+    from atp_pipeline.planning.compute_profile import ComputeProfile, HostSpeed
+
+    if not compute.get("reference"):
+        return None, ("the calibration has no reference probe (calibrated before it was recorded): "
+                      "predicted at the calibration's host speed, not re-timed")
+    if not retime:
+        return None, "calibration.retime=false: predicted at the calibration's host speed"
+    digest = file_digest(path)
+    cache = path.with_name(f"{path.stem}_speed.json")
+    try:
+        got = json.loads(cache.read_text())
+        if got["sha256"] == digest and 0 <= time.time() - float(got["epoch"]) <= max_age_s:
+            speed = HostSpeed(float(got["compute"]), float(got["overhead"]), str(got["measured"]))
+            return speed, f"{speed.describe()} ({cache}, reused for calibration.retime_s={max_age_s:g} s)"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from atp_pipeline.run.calibrate_compute import retime as _retime
+
+    print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
+    speed = _retime(ComputeProfile.from_config(compute, f"{path}: device.compute"))
+    try:
+        cache.write_text(json.dumps({"sha256": digest, "epoch": time.time(), **speed.to_dict()}) + "\n")
+    except OSError:
+        pass
+    return speed, speed.describe()
 
 
 class _Bar:
