@@ -471,9 +471,12 @@ SUM_BLOCK = 1 << 17  # register values the switch sums per block (512 KiB of int
 SUM_CALLS = 16  # (above 4x this many calls per job: one pass per call, no blocks)
 SUM_SPLIT_MIN = 1 << 18  # register values from which a switch with threads > 1 sums two halves at once
 #: batches of at least this many packets try the array form (SMLSwitch._batch_arrays; a numpy call costs
-#: microseconds here: measured in one process on this host, the array form saved 30% of the switch's CPU
-#: with 1,712-packet batches and cost 10% more with 428-packet ones than the per-packet loop)
-ARRAY_MIN = 1024
+#: microseconds here). Pass 4 measured 1,024 (-30% of the switch's CPU with 1,712-packet batches, +10% with
+#: 428); pass 6, after the array form's per-packet Python for shared lanes went (one process, small's
+#: gradient, one worker's packets a batch as the live role drains them, 2 x 40 syncs): 428-packet batches
+#: (2,048 values a packet) 4.3-4.5 ms a sync in array form against 5.9-7.6 in the loop, 292-packet ones
+#: (3,000) 7.0 against 5.8, 214 (4,096) 6.9-7.0 against 3.9-5.0, 107 (8,192) 3.0-3.1 against 1.9-2.2
+ARRAY_MIN = 400
 #: the array form reads a job's registers whole when its partition (2 x pool slot-versions) is at most this
 #: many times the batch (else only the slot-versions the batch touches)
 WHOLE_STATE = 8

@@ -178,8 +178,12 @@ class SwitchNode(Role):
 
 
 #: how long the SwitchML switch role waits, from its first drained datagram, for the other workers of a
-#: job before it decides a batch (:meth:`SMLSwitchNode.gather`; issue 28, pass 6)
-GATHER_S = 0.002
+#: job before it decides a batch (:meth:`SMLSwitchNode.gather`; issue 28, pass 6). 0: it takes what is
+#: queued by then and does not wait — waiting up to 2 ms cut the batches from ~6 to ~2.5 a sync but made
+#: small's sync slower (harness, 2,048 values a packet: 28-33 ms against 20-22 ms for the tree before,
+#: docs/ina_live/pass6/profile/ab_gather.txt): the decisions and sums then all wait for the last worker
+#: instead of overlapping the others' quantization
+GATHER_S = 0.0
 
 
 class SMLSwitchNode(Role):
