@@ -422,6 +422,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--retime", choices=("group", "once", "off"), default="group",
                    help="time the calibration's reference probe again before each launch (group), once before the "
                         "grid (once), or never (off), and price the predictions at that host speed")
+    p.add_argument("--quiet-wait", type=float, default=30.0,
+                   help="seconds to wait before each launch for other jobs' load to fall below "
+                        "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
     p.add_argument("--allow-in-sample", action="store_true",
                    help="measure points the calibration ran (flagged, reported apart) instead of refusing")
     p.add_argument("--rows", default=None,
@@ -459,8 +462,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
         built = compose_models(entries, args.conf)
         emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
-        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0:
-            raise ConfigError("step_validation: --steps, --repeats >= 1, --warmup >= 0, --slowdown > 0")
+        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0 or args.quiet_wait < 0:
+            raise ConfigError("step_validation: --steps, --repeats >= 1, --warmup >= 0, --slowdown > 0, "
+                              "--quiet-wait >= 0")
         plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
         refused: List[str] = []
         for (label, _), (shape, spec), in zip(entries, built):
@@ -495,7 +499,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it
-            wait_quiet(30.0)
+            if args.quiet_wait:
+                wait_quiet(args.quiet_wait)
             speed = retime(calibrated, args.conf)
             profile = calibrated.at_speed(speed)
             speeds.append({"before": f"{shape.name} / {w} proc.", **speed.to_dict()})
@@ -505,7 +510,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
-        wait_quiet(30.0)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
+        if args.quiet_wait:  # other jobs' load: wait a while for a quiet host (rounds are checked too)
+            wait_quiet(args.quiet_wait)
         ranks = spawn(_worker, w, spec, timeout=3600)
         got = ranks[0]
         times, waits = got["times"], got["waits"]
