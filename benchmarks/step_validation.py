@@ -462,7 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
         built = compose_models(entries, args.conf)
         emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
-        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0 or args.quiet_wait < 0:
+        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0 or not args.quiet_wait >= 0:
             raise ConfigError("step_validation: --steps, --repeats >= 1, --warmup >= 0, --slowdown > 0, "
                               "--quiet-wait >= 0")
         plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
