@@ -7,6 +7,8 @@ every step of the launch (warm-up included, all points pooled):
 * ``work``: from leaving the first barrier to entering the second (the step itself);
 * ``barrier``: inside the closing barrier (waiting for the slowest rank + the barrier's own cost);
 * ``cpu``: the rank's process CPU (all threads) over the step, barriers included;
+* ``cpu_main``: the main thread's own time on a CPU (``schedstat``'s 1st field) over the step: the rest of
+  ``cpu`` is the other threads' (gloo's, the intra-op pool's);
 * ``run_delay``: time the rank's threads sat runnable but not running (``/proc/<pid>/task/*/schedstat``,
   2nd field), main thread and all threads, over the same interval.
 
@@ -29,19 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def _delays() -> List[int]:
-    """[main thread's run delay, all threads' run delay] in ns."""
-    main = all_ = 0
+    """[main thread's run delay, all threads' run delay, main thread's time on a CPU] in ns."""
+    main = all_ = on = 0
     me = os.getpid()
     for t in os.listdir(f"/proc/{me}/task"):
         try:
             with open(f"/proc/{me}/task/{t}/schedstat") as f:
-                d = int(f.read().split()[1])
+                v = f.read().split()
+                d = int(v[1])
         except (OSError, ValueError, IndexError):
             continue
         all_ += d
         if int(t) == me:
-            main = d
-    return [main, all_]
+            main, on = d, int(v[0])
+    return [main, all_, on]
 
 
 def instrumented(rank: int, world: int, spec: Dict[str, Any]) -> Any:
@@ -70,11 +73,20 @@ def instrumented(rank: int, world: int, spec: Dict[str, Any]) -> Any:
         if 0 < work < 5.0:
             steps.append({"work": work, "barrier": b[3] - b[0], "cpu": b[4] - a[4],
                           "delay_main": (b[5][0] - a[5][0]) * 1e-9, "delay_all": (b[5][1] - a[5][1]) * 1e-9,
+                          "cpu_main": (b[5][2] - a[5][2]) * 1e-9,
                           "wall": b[3] - a[3]})
             i += 2
         else:
             i += 1
-    return {"got": got, "steps": steps}
+    threads: Dict[str, float] = {}  # thread name -> its CPU seconds over the whole launch (setup included)
+    me = os.getpid()
+    for t in os.listdir(f"/proc/{me}/task"):
+        try:
+            name = open(f"/proc/{me}/task/{t}/comm").read().strip() + (" (main)" if int(t) == me else "")
+            threads[name] = threads.get(name, 0.0) + int(open(f"/proc/{me}/task/{t}/schedstat").read().split()[0]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            continue
+    return {"got": got, "steps": steps, "threads": threads}
 
 
 def main() -> int:
@@ -90,9 +102,10 @@ def main() -> int:
                                "batch": spec["batch"], "seq_len": spec["seq_len"], "ranks": []}
         for r, got in enumerate(ranks):
             st = got["steps"]
-            tot = {k: sum(s[k] for s in st) for k in ("wall", "work", "barrier", "cpu", "delay_main", "delay_all")}
+            tot = {k: sum(s[k] for s in st) for k in ("wall", "work", "barrier", "cpu", "cpu_main", "delay_main", "delay_all")}
             row["ranks"].append({"rank": r, "steps": len(st), **{k: round(v / tot["wall"], 4) for k, v in tot.items()},
-                                 "wall_ms_per_step": round(1e3 * tot["wall"] / max(1, len(st)), 3)})
+                                 "wall_ms_per_step": round(1e3 * tot["wall"] / max(1, len(st)), 3),
+                                 "thread_cpu_s": {k: round(v, 3) for k, v in sorted(got["threads"].items(), key=lambda kv: -kv[1])}})
             print(f"  rank {r}: {len(st)} steps, {row['ranks'][-1]}", flush=True)
         out.append(row)
         return [g["got"] for g in ranks]
