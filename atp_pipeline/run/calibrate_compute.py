@@ -659,37 +659,6 @@ def fit_collective_cpu_loops(patterns: Sequence[Pattern], timed: Sequence[Timed]
     return CollectiveCPU({}, per_call, per_byte)
 
 
-def fit_collective_cpu(skip: Sequence[Timed], live: Sequence[Timed],
-                       calls: Optional[Sequence[Mapping[int, int]]] = None) -> Optional[CollectiveCPU]:
-    """From the probes' steps with and without their collectives (``live[i]`` and ``skip[i]``
-    the same plan): the CPU a step's collectives add on a rank, ``live.cpu - skip.cpu``, is
-    ``Σ busy[size] · waited[size]`` over the group sizes the rank waited in, plus, with
-    ``calls`` (each plan's collective calls by group size), ``Σ calls[size] · c[size]`` (the
-    backend's CPU per call); non-negative least
-    squares (each plan's row over its live CPU, so short and long steps count alike), shares
-    clipped to [0, 1]. None without waits (a world of one process)."""
-    sizes = sorted({s for t in live for s, w in t.waits.items() if w > 0})
-    call_sizes = sorted({s for m in calls for s in m}) if calls is not None else []
-    rows, ys = [], []
-    for i, (sk, lv) in enumerate(zip(skip, live)):
-        total = sum(lv.waits.get(s, 0.0) for s in sizes)
-        if total <= 0:
-            continue
-        row = [lv.waits.get(s, 0.0) for s in sizes]
-        if calls is not None:
-            row += [float(calls[i].get(s, 0)) for s in call_sizes]
-        rows.append([x / lv.cpu for x in row])
-        ys.append((lv.cpu - sk.cpu) / lv.cpu)
-    if not rows:
-        return None
-    x = nnls(np.array(rows), np.array(ys))
-    busy = {s: float(min(1.0, v)) for s, v in zip(sizes, x)}
-    if calls is None:
-        return CollectiveCPU(busy)
-    n = len(sizes)
-    return CollectiveCPU(busy, {s: float(v) for s, v in zip(call_sizes, x[n:])})
-
-
 def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
                       measured: Sequence[float]) -> List[float]:
     """The step model's relative error on the probes' own forward and backward with their
@@ -712,7 +681,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                  comm_contention: Optional[Mapping[int, float]] = None) -> ComputeProfile:
     """The profile of a calibration's measurements: kernel points and per-kind fits, the
     framework cost fitted over the probe plans, the sync fit over the loops, the contention
-    factors, the collectives' CPU (:func:`fit_collective_cpu`), and the probes it ran
+    factors, the collectives' CPU (:func:`fit_collective_cpu_loops`), and the probes it ran
     (``probe_names`` name ``shapes``). ``kernel_time``: what ``seconds`` and ``plan_seconds``
     are — ``"cpu"``, a rank's CPU per call (``process_time``; :attr:`Timed.cpu`), or ``"wall"``
     (the loops' ``pattern_seconds`` are wall times either way)."""
