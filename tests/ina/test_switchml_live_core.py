@@ -343,3 +343,42 @@ def select_readable(sock) -> bool:
     import select
 
     return bool(select.select([sock], [], [], 5.0)[0])
+
+
+_TRACKER_SCRIPT = '''
+import multiprocessing as mp
+from atp_pipeline.ina.live.shm import attach, create_lanes, lanes_of, release
+
+def child(name):
+    seg = attach(name)
+    a = lanes_of(seg, 2, 4)
+    a[0, 0, 0] += 1
+    del a
+    release(seg, unlink=False)
+
+if __name__ == "__main__":
+    own, lanes = create_lanes(2, 4)
+    ctx = mp.get_context("spawn")  # children share this process's resource tracker
+    ps = [ctx.Process(target=child, args=(own.name,)) for _ in range(3)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    assert lanes[0, 0, 0] == 3, lanes[0, 0, 0]
+    del lanes
+    release(own, unlink=True)
+'''
+
+
+def test_attached_segments_leave_the_resource_tracker_alone(tmp_path):
+    """Processes sharing one resource tracker attach and drop one segment, its owner unlinks it: no
+    ``KeyError`` traceback from ``resource_tracker.py``, no leak warning (issue 28, pass 7: every
+    live run printed them — the ranks attach the switch's registers)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "attach.py"
+    script.write_text(_TRACKER_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "leaked" not in r.stderr, r.stderr

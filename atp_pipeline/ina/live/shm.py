@@ -20,15 +20,21 @@ allocated per packet and freed by parameter packets that may be lost: a lane a p
 pointed to could be gone when a retransmission needs it).
 
 Segments are POSIX shared memory (``/dev/shm``), created by their owner, which unlinks them
-at teardown; a process that only attaches one never unlinks it (its resource-tracker
-registration is dropped: Python < 3.13 registers attached segments too).
+at teardown; a process that only attaches one never unlinks it. Each segment is known to one
+resource tracker exactly once: its owner's (registered at creation, unregistered by the
+unlink). An attaching process never registers it (:func:`attach`): Python < 3.13 registers
+attached segments too, and processes started from one parent share one tracker, so the ranks
+attaching the switch's registers and dropping them again made the tracker unregister a name
+twice — a ``KeyError`` traceback from ``resource_tracker.py`` on every run (issue 28, pass 7).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -39,14 +45,27 @@ def create_lanes(pool: int, k: int) -> Tuple[SharedMemory, np.ndarray]:
     return shm, np.ndarray((2, pool, k), dtype=np.int32, buffer=shm.buf)
 
 
+_ATTACH = threading.Lock()  # (attach's registration filter is process-wide while it is in place)
+
+
 def attach(name: str) -> SharedMemory:
-    """Map the segment ``name`` created by another process (never unlinked from here)."""
-    shm = SharedMemory(name=name)
-    try:  # Python < 3.13 registers attached segments with the resource tracker, which would
-        resource_tracker.unregister(shm._name, "shared_memory")  # unlink them at our exit
-    except (AttributeError, KeyError, ValueError):
-        pass
-    return shm
+    """Map the segment ``name`` created by another process, without registering it with this
+    process's resource tracker (module docstring): never unlinked from here, not even at exit."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    register = resource_tracker.register
+    want = name if name.startswith("/") else "/" + name  # (the name the tracker would be given)
+
+    def skip_ours(n: Any, rtype: str) -> None:
+        if not (rtype == "shared_memory" and n == want):
+            register(n, rtype)
+
+    with _ATTACH:  # Python < 3.13: SharedMemory(name=...) registers; this one call does not
+        resource_tracker.register = skip_ours
+        try:
+            return SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
 
 
 def lanes_of(shm: SharedMemory, pool: int, k: int) -> np.ndarray:
