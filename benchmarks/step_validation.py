@@ -177,7 +177,8 @@ def in_sample(profile: Any, shape: Any, mesh: Tuple[int, int], world: int) -> st
     for p in profile.probes:
         if p.key == key:
             return f"model calibrated (probe {p.name})"
-        if p.mesh == mesh and p.batch == shape.batch_size and p.seq_len == shape.seq_len and world == profile.processes:
+        if (p.mesh == mesh and p.batch == shape.batch_size and p.seq_len == shape.seq_len
+                and world == (p.processes or profile.processes)):
             return f"mesh {mesh[0]}x{mesh[1]} with batch {p.batch} and sequence {p.seq_len} calibrated (probe {p.name})"
     return ""
 
@@ -302,7 +303,7 @@ def prediction_fields(est: Any, measured: float) -> Dict[str, Any]:
             "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
             "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
             "predicted_timeline_s": est.timeline_s, "predicted_rank_cpu_s": est.cpu_s,
-            "predicted_host_bound": est.host_bound}
+            "predicted_host_bound": est.host_bound, "predicted_residual_s": est.residual_s}
 
 
 def calibration_field(calibration: Dict[str, Any], est: Any) -> str:

@@ -4,6 +4,7 @@ validation refuses points the calibration ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -65,6 +66,10 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
     assert sv.in_sample(prof, tiny, (1, 4), 4) == "model calibrated (probe p_tiny)"
     assert sv.in_sample(prof, other, (2, 2), 4).startswith("mesh 2x2 with batch 8 and sequence 64 calibrated")
     assert sv.in_sample(prof, other, (2, 2), 2) == "" and sv.in_sample(prof, other, (4, 1), 4) == ""
+    two = dataclasses.replace(prof, probes=(*probes, cp.Probe("p_b", "x", (2, 1), 8, 64, processes=2)))  # step residual's
+    assert sv.in_sample(two, other, (2, 1), 2).startswith("mesh 2x1 with batch 8 and sequence 64 calibrated")
+    assert sv.in_sample(two, other, (2, 1), 4) == ""
+    assert cp.ComputeProfile.from_config(two.to_config()).probes == two.probes
     cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
            "device": {"name": "cpu", "compute": prof.to_config()}}
     write_topology(cfg, tmp_path / "cal4.yaml")

@@ -111,6 +111,40 @@ def _by_size(values: Mapping[int, float], size: int) -> float:
 
 
 @dataclass(frozen=True)
+class StepResidual:
+    """What a whole step takes beyond the terms' sum, as a factor per process count ``P``:
+    ``factor[P]`` = the median over the probe models' own training steps (forward, backward,
+    optimizer, each between barriers as the validation times a step; their collectives run) of
+    measured / predicted from the rest of this profile. The step is ``timeline × factor`` (or
+    the host-bound CPU × factor): what no term has — the closing barrier (waiting for the slowest
+    rank), the main thread runnable but not running, gloo's threads beyond the pure loops' price
+    (docs/step-time.md, diagnosis e13: on 2 processes 2-6 % and 3-4 % of a step, shares of the
+    step whatever its size; the grids' measured / predicted did not fall with the step's size,
+    so a factor rather than seconds per step). Only probe models (never a model, batch or sequence
+    length the validation runs) enter it. At a process count not calibrated, the nearest
+    calibrated count's factor (ties: the larger count's)."""
+
+    factor: Mapping[int, float]
+    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each factor is the median of
+
+    def at(self, processes: int) -> float:
+        if not self.factor:
+            return 1.0
+        return self.factor[min(self.factor, key=lambda p: (abs(p - processes), -p))]
+
+    def describe(self, processes: Optional[int] = None) -> str:
+        counts = ", ".join(f"x{f:.3f} at {p} processes" + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
+                           for p, f in sorted(self.factor.items()))
+        at = "" if processes is None or processes in self.factor else \
+            f"; {processes} processes not calibrated: x{self.at(processes):.3f}, the nearest count's"
+        return f"step residual {counts} (the probes' own steps, measured / predicted){at}"
+
+
+NO_RESIDUAL_NOTE = ("no step residual (a calibration from before it: the step is the terms' sum, without the "
+                    "barriers' and run queue's share; calibrate again: python train.py stage=calibrate)")
+
+
+@dataclass(frozen=True)
 class Probe:
     """A model the calibration ran whole (forward and backward): its shape's identity
     (:meth:`~atp_pipeline.planning.shape.ModelShape` fields, :func:`shape_key`), mesh, local
@@ -122,10 +156,11 @@ class Probe:
     mesh: Mesh
     batch: int
     seq_len: int
+    processes: int = 0  # the process count it ran on (0: the profile's ``processes``)
 
     def to_config(self) -> Dict[str, Any]:
         return {"name": self.name, "key": self.key, "mesh": list(self.mesh), "batch": self.batch,
-                "seq_len": self.seq_len}
+                "seq_len": self.seq_len, **({"processes": self.processes} if self.processes else {})}
 
 
 def shape_key(shape: ModelShape) -> str:
@@ -197,7 +232,8 @@ def _factor(measured: Mapping[int, float], processes: int) -> float:
             return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
     raise AssertionError("unreachable")
 PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time", "comm_contention",
-                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points", "reference"})
+                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points", "reference",
+                          "step_residual"})
 
 
 @dataclass(frozen=True)
@@ -236,6 +272,13 @@ class ComputeProfile:
     reference: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # set by :meth:`at_speed`: the prices are this calibration's scaled to the host's speed now
     speed: Optional[HostSpeed] = None
+    # the step beyond the terms' sum per process count (:class:`StepResidual`; absent in profiles
+    # calibrated before run 12: factor 1, and :meth:`describe` says so)
+    step_residual: Optional[StepResidual] = None
+
+    def residual_factor(self, processes: int) -> float:
+        """The factor of the terms' step at ``processes`` (:class:`StepResidual`; 1 without one)."""
+        return 1.0 if self.step_residual is None else self.step_residual.at(processes)
 
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
         """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
@@ -367,6 +410,10 @@ class ComputeProfile:
                     + (f" + {cc.per_byte[k] * 1e9:.3f} ns/B" if k in cc.per_byte else "") + f" ({k} ranks)"
                     for k in sorted(set(cc.per_call) | set(cc.per_byte)))) if cc.per_call or cc.per_byte else "")
                 if x) or "collectives' backend CPU 0")
+        if self.step_residual is not None:
+            parts.append(self.step_residual.describe(processes))
+        elif self.kernel_time == "cpu":  # a stage=calibrate profile from before the term
+            parts.append(NO_RESIDUAL_NOTE)
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})"
@@ -494,14 +541,25 @@ class ComputeProfile:
                 raise ConfigError(f"{where}.reference: group ({', '.join(REFERENCE_GROUPS)}) -> label -> "
                                   f"microseconds > 0, got {sorted(reference)}")
             probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
-                                 int(p["batch"]), int(p["seq_len"])) for p in data.get("probes") or [])
+                                 int(p["batch"]), int(p["seq_len"]), int(p.get("processes", 0)))
+                           for p in data.get("probes") or [])
+            step_residual = None
+            if data.get("step_residual"):
+                rd = data["step_residual"]
+                extra = sorted(set(rd) - {"factor", "probe_steps"})
+                if extra:
+                    raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
+                factor = {int(k): float(v) for k, v in dict(rd.get("factor") or {}).items()}
+                if not factor or not all(k >= 1 and v > 0 and math.isfinite(v) for k, v in factor.items()):
+                    raise ConfigError(f"{where}.step_residual.factor: processes >= 1 -> finite factor > 0, got {factor}")
+                step_residual = StepResidual(factor, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()})
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
                        contention=contention, date=str(data.get("date", "")), probes=probes,
                        cores=int(data.get("cores", 0)), collective_cpu=collective_cpu,
                        kernel_time=str(data.get("kernel_time", "wall")), comm_contention=comm_contention,
-                       reference=reference)
+                       reference=reference, step_residual=step_residual)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -543,6 +601,10 @@ class ComputeProfile:
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 **({"reference": {grp: {k: g(v * 1e6) for k, v in sorted(vals.items())}
                                   for grp, vals in self.reference.items()}} if self.reference else {}),
+                **({"step_residual": {"factor": {int(p): g(f) for p, f in sorted(self.step_residual.factor.items())},
+                                      **({"probe_steps": {int(p): int(n) for p, n in sorted(self.step_residual.steps.items())}}
+                                         if self.step_residual.steps else {})}}
+                   if self.step_residual is not None else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
 
     @classmethod

@@ -139,6 +139,7 @@ class MeshPlan:
                 "predicted_step_s": None if st is None else st.step_s,
                 "predicted_compute_s": None if st is None else st.compute_s,
                 "predicted_exposed_comm_s": None if st is None else st.exposed_comm_s,
+                "predicted_residual_s": None if st is None else st.residual_s,
                 "predicted_tokens_per_s": None if st is None else st.tokens_per_s,
                 "predicted_mfu": None if st is None else st.mfu,
                 "compute_profile": None if self.profile is None else self.profile.name}
@@ -218,6 +219,8 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
                       f"{plan.setting.chunks}, §4.2 backward overlap)"
                       + (f" + gradient sync {fmt_seconds(st.gradsync_s)} ({plan.setting.aggregation}, "
                          f"dp={plan.setting.dp})" if st.gradsync_s else "")
+                      + (f" + step residual {fmt_seconds(st.residual_s)} (the calibration's probe steps: barriers, "
+                         f"run queue)" if st.residual_s else "")
                       + f"; {st.tokens_per_s:,.0f} tokens/s"
                       + ("" if st.mfu is None else f", MFU {st.mfu:.1%}")
                       + (f"; bound by the host: every rank's CPU ({fmt_seconds(st.cpu_s)} each) over its "

@@ -71,7 +71,10 @@ program on a timeline and adds it up.
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
 clock, a wait moves it to the collective's end; on an oversubscribed host the step is the
 larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then at
-the shared speed). ``exposed = step - compute`` is the communication the user pays;
+the shared speed). Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
+what the probe models' own steps took beyond the terms' sum at the calibration, a factor per
+process count) scales that step; ``residual_s`` is the difference.
+``exposed = step - compute - residual`` is the communication the user pays;
 ``total_comm`` is what Eq. 2-style sums would charge.
 Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
 over step time × devices × the profile's peak) follow.
@@ -262,7 +265,7 @@ class StepSetting:
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Predicted step of one candidate: ``step_s = compute_s + exposed_comm_s + gradsync_s``."""
+    """Predicted step of one candidate: ``step_s = compute_s + exposed_comm_s + gradsync_s + residual_s``."""
 
     step_s: float
     compute_s: float
@@ -280,6 +283,7 @@ class StepEstimate:
     cpu_s: float = 0.0  # one rank's CPU in the step (its compute and its collectives' CPU)
     host_bound: bool = False  # the step is every rank's CPU over the host's cores (more processes than cores)
     timeline_s: float = 0.0  # the rank's own timeline (compute at a core's speed, the exposed collectives)
+    residual_s: float = 0.0  # of step_s: the step beyond the terms' sum (the profile's StepResidual)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
@@ -287,7 +291,7 @@ class StepEstimate:
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "profile": self.profile,
                 "comm_source": self.comm_source, "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
                 "sync_s": self.sync_s, "calibration": self.calibration, "cpu_s": self.cpu_s,
-                "host_bound": self.host_bound, "timeline_s": self.timeline_s}
+                "host_bound": self.host_bound, "timeline_s": self.timeline_s, "residual_s": self.residual_s}
 
 
 def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSetting,
@@ -316,9 +320,12 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
         cores_s = cpu * host
         if cores_s > path:
             path, compute, host_bound = cores_s, tl.compute * host, True
-    step = path + gradsync_s
+    # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
+    # own steps measured it at the calibration (StepResidual; 1 without one)
+    residual = path * (profile.residual_factor(processes) - 1.0)
+    step = path + residual + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
-    return StepEstimate(step, compute, step - compute - gradsync_s, tl.comm_total, gradsync_s,
+    return StepEstimate(step, compute, step - compute - gradsync_s - residual, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(processes), cpu, host_bound, tl.now)
+                        tl.sync, profile.describe(processes), cpu, host_bound, tl.now, residual)

@@ -28,6 +28,10 @@ sequence lengths the calibration never ran):
 * **contention** — the slowdown of CPU work with 1, 2, …, ``world`` processes on the host
   against ``world`` (:func:`measure_contention`): a run with fewer processes than the
   calibration's is predicted from the same profile.
+* **step residual** — the probes' whole training steps (collectives run, the optimizer, a
+  closing barrier, as the validation times a step) on ``world`` and on 2 processes, against
+  the step the rest of the profile predicts for them: the median measured / predicted per
+  process count (:class:`StepResidual`), what the terms' sum misses of a step.
 
 **Concurrency and load.** Training runs ``world`` processes on this host at once, every rank
 running the same kernel at the same time; so everything is timed that way: ``--world``
@@ -66,8 +70,8 @@ import numpy as np
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
-from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, Framework, KindFit, Probe, SyncFit,
-                                                   shape_key)
+from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, Framework, KindFit, Probe,
+                                                   StepResidual, SyncFit, shape_key)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
                                            Kernel)
 from atp_pipeline.planning.step_program import all_items, build_program
@@ -299,11 +303,16 @@ def _plan_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
 
 
 def _live_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any:
-    """:func:`_plan_runner`'s forward and backward with its collectives run; the callable's
-    ``comm`` counts the time the rank waits in them (:class:`CollectiveCPU` is fitted from
-    its CPU beside the collective-free run's)."""
+    """A probe's whole training step as the validation times one: :func:`_plan_runner`'s forward
+    and backward with its collectives run, the optimizer step (training's AdamW), then a barrier
+    (the step's end: every rank waits for the slowest, as between two steps timed by
+    ``benchmarks.step_validation``). What :class:`StepResidual` is fitted from; the callable's
+    ``comm`` counts the time the rank waits in collectives."""
     import copy
 
+    import torch.distributed as dist
+
+    from atp_pipeline.lightning.module import adamw
     from atp_pipeline.models.adapter import get_adapter
     from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.apply import apply_plan
@@ -315,10 +324,13 @@ def _live_runner(plan: Plan, models: Sequence[Dict[str, Any]], rank: int) -> Any
     mesh = _mesh(d1, d2)
     model = copy.deepcopy(dense)
     apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
+    opt = adamw(model.parameters(), lr=1e-6)
 
     def step() -> None:
         adapter.lm_loss(model, idx, tgt).backward()
-        model.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
     step.comm = comm_for(mesh)  # type: ignore[attr-defined]
     return step
 
@@ -659,18 +671,42 @@ def fit_collective_cpu_loops(patterns: Sequence[Pattern], timed: Sequence[Timed]
     return CollectiveCPU({}, per_call, per_byte)
 
 
-def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
-                      measured: Sequence[float]) -> List[float]:
-    """The step model's relative error on the probes' own forward and backward with their
-    collectives (in sample: a check of the calibration, not a validation), optimizer left out."""
+def probe_step_predictions(profile: ComputeProfile, topo: Any, shapes: Sequence[Any],
+                           plans: Sequence[Plan]) -> List[float]:
+    """The step model's prediction of each probe's whole training step (:func:`_live_runner`) on
+    its mesh's process count (``topo`` restricted to it, as the validation predicts)."""
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
 
-    out = []
-    for (mi, d1, d2, c), t in zip(plans, measured):
-        est = estimate_step(topo, shapes[mi], (d1, d2), StepSetting(chunks=c), profile)
-        pred = est.step_s - est.optimizer_s * (profile.host_factor(d1 * d2) if est.host_bound else 1.0)
-        out.append(abs(pred - t) / t)
-    return out
+    return [estimate_step(topo.restrict(d1 * d2), shapes[mi], (d1, d2), StepSetting(chunks=c), profile).step_s
+            for mi, d1, d2, c in plans]
+
+
+def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
+                      measured: Sequence[float]) -> List[float]:
+    """The step model's relative error on the probes' own training steps with their collectives
+    (in sample: a check of the calibration, not a validation)."""
+    return [abs(p - t) / t for p, t in zip(probe_step_predictions(profile, topo, shapes, plans), measured)]
+
+
+def fit_step_residual(predicted: Sequence[float], measured: Sequence[float],
+                      processes: Sequence[int]) -> Optional[StepResidual]:
+    """:class:`StepResidual`: per process count, the median of measured / predicted over the probes'
+    own training steps at that count (the median: one probe step disturbed by another job does not
+    move it). None without a step measured."""
+    by: Dict[int, List[float]] = {}
+    for p, t, n in zip(predicted, measured, processes):
+        if p > 0 and t > 0:
+            by.setdefault(int(n), []).append(t / p)
+    if not by:
+        return None
+    return StepResidual({n: float(statistics.median(r)) for n, r in sorted(by.items())},
+                        {n: len(r) for n, r in sorted(by.items())})
+
+
+def residual_counts(world: int) -> List[int]:
+    """The process counts the probes' whole steps are timed at for :class:`StepResidual`: the
+    calibration's ``world`` and 2 (the smallest run with collectives)."""
+    return sorted({world, 2}) if world >= 2 else []
 
 
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
@@ -894,6 +930,16 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         contention, comm_contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
         if progress is not None:
             progress("contention", 1, 1)
+    # the probes' whole steps on the other process counts of the step residual (their own launch each;
+    # a quick calibration: the world's only)
+    live_wall = [t.wall for t in timed[len(kernels) + len(plans) + len(patterns):]]
+    live_at = [run.world] * len(live)
+    for count in ([] if run.quick or not live else [c for c in residual_counts(run.world) if c != run.world]):
+        extra = plan_points(shapes, count, run.chunks)
+        _, timed_c, _ = measure_all([], count, run.passes, run.batch_ms, models=[spec for _, spec in built], live=extra)
+        live, live_wall, live_at = [*live, *extra], [*live_wall, *(t.wall for t in timed_c)], [*live_at, *[count] * len(extra)]
+        if progress is not None:
+            progress(f"probe steps on {count} processes", 1, 1)
     nk, npl, npa = len(kernels), len(plans), len(patterns)
     # the collectives' backend CPU per call and byte, from the pure collective loops (no rank waits
     # for another's compute there; the probes' live steps stay the in-sample check below)
@@ -915,10 +961,26 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     profile = dataclasses.replace(profile, reference=reference)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
-        errs = probe_step_errors(profile, topo, shapes, live, [t.wall for t in timed[nk + npl + npa:]])
-        load += (f"; the probes' own steps with collectives (in sample) predicted with median error "
-                 f"{statistics.median(errs):.1%}, worst {max(errs):.1%}")
+        # the step residual: the probes' whole steps against this profile's prediction of them (an
+        # end-to-end check of the terms, and what they miss of a step, fitted from probes only)
+        predicted = probe_step_predictions(profile, topo, shapes, live)
+        residual = fit_step_residual(predicted, live_wall, live_at)
+        extra_probes = tuple(Probe(names_of(run, shapes)[mi], shape_key(shapes[mi]),
+                                   (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len, d1 * d2)
+                             for (mi, d1, d2, _), n in zip(live, live_at) if n != run.world)
+        profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
+        errs = probe_step_errors(profile, topo, shapes, live, live_wall)
+        raw = [abs(p - t) / t for p, t in zip(predicted, live_wall)]
+        load += (f"; the probes' own training steps (collectives, optimizer, a closing barrier; in sample) measured "
+                 f"{'/'.join(f'x{f:.3f} ({n} processes)' for n, f in sorted(residual.factor.items()))} the terms' sum "
+                 f"(median error {statistics.median(raw):.1%}, worst {max(raw):.1%}): the step residual; with it "
+                 f"median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
     return dataclasses.replace(profile, source=profile.source + load)
+
+
+def names_of(run: ComputeRun, shapes: Sequence[Any]) -> List[str]:
+    """The probe names of a calibration's ``shapes`` (:data:`PROBES` keys, in the run's order)."""
+    return list(run.probes) if run.framework else [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -988,9 +1050,9 @@ def print_profile(profile: ComputeProfile) -> None:
     if profile.comm_contention:
         print("  collectives' contention: " + ", ".join(f"{p} processes x{c:.2f}"
                                                        for p, c in sorted(profile.comm_contention.items())))
-    check = profile.source.partition("; the probes' own steps")[2]
+    check = profile.source.partition("; the probes' own ")[2]
     if check:
-        print(f"  the probes' own steps{check}")
+        print(f"  the probes' own {check}")
 
 
 if __name__ == "__main__":
