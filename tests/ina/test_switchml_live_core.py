@@ -382,3 +382,52 @@ def test_attached_segments_leave_the_resource_tracker_alone(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "leaked" not in r.stderr, r.stderr
+
+
+def test_blocking_all_reduce_runs_inline_only_when_nothing_is_queued():
+    """``Engine.all_reduce`` runs the sync in the caller's thread when nothing is queued (issue 28,
+    pass 7: two thread wake-ups a sync fewer); behind queued requests it waits its turn — requests
+    run one at a time, in order — and a failed job stays failed on either path."""
+    import queue
+    import threading
+    import time
+
+    import torch
+
+    from atp_pipeline.ina.live.engine import Engine, EngineConfig
+
+    class Recorder(Engine):
+        def __init__(self) -> None:  # the request machinery alone: no sockets, no protocol
+            self.cfg, self.error, self.ran = EngineConfig(), None, []
+            self._q, self._mu, self._busy, self._pending = queue.Queue(), threading.Lock(), threading.Lock(), 0
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+        def _sync(self, tensor: torch.Tensor) -> None:
+            if tensor[0] < 0:
+                raise RuntimeError("rank failed")
+            time.sleep(0.02)
+            self.ran.append((float(tensor[0]), threading.get_ident() == main))
+            tensor += 1
+
+    main = threading.get_ident()
+    e = Recorder()
+    try:
+        assert float(e.all_reduce(torch.zeros(1))[0]) == 1.0 and e.ran == [(0.0, True)]  # inline
+        fut = e.all_reduce_async(torch.full((1,), 10.0))
+        assert float(e.all_reduce(torch.full((1,), 20.0))[0]) == 21.0  # behind the queued one
+        assert float(fut.wait()[0]) == 11.0
+        assert e.ran[1:] == [(10.0, False), (20.0, False)]
+        try:
+            e.all_reduce(torch.full((1,), -1.0))
+            raise AssertionError("no error")
+        except RuntimeError as err:
+            assert "rank failed" in str(err)
+        try:
+            e.all_reduce_async(torch.zeros(1)).wait()
+            raise AssertionError("no error")
+        except RuntimeError as err:
+            assert "rank failed" in str(err)
+    finally:
+        e._q.put(None)
+        e._thread.join(timeout=5)
