@@ -431,3 +431,31 @@ def test_blocking_all_reduce_runs_inline_only_when_nothing_is_queued():
     finally:
         e._q.put(None)
         e._thread.join(timeout=5)
+
+
+def test_spin_drain_returns_what_arrives_and_gives_up_in_time():
+    """A receiver with cores to spare busy-polls before blocking (issue 28, pass 7): ``spin_drain``
+    returns a datagram that arrives while it spins, [] once its time is up; hosts with fewer than two
+    cores per process of a sync never spin."""
+    import socket
+    import threading
+    import time
+
+    from atp_pipeline.ina.live import frames
+    from atp_pipeline.ina.live.role import udp_socket
+
+    rx, tx = udp_socket(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        frames.poller_for(rx)  # (non-blocking)
+        t0 = time.perf_counter()
+        assert frames.spin_drain(rx, 0.005) == [] and time.perf_counter() - t0 >= 0.005
+        threading.Timer(0.005, tx.sendto, (b"hdr", rx.getsockname())).start()
+        got = frames.spin_drain(rx, 2.0)
+        assert [b for b, _ in got] == [b"hdr"] and time.perf_counter() - t0 < 1.0
+    finally:
+        rx.close()
+        tx.close()
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert frames.spin_budget(cores // 2 + 1) == 0.0 and frames.spin_budget(max(1, cores // 2)) == frames.SPIN_S

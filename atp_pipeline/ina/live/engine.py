@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, datagrams, drain, keep_freed_memory, poller_for, wait_readable
+from atp_pipeline.ina.live.frames import (MAX_DATAGRAM, datagrams, drain, keep_freed_memory, poller_for, spin_budget,
+                                          spin_drain, wait_readable)
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.live.shm import lanes_of, release
 from atp_pipeline.ina.packet import PacketFormat
@@ -117,6 +118,9 @@ class Engine:
         #: requests queued and not finished (under ``_mu``); ``_busy`` is held while one runs, in the
         #: engine thread or inline in :meth:`all_reduce`'s caller: requests run one at a time, in order
         self._mu, self._busy, self._pending = threading.Lock(), threading.Lock(), 0
+        #: an inline sync (its caller waits anyway) busy-polls the socket this long before blocking,
+        #: where the host has cores to spare (:func:`~.frames.spin_budget`: the workers and the roles)
+        self._spin_s, self._inline = spin_budget(n_workers + racks + (racks > 1) + n_ps), False
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"atp-worker-{job}.{worker_id}", daemon=True)
         self._thread.start()
@@ -160,12 +164,14 @@ class Engine:
         try:
             if self.error is not None:  # a failed job stays failed
                 raise self.error
+            self._inline = True
             try:
                 self._sync(tensor)
             except BaseException as e:  # noqa: BLE001 - as the engine thread: the job is failed
                 self.error = e
                 raise
         finally:
+            self._inline = False
             self._busy.release()
         return tensor
 
@@ -311,7 +317,9 @@ class Engine:
             now = time.monotonic()
             d = w.next_deadline()
             wait = 0.05 if d is None else min(max(d - now, 0.0), 0.05)
-            got = drain(sock, 1 << 20) if wait_readable(poller, wait) else []
+            got = spin_drain(sock, min(wait, self._spin_s), 1 << 20) if self._inline and self._spin_s else []
+            if not got:
+                got = drain(sock, 1 << 20) if wait_readable(poller, wait) else []
             now = time.monotonic()
             if got:  # everything queued, answered in one batch
                 self._send(self._receive([buf for buf, _ in got], now))

@@ -17,8 +17,10 @@ arrived meanwhile are processed first and their answers leave batched (:class:`O
 from __future__ import annotations
 
 import ctypes
+import os
 import select
 import socket
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 Addr = Tuple[str, int]
@@ -41,6 +43,34 @@ def drain(sock: socket.socket, limit: int = DRAIN) -> List[Tuple[bytes, Addr]]:
         except OSError:  # e.g. ICMP unreachable reported on the socket: skip it
             continue
     return out
+
+
+#: how long a receiver with a core to itself busy-polls its socket before it blocks (:func:`spin_budget`)
+SPIN_S = 0.002
+
+
+def spin_budget(processes: int) -> float:
+    """Seconds a receiver may busy-poll its socket before blocking in ``poll`` (issue 28, pass 7):
+    :data:`SPIN_S` where this process may run on at least two cores per process taking part in a
+    sync (``processes``: workers and roles), else 0. A blocked receiver pays a wake-up per
+    datagram — on the critical path of every round trip —, and a spinning one takes a core:
+    on a host with fewer cores than that (the 2-core test host) it would take it from the
+    processes it waits for."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    return SPIN_S if cores >= 2 * processes else 0.0
+
+
+def spin_drain(sock: socket.socket, spin_s: float, limit: int = DRAIN) -> List[Tuple[bytes, Addr]]:
+    """:func:`drain` until something arrives or ``spin_s`` has passed (the non-blocking socket polled
+    without sleeping); [] when nothing came."""
+    end = time.perf_counter() + spin_s
+    while True:
+        got = drain(sock, limit)
+        if got or time.perf_counter() >= end:
+            return got
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

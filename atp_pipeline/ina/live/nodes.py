@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.shm import SharedLanes
@@ -327,6 +327,7 @@ class SMLSwitchNode(Role):
             seg = self.shm[job] = SharedLanes(shm, pool, self.fmt.payload_k)
             values, lanes = seg.registers, seg.lanes
         self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
+        self.spin_s = spin_budget(1 + sum(len(r) for r in self.routes.values()))  # (issue 28, pass 7)
         self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))),
                                           values=values, lanes=lanes)
         return job
@@ -340,6 +341,7 @@ class SMLSwitchNode(Role):
         """Teardown: the job's partition is freed. Returns 0: a static partition holds no
         per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
+        self.spin_s = spin_budget(1 + sum(len(r) for r in self.routes.values())) if self.routes else 0.0
         self.sml.drop(job)  # (lane work carried for slot-versions that never completed)
         js = self.sml.jobs.pop(job, None)
         seg = self.shm.pop(job, None)

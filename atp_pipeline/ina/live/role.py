@@ -17,7 +17,7 @@ import struct
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from atp_pipeline.ina.live.frames import Outbox, drain, keep_freed_memory, poller_for, wait_readable
+from atp_pipeline.ina.live.frames import Outbox, drain, keep_freed_memory, poller_for, spin_drain, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.packet import PacketFormat
 
@@ -91,12 +91,15 @@ class Role:
         poller = poller_for(sock)
         handle, lock, flush = self.handle_batch, self.lock, self.outbox.flush
         while not self.stop_event.is_set():
-            if not wait_readable(poller, 0.25):
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    break  # the process that started us is gone: never outlive it
-                continue
-            try:
-                got = self.gather(drain(sock))
+            try:  # (a role with cores to spare busy-polls a while first: :attr:`spin_s`)
+                got = spin_drain(sock, self.spin_s) if self.spin_s else []
+                if not got:
+                    if not wait_readable(poller, 0.25):
+                        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                            break  # the process that started us is gone: never outlive it
+                        continue
+                    got = drain(sock)
+                got = self.gather(got)
             except OSError:
                 break
             with lock:
@@ -154,6 +157,9 @@ class Role:
             self.send_errors += 1
 
     send_errors = 0
+    #: seconds the data-plane loop busy-polls the socket before blocking (0: never; a role whose
+    #: host has a core for every process of its jobs sets it, :func:`~.frames.spin_budget`)
+    spin_s = 0.0
     loss = duplicate = 0.0
     injected_loss = injected_dup = 0
 
