@@ -711,9 +711,9 @@ def _plan_train(c: DocCommand, text: str, plan: Plan, earlier: Sequence[DocComma
         stage = "plan"
         notes.append("planned (stage=plan): tests/test_calibration_stage.py runs stage=calibrate (quick, 2 processes) "
                      "and plans from what it wrote")
-        if "calibration.dir" in ov:  # a directory under $TMP that nothing wrote: the documented runs' directories
-            # plan alike, so they share one cheap form (run once)
-            text = set_override(text, "calibration.dir", f"{TMP}/outputs/calibration/documented")
+    if stage == "plan" and "calibration.dir" in ov and not errs:  # a directory under $TMP that nothing wrote: the
+        # documented runs' directories (stage=calibrate's and stage=plan's) plan alike, so they share one cheap form
+        text = set_override(text, "calibration.dir", f"{TMP}/outputs/calibration/documented")
     if stage == "fit" and not errs and not multirun and not _cpu_trainable(model):
         text = set_override(text, "stage", "plan")
         stage = "plan"
