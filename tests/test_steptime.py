@@ -383,55 +383,68 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
         cp.ComputeProfile.from_config({**prof.to_config(), "kernel_time": "gpu"})
 
 
-def test_the_step_residual_scales_the_terms_step_and_is_fitted_from_the_probes_own_steps():
-    """Run 12 (issue 27): the profile's StepResidual (the probes' own training steps, measured over
-    predicted, median per process count) scales the step the terms add up to, at the run's process
-    count (the nearest calibrated one's elsewhere); compute and exposed stay the terms', the
-    difference is ``residual_s``. A stage=calibrate profile without it is read as before, noted."""
+def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_from_the_probes_own_steps():
+    """Runs 12-13 (issue 27): the profile's StepResidual (fitted over the probes' own training steps
+    against their prediction, per process count) scales the compute and the exposed communication
+    the terms add up to, at the run's process count (the nearest calibrated one's elsewhere);
+    compute and exposed stay the terms', the difference is ``residual_s``. Run 12's one ``factor`` is
+    read as both; a stage=calibrate profile without a residual is read as before, noted."""
     import yaml
 
     from atp_pipeline.run import calibrate_compute as cal
 
     four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                                  "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
-    prof = cp.ComputeProfile("p", "test", _flat(500.0).fits, processes=4, cores=2, kernel_time="cpu",
+    prof = cp.ComputeProfile("p", "test", _flat(20.0).fits, processes=4, cores=2, kernel_time="cpu",
                              sync=cp.SyncFit(100e-6))
-    res = dataclasses.replace(prof, step_residual=cp.StepResidual({2: 1.25, 4: 1.5}, {2: 12, 4: 36}))
-    for topo, mesh, f in ((four, (2, 2), 1.5), (four.restrict(2), (2, 1), 1.25)):
+    res = dataclasses.replace(prof, step_residual=cp.StepResidual({2: 1.25, 4: 1.5}, {2: 0.75, 4: 1.125},
+                                                                  {2: 12, 4: 36}))
+    for topo, mesh, (fc, fe) in ((four, (2, 2), (1.5, 1.125)), (four.restrict(2), (2, 1), (1.25, 0.75))):
         base = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=2), prof)
         est = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=2), res)
-        assert est.step_s == pytest.approx(f * base.step_s) and est.residual_s == pytest.approx((f - 1) * base.step_s)
+        assert base.exposed_comm_s > 0 and base.residual_s == 0.0
+        assert est.step_s == pytest.approx(fc * base.compute_s + fe * base.exposed_comm_s)
+        assert est.residual_s == pytest.approx(est.step_s - base.step_s)
         assert (est.compute_s, est.exposed_comm_s, est.cpu_s, est.timeline_s) == pytest.approx(
             (base.compute_s, base.exposed_comm_s, base.cpu_s, base.timeline_s))
-        assert est.host_bound == base.host_bound and base.residual_s == 0.0
-        assert est.step_s == pytest.approx(est.compute_s + est.exposed_comm_s + est.residual_s)
+        assert est.host_bound == base.host_bound
         assert est.tokens_per_s == pytest.approx(GPT.tokens_per_step / est.step_s)
     assert est.to_dict()["residual_s"] == est.residual_s
-    assert [res.step_residual.at(n) for n in (1, 2, 3, 8)] == [1.25, 1.25, 1.5, 1.5]  # nearest count, ties: larger
-    assert ("step residual x1.250 at 2 processes (12 probe steps), x1.500 at 4 processes (36 probe steps)"
-            in est.calibration)
-    assert "3 processes not calibrated: x1.500" in res.describe(3)
+    sr = res.step_residual
+    assert [sr.at(n) for n in (1, 2, 3, 8)] == [(1.25, 0.75), (1.25, 0.75), (1.5, 1.125), (1.5, 1.125)]  # nearest, ties: larger
+    assert ("step residual compute x1.250, exposed x0.750 at 2 processes (12 probe steps), compute x1.500, "
+            "exposed x1.125 at 4 processes (36 probe steps)" in est.calibration)
+    assert "3 processes not calibrated: the nearest count's (x1.500, x1.125)" in res.describe(3)
     cfg = json.loads(json.dumps(res.to_config()))
-    assert cfg["step_residual"] == {"factor": {"2": 1.25, "4": 1.5}, "probe_steps": {"2": 12, "4": 36}}
-    assert cp.ComputeProfile.from_config(cfg).step_residual == res.step_residual
-    with pytest.raises(ConfigError, match=r"step_residual.factor: processes >= 1 -> finite factor > 0"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 0.0}}})
+    assert cfg["step_residual"] == {"compute": {"2": 1.25, "4": 1.5}, "exposed": {"2": 0.75, "4": 1.125},
+                                    "probe_steps": {"2": 12, "4": 36}}
+    assert cp.ComputeProfile.from_config(cfg).step_residual == sr
+    run12 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.354, 2: 1.339}}})
+    assert run12.step_residual.at(4) == (1.354, 1.354) and run12.step_residual.at(2) == (1.339, 1.339)
+    with pytest.raises(ConfigError, match=r"step_residual: compute and exposed: the same processes >= 1"):
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: 1.0}, "exposed": {2: 1.0}}})
+    with pytest.raises(ConfigError, match=r"step_residual: compute and exposed"):
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: float("nan")}}})
     with pytest.raises(ConfigError, match=r"step_residual: unknown key\(s\) offset"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.2}, "offset": 1}})
-    assert res.at_speed(cp.HostSpeed(2.0, 2.0)).step_residual == res.step_residual  # a ratio: host speed leaves it
+    assert res.at_speed(cp.HostSpeed(2.0, 2.0)).step_residual == sr  # ratios: the host's speed leaves them
     # a stage=calibrate profile from before the term (run 10's): read as before, the note says so
     root = Path(__file__).resolve().parents[1]
     old = cp.ComputeProfile.from_config(yaml.safe_load((root / "docs/step_validation/local_speed.yaml").read_text())
                                         ["device"]["compute"])
-    assert old.step_residual is None and old.residual_factor(4) == 1.0 and cp.NO_RESIDUAL_NOTE in old.describe(4)
+    assert old.step_residual is None and old.residual_factors(4) == (1.0, 1.0) and cp.NO_RESIDUAL_NOTE in old.describe(4)
     assert "step residual" not in _flat(1.0).describe()  # no note for a profile that is not a calibration's
-    # the fit recovers a planted residual per process count; one disturbed probe step does not move the median
-    predicted = [0.010, 0.020, 0.050, 0.030, 0.040, 0.080, 0.060]
+    # the fit recovers planted factors per process count (exactly: the probes' steps are T = a·C + b·E)
+    parts = [(0.010, 0.030), (0.020, 0.010), (0.050, 0.050), (0.030, 0.090), (0.040, 0.004), (0.080, 0.030),
+             (0.060, 0.020)]
     counts = [4, 4, 4, 4, 2, 2, 2]
-    measured = [p * {4: 1.3, 2: 1.2}[n] for p, n in zip(predicted, counts)]
-    measured[0] *= 2.0
-    fit = cal.fit_step_residual(predicted, measured, counts)
-    assert fit.factor == pytest.approx({2: 1.2, 4: 1.3}) and fit.steps == {2: 3, 4: 4}
+    planted = {4: (1.3, 0.8), 2: (1.2, 1.4)}
+    measured = [planted[n][0] * c + planted[n][1] * e for (c, e), n in zip(parts, counts)]
+    fit = cal.fit_step_residual(parts, measured, counts)
+    assert fit.compute == pytest.approx({2: 1.2, 4: 1.3}) and fit.exposed == pytest.approx({2: 1.4, 4: 0.8})
+    assert fit.steps == {2: 3, 4: 4}
+    two = cal.fit_step_residual(parts[:2], [0.05, 0.0375], [4, 4])  # too few steps to tell the parts apart: one factor
+    assert two.compute == two.exposed == pytest.approx({4: 1.25})
     assert cal.fit_step_residual([], [], []) is None and cal.residual_counts(4) == [2, 4] and cal.residual_counts(2) == [2]
 
 

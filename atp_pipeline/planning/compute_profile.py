@@ -112,32 +112,38 @@ def _by_size(values: Mapping[int, float], size: int) -> float:
 
 @dataclass(frozen=True)
 class StepResidual:
-    """What a whole step takes beyond the terms' sum, as a factor per process count ``P``:
-    ``factor[P]`` = the median over the probe models' own training steps (forward, backward,
-    optimizer, each between barriers as the validation times a step; their collectives run) of
-    measured / predicted from the rest of this profile. The step is ``timeline × factor`` (or
-    the host-bound CPU × factor): what no term has — the closing barrier (waiting for the slowest
-    rank), the main thread runnable but not running, gloo's threads beyond the pure loops' price
-    (docs/step-time.md, diagnosis e13: on 2 processes 2-6 % and 3-4 % of a step, shares of the
-    step whatever its size; the grids' measured / predicted did not fall with the step's size,
-    so a factor rather than seconds per step). Only probe models (never a model, batch or sequence
-    length the validation runs) enter it. At a process count not calibrated, the nearest
-    calibrated count's factor (ties: the larger count's)."""
+    """What a whole step takes beyond the terms' sum, per process count ``P``, as two factors: the
+    step is ``compute[P] × compute + exposed[P] × exposed`` (the terms' compute — on an oversubscribed
+    host the host-bound CPU — and their exposed communication, :class:`~atp_pipeline.planning.steptime.StepEstimate`).
+    Fitted (relative non-negative least squares) over the probe models' own training steps (forward,
+    backward, optimizer, each between barriers as the validation times a step; their collectives
+    run) against this profile's prediction of them: what no term has or what the terms misprice
+    alike for every model — the closing barrier and the run queue (docs/step-time.md, diagnosis e13:
+    on 2 processes 2-6 % and 3-4 % of a step, shares of the step whatever its size, so factors rather
+    than seconds per step), a rank's CPU the calibration's kernels price short, the exposed
+    collectives' time where a step makes many calls (e14: the probes' 1x4 chunks-2 steps predicted
+    longest, as the validation's). Only probe models (never a model, batch or sequence length the
+    validation runs) enter it. At a process count not calibrated, the nearest calibrated count's
+    factors (ties: the larger count's). A profile of run 12 carries one ``factor`` for both."""
 
-    factor: Mapping[int, float]
-    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each factor is the median of
+    compute: Mapping[int, float]
+    exposed: Mapping[int, float]
+    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each count's factors are fitted over
 
-    def at(self, processes: int) -> float:
-        if not self.factor:
-            return 1.0
-        return self.factor[min(self.factor, key=lambda p: (abs(p - processes), -p))]
+    def at(self, processes: int) -> Tuple[float, float]:
+        """``(compute, exposed)`` factors at ``processes``."""
+        if not self.compute:
+            return 1.0, 1.0
+        p = min(self.compute, key=lambda n: (abs(n - processes), -n))
+        return self.compute[p], self.exposed.get(p, self.compute[p])
 
     def describe(self, processes: Optional[int] = None) -> str:
-        counts = ", ".join(f"x{f:.3f} at {p} processes" + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
-                           for p, f in sorted(self.factor.items()))
-        at = "" if processes is None or processes in self.factor else \
-            f"; {processes} processes not calibrated: x{self.at(processes):.3f}, the nearest count's"
-        return f"step residual {counts} (the probes' own steps, measured / predicted){at}"
+        counts = ", ".join(f"compute x{c:.3f}, exposed x{self.exposed.get(p, c):.3f} at {p} processes"
+                           + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
+                           for p, c in sorted(self.compute.items()))
+        at = "" if processes is None or processes in self.compute else \
+            f"; {processes} processes not calibrated: the nearest count's (x{self.at(processes)[0]:.3f}, x{self.at(processes)[1]:.3f})"
+        return f"step residual {counts} (fitted over the probes' own steps){at}"
 
 
 NO_RESIDUAL_NOTE = ("no step residual (a calibration from before it: the step is the terms' sum, without the "
@@ -276,9 +282,10 @@ class ComputeProfile:
     # calibrated before run 12: factor 1, and :meth:`describe` says so)
     step_residual: Optional[StepResidual] = None
 
-    def residual_factor(self, processes: int) -> float:
-        """The factor of the terms' step at ``processes`` (:class:`StepResidual`; 1 without one)."""
-        return 1.0 if self.step_residual is None else self.step_residual.at(processes)
+    def residual_factors(self, processes: int) -> Tuple[float, float]:
+        """The ``(compute, exposed)`` factors of the terms' step at ``processes`` (:class:`StepResidual`;
+        1 and 1 without one)."""
+        return (1.0, 1.0) if self.step_residual is None else self.step_residual.at(processes)
 
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
         """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
@@ -546,13 +553,17 @@ class ComputeProfile:
             step_residual = None
             if data.get("step_residual"):
                 rd = data["step_residual"]
-                extra = sorted(set(rd) - {"factor", "probe_steps"})
+                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps"})
                 if extra:
                     raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
-                factor = {int(k): float(v) for k, v in dict(rd.get("factor") or {}).items()}
-                if not factor or not all(k >= 1 and v > 0 and math.isfinite(v) for k, v in factor.items()):
-                    raise ConfigError(f"{where}.step_residual.factor: processes >= 1 -> finite factor > 0, got {factor}")
-                step_residual = StepResidual(factor, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()})
+                one = {int(k): float(v) for k, v in dict(rd.get("factor") or {}).items()}  # run 12: one factor
+                comp = {int(k): float(v) for k, v in dict(rd.get("compute") or one).items()}
+                expo = {int(k): float(v) for k, v in dict(rd.get("exposed") or one).items()}
+                if not comp or set(comp) != set(expo) or not all(
+                        k >= 1 and v >= 0 and math.isfinite(v) for d in (comp, expo) for k, v in d.items()):
+                    raise ConfigError(f"{where}.step_residual: compute and exposed: the same processes >= 1 -> "
+                                      f"finite factor >= 0, got {comp}, {expo}")
+                step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()})
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
@@ -601,7 +612,8 @@ class ComputeProfile:
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 **({"reference": {grp: {k: g(v * 1e6) for k, v in sorted(vals.items())}
                                   for grp, vals in self.reference.items()}} if self.reference else {}),
-                **({"step_residual": {"factor": {int(p): g(f) for p, f in sorted(self.step_residual.factor.items())},
+                **({"step_residual": {"compute": {int(p): g(f) for p, f in sorted(self.step_residual.compute.items())},
+                                      "exposed": {int(p): g(f) for p, f in sorted(self.step_residual.exposed.items())},
                                       **({"probe_steps": {int(p): int(n) for p, n in sorted(self.step_residual.steps.items())}}
                                          if self.step_residual.steps else {})}}
                    if self.step_residual is not None else {}),

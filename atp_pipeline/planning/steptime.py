@@ -72,8 +72,9 @@ The step is simulated on one rank's timeline (:func:`simulate`): compute advance
 clock, a wait moves it to the collective's end; on an oversubscribed host the step is the
 larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then at
 the shared speed). Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
-what the probe models' own steps took beyond the terms' sum at the calibration, a factor per
-process count) scales that step; ``residual_s`` is the difference.
+what the probe models' own steps took beyond the terms' sum at the calibration, per process
+count a factor on the compute and one on the exposed communication) scales that step's two
+parts; ``residual_s`` is the difference.
 ``exposed = step - compute - residual`` is the communication the user pays;
 ``total_comm`` is what Eq. 2-style sums would charge.
 Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
@@ -321,8 +322,10 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
         if cores_s > path:
             path, compute, host_bound = cores_s, tl.compute * host, True
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
-    # own steps measured it at the calibration (StepResidual; 1 without one)
-    residual = path * (profile.residual_factor(processes) - 1.0)
+    # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
+    # exposed communication; 1 and 1 without one)
+    fc, fe = profile.residual_factors(processes)
+    residual = compute * (fc - 1.0) + (path - compute) * (fe - 1.0)
     step = path + residual + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None

@@ -30,8 +30,9 @@ sequence lengths the calibration never ran):
   calibration's is predicted from the same profile.
 * **step residual** — the probes' whole training steps (collectives run, the optimizer, a
   closing barrier, as the validation times a step) on ``world`` and on 2 processes, against
-  the step the rest of the profile predicts for them: the median measured / predicted per
-  process count (:class:`StepResidual`), what the terms' sum misses of a step.
+  the step the rest of the profile predicts for them: per process count a factor on the
+  predicted compute and one on the exposed communication (:class:`StepResidual`), what the
+  terms' sum misses of a step.
 
 **Concurrency and load.** Training runs ``world`` processes on this host at once, every rank
 running the same kernel at the same time; so everything is timed that way: ``--world``
@@ -672,12 +673,13 @@ def fit_collective_cpu_loops(patterns: Sequence[Pattern], timed: Sequence[Timed]
 
 
 def probe_step_predictions(profile: ComputeProfile, topo: Any, shapes: Sequence[Any],
-                           plans: Sequence[Plan]) -> List[float]:
-    """The step model's prediction of each probe's whole training step (:func:`_live_runner`) on
-    its mesh's process count (``topo`` restricted to it, as the validation predicts)."""
+                           plans: Sequence[Plan]) -> List[Any]:
+    """The step model's prediction (:class:`~atp_pipeline.planning.steptime.StepEstimate`) of each
+    probe's whole training step (:func:`_live_runner`) on its mesh's process count (``topo``
+    restricted to it, as the validation predicts)."""
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
 
-    return [estimate_step(topo.restrict(d1 * d2), shapes[mi], (d1, d2), StepSetting(chunks=c), profile).step_s
+    return [estimate_step(topo.restrict(d1 * d2), shapes[mi], (d1, d2), StepSetting(chunks=c), profile)
             for mi, d1, d2, c in plans]
 
 
@@ -685,22 +687,30 @@ def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any],
                       measured: Sequence[float]) -> List[float]:
     """The step model's relative error on the probes' own training steps with their collectives
     (in sample: a check of the calibration, not a validation)."""
-    return [abs(p - t) / t for p, t in zip(probe_step_predictions(profile, topo, shapes, plans), measured)]
+    return [abs(e.step_s - t) / t for e, t in zip(probe_step_predictions(profile, topo, shapes, plans), measured)]
 
 
-def fit_step_residual(predicted: Sequence[float], measured: Sequence[float],
+def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[float],
                       processes: Sequence[int]) -> Optional[StepResidual]:
-    """:class:`StepResidual`: per process count, the median of measured / predicted over the probes'
-    own training steps at that count (the median: one probe step disturbed by another job does not
-    move it). None without a step measured."""
-    by: Dict[int, List[float]] = {}
-    for p, t, n in zip(predicted, measured, processes):
-        if p > 0 and t > 0:
-            by.setdefault(int(n), []).append(t / p)
+    """:class:`StepResidual` from the probes' own training steps: per process count, ``T = a·C + b·E``
+    (``parts``: each step's predicted compute ``C`` and exposed communication ``E``; ``T`` measured),
+    relative non-negative least squares over the steps at that count; with fewer than 3 steps, or
+    no exposed communication to tell the two apart, one factor for both (the median of T / (C + E)).
+    None without a step measured."""
+    by: Dict[int, List[Tuple[float, float, float]]] = {}
+    for (c, e), t, n in zip(parts, measured, processes):
+        if c + e > 0 and t > 0:
+            by.setdefault(int(n), []).append((c, e, t))
     if not by:
         return None
-    return StepResidual({n: float(statistics.median(r)) for n, r in sorted(by.items())},
-                        {n: len(r) for n, r in sorted(by.items())})
+    comp, expo = {}, {}
+    for n, pts in sorted(by.items()):
+        if len(pts) >= 3 and any(e > 0 for _, e, _ in pts):
+            a, b = nnls(np.array([[c / t, e / t] for c, e, t in pts]), np.ones(len(pts)))
+        else:
+            a = b = statistics.median(t / (c + e) for c, e, t in pts)
+        comp[n], expo[n] = float(a), float(b)
+    return StepResidual(comp, expo, {n: len(pts) for n, pts in sorted(by.items())})
 
 
 def residual_counts(world: int) -> List[int]:
@@ -964,17 +974,21 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         # the step residual: the probes' whole steps against this profile's prediction of them (an
         # end-to-end check of the terms, and what they miss of a step, fitted from probes only)
         predicted = probe_step_predictions(profile, topo, shapes, live)
-        residual = fit_step_residual(predicted, live_wall, live_at)
+        residual = fit_step_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], live_wall, live_at)
         extra_probes = tuple(Probe(names_of(run, shapes)[mi], shape_key(shapes[mi]),
                                    (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len, d1 * d2)
                              for (mi, d1, d2, _), n in zip(live, live_at) if n != run.world)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
         errs = probe_step_errors(profile, topo, shapes, live, live_wall)
-        raw = [abs(p - t) / t for p, t in zip(predicted, live_wall)]
+        raw = [abs(p.step_s - t) / t for p, t in zip(predicted, live_wall)]
+        ratio = {n: statistics.median(t / p.step_s for p, t, m in zip(predicted, live_wall, live_at) if m == n)
+                 for n in sorted(set(live_at))}
         load += (f"; the probes' own training steps (collectives, optimizer, a closing barrier; in sample) measured "
-                 f"{'/'.join(f'x{f:.3f} ({n} processes)' for n, f in sorted(residual.factor.items()))} the terms' sum "
-                 f"(median error {statistics.median(raw):.1%}, worst {max(raw):.1%}): the step residual; with it "
-                 f"median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
+                 f"{'/'.join(f'x{f:.3f} ({n} processes)' for n, f in ratio.items())} the terms' sum (median; "
+                 f"error median {statistics.median(raw):.1%}, worst {max(raw):.1%}): the step residual "
+                 + ", ".join(f"compute x{residual.compute[n]:.3f}, exposed x{residual.exposed[n]:.3f} ({n} processes)"
+                             for n in sorted(residual.compute))
+                 + f"; with it median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
     return dataclasses.replace(profile, source=profile.source + load)
 
 
