@@ -384,11 +384,12 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
 
 
 def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_from_the_probes_own_steps():
-    """Runs 12-13 (issue 27): the profile's StepResidual (fitted over the probes' own training steps
-    against their prediction, per process count) scales the compute and the exposed communication
-    the terms add up to, at the run's process count (the nearest calibrated one's elsewhere);
-    compute and exposed stay the terms', the difference is ``residual_s``. Run 12's one ``factor`` is
-    read as both; a stage=calibrate profile without a residual is read as before, noted."""
+    """Runs 12-14 (issue 27): the profile's StepResidual (fitted over the probes' own training steps
+    against their prediction, per process count and chunk count) scales the compute and the exposed
+    communication the terms add up to, at the run's counts (the nearest calibrated ones elsewhere);
+    compute and exposed stay the terms', the difference is ``residual_s``. Run 12's one ``factor``
+    and run 13's one pair per process count are read for every chunk count; a stage=calibrate profile
+    without a residual is read as before, noted."""
     import yaml
 
     from atp_pipeline.run import calibrate_compute as cal
@@ -397,11 +398,13 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
                                  "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
     prof = cp.ComputeProfile("p", "test", _flat(20.0).fits, processes=4, cores=2, kernel_time="cpu",
                              sync=cp.SyncFit(100e-6))
-    res = dataclasses.replace(prof, step_residual=cp.StepResidual({2: 1.25, 4: 1.5}, {2: 0.75, 4: 1.125},
-                                                                  {2: 12, 4: 36}))
-    for topo, mesh, (fc, fe) in ((four, (2, 2), (1.5, 1.125)), (four.restrict(2), (2, 1), (1.25, 0.75))):
-        base = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=2), prof)
-        est = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=2), res)
+    sr = cp.StepResidual({2: {1: 1.25, 2: 1.0}, 4: {1: 1.5, 2: 2.0}}, {2: {1: 0.75, 2: 1.0}, 4: {1: 1.125, 2: 0.5}},
+                         {2: 12, 4: 36})
+    res = dataclasses.replace(prof, step_residual=sr)
+    for topo, mesh, c, (fc, fe) in ((four, (2, 2), 2, (2.0, 0.5)), (four, (2, 2), 1, (1.5, 1.125)),
+                                    (four.restrict(2), (2, 1), 1, (1.25, 0.75))):
+        base = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=c), prof)
+        est = st.estimate_step(topo, GPT, mesh, st.StepSetting(chunks=c), res)
         assert base.exposed_comm_s > 0 and base.residual_s == 0.0
         assert est.step_s == pytest.approx(fc * base.compute_s + fe * base.exposed_comm_s)
         assert est.residual_s == pytest.approx(est.step_s - base.step_s)
@@ -410,17 +413,18 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
         assert est.host_bound == base.host_bound
         assert est.tokens_per_s == pytest.approx(GPT.tokens_per_step / est.step_s)
     assert est.to_dict()["residual_s"] == est.residual_s
-    sr = res.step_residual
-    assert [sr.at(n) for n in (1, 2, 3, 8)] == [(1.25, 0.75), (1.25, 0.75), (1.5, 1.125), (1.5, 1.125)]  # nearest, ties: larger
-    assert ("step residual compute x1.250, exposed x0.750 at 2 processes (12 probe steps), compute x1.500, "
-            "exposed x1.125 at 4 processes (36 probe steps)" in est.calibration)
+    assert [sr.at(n, k) for n, k in ((1, 1), (2, 2), (3, 1), (8, 4))] == [(1.25, 0.75), (1.0, 1.0), (1.5, 1.125), (2.0, 0.5)]
+    assert ("step residual compute x1.250, exposed x0.750 (chunks 1), compute x1.000, exposed x1.000 (chunks 2) at 2 "
+            "processes (12 probe steps); compute x1.500, exposed x1.125 (chunks 1), compute x2.000, exposed x0.500 "
+            "(chunks 2) at 4 processes (36 probe steps)" in est.calibration)
     assert "3 processes not calibrated: the nearest count's (x1.500, x1.125)" in res.describe(3)
     cfg = json.loads(json.dumps(res.to_config()))
-    assert cfg["step_residual"] == {"compute": {"2": 1.25, "4": 1.5}, "exposed": {"2": 0.75, "4": 1.125},
-                                    "probe_steps": {"2": 12, "4": 36}}
+    assert cfg["step_residual"]["exposed"] == {"2": {"1": 0.75, "2": 1.0}, "4": {"1": 1.125, "2": 0.5}}
     assert cp.ComputeProfile.from_config(cfg).step_residual == sr
-    run12 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.354, 2: 1.339}}})
-    assert run12.step_residual.at(4) == (1.354, 1.354) and run12.step_residual.at(2) == (1.339, 1.339)
+    run12 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.354, 2: 1.339}}}).step_residual
+    assert run12.at(4, 2) == (1.354, 1.354) and run12.at(2, 1) == (1.339, 1.339)
+    run13 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: 1.7}, "exposed": {4: 1.0}}}).step_residual
+    assert run13.at(4, 1) == run13.at(4, 2) == (1.7, 1.0)
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed: the same processes >= 1"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: 1.0}, "exposed": {2: 1.0}}})
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed"):
@@ -432,19 +436,20 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
     root = Path(__file__).resolve().parents[1]
     old = cp.ComputeProfile.from_config(yaml.safe_load((root / "docs/step_validation/local_speed.yaml").read_text())
                                         ["device"]["compute"])
-    assert old.step_residual is None and old.residual_factors(4) == (1.0, 1.0) and cp.NO_RESIDUAL_NOTE in old.describe(4)
+    assert old.step_residual is None and old.residual_factors(4, 2) == (1.0, 1.0) and cp.NO_RESIDUAL_NOTE in old.describe(4)
     assert "step residual" not in _flat(1.0).describe()  # no note for a profile that is not a calibration's
-    # the fit recovers planted factors per process count (exactly: the probes' steps are T = a·C + b·E)
+    # the fit recovers planted factors per process and chunk count (exactly: the probes' steps are T = a·C + b·E)
     parts = [(0.010, 0.030), (0.020, 0.010), (0.050, 0.050), (0.030, 0.090), (0.040, 0.004), (0.080, 0.030),
              (0.060, 0.020)]
-    counts = [4, 4, 4, 4, 2, 2, 2]
-    planted = {4: (1.3, 0.8), 2: (1.2, 1.4)}
-    measured = [planted[n][0] * c + planted[n][1] * e for (c, e), n in zip(parts, counts)]
-    fit = cal.fit_step_residual(parts, measured, counts)
-    assert fit.compute == pytest.approx({2: 1.2, 4: 1.3}) and fit.exposed == pytest.approx({2: 1.4, 4: 0.8})
-    assert fit.steps == {2: 3, 4: 4}
+    counts = [4, 4, 4, 2, 2, 2, 4]
+    chunks = [1, 1, 1, 2, 2, 2, 2]
+    planted = {(4, 1): (1.3, 0.8), (2, 2): (1.2, 1.4), (4, 2): (1.1, 1.1)}
+    measured = [planted[n, k][0] * c + planted[n, k][1] * e for (c, e), n, k in zip(parts, counts, chunks)]
+    fit = cal.fit_step_residual(parts, measured, counts, chunks)
+    assert [fit.at(n, k) for n, k in planted] == [pytest.approx(ab) for ab in planted.values()]
+    assert {n: sorted(v) for n, v in fit.compute.items()} == {2: [2], 4: [1, 2]} and fit.steps == {2: 3, 4: 4}
     two = cal.fit_step_residual(parts[:2], [0.05, 0.0375], [4, 4])  # too few steps to tell the parts apart: one factor
-    assert two.compute == two.exposed == pytest.approx({4: 1.25})
+    assert two.at(4, 1) == pytest.approx((1.25, 1.25))
     assert cal.fit_step_residual([], [], []) is None and cal.residual_counts(4) == [2, 4] and cal.residual_counts(2) == [2]
 
 

@@ -110,39 +110,53 @@ def _by_size(values: Mapping[int, float], size: int) -> float:
                 for (s0, c0), (s1, c1) in zip(pts, pts[1:]) if s0 <= size <= s1)
 
 
+def _nearest(values: Mapping[int, Any], key: int) -> Any:
+    """``values`` at the calibrated key nearest ``key`` (ties: the larger key's)."""
+    return values[min(values, key=lambda n: (abs(n - key), -n))]
+
+
 @dataclass(frozen=True)
 class StepResidual:
-    """What a whole step takes beyond the terms' sum, per process count ``P``, as two factors: the
-    step is ``compute[P] × compute + exposed[P] × exposed`` (the terms' compute — on an oversubscribed
-    host the host-bound CPU — and their exposed communication, :class:`~atp_pipeline.planning.steptime.StepEstimate`).
-    Fitted (relative non-negative least squares) over the probe models' own training steps (forward,
-    backward, optimizer, each between barriers as the validation times a step; their collectives
-    run) against this profile's prediction of them: what no term has or what the terms misprice
-    alike for every model — the closing barrier and the run queue (docs/step-time.md, diagnosis e13:
-    on 2 processes 2-6 % and 3-4 % of a step, shares of the step whatever its size, so factors rather
-    than seconds per step), a rank's CPU the calibration's kernels price short, the exposed
-    collectives' time where a step makes many calls (e14: the probes' 1x4 chunks-2 steps predicted
-    longest, as the validation's). Only probe models (never a model, batch or sequence length the
-    validation runs) enter it. At a process count not calibrated, the nearest calibrated count's
-    factors (ties: the larger count's). A profile of run 12 carries one ``factor`` for both."""
+    """What a whole step takes beyond the terms' sum, per process count ``P`` and chunk count
+    ``c`` (§4.1), as two factors: the step is ``compute[P][c] × compute + exposed[P][c] × exposed``
+    (the terms' compute — on an oversubscribed host the host-bound CPU — and their exposed
+    communication, :class:`~atp_pipeline.planning.steptime.StepEstimate`). Fitted (relative
+    non-negative least squares) over the probe models' own training steps (forward, backward,
+    optimizer, each between barriers as the validation times a step; their collectives run) against
+    this profile's prediction of them: what no term has or what the terms misprice alike for every
+    model — the closing barrier and the run queue (docs/step-time.md, diagnosis e13: on 2 processes
+    2-6 % and 3-4 % of a step, shares of the step whatever its size, so factors rather than seconds
+    per step), a rank's CPU the calibration's kernels price short (e15: not the collectives' CPU),
+    the exposed collectives' time where a step makes many calls (e14, runs 12-13: chunks-2 steps on
+    4 processes predicted longest, the probes' as the validation's). Only probe models (never a
+    model, batch or sequence length the validation runs) enter it. At a process or chunk count not
+    calibrated, the nearest calibrated count's factors (ties: the larger count's). Profiles of run
+    12 carry one ``factor`` for both parts, of run 13 one pair per process count (every chunk count)."""
 
-    compute: Mapping[int, float]
-    exposed: Mapping[int, float]
-    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each count's factors are fitted over
+    compute: Mapping[int, Mapping[int, float]]
+    exposed: Mapping[int, Mapping[int, float]]
+    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each process count's factors are fitted over
 
-    def at(self, processes: int) -> Tuple[float, float]:
-        """``(compute, exposed)`` factors at ``processes``."""
+    def at(self, processes: int, chunks: int = 1) -> Tuple[float, float]:
+        """``(compute, exposed)`` factors at ``processes`` and ``chunks``."""
         if not self.compute:
             return 1.0, 1.0
         p = min(self.compute, key=lambda n: (abs(n - processes), -n))
-        return self.compute[p], self.exposed.get(p, self.compute[p])
+        comp = _nearest(self.compute[p], chunks)
+        return comp, _nearest(self.exposed.get(p) or self.compute[p], chunks)
 
-    def describe(self, processes: Optional[int] = None) -> str:
-        counts = ", ".join(f"compute x{c:.3f}, exposed x{self.exposed.get(p, c):.3f} at {p} processes"
-                           + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
-                           for p, c in sorted(self.compute.items()))
-        at = "" if processes is None or processes in self.compute else \
-            f"; {processes} processes not calibrated: the nearest count's (x{self.at(processes)[0]:.3f}, x{self.at(processes)[1]:.3f})"
+    def describe(self, processes: Optional[int] = None, chunks: Optional[int] = None) -> str:
+        def per_chunks(p: int) -> str:
+            return ", ".join(f"compute x{c:.3f}, exposed x{_nearest(self.exposed.get(p) or self.compute[p], k):.3f}"
+                             + (f" (chunks {k})" if len(self.compute[p]) > 1 else "")
+                             for k, c in sorted(self.compute[p].items()))
+        counts = "; ".join(f"{per_chunks(p)} at {p} processes" + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
+                           for p in sorted(self.compute))
+        at = ""
+        if processes is not None and (processes not in self.compute or (chunks is not None and len(self.compute[processes]) > 1
+                                                                       and chunks not in self.compute[processes])):
+            a, b = self.at(processes, chunks or 1)
+            at = f"; {processes} processes{f', chunks {chunks}' if chunks else ''} not calibrated: the nearest count's (x{a:.3f}, x{b:.3f})"
         return f"step residual {counts} (fitted over the probes' own steps){at}"
 
 
@@ -282,10 +296,10 @@ class ComputeProfile:
     # calibrated before run 12: factor 1, and :meth:`describe` says so)
     step_residual: Optional[StepResidual] = None
 
-    def residual_factors(self, processes: int) -> Tuple[float, float]:
-        """The ``(compute, exposed)`` factors of the terms' step at ``processes`` (:class:`StepResidual`;
-        1 and 1 without one)."""
-        return (1.0, 1.0) if self.step_residual is None else self.step_residual.at(processes)
+    def residual_factors(self, processes: int, chunks: int = 1) -> Tuple[float, float]:
+        """The ``(compute, exposed)`` factors of the terms' step at ``processes`` and ``chunks``
+        (:class:`StepResidual`; 1 and 1 without one)."""
+        return (1.0, 1.0) if self.step_residual is None else self.step_residual.at(processes, chunks)
 
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
         """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
@@ -556,13 +570,16 @@ class ComputeProfile:
                 extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps"})
                 if extra:
                     raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
-                one = {int(k): float(v) for k, v in dict(rd.get("factor") or {}).items()}  # run 12: one factor
-                comp = {int(k): float(v) for k, v in dict(rd.get("compute") or one).items()}
-                expo = {int(k): float(v) for k, v in dict(rd.get("exposed") or one).items()}
-                if not comp or set(comp) != set(expo) or not all(
-                        k >= 1 and v >= 0 and math.isfinite(v) for d in (comp, expo) for k, v in d.items()):
+                def by_chunks(v: Any) -> Dict[int, float]:  # run 13: one factor for every chunk count
+                    return ({int(c): float(x) for c, x in dict(v).items()} if isinstance(v, Mapping) else {1: float(v)})
+                one = dict(rd.get("factor") or {})  # run 12: one factor for both parts
+                comp = {int(k): by_chunks(v) for k, v in dict(rd.get("compute") or one).items()}
+                expo = {int(k): by_chunks(v) for k, v in dict(rd.get("exposed") or one).items()}
+                if not comp or set(comp) != set(expo) or any(set(comp[k]) != set(expo[k]) for k in comp) or not all(
+                        k >= 1 and c >= 1 and v >= 0 and math.isfinite(v)
+                        for d in (comp, expo) for k, vs in d.items() for c, v in vs.items()):
                     raise ConfigError(f"{where}.step_residual: compute and exposed: the same processes >= 1 -> "
-                                      f"finite factor >= 0, got {comp}, {expo}")
+                                      f"[chunks >= 1 ->] finite factor >= 0, got {comp}, {expo}")
                 step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()})
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
@@ -612,8 +629,9 @@ class ComputeProfile:
                 **({"probes": [p.to_config() for p in self.probes]} if self.probes else {}),
                 **({"reference": {grp: {k: g(v * 1e6) for k, v in sorted(vals.items())}
                                   for grp, vals in self.reference.items()}} if self.reference else {}),
-                **({"step_residual": {"compute": {int(p): g(f) for p, f in sorted(self.step_residual.compute.items())},
-                                      "exposed": {int(p): g(f) for p, f in sorted(self.step_residual.exposed.items())},
+                **({"step_residual": {part: {int(p): {int(c): g(f) for c, f in sorted(fs.items())}
+                                             for p, fs in sorted(getattr(self.step_residual, part).items())}
+                                      for part in ("compute", "exposed")} | {
                                       **({"probe_steps": {int(p): int(n) for p, n in sorted(self.step_residual.steps.items())}}
                                          if self.step_residual.steps else {})}}
                    if self.step_residual is not None else {}),

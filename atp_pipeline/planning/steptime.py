@@ -73,8 +73,8 @@ clock, a wait moves it to the collective's end; on an oversubscribed host the st
 larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then at
 the shared speed). Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
 what the probe models' own steps took beyond the terms' sum at the calibration, per process
-count a factor on the compute and one on the exposed communication) scales that step's two
-parts; ``residual_s`` is the difference.
+count and chunk count a factor on the compute and one on the exposed communication) scales that
+step's two parts; ``residual_s`` is the difference.
 ``exposed = step - compute - residual`` is the communication the user pays;
 ``total_comm`` is what Eq. 2-style sums would charge.
 Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
@@ -324,7 +324,7 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
     # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
     # exposed communication; 1 and 1 without one)
-    fc, fe = profile.residual_factors(processes)
+    fc, fe = profile.residual_factors(processes, setting.chunks)
     residual = compute * (fc - 1.0) + (path - compute) * (fe - 1.0)
     step = path + residual + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp

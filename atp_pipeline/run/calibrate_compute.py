@@ -30,9 +30,9 @@ sequence lengths the calibration never ran):
   calibration's is predicted from the same profile.
 * **step residual** — the probes' whole training steps (collectives run, the optimizer, a
   closing barrier, as the validation times a step) on ``world`` and on 2 processes, against
-  the step the rest of the profile predicts for them: per process count a factor on the
-  predicted compute and one on the exposed communication (:class:`StepResidual`), what the
-  terms' sum misses of a step.
+  the step the rest of the profile predicts for them: per process count and chunk count a
+  factor on the predicted compute and one on the exposed communication (:class:`StepResidual`),
+  what the terms' sum misses of a step.
 
 **Concurrency and load.** Training runs ``world`` processes on this host at once, every rank
 running the same kernel at the same time; so everything is timed that way: ``--world``
@@ -691,26 +691,28 @@ def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any],
 
 
 def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[float],
-                      processes: Sequence[int]) -> Optional[StepResidual]:
-    """:class:`StepResidual` from the probes' own training steps: per process count, ``T = a·C + b·E``
-    (``parts``: each step's predicted compute ``C`` and exposed communication ``E``; ``T`` measured),
-    relative non-negative least squares over the steps at that count; with fewer than 3 steps, or
-    no exposed communication to tell the two apart, one factor for both (the median of T / (C + E)).
-    None without a step measured."""
-    by: Dict[int, List[Tuple[float, float, float]]] = {}
-    for (c, e), t, n in zip(parts, measured, processes):
+                      processes: Sequence[int], chunks: Optional[Sequence[int]] = None) -> Optional[StepResidual]:
+    """:class:`StepResidual` from the probes' own training steps: per process count and chunk count,
+    ``T = a·C + b·E`` (``parts``: each step's predicted compute ``C`` and exposed communication ``E``;
+    ``T`` measured), relative non-negative least squares over the steps at those counts; with fewer
+    than 3 steps, or no exposed communication to tell the two apart, one factor for both (the median
+    of T / (C + E)). ``chunks`` None: every step's 1. None without a step measured."""
+    by: Dict[int, Dict[int, List[Tuple[float, float, float]]]] = {}
+    for (c, e), t, n, k in zip(parts, measured, processes, chunks or [1] * len(parts)):
         if c + e > 0 and t > 0:
-            by.setdefault(int(n), []).append((c, e, t))
+            by.setdefault(int(n), {}).setdefault(int(k), []).append((c, e, t))
     if not by:
         return None
-    comp, expo = {}, {}
-    for n, pts in sorted(by.items()):
-        if len(pts) >= 3 and any(e > 0 for _, e, _ in pts):
-            a, b = nnls(np.array([[c / t, e / t] for c, e, t in pts]), np.ones(len(pts)))
-        else:
-            a = b = statistics.median(t / (c + e) for c, e, t in pts)
-        comp[n], expo[n] = float(a), float(b)
-    return StepResidual(comp, expo, {n: len(pts) for n, pts in sorted(by.items())})
+    comp: Dict[int, Dict[int, float]] = {}
+    expo: Dict[int, Dict[int, float]] = {}
+    for n, per in sorted(by.items()):
+        for k, pts in sorted(per.items()):
+            if len(pts) >= 3 and any(e > 0 for _, e, _ in pts):
+                a, b = nnls(np.array([[c / t, e / t] for c, e, t in pts]), np.ones(len(pts)))
+            else:
+                a = b = statistics.median(t / (c + e) for c, e, t in pts)
+            comp.setdefault(n, {})[k], expo.setdefault(n, {})[k] = float(a), float(b)
+    return StepResidual(comp, expo, {n: sum(len(p) for p in per.values()) for n, per in sorted(by.items())})
 
 
 def residual_counts(world: int) -> List[int]:
@@ -974,7 +976,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         # the step residual: the probes' whole steps against this profile's prediction of them (an
         # end-to-end check of the terms, and what they miss of a step, fitted from probes only)
         predicted = probe_step_predictions(profile, topo, shapes, live)
-        residual = fit_step_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], live_wall, live_at)
+        residual = fit_step_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], live_wall, live_at,
+                                     [c for _, _, _, c in live])
         extra_probes = tuple(Probe(names_of(run, shapes)[mi], shape_key(shapes[mi]),
                                    (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len, d1 * d2)
                              for (mi, d1, d2, _), n in zip(live, live_at) if n != run.world)
@@ -985,9 +988,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
                  for n in sorted(set(live_at))}
         load += (f"; the probes' own training steps (collectives, optimizer, a closing barrier; in sample) measured "
                  f"{'/'.join(f'x{f:.3f} ({n} processes)' for n, f in ratio.items())} the terms' sum (median; "
-                 f"error median {statistics.median(raw):.1%}, worst {max(raw):.1%}): the step residual "
-                 + ", ".join(f"compute x{residual.compute[n]:.3f}, exposed x{residual.exposed[n]:.3f} ({n} processes)"
-                             for n in sorted(residual.compute))
+                 f"error median {statistics.median(raw):.1%}, worst {max(raw):.1%}): the "
+                 + residual.describe().partition(" (fitted over")[0]
                  + f"; with it median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
     return dataclasses.replace(profile, source=profile.source + load)
 
