@@ -79,6 +79,31 @@ def test_fit_is_non_negative() -> None:
     assert a >= 0 and b == 0.0
 
 
+def test_a_collective_without_a_per_byte_cost_takes_the_levels_beta() -> None:
+    """An all-reduce whose times do not grow with the message (run 14 on a loaded loopback:
+    its 1 MiB faster than its 4 KiB on 4 ranks) fits beta = 0; Eq. 3's bandwidth 1/beta would then be infinite
+    and the plan's T_comm ~0. It takes the level's shared beta instead, its alpha refitted."""
+    truth = AlphaBeta.uniform(alpha=3e-4, beta=2e-9)
+    samples = [s if s.collective is not Collective.all_reduce else  # latency only: beta = 0
+               Sample(s.collective, s.size, s.stride, s.nbytes, 5e-4 * cal.design_row(s)[0]) for s in synthetic(truth, 4)]
+    assert cal.fit_pair([s for s in samples if s.collective is Collective.all_reduce]) == (pytest.approx(5e-4), 0.0)
+    levels = cal.level_specs(4, [4])
+    fit = cal.fit_model(samples, levels)
+    level_a, level_b = fit.pairs["process"]
+    assert level_b > 0 and fit.level_beta == {"process": ["all_reduce"]}
+    ar = [s for s in samples if s.collective is Collective.all_reduce]
+    assert fit.per_collective["process"]["all_reduce"] == (pytest.approx(cal.fit_alpha(ar, level_b), rel=1e-12), level_b)
+    # the relative least squares' alpha with beta fixed: its residuals are orthogonal to the steps column
+    a = fit.per_collective["process"]["all_reduce"][0]
+    x = np.array([cal.design_row(s)[0] / s.seconds for s in ar])
+    r = np.array([1 - (a * cal.design_row(s)[0] + level_b * cal.design_row(s)[1]) / s.seconds for s in ar])
+    assert abs(x @ r) < 1e-9
+    assert fit.per_collective["process"]["all_gather"] == (pytest.approx(3e-4, rel=1e-9), pytest.approx(2e-9, rel=1e-9))
+    fit.use_per_collective = True
+    topo = cal.topology_config("t", fit)
+    assert topo["levels"][0]["p2p_GBps"] == pytest.approx(1e-9 / level_b, rel=1e-5)
+
+
 def test_calibrated_topology_feeds_both_planners(tmp_path: Path) -> None:
     truth = AlphaBeta((LinkLevel(1 << 62, 4e-4, 2.5e-9, (("reduce_scatter", 8e-4, 5e-9),)),))
     samples = synthetic(truth, 4)

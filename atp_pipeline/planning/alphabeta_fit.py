@@ -102,6 +102,15 @@ def fit_pair(samples: Sequence[Sample]) -> Tuple[float, float]:
     return float(a), float(b)
 
 
+def fit_alpha(samples: Sequence[Sample], beta: float) -> float:
+    """``α >= 0`` of ``t = α·steps + β·volume`` with ``β`` given, on relative residuals (as
+    :func:`fit_pair`): for a collective whose own fit finds no per-byte cost."""
+    A = np.array([design_row(s) for s in samples], dtype=np.float64)
+    t = np.array([s.seconds for s in samples], dtype=np.float64)
+    x, r = A[:, 0] / t, 1.0 - beta * A[:, 1] / t
+    return max(0.0, float(x @ r / (x @ x))) if float(x @ x) > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class LevelSpec:
     """A level of the calibrated topology: ``count`` units per parent unit; its groups span
@@ -140,6 +149,10 @@ class Fit:
     per_collective: Dict[str, Dict[str, Tuple[float, float]]] = field(default_factory=dict)
     points: Dict[str, int] = field(default_factory=dict)
     use_per_collective: bool = True  # chosen by cross-validation (:func:`select_per_collective`)
+    # level -> the collectives whose own fit found no per-byte cost (β = 0: their time did not
+    # grow with the message over the measured sizes, e.g. on a loaded loopback) and which take
+    # the level's β instead, their α refitted (:func:`fit_model`)
+    level_beta: Dict[str, List[str]] = field(default_factory=dict)
 
     def model(self, per_collective: Optional[bool] = None) -> AlphaBeta:
         """The fitted :class:`AlphaBeta` (the world's outermost level covers any span), with
@@ -185,7 +198,12 @@ def fit_model(samples: Sequence[Sample], levels: Sequence[LevelSpec]) -> Fit:
         for c in COLLECTIVES:
             cp = [s for s in pts if s.collective is c]
             if len({design_row(s) for s in cp}) >= 2:
-                per[c.value] = fit_pair(cp)
+                a, b = fit_pair(cp)
+                if b <= 0 < fit.pairs[name][1]:  # no per-byte cost identified: an infinite
+                    b = fit.pairs[name][1]  # bandwidth (Eq. 3's B' = 1/β) would price any
+                    a = fit_alpha(cp, b)  # message alike; the level's shared β is the §3.2 fit
+                    fit.level_beta.setdefault(name, []).append(c.value)
+                per[c.value] = (a, b)
         fit.per_collective[name] = per
     return fit
 
@@ -355,7 +373,8 @@ class CalibrationResult:
                               for k, (a, b) in self.fit.pairs.items()},
                     "per_collective": {k: {c: {"alpha_s": a, "beta_s_per_byte": b} for c, (a, b) in v.items()}
                                        for k, v in self.fit.per_collective.items()},
-                    "points": self.fit.points},
+                    "points": self.fit.points,
+                    **({"beta_from_level": self.fit.level_beta} if self.fit.level_beta else {})},
             "written_model": "per_collective" if self.fit.use_per_collective else "single_pair",
             "holdout": {k: v for k, v in self.holdout.items() if k != "fit"},
             "criterion_heldout_median_le_25pct": self.heldout_median_error <= 0.25,
@@ -421,7 +440,8 @@ def print_summary(res: CalibrationResult) -> None:
               f"bandwidth {1e-9 / b if b else float('inf'):.3f} GB/s (one pair, §3.2)")
         for c, (pa, pb) in res.fit.per_collective.get(lv.name, {}).items():
             print(f"    {c:<15} alpha {pa * 1e6:8.1f} us  bandwidth "
-                  f"{1e-9 / pb if pb else float('inf'):.3f} GB/s")
+                  f"{1e-9 / pb if pb else float('inf'):.3f} GB/s"
+                  + (" (no per-byte cost of its own: the level's)" if c in res.fit.level_beta.get(lv.name, ()) else ""))
     h = res.holdout
     crit = "PASS" if res.heldout_median_error <= 0.25 else "FAIL"
     sel = h[h["selected"]]
