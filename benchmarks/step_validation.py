@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
+RETIME_MODES = ("group", "once", "off", "steps")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -199,9 +200,10 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         second = sorted(p["measured_s"] for p in pts)[1] if len(pts) > 1 else mb["measured_s"]
         bias = statistics.median(p["measured_s"] / p["predicted_s"] for p in pts)
         within = [abs(p["measured_s"] / (p["predicted_s"] * bias) - 1) for p in pts]
+        probe = [p["probe_steps"]["ratio"] for p in pts if p.get("probe_steps")]
         groups[key] = {
             "host_load_cores": statistics.mean(p.get("host_load_cores", 0.0) for p in pts),
-            "bias": bias, "within_median_rel_error": statistics.median(within), "within_worst_rel_error": max(within),
+            "bias": bias, **({"probe_ratio": probe[0]} if probe else {}), "within_median_rel_error": statistics.median(within), "within_worst_rel_error": max(within),
             "predicted_best": pb["point"], "measured_best": mb["point"], "agree": pb["point"] == mb["point"],
             "measured_margin": second / mb["measured_s"] - 1,
             "predicted_best_measured_slower_by": pb["measured_s"] / mb["measured_s"] - 1,
@@ -216,7 +218,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     flat = [rel_error(r["predicted_at_calibration_speed_s"], r["measured_s"]) for r in rows
             if r.get("predicted_at_calibration_speed_s")]
     return {"points": len(rows), "median_rel_error": statistics.median(errs), "worst_rel_error": max(errs),
-            "host_speed": speed,
+            "host_speed": speed, **probe_tracking(groups),
             # the same points predicted at the calibration's own host speed (no re-timing), for comparison
             "at_calibration_speed": {"median_rel_error": statistics.median(flat), "worst_rel_error": max(flat)}
             if flat and speeds else None,
@@ -232,6 +234,17 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             "within_group_worst_rel_error": max(
                 abs(r["measured_s"] / (r["predicted_s"] * groups[r["group"]]["bias"]) - 1) for r in rows),
             "groups": groups}
+
+
+def probe_tracking(groups: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """With ``--retime steps``: the Pearson correlation over groups of the probes' re-timed
+    measured/predicted (``probe_ratio``) with the group's own (``bias``); empty without it."""
+    pairs = [(g["probe_ratio"], g["bias"]) for g in groups.values() if "probe_ratio" in g]
+    if len(pairs) < 3:
+        return {}
+    xs, ys = zip(*pairs)
+    corr = statistics.correlation(xs, ys) if len(set(xs)) > 1 and len(set(ys)) > 1 else None
+    return {"probe_ratio_bias_correlation": corr, "probe_ratio_range": [min(xs), max(xs)]}
 
 
 def plot(rows: List[Dict[str, Any]], summary: Dict[str, Any], path: Path, title: str) -> None:
@@ -288,9 +301,12 @@ def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str
               + ", ".join(f"{m} {v:.2f}" for m, v in s["spearman_per_model"].items())
               + f"); predicted best = measured best in {s['best_agrees']} groups; {s['short_share']:.0%} predicted short;"
               f" within a group (its common factor divided out): median {s['within_group_median_rel_error']:.1%}, "
-              f"worst {s['within_group_worst_rel_error']:.1%}")
+              f"worst {s['within_group_worst_rel_error']:.1%}"
+              + (f"; probe steps' ratio vs the groups' measured/predicted: correlation "
+                 f"{s['probe_ratio_bias_correlation']:.2f}" if s.get("probe_ratio_bias_correlation") is not None else ""))
         for g, v in s["groups"].items():
-            print(f"  {g}: load {v['host_load_cores']:.2f} cores, measured/predicted x{v['bias']:.2f}; best "
+            print(f"  {g}: load {v['host_load_cores']:.2f} cores, measured/predicted x{v['bias']:.2f}"
+                  + (f" (probe steps x{v['probe_ratio']:.2f})" if "probe_ratio" in v else "") + "; best "
                   + ("agrees" if v["agree"] else f"predicted {v['predicted_best']}, measured {v['measured_best']} "
                                                  f"(measured {v['predicted_best_measured_slower_by']:.1%} slower)"))
     return classes
@@ -420,9 +436,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--retime", choices=("group", "once", "off"), default="group",
+    p.add_argument("--retime", default="group", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="time the calibration's reference probe again before each launch (group), once before the "
-                        "grid (once), or never (off), and price the predictions at that host speed")
+                        "grid (once), or never (off), and price the predictions at that host speed; steps: instead "
+                        "time two probe models' whole steps on the launch's process count before each launch and "
+                        "record their measured/predicted (rows: probe_steps; a diagnosis, predictions unchanged)")
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for other jobs' load to fall below "
                         "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
@@ -446,7 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
     from atp_pipeline.planning.compute_profile import profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime
+    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime, retime_steps
     from atp_pipeline.run.hostload import wait_quiet
 
     try:
@@ -456,6 +474,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if any(w < 1 or w > topo.world_size for w in worlds):
             raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
                               f"(topology '{topo.name}')")
+        if args.retime not in RETIME_MODES:
+            raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
+        if args.retime == "steps" and min(worlds, default=2) < 2:
+            raise ConfigError(f"step_validation: --retime steps: --worlds {args.worlds}: each >= 2 (the probes' "
+                              f"steps run collectives)")
         only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
         chunk_list = [int(c) for c in args.chunks.split(",")]
         names = [m for m in args.models.split(",") if m]
@@ -497,7 +520,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for model, shape, spec, w, points in plan:
         if not points:
             continue
-        if calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
+        probe_steps = None
+        if args.retime == "steps":
+            # the probes' whole steps (two probe models, every mesh and chunk count of w; never this grid's
+            # models, meshes or batches) timed again: their measured / this calibration's prediction
+            if args.quiet_wait:
+                wait_quiet(args.quiet_wait)
+            probe_steps = retime_steps(calibrated, topo, w, args.conf)
+            speeds.append({"before": f"{shape.name} / {w} proc.", **probe_steps.to_dict()})
+            print(f"  {probe_steps.describe()}", flush=True)
+        elif calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it
             if args.quiet_wait:
@@ -539,10 +571,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
                          "host_speed": speed.to_dict() if speed is not None else None,
+                         "probe_steps": ({"ratio": probe_steps.ratio, "processes": probe_steps.processes,
+                                          "measured": probe_steps.measured} if probe_steps is not None else None),
                          "predicted_at_calibration_speed_s": flat.step_s,
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
-    retimed = (f"--retime {args.retime}: the calibration's reference probe timed again "
+    retimed = ("--retime steps: two probe models' whole steps timed again on each launch's process count "
+               "before it (rows: probe_steps, ratio = measured / this calibration's prediction); predictions "
+               "at the calibration's host speed" if args.retime == "steps" else
+               f"--retime {args.retime}: the calibration's reference probe timed again "
                + ("before each launch" if args.retime == "group" else "before the grid")
                + ", every prediction priced at the host speed it gave (rows: host_speed)"
                if speeds else "not re-timed: predicted at the calibration's host speed"

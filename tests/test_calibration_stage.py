@@ -123,3 +123,33 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
     loads = iter([0.9, 0.8, 0.7])
     kept, foreign = hostload.quiet_rounds(1, 2, lambda i: i)
     assert kept == [2] and foreign == [0.7]  # never quiet: the least loaded of 1 + 2 rounds
+
+
+def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
+    """``--retime steps`` parses (refused at one process: its probes run collectives), any other
+    mode is refused in one line (exit 2); the summary's correlation of the groups' re-timed probe
+    ratio with their measured/predicted is Pearson's over the groups that have one."""
+    import statistics
+
+    from benchmarks import step_validation as sv
+
+    prof = cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS}, processes=4)
+    cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
+           "device": {"name": "cpu", "compute": prof.to_config()}}
+    write_topology(cfg, tmp_path / "cal4.yaml")
+    base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
+            "--out", str(tmp_path / "out")]
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of group, once, off, steps"),
+                        (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2")):
+        assert sv.main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "out").exists()
+    rows = [{"model": "m", "group": g, "point": f"{i}x1/c1", "predicted_s": 1.0, "measured_s": b * (1 + 0.01 * i),
+             "rel_error": 0.0, **({"probe_steps": {"ratio": r}} if r else {})}
+            for g, b, r in (("a", 0.8, 0.9), ("b", 1.0, 1.1), ("c", 1.1, 1.0), ("d", 1.2, None)) for i in (1, 2, 3)]
+    got = sv.summarize(rows)
+    biases = [got["groups"][g]["bias"] for g in "abc"]
+    assert got["probe_ratio_bias_correlation"] == pytest.approx(statistics.correlation([0.9, 1.1, 1.0], biases))
+    assert got["probe_ratio_range"] == [0.9, 1.1] and "probe_ratio" not in got["groups"]["d"]
+    assert "probe_ratio_bias_correlation" not in sv.summarize([{**r, "probe_steps": None} for r in rows])

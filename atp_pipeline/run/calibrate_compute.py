@@ -817,6 +817,54 @@ def retime(profile: ComputeProfile, conf: Path = CONF) -> Any:
     return host_speed(profile.reference, now, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
+# The probe models whose whole steps are timed again before a prediction (``--retime steps`` of
+# the step validation): two of the calibration's probes, every mesh and chunk count of the
+# process count, as the calibration timed them for the step residual (:func:`_live_runner`).
+RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
+
+
+@dataclass(frozen=True)
+class ProbeSteps:
+    """The probes' whole training steps timed again on ``processes`` (:func:`retime_steps`):
+    ``ratio`` is the geometric mean over them of measured / the profile's prediction (its step
+    residual included, fitted over the same kinds of steps at calibration: ~1 there by
+    construction); ``steps``: per step label, its measured and predicted seconds."""
+
+    processes: int
+    ratio: float
+    steps: Dict[str, Tuple[float, float]]
+    measured: str = ""  # when (UTC)
+
+    def describe(self) -> str:
+        return (f"probe steps re-timed {self.measured or '?'} on {self.processes} processes: measured "
+                f"x{self.ratio:.3f} the profile's prediction (geometric mean over {len(self.steps)} steps)")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"processes": self.processes, "ratio": self.ratio, "measured": self.measured,
+                "steps": {k: {"measured_s": m, "predicted_s": p} for k, (m, p) in self.steps.items()}}
+
+
+def retime_steps(profile: ComputeProfile, topo: Any, processes: int, conf: Path = CONF,
+                 probes: Sequence[str] = RETIME_STEP_PROBES, chunks: Sequence[int] = (1, 2),
+                 passes: int = 3, batch_ms: float = 8.0) -> ProbeSteps:
+    """Time ``probes``' whole training steps (forward, backward with collectives, optimizer, a closing
+    barrier: the calibration's own :func:`_live_runner` through :func:`measure_all`, the slowest
+    rank's wall per step) on every candidate mesh of ``processes`` and chunk count, and compare each
+    with ``profile``'s prediction of it (:func:`probe_step_predictions`, ``topo`` restricted to
+    ``processes``). Probe models only: never a model, batch or sequence length a user plans."""
+    if processes < 2:
+        raise ConfigError(f"retime_steps: {processes} processes (the probes' steps need >= 2 to run collectives)")
+    built = compose_models(probe_entries(probes), conf)
+    shapes = [sh for sh, _ in built]
+    live = plan_points(shapes, processes, chunks)
+    _, timed, _ = measure_all([], processes, passes, batch_ms, models=[spec for _, spec in built], live=live)
+    predicted = probe_step_predictions(profile, topo, shapes, live)
+    steps = {f"{probes[mi]} {d1}x{d2}/c{c}": (t.wall, e.step_s)
+             for (mi, d1, d2, c), t, e in zip(live, timed, predicted)}
+    ratio = math.exp(statistics.fmean(math.log(m / p) for m, p in steps.values()))
+    return ProbeSteps(processes, ratio, steps, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+
 # ------------------------------------------------------------------------ the command
 def load_topology_yaml(ref: str, conf: Path) -> Tuple[Dict[str, Any], Path]:
     """A topology config by path or name (``<conf>/topology``, then ``outputs/conf/topology``)."""
