@@ -721,6 +721,16 @@ def residual_counts(world: int) -> List[int]:
     return sorted({world, 2}) if world >= 2 else []
 
 
+def probe_records(probe_names: Sequence[str], shapes: Sequence[Any], plans: Sequence[Plan],
+                  with_processes: bool = False) -> Tuple[Probe, ...]:
+    """The :class:`Probe` record of each plan a calibration ran (``probe_names`` name ``shapes``;
+    empty: the shapes' own names); ``with_processes``: each records its mesh's process count (the
+    step residual's probe steps on counts other than the profile's ``processes``)."""
+    names = list(probe_names) or [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
+    return tuple(Probe(names[mi], shape_key(shapes[mi]), (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len,
+                       d1 * d2 if with_processes else 0) for mi, d1, d2, _ in plans)
+
+
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
                  topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
@@ -756,9 +766,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
                           kernel_time=kernel_time)
     framework = fit_framework(base, shapes, plans, plan_seconds) if plans else None
     sync = fit_sync(base, topo, patterns, pattern_seconds) if patterns else None
-    names = list(probe_names) or [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
-    probes = tuple(Probe(names[mi], shape_key(shapes[mi]), (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len)
-                   for mi, d1, d2, c in plans)
+    probes = probe_records(probe_names, shapes, plans)
     return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
                           contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
@@ -950,6 +958,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
 
     kernels = sweep_kernels(run.quick)
     built = compose_models(probe_entries(run.probes), conf) if run.framework else []
+    probe_names = list(run.probes) if run.framework else []  # (name ``shapes``, in order)
     shapes = [sh for sh, _ in built]
     plans = plan_points(shapes, run.world, run.chunks) if run.framework else []
     patterns = sync_patterns(run.world) if run.framework else []
@@ -1009,7 +1018,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     # core, whatever shares it); the loops at their wall time (their compute priced as the host runs it)
     cpu = [max(t.cpu, 1e-9) for t in timed]
     profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns[:nsync],
-                           got[nk + npl:nk + npl + nsync], contention, list(run.probes) if run.framework else (),
+                           got[nk + npl:nk + npl + nsync], contention, probe_names,
                            collective_cpu, kernel_time="cpu", comm_contention=comm_contention)
     # the host's speed at calibration: the reference probe before and after the measurements (the host's
     # speed moves by 10-30 % within a minute, docs/step_validation/diagnosis/e9.md), their geometric mean;
@@ -1026,9 +1035,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         predicted = probe_step_predictions(profile, topo, shapes, live)
         residual = fit_step_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], live_wall, live_at,
                                      [c for _, _, _, c in live])
-        extra_probes = tuple(Probe(names_of(run, shapes)[mi], shape_key(shapes[mi]),
-                                   (d1, d2), shapes[mi].batch_size, shapes[mi].seq_len, d1 * d2)
-                             for (mi, d1, d2, _), n in zip(live, live_at) if n != run.world)
+        extra_probes = probe_records(probe_names, shapes, [pl for pl, n in zip(live, live_at) if n != run.world],
+                                     with_processes=True)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
         errs = probe_step_errors(profile, topo, shapes, live, live_wall)
         raw = [abs(p.step_s - t) / t for p, t in zip(predicted, live_wall)]
@@ -1040,11 +1048,6 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
                  + residual.describe().partition(" (fitted over")[0]
                  + f"; with it median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
     return dataclasses.replace(profile, source=profile.source + load)
-
-
-def names_of(run: ComputeRun, shapes: Sequence[Any]) -> List[str]:
-    """The probe names of a calibration's ``shapes`` (:data:`PROBES` keys, in the run's order)."""
-    return list(run.probes) if run.framework else [getattr(sh, "name", f"probe{i}") for i, sh in enumerate(shapes)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -327,10 +327,16 @@ class SMLSwitchNode(Role):
             seg = self.shm[job] = SharedLanes(shm, pool, self.fmt.payload_k)
             values, lanes = seg.registers, seg.lanes
         self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
-        self.spin_s = spin_budget(1 + sum(len(r) for r in self.routes.values()))  # (issue 28, pass 7)
+        self._spin_for_routes()
         self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))),
                                           values=values, lanes=lanes)
         return job
+
+    def _spin_for_routes(self) -> None:
+        """The data-plane loop's busy-poll budget for the jobs installed (issue 28, pass 7;
+        :func:`~.frames.spin_budget` over this role and every worker of its jobs; none without a job)."""
+        workers = sum(len(r) for r in self.routes.values())
+        self.spin_s = spin_budget(1 + workers) if workers else 0.0
 
     def op_shm(self, job: int) -> str:
         """The name of the shared-memory segment holding job ``job``'s registers (``(2, pool, K)``
@@ -341,7 +347,7 @@ class SMLSwitchNode(Role):
         """Teardown: the job's partition is freed. Returns 0: a static partition holds no
         per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
-        self.spin_s = spin_budget(1 + sum(len(r) for r in self.routes.values())) if self.routes else 0.0
+        self._spin_for_routes()
         self.sml.drop(job)  # (lane work carried for slot-versions that never completed)
         js = self.sml.jobs.pop(job, None)
         seg = self.shm.pop(job, None)
