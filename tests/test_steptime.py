@@ -453,6 +453,67 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
     assert cal.fit_step_residual([], [], []) is None and cal.residual_counts(4) == [2, 4] and cal.residual_counts(2) == [2]
 
 
+def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe_models_left_out():
+    """Run 16 (issue 27): the residual's CPU form (CpuStep) — the step as the probes' measured step
+    over their measured rank CPU per (mesh, chunks) cell, times the predicted rank CPU as the probes'
+    measured CPU was to it (``U = a·Û + b`` per process and chunk count) — recovers planted values
+    exactly; the calibration keeps whichever form predicts better the probe models left out in
+    turn; a profile with it predicts ``ratio × (a·cpu + b)`` (the nearest cell's ratio where a cell
+    is not calibrated), writes and reads it back, and re-times its CPU offset with the host."""
+    import math
+
+    from atp_pipeline.run import calibrate_compute as cal
+
+    ratio = {(2, (2, 1), 1): 1.2, (2, (1, 2), 1): 1.4, (2, (2, 1), 2): 1.3, (2, (1, 2), 2): 1.5,
+             (4, (2, 2), 1): 2.4, (4, (4, 1), 1): 2.6}
+    ab = {(2, 1): (1.1, 0.002), (2, 2): (1.05, 0.004), (4, 1): (1.2, 0.001)}
+    steps = [(n, mesh, c, m, 0.010 * (1 + m) + 0.004 * (mesh[0] + c)) for (n, mesh, c) in ratio for m in range(3)]
+    u_hat = [x[4] for x in steps]
+    u = [ab[n, c][0] * uh + ab[n, c][1] for (n, _, c, _, uh) in steps]
+    wall = [ratio[n, mesh, c] * uu for (n, mesh, c, _, _), uu in zip(steps, u)]
+    args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
+    fit = cal.fit_cpu_step(u_hat, u, wall, *args)
+    assert fit.ratio == {2: {"1x2/c1": pytest.approx(1.4), "1x2/c2": pytest.approx(1.5), "2x1/c1": pytest.approx(1.2),
+                             "2x1/c2": pytest.approx(1.3)}, 4: {"2x2/c1": pytest.approx(2.4), "4x1/c1": pytest.approx(2.6)}}
+    assert {(n, c): fit.cpu[n][c] for n, c in ab} == {k: pytest.approx(v, rel=1e-6) for k, v in ab.items()}
+    assert fit.step(2, (1, 2), 2, 0.05) == pytest.approx(1.5 * (1.05 * 0.05 + 0.004))
+    assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001))  # the median of 4's chunks-1 cells
+    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001))  # the nearest count, chunks
+    # the form: planted as the CPU form, the CPU form predicts the left-out models exactly
+    parts = [(0.6 * uh, 0.3 * uh * (1 + m)) for (_, _, _, m, uh) in steps]
+    models = [x[3] for x in steps]
+    res = cal.fit_residual(parts, u_hat, u, wall, *args, models)
+    assert res.form == "cpu" and res.cv["cpu"] == (pytest.approx(0.0, abs=1e-9), pytest.approx(0.0, abs=1e-9))
+    assert res.cv["terms"][1] > 0.01
+    # planted as the terms' form (the step is 1.3 x compute + 0.9 x exposed, its rank CPU is noise): terms
+    terms_wall = [1.3 * c + 0.9 * e for c, e in parts]
+    noisy = [uu * (1.0 + 0.3 * math.sin(7 * i)) for i, uu in enumerate(u)]
+    res_t = cal.fit_residual(parts, u_hat, noisy, terms_wall, *args, models)
+    assert res_t.form == "terms" and res_t.anchored is not None and res_t.cv["terms"][1] < 1e-6
+    assert cal.fit_residual(parts, u_hat, u, wall, *args, [0] * len(steps)).anchored is None  # one model: nothing left out
+    # in a profile
+    four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                                 "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
+    prof = cp.ComputeProfile("p", "test", _flat(20.0).fits, processes=4, cores=2, kernel_time="cpu",
+                             sync=cp.SyncFit(100e-6), step_residual=res)
+    base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), dataclasses.replace(prof, step_residual=None))
+    est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+    assert est.step_s == pytest.approx(2.4 * (1.2 * base.cpu_s + 0.001))
+    assert est.residual_s == pytest.approx(est.step_s - base.step_s) and est.cpu_s == base.cpu_s
+    assert "step / rank CPU" in est.calibration and "form 'cpu' chosen on the probe models left out" in est.calibration
+    cfg = json.loads(json.dumps(prof.to_config()))
+    assert cfg["step_residual"]["form"] == "cpu" and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4)
+    back = cp.ComputeProfile.from_config(cfg).step_residual
+    assert back.form == "cpu" and back.anchored.cpu[4][1] == pytest.approx(ab[4, 1], rel=1e-5)
+    assert back.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(res.cpu_step(4, (2, 2), 1, 0.05), rel=1e-5)
+    slow = prof.at_speed(cp.HostSpeed(1.0, 2.0)).step_residual
+    assert slow.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(2.4 * (1.2 * 0.05 + 0.002))
+    with pytest.raises(ConfigError, match=r"step_residual: cpu_ratio"):
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_ratio": {4: {"2x2/c1": -1}}}})
+    with pytest.raises(ConfigError, match=r"step residual: form 'x'"):
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "form": "x"}})
+
+
 def test_a_collective_in_flight_takes_the_loops_unhidden_share_of_the_overlap():
     """The compute overlapping a collective in flight is late by ``1 - hidden`` of that overlap
     (the collective-during-compute loops' share) wherever the profile has those loops, whatever

@@ -5,6 +5,7 @@ read from a topology's ``device.compute`` or derived from its spec."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -115,6 +116,57 @@ def _nearest(values: Mapping[int, Any], key: int) -> Any:
     return values[min(values, key=lambda n: (abs(n - key), -n))]
 
 
+def cell_key(mesh: Mesh, chunks: int) -> str:
+    """A (mesh, chunk count) cell's name in :class:`CpuStep` and its YAML: ``"2x1/c2"``."""
+    return f"{mesh[0]}x{mesh[1]}/c{chunks}"
+
+
+@dataclass(frozen=True)
+class CpuStep:
+    """The step as a multiple of one rank's CPU (docs/step-time.md, run 16): on a host whose
+    processes share its cores, a step is every rank's CPU work plus waits that keep a share of
+    it per (mesh, chunk count) cell; the probes' own training steps (:class:`StepResidual`'s)
+    measured that share as ``step / rank CPU`` within ±5 % across six probe models of 10-90 ms
+    (``diagnosis/e14.json``), and the validation models' steps within ±13 % of it in every grid
+    of runs 12-15 — what the terms' timeline does not reproduce (the waits depend on which
+    rank's work the others wait for). So the step is ``ratio[P][cell] × (a·CPU + b)``: ``CPU``
+    the model's predicted CPU of a rank (:attr:`~atp_pipeline.planning.steptime.StepEstimate.cpu_s`:
+    its compute and its collectives' backend CPU), ``a, b`` per process count and chunk count
+    what the probes' measured rank CPU was against that prediction (relative non-negative least
+    squares), ``ratio`` the median of their measured step over their measured rank CPU per cell.
+    A cell not calibrated takes the median over its process count's cells of its chunk count
+    (else of all its cells); a process count not calibrated the nearest one's (ties: the larger)."""
+
+    ratio: Mapping[int, Mapping[str, float]]  # processes -> cell_key -> step / rank CPU
+    cpu: Mapping[int, Mapping[int, Tuple[float, float]]]  # processes -> chunks -> (a, b seconds)
+
+    def _count(self, processes: int) -> int:
+        return min(self.ratio, key=lambda n: (abs(n - processes), -n))
+
+    def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> float:
+        """The step of a rank whose predicted CPU is ``cpu_s`` on ``mesh`` at ``chunks`` among ``processes``."""
+        p = self._count(processes)
+        cells = self.ratio[p]
+        if p == processes and cell_key(mesh, chunks) in cells:
+            g = cells[cell_key(mesh, chunks)]
+        else:
+            same = [v for k, v in cells.items() if k.endswith(f"/c{chunks}")] or list(cells.values())
+            g = statistics.median(same)
+        a, b = _nearest(self.cpu.get(p) or _nearest(self.cpu, p), chunks)
+        return g * (a * cpu_s + b)
+
+    def at_speed(self, overhead: float) -> "CpuStep":
+        """The same with the CPU offsets ``b`` at the host's per-call speed now (:class:`HostSpeed`)."""
+        return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()})
+
+    def describe(self) -> str:
+        def one(p: int) -> str:
+            cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms (chunks {c})" for c, (a, b) in sorted(self.cpu.get(p, {}).items()))
+            cells = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.ratio[p].items()))
+            return f"{p} processes: rank CPU {cpu}; step / rank CPU {cells}"
+        return "the step from a rank's CPU (" + "; ".join(one(p) for p in sorted(self.ratio)) + ")"
+
+
 @dataclass(frozen=True)
 class StepResidual:
     """What a whole step takes beyond the terms' sum, per process count ``P`` and chunk count
@@ -136,6 +188,18 @@ class StepResidual:
     compute: Mapping[int, Mapping[int, float]]
     exposed: Mapping[int, Mapping[int, float]]
     steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each process count's factors are fitted over
+    #: the step from a rank's CPU (run 16), fitted over the same probe steps; where set and
+    #: ``form == "cpu"`` it gives the step instead of the two factors
+    anchored: Optional[CpuStep] = None
+    form: str = "terms"
+    #: each form's error on the probe models left out of its fit in turn (median, worst), the
+    #: choice of ``form`` (run 16: leave-one-probe-model-out at calibration)
+    cv: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.form not in RESIDUAL_FORMS or (self.form == "cpu" and self.anchored is None):
+            raise ConfigError(f"step residual: form '{self.form}' (one of {', '.join(RESIDUAL_FORMS)}; "
+                              f"'cpu' with its fit)")
 
     def at(self, processes: int, chunks: int = 1) -> Tuple[float, float]:
         """``(compute, exposed)`` factors at ``processes`` and ``chunks``."""
@@ -145,7 +209,8 @@ class StepResidual:
         comp = _nearest(self.compute[p], chunks)
         return comp, _nearest(self.exposed.get(p) or self.compute[p], chunks)
 
-    def describe(self, processes: Optional[int] = None, chunks: Optional[int] = None) -> str:
+    def describe(self, processes: Optional[int] = None, chunks: Optional[int] = None, source: bool = True) -> str:
+        """What the residual is (``source``: and that the probes' steps fitted it)."""
         def per_chunks(p: int) -> str:
             return ", ".join(f"compute x{c:.3f}, exposed x{_nearest(self.exposed.get(p) or self.compute[p], k):.3f}"
                              + (f" (chunks {k})" if len(self.compute[p]) > 1 else "")
@@ -157,7 +222,20 @@ class StepResidual:
                                                                        and chunks not in self.compute[processes])):
             a, b = self.at(processes, chunks or 1)
             at = f"; {processes} processes{f', chunks {chunks}' if chunks else ''} not calibrated: the nearest count's (x{a:.3f}, x{b:.3f})"
-        return f"step residual {counts} (fitted over the probes' own steps){at}"
+        fitted = " (fitted over the probes' own steps)" if source else ""
+        head = f"step residual {counts}{fitted}{at}"
+        cv = "; ".join(f"{f} {m:.1%} / {w:.1%}" for f, (m, w) in sorted(self.cv.items()))
+        if self.form == "cpu" and self.anchored is not None:
+            head = f"step residual: {self.anchored.describe()} [{head}]"
+        return head + (f"; form '{self.form}' chosen on the probe models left out in turn (median / worst: {cv})"
+                       if cv else "")
+
+    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> Optional[float]:
+        """The step from a rank's CPU where that form is chosen (:class:`CpuStep`), else None."""
+        return self.anchored.step(processes, mesh, chunks, cpu_s) if self.form == "cpu" and self.anchored else None
+
+
+RESIDUAL_FORMS = ("terms", "cpu")
 
 
 NO_RESIDUAL_NOTE = ("no step residual (a calibration from before it: the step is the terms' sum, without the "
@@ -301,6 +379,11 @@ class ComputeProfile:
         (:class:`StepResidual`; 1 and 1 without one)."""
         return (1.0, 1.0) if self.step_residual is None else self.step_residual.at(processes, chunks)
 
+    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> Optional[float]:
+        """The step from a rank's CPU ``cpu_s`` where the residual's chosen form is that
+        (:class:`CpuStep`), else None (the terms' step with :meth:`residual_factors`)."""
+        return None if self.step_residual is None else self.step_residual.cpu_step(processes, mesh, chunks, cpu_s)
+
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
         """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
         every kernel price (measured points, fits; the peak throughput inversely) x ``speed.compute``;
@@ -319,8 +402,12 @@ class ComputeProfile:
         if cc is not None:
             cc = CollectiveCPU(dict(cc.busy), {k: v * o for k, v in cc.per_call.items()},
                                {k: v * o for k, v in cc.per_byte.items()})
+        sr = self.step_residual
+        if sr is not None and sr.anchored is not None:
+            sr = replace(sr, anchored=sr.anchored.at_speed(o))
         return replace(self, fits=fits, points={k: t * c for k, t in self.points.items()},
-                       peak_flops=self.peak_flops / c, framework=fw, sync=sync, collective_cpu=cc, speed=speed)
+                       peak_flops=self.peak_flops / c, framework=fw, sync=sync, collective_cpu=cc, speed=speed,
+                       step_residual=sr)
 
     def __post_init__(self) -> None:
         if self.kernel_time not in KERNEL_TIMES:
@@ -567,7 +654,7 @@ class ComputeProfile:
             step_residual = None
             if data.get("step_residual"):
                 rd = data["step_residual"]
-                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps"})
+                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps", "form", "cpu_ratio", "cpu_fit", "cv"})
                 if extra:
                     raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
                 def by_chunks(v: Any) -> Dict[int, float]:  # run 13: one factor for every chunk count
@@ -580,7 +667,22 @@ class ComputeProfile:
                         for d in (comp, expo) for k, vs in d.items() for c, v in vs.items()):
                     raise ConfigError(f"{where}.step_residual: compute and exposed: the same processes >= 1 -> "
                                       f"[chunks >= 1 ->] finite factor >= 0, got {comp}, {expo}")
-                step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()})
+                anchored = None
+                if rd.get("cpu_ratio"):  # run 16: the step from a rank's CPU
+                    ratio = {int(p): {str(k): float(v) for k, v in dict(cells).items()}
+                             for p, cells in dict(rd["cpu_ratio"]).items()}
+                    fit = {int(p): {int(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
+                           for p, per in dict(rd.get("cpu_fit") or {}).items()}
+                    if not fit or not all(v > 0 and math.isfinite(v) for cells in ratio.values() for v in cells.values()) \
+                            or not all(math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0
+                                       for per in fit.values() for a, b in per.values()):
+                        raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
+                                          f"> 0 and cpu_fit: processes -> chunks -> [factor >= 0, microseconds >= 0], "
+                                          f"got {ratio}, {fit}")
+                    anchored = CpuStep(ratio, fit)
+                cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
+                step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()},
+                                             anchored, str(rd.get("form", "terms")), cv)
             return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
                        processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
                        framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
@@ -633,9 +735,25 @@ class ComputeProfile:
                                              for p, fs in sorted(getattr(self.step_residual, part).items())}
                                       for part in ("compute", "exposed")} | {
                                       **({"probe_steps": {int(p): int(n) for p, n in sorted(self.step_residual.steps.items())}}
-                                         if self.step_residual.steps else {})}}
+                                         if self.step_residual.steps else {}),
+                                      **self._anchored_config(g)}}
                    if self.step_residual is not None else {}),
                 "points": [[k, list(d), g(s * 1e6)] for (k, d), s in sorted(self.points.items())]}
+
+    def _anchored_config(self, g: Any) -> Dict[str, Any]:
+        """The residual's form, its CPU-anchored fit and their left-out errors, as YAML."""
+        sr = self.step_residual
+        if sr is None:
+            return {}
+        out: Dict[str, Any] = {"form": sr.form} if sr.form != "terms" else {}
+        if sr.anchored is not None:
+            out["cpu_ratio"] = {int(p): {k: g(v) for k, v in sorted(cells.items())}
+                                for p, cells in sorted(sr.anchored.ratio.items())}
+            out["cpu_fit"] = {int(p): {int(c): [g(a), g(b * 1e6)] for c, (a, b) in sorted(per.items())}
+                              for p, per in sorted(sr.anchored.cpu.items())}
+        if sr.cv:
+            out["cv"] = {f: [g(m), g(w)] for f, (m, w) in sorted(sr.cv.items())}
+        return out
 
     @classmethod
     def from_spec(cls, device: Mapping[str, Any]) -> Optional["ComputeProfile"]:

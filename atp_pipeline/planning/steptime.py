@@ -74,7 +74,10 @@ larger of that timeline and the ranks' CPU over the cores (``host_bound``; its c
 the shared speed). Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
 what the probe models' own steps took beyond the terms' sum at the calibration, per process
 count and chunk count a factor on the compute and one on the exposed communication) scales that
-step's two parts; ``residual_s`` is the difference.
+step's two parts — or, where the calibration chose that form on probe models left out of the fit
+(:class:`~atp_pipeline.planning.compute_profile.CpuStep`, run 16), the step is the probes' measured
+step-to-rank-CPU ratio of the (mesh, chunk count) cell times the rank's predicted CPU as the probes'
+measured CPU was to it; ``residual_s`` is the difference.
 ``exposed = step - compute - residual`` is the communication the user pays;
 ``total_comm`` is what Eq. 2-style sums would charge.
 Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
@@ -324,8 +327,13 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
     # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
     # exposed communication; 1 and 1 without one)
-    fc, fe = profile.residual_factors(processes, setting.chunks)
-    residual = compute * (fc - 1.0) + (path - compute) * (fe - 1.0)
+    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu)
+    if anchored is not None:
+        # the residual's CPU form (CpuStep): the step as the probes' steps were to their rank's CPU
+        residual = anchored - path
+    else:
+        fc, fe = profile.residual_factors(processes, setting.chunks)
+        residual = compute * (fc - 1.0) + (path - compute) * (fe - 1.0)
     step = path + residual + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None

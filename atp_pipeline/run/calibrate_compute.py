@@ -32,7 +32,10 @@ sequence lengths the calibration never ran):
   closing barrier, as the validation times a step) on ``world`` and on 2 processes, against
   the step the rest of the profile predicts for them: per process count and chunk count a
   factor on the predicted compute and one on the exposed communication (:class:`StepResidual`),
-  what the terms' sum misses of a step.
+  what the terms' sum misses of a step; and the step from a rank's CPU (:class:`CpuStep`: the
+  probes' measured step over their measured rank CPU per mesh and chunk count, their measured
+  rank CPU against the predicted one), the form kept being the one that predicts better the
+  probe models left out of the fit in turn (:func:`fit_residual`).
 
 **Concurrency and load.** Training runs ``world`` processes on this host at once, every rank
 running the same kernel at the same time; so everything is timed that way: ``--world``
@@ -71,8 +74,8 @@ import numpy as np
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
-from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, Framework, KindFit, Probe,
-                                                   StepResidual, SyncFit, shape_key)
+from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, CpuStep, Framework, KindFit, Mesh,
+                                                   Probe, StepResidual, SyncFit, cell_key, shape_key)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
                                            Kernel)
 from atp_pipeline.planning.step_program import all_items, build_program
@@ -715,6 +718,67 @@ def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[f
     return StepResidual(comp, expo, {n: sum(len(p) for p in per.values()) for n, per in sorted(by.items())})
 
 
+def fit_cpu_step(cpu_pred: Sequence[float], cpu_meas: Sequence[float], measured: Sequence[float],
+                 processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int]) -> Optional[CpuStep]:
+    """:class:`CpuStep` from the probes' own training steps: per process count and (mesh, chunk
+    count) cell the median of measured step / measured rank CPU; per process count and chunk count
+    the measured rank CPU ``U`` against the predicted ``Û`` as ``U = a·Û + b`` (relative non-negative
+    least squares; with fewer than 3 steps, or no fit with ``a > 0``, ``a`` the median of ``U / Û``
+    and ``b = 0``). None without a step whose three times are all measured."""
+    ratio: Dict[int, Dict[str, List[float]]] = {}
+    cpu: Dict[int, Dict[int, List[Tuple[float, float]]]] = {}
+    for u_hat, u, t, n, mesh, k in zip(cpu_pred, cpu_meas, measured, processes, meshes, chunks):
+        if u_hat > 0 and u > 0 and t > 0:
+            ratio.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append(t / u)
+            cpu.setdefault(int(n), {}).setdefault(int(k), []).append((u_hat, u))
+    if not ratio:
+        return None
+    fits: Dict[int, Dict[int, Tuple[float, float]]] = {}
+    for n, per in cpu.items():
+        for k, pts in per.items():
+            a = b = 0.0
+            if len(pts) >= 3:
+                a, b = nnls(np.array([[uh / u, 1.0 / u] for uh, u in pts]), np.ones(len(pts)))
+            if not a > 0:
+                a, b = statistics.median(u / uh for uh, u in pts), 0.0
+            fits.setdefault(n, {})[k] = (float(a), float(b))
+    return CpuStep({n: {c: statistics.median(v) for c, v in sorted(cells.items())} for n, cells in sorted(ratio.items())},
+                   {n: dict(sorted(per.items())) for n, per in sorted(fits.items())})
+
+
+def fit_residual(parts: Sequence[Tuple[float, float]], cpu_pred: Sequence[float], cpu_meas: Sequence[float],
+                 measured: Sequence[float], processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int],
+                 models: Sequence[int]) -> Optional[StepResidual]:
+    """The :class:`StepResidual` of the probes' own steps in both forms — the terms' two factors
+    (:func:`fit_step_residual`) and the step from a rank's CPU (:func:`fit_cpu_step`) — and the form
+    that predicts better the probe *models* left out of the fit, one at a time (``models``: each
+    step's probe model; the root mean square of the relative errors over every left-out step; the
+    terms' form where there are fewer than two models or no CPU measured). Both forms' left-out
+    errors (median, worst) are kept in ``cv``."""
+    terms = fit_step_residual(parts, measured, processes, chunks)
+    anchored = fit_cpu_step(cpu_pred, cpu_meas, measured, processes, meshes, chunks)
+    if terms is None or anchored is None or len(set(models)) < 2:
+        return terms
+    errs: Dict[str, List[float]] = {"terms": [], "cpu": []}
+    idx = range(len(measured))
+    for m in sorted(set(models)):
+        keep = [i for i in idx if models[i] != m]
+        sub = lambda xs: [xs[i] for i in keep]  # noqa: E731
+        t_fit = fit_step_residual(sub(parts), sub(measured), sub(processes), sub(chunks))
+        c_fit = fit_cpu_step(sub(cpu_pred), sub(cpu_meas), sub(measured), sub(processes), sub(meshes), sub(chunks))
+        for i in idx:
+            if models[i] != m or not measured[i] > 0 or t_fit is None or c_fit is None:
+                continue
+            fc, fe = t_fit.at(processes[i], chunks[i])
+            errs["terms"].append((fc * parts[i][0] + fe * parts[i][1]) / measured[i] - 1.0)
+            errs["cpu"].append(c_fit.step(processes[i], meshes[i], chunks[i], cpu_pred[i]) / measured[i] - 1.0)
+    if not errs["cpu"]:
+        return terms
+    rms = {f: math.sqrt(statistics.fmean(e * e for e in v)) for f, v in errs.items()}
+    cv = {f: (statistics.median(abs(e) for e in v), max(abs(e) for e in v)) for f, v in errs.items()}
+    return dataclasses.replace(terms, anchored=anchored, form=min(rms, key=lambda f: (rms[f], f != "terms")), cv=cv)
+
+
 def residual_counts(world: int) -> List[int]:
     """The process counts the probes' whole steps are timed at for :class:`StepResidual`: the
     calibration's ``world`` and 2 (the smallest run with collectives)."""
@@ -1002,11 +1066,13 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     # the probes' whole steps on the other process counts of the step residual (their own launch each;
     # a quick calibration: the world's only)
     live_wall = [t.wall for t in timed[len(kernels) + len(plans) + len(patterns):]]
+    live_cpu = [t.cpu for t in timed[len(kernels) + len(plans) + len(patterns):]]
     live_at = [run.world] * len(live)
     for count in ([] if run.quick or not live else [c for c in residual_counts(run.world) if c != run.world]):
         extra = plan_points(shapes, count, run.chunks)
         _, timed_c, _ = measure_all([], count, run.passes, run.batch_ms, models=[spec for _, spec in built], live=extra)
         live, live_wall, live_at = [*live, *extra], [*live_wall, *(t.wall for t in timed_c)], [*live_at, *[count] * len(extra)]
+        live_cpu = [*live_cpu, *(t.cpu for t in timed_c)]
         if progress is not None:
             progress(f"probe steps on {count} processes", 1, 1)
     nk, npl, npa = len(kernels), len(plans), len(patterns)
@@ -1033,8 +1099,9 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         # the step residual: the probes' whole steps against this profile's prediction of them (an
         # end-to-end check of the terms, and what they miss of a step, fitted from probes only)
         predicted = probe_step_predictions(profile, topo, shapes, live)
-        residual = fit_step_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], live_wall, live_at,
-                                     [c for _, _, _, c in live])
+        residual = fit_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], [e.cpu_s for e in predicted],
+                                live_cpu, live_wall, live_at, [(d1, d2) for _, d1, d2, _ in live],
+                                [c for _, _, _, c in live], [mi for mi, _, _, _ in live])
         extra_probes = probe_records(probe_names, shapes, [pl for pl, n in zip(live, live_at) if n != run.world],
                                      with_processes=True)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
@@ -1045,7 +1112,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         load += (f"; the probes' own training steps (collectives, optimizer, a closing barrier; in sample) measured "
                  f"{'/'.join(f'x{f:.3f} ({n} processes)' for n, f in ratio.items())} the terms' sum (median; "
                  f"error median {statistics.median(raw):.1%}, worst {max(raw):.1%}): the "
-                 + residual.describe().partition(" (fitted over")[0]
+                 + residual.describe(source=False)
                  + f"; with it median error {statistics.median(errs):.1%}, worst {max(errs):.1%}") if residual is not None else ""
     return dataclasses.replace(profile, source=profile.source + load)
 
