@@ -32,6 +32,11 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     prof = cp.ComputeProfile.from_config(__import__("yaml").safe_load(path.read_text())["device"]["compute"])
     assert prof.processes == 2 and set(prof.contention) == {1, 2} and prof.framework is not None
     assert {p.name for p in prof.probes} == {"probe_gpt_s"} and prof.date
+    steps = json.loads((tmp_path / "local_probe_steps.json").read_text())  # what the step residual was fitted over
+    assert steps["profile"] == prof.name and {(r["probe"], r["processes"]) for r in steps["rows"]} == {("probe_gpt_s", 2)}
+    assert {(r["mesh"], r["chunks"]) for r in steps["rows"]} == {("2x1", 1), ("1x2", 1), ("2x1", 2), ("1x2", 2)}
+    assert all(r["measured_s"] > 0 and r["measured_cpu_s"] > 0 and r["cpu_s"] > 0 and r["predicted_s"] > 0
+               for r in steps["rows"])
     from atp_pipeline.run.calibrate_compute import REFERENCE, REFERENCE_STEP, reference_label
 
     assert {g: sorted(v) for g, v in prof.reference.items()} == {  # the host's speed at calibration

@@ -501,6 +501,10 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     assert est.step_s == pytest.approx(2.4 * (1.2 * base.cpu_s + 0.001))
     assert est.residual_s == pytest.approx(est.step_s - base.step_s) and est.cpu_s == base.cpu_s
     assert "step / rank CPU" in est.calibration and "form 'cpu' chosen on the probe models left out" in est.calibration
+    from atp_pipeline.planning.mesh_plan import residual_origin
+
+    assert residual_origin(prof, est).startswith("the step from a rank's CPU")  # the plan's step line says which form
+    assert residual_origin(dataclasses.replace(prof, step_residual=res_t), est).startswith("the calibration's probe steps")
     cfg = json.loads(json.dumps(prof.to_config()))
     assert cfg["step_residual"]["form"] == "cpu" and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4)
     back = cp.ComputeProfile.from_config(cfg).step_residual

@@ -169,6 +169,15 @@ class MeshPlan:
         }
 
 
+def residual_origin(profile: Any, st: Any) -> str:
+    """Where a prediction's step residual comes from, in words (the residual's form, run 16)."""
+    sr = getattr(profile, "step_residual", None)
+    if sr is not None and sr.form == "cpu":
+        return (f"the step from a rank's CPU, {fmt_seconds(st.cpu_s)} predicted, as the calibration's probe steps "
+                f"were to theirs: waits, barriers, run queue")
+    return "the calibration's probe steps: barriers, run queue"
+
+
 def _gbps(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -219,8 +228,8 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
                       f"{plan.setting.chunks}, §4.2 backward overlap)"
                       + (f" + gradient sync {fmt_seconds(st.gradsync_s)} ({plan.setting.aggregation}, "
                          f"dp={plan.setting.dp})" if st.gradsync_s else "")
-                      + (f" + step residual {fmt_seconds(st.residual_s)} (the calibration's probe steps: barriers, "
-                         f"run queue)" if st.residual_s else "")
+                      + (f" + step residual {fmt_seconds(st.residual_s)} ({residual_origin(plan.profile, st)})"
+                         if st.residual_s else "")
                       + f"; {st.tokens_per_s:,.0f} tokens/s"
                       + ("" if st.mfu is None else f", MFU {st.mfu:.1%}")
                       + (f"; bound by the host: every rank's CPU ({fmt_seconds(st.cpu_s)} each) over its "

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import json
 import math
 import platform
 import statistics
@@ -779,6 +780,20 @@ def fit_residual(parts: Sequence[Tuple[float, float]], cpu_pred: Sequence[float]
     return dataclasses.replace(terms, anchored=anchored, form=min(rms, key=lambda f: (rms[f], f != "terms")), cv=cv)
 
 
+def probe_step_rows(probe_names: Sequence[str], plans: Sequence[Plan], processes: Sequence[int],
+                    wall: Sequence[float], cpu: Sequence[float], terms: Sequence[Any], final: Sequence[Any]
+                    ) -> List[Dict[str, Any]]:
+    """One row per probe step the step residual was fitted over: its probe, process count, mesh and
+    chunks, its measured wall and rank CPU, the terms' prediction (``terms``: compute, exposed, the
+    rank's CPU, the step) and the profile's with the residual (``final``) — what a later diagnosis
+    of the residual's forms needs (the calibration's ``<topology>_probe_steps.json``)."""
+    return [{"probe": probe_names[mi] if mi < len(probe_names) else f"probe{mi}", "processes": n,
+             "mesh": f"{d1}x{d2}", "chunks": c, "measured_s": t, "measured_cpu_s": u,
+             "compute_s": e.compute_s, "exposed_s": e.exposed_comm_s, "cpu_s": e.cpu_s, "terms_s": e.step_s,
+             "predicted_s": f.step_s}
+            for (mi, d1, d2, c), n, t, u, e, f in zip(plans, processes, wall, cpu, terms, final)]
+
+
 def residual_counts(world: int) -> List[int]:
     """The process counts the probes' whole steps are timed at for :class:`StepResidual`: the
     calibration's ``world`` and 2 (the smallest run with collectives)."""
@@ -1012,9 +1027,10 @@ class ComputeRun:
 
 
 def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
-                      progress: Optional[Any] = None) -> ComputeProfile:
+                      progress: Optional[Any] = None, probe_steps: Optional[Path] = None) -> ComputeProfile:
     """Measure and fit a compute profile for ``topo`` (its α-β prices the loops' collectives).
-    ``progress(phase, done, total)``, if given, is called as measurements finish."""
+    ``progress(phase, done, total)``, if given, is called as measurements finish; ``probe_steps``:
+    a JSON file to write the probes' whole steps to (:func:`probe_step_rows`)."""
     import tempfile
     import threading
 
@@ -1106,6 +1122,10 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
                                      with_processes=True)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
         errs = probe_step_errors(profile, topo, shapes, live, live_wall)
+        if probe_steps is not None:
+            rows = probe_step_rows(probe_names, live, live_at, live_wall, live_cpu, predicted,
+                                   probe_step_predictions(profile, topo, shapes, live))
+            probe_steps.write_text(json.dumps({"profile": name, "date": profile.date, "rows": rows}, indent=1) + "\n")
         raw = [abs(p.step_s - t) / t for p, t in zip(predicted, live_wall)]
         ratio = {n: statistics.median(t / p.step_s for p, t, m in zip(predicted, live_wall, live_at) if m == n)
                  for n in sorted(set(live_at))}

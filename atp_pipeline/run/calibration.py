@@ -18,7 +18,9 @@ training runs them; a progress bar):
 **Write** ``<calibration.dir>/<topology>.yaml``: the topology with the fitted bandwidths and
 ``alpha_beta`` and ``device.compute`` = the profile (its date, host and probes in it), plus
 the collective fit's report beside it (``<topology>_collectives.{json,csv,png}``… as
-:func:`~atp_pipeline.planning.alphabeta_fit.write_report` names them).
+:func:`~atp_pipeline.planning.alphabeta_fit.write_report` names them) and the probes' whole steps
+the step residual was fitted over (``<topology>_probe_steps.json``: measured wall and rank CPU, the
+terms' prediction and the final one, per probe step).
 
 **Find** (:func:`with_calibration`): a topology with neither ``alpha_beta`` nor
 ``device.compute`` of its own takes the file's when ``calibration.use`` and the file's levels
@@ -186,7 +188,9 @@ def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
         calibrated = dict(res.topology)
         calibrated["description"] = topo.description
         with_ab = Topology.from_config(calibrated)
-        profile = calibrate_compute(run, with_ab, f"{topo.name}@{_host()}", progress=bar)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        profile = calibrate_compute(run, with_ab, f"{topo.name}@{_host()}", progress=bar,
+                                    probe_steps=out.parent / f"{topo.name}_probe_steps.json")
     calibrated["device"] = {**dict(topo.device), "compute": profile.to_config()}
     write_topology(calibrated, out, f"# Calibration of topology '{topo.name}' on {_host()} by `python train.py "
                                     f"stage=calibrate` ({profile.date}, issue 27); stage=plan and stage=fit read it\n"
