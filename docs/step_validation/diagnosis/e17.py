@@ -32,3 +32,27 @@ for name,(K,f) in variants.items():
         e=[abs(ratio[K3(r)]*(fit[K(r)][0]*r['predicted_rank_cpu_s']+fit[K(r)][1])/r['measured_s']-1) for r in rows]
         out.append(f"{t} {st.median(e):.1%}/{max(e):.1%} n>25 {sum(x>.25 for x in e)}")
     print(f"{name:30s}", ' | '.join(out))
+
+print('\nThe rank CPU split into its compute and its collectives\' backend CPU, a factor on each (+ an offset), fitted on the same probes:')
+def split(cpu, comp, P, hb=None):
+    if hb is None: hb = P==4 and comp > cpu  # host-bound rows carry compute x processes/cores
+    k = comp/2 if (P==4 and hb) else comp
+    return k, cpu-k
+def group(rows,K):
+    d={}
+    for r in rows: d.setdefault(K(r),[]).append(r)
+    return d
+for r in probes: r['k'],r['c']=split(r['cpu_s'],r['compute_s'],r['processes'])
+print("probe coll share", {k: round(st.median(r['c']/r['cpu_s'] for r in v),2) for k,v in group(probes,K3).items()})
+for r in sum(grids.values(),[]): r['k'],r['c']=split(r['predicted_rank_cpu_s'],r['predicted_compute_s'],r['processes'],r['predicted_host_bound'])
+def fit3(v, offset):
+    A=np.array([[r['k']/r['measured_cpu_s'], r['c']/r['measured_cpu_s']]+([1/r['measured_cpu_s']] if offset else []) for r in v]); x=nnls(A,np.ones(len(v))); return list(x)+([] if offset else [0.0])
+for offset in (False, True):
+  for kn,K in [('P,c',K2),('P',lambda r:r['processes'])]:
+    fit={k:fit3(v,offset) for k,v in group(probes,K).items()}
+    print(kn, 'offset' if offset else '', {k:[round(x,3) for x in v] for k,v in fit.items()})
+    out=[]
+    for t,rows in grids.items():
+        e=[abs(ratio[K3(r)]*(fit[K(r)][0]*r['k']+fit[K(r)][1]*r['c']+fit[K(r)][2])/r['measured_s']-1) for r in rows]
+        out.append(f"{t} {st.median(e):.1%}/{max(e):.1%} n>25 {sum(x>.25 for x in e)}")
+    print('   ', ' | '.join(out))
