@@ -93,10 +93,47 @@ class SMLSwitchJob:
         #: the shared-memory transport: each worker's ``(2, pool, k)`` lanes, worker-id order (a
         #: packet with :data:`SHM_FLAG` contributes ``lanes[worker][ver, slot]``)
         self.lanes = lanes
-        self.count = [0] * (2 * pool)
-        self.seen = [0] * (2 * pool)  # bitmaps per slot-version
-        self.exp = [0] * (2 * pool)  # max of the contributions' exponents per slot-version
+        self._count = [0] * (2 * pool)
+        self._seen = [0] * (2 * pool)  # bitmaps per slot-version
+        self._exp = [0] * (2 * pool)  # max of the contributions' exponents per slot-version
+        #: the same three as int64 arrays while the array form (:meth:`SMLSwitch._batch_arrays`) keeps them
+        #: (then the lists are stale until :attr:`seen`, :attr:`count` or :attr:`exp` is read; issue 28, pass 8:
+        #: converting them to arrays and back cost ~75 us a batch, ~0.5 ms a sync at 2,048 values a packet)
+        self._arr: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self.stats = dict(merged=0, complete=0, result_unicast=0, dropped=0)
+
+    @property
+    def count(self) -> List[int]:
+        """Contributions so far (mod ``W``) per slot-version."""
+        if self._arr is not None:
+            self._to_lists()
+        return self._count
+
+    @property
+    def seen(self) -> List[int]:
+        """The bitmap of workers that contributed, per slot-version."""
+        if self._arr is not None:
+            self._to_lists()
+        return self._seen
+
+    @property
+    def exp(self) -> List[int]:
+        """The max of the contributions' exponents, per slot-version."""
+        if self._arr is not None:
+            self._to_lists()
+        return self._exp
+
+    def arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(seen, count, exp)`` as int64 arrays to read and update in place (the lists follow when next read)."""
+        if self._arr is None:
+            self._arr = (np.array(self._seen, dtype=np.int64), np.array(self._count, dtype=np.int64),
+                         np.array(self._exp, dtype=np.int64))
+        return self._arr
+
+    def _to_lists(self) -> None:
+        s, c, e = self._arr  # type: ignore[misc]
+        self._arr = None
+        self._seen, self._count, self._exp = s.tolist(), c.tolist(), e.tolist()
 
     @property
     def values(self) -> np.ndarray:
@@ -204,29 +241,31 @@ class SMLSwitch:
         pending: set = set()  # job << 32 | slot-version, with pending lane work or a pending read
         jobs = self.jobs
         track = len(job) > 1  # (a batch of one has nothing pending before its packet)
+        cur = None  # the job whose state lists are at hand (seen, count, exps)
         for j in range(len(job)):
             js = jobs.get(job[j])
             i, w = slot[j], worker[j]
             if js is None or is_result[j] or not 0 <= i < js.pool or not 0 <= w < js.W:
                 self.unknown += 1
                 continue
+            if js is not cur:
+                cur, seen, count, exps = js, js.seen, js.count, js.exp
             v = ver[j]
             vi, bit, st = v * js.pool + i, 1 << w, js.stats
-            seen = js.seen
             if not seen[vi] & bit:
                 seen[vi] |= bit
                 seen[vi + js.pool if v == 0 else vi - js.pool] &= ~bit  # the slot's other version
-                c = js.count[vi] = (js.count[vi] + 1) % js.W
+                c = count[vi] = (count[vi] + 1) % js.W
                 if c == 1 or js.W == 1:  # the slot-version's first contribution: its sum starts here
                     if track and js.job << 32 | vi in pending:  # its last use is still pending here: do it first
                         self._sum(ops, reads, out)
                         pending.clear()
                     kind = _NONE if empty[j] else _SET
-                    js.exp[vi] = exp[j]
+                    exps[vi] = exp[j]
                 else:
                     kind = _NONE if empty[j] else _ADD
-                    if exp[j] > js.exp[vi]:
-                        js.exp[vi] = exp[j]
+                    if exp[j] > exps[vi]:
+                        exps[vi] = exp[j]
                 if kind:
                     key = (kind, js.job, w)
                     got = ops.get(key)
@@ -240,10 +279,10 @@ class SMLSwitch:
                 if c:
                     continue
                 st["complete"] += 1
-                out.append((j, -1, js.exp[vi], None))
-            elif js.count[vi] == 0:  # complete: a retransmission gets the result by unicast
+                out.append((j, -1, exps[vi], None))
+            elif count[vi] == 0:  # complete: a retransmission gets the result by unicast
                 st["result_unicast"] += 1
-                out.append((j, w, js.exp[vi], None))
+                out.append((j, w, exps[vi], None))
             else:
                 st["dropped"] += 1
                 continue
@@ -312,17 +351,16 @@ class SMLSwitch:
         if len(uv) > 1 and np.isin(other, uv, assume_unique=True).any():  # a slot in both versions
             return False
         whole = 2 * pool <= WHOLE_STATE * m
-        if whole:
-            seen_a = np.array(js.seen, dtype=np.int64)
-            cnt_a = np.array(js.count, dtype=np.int64)
-            exp_a = np.array(js.exp, dtype=np.int64)
+        if whole:  # (kept as arrays between batches: SMLSwitchJob.arrays)
+            seen_a, cnt_a, exp_a = js.arrays()
             seen0, c0, e0, so = seen_a[uv], cnt_a[uv], exp_a[uv], seen_a[other]
         else:
             uvl, othl = uv.tolist(), other.tolist()
-            seen0 = np.array([js.seen[v] for v in uvl], dtype=np.int64)
-            c0 = np.array([js.count[v] for v in uvl], dtype=np.int64)
-            e0 = np.array([js.exp[v] for v in uvl], dtype=np.int64)
-            so = np.array([js.seen[v] for v in othl], dtype=np.int64)
+            seen_l, cnt_l, exp_l = js.seen, js.count, js.exp
+            seen0 = np.array([seen_l[v] for v in uvl], dtype=np.int64)
+            c0 = np.array([cnt_l[v] for v in uvl], dtype=np.int64)
+            e0 = np.array([exp_l[v] for v in uvl], dtype=np.int64)
+            so = np.array([seen_l[v] for v in othl], dtype=np.int64)
         gid = np.cumsum(first) - 1  # group of each sorted packet
         bit = np.left_shift(1, wk[order])
         if (np.bitwise_or.reduceat(bit, starts) != np.add.reduceat(bit, starts)).any():  # a worker twice
@@ -353,10 +391,9 @@ class SMLSwitch:
         so1 = so & ~bits_new
         if whole:
             seen_a[uv], seen_a[other], cnt_a[uv], exp_a[uv] = seen1, so1, cnt1, fin
-            js.seen[:], js.count[:], js.exp[:] = seen_a.tolist(), cnt_a.tolist(), exp_a.tolist()
         else:
             for v, o, sv, ov, cv, ev in zip(uvl, othl, seen1.tolist(), so1.tolist(), cnt1.tolist(), fin.tolist()):
-                js.seen[v], js.seen[o], js.count[v], js.exp[v] = sv, ov, cv, ev
+                seen_l[v], seen_l[o], cnt_l[v], exp_l[v] = sv, ov, cv, ev
         st = js.stats
         done = new & (c == 0)
         uni = ~new & (c0g == 0)
@@ -452,18 +489,34 @@ class SMLSwitch:
 
 def _apply(todo: List[Tuple[int, int, int, np.ndarray]], vals: np.ndarray, lo: int, hi: int, step: int) -> None:
     """The lane work ``todo`` (:meth:`SMLSwitch._sum`) on register rows ``[lo, hi)``, ``step`` rows a
-    block, every call's rows of a block in ``todo``'s order."""
+    block, every call's rows of a block in ``todo``'s order — except that a first contribution and
+    the first other contribution over the same rows of a block are one call, ``rows = a + b``
+    (issue 28, pass 8: the copy of the first lanes cost a pass over the block; integer sums are
+    exact and every ``_SET`` of a row precedes its ``_ADD``\ s in ``todo`` — sorted by kind, and a
+    row restarts only after its result has left, when the work is done —, so the sums are the
+    same bits)."""
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
+        ops = []
         for kind, v0, m, src in todo:
             a, b = max(r0, v0), min(r1, v0 + m)
-            if a >= b:
+            if a < b:
+                ops.append((kind, a, b, src[a - v0:b - v0]))
+        fused = set()
+        for i, (kind, a, b, src) in enumerate(ops):
+            if i in fused:
                 continue
             dst = vals[a:b]
-            if kind == _SET:
-                dst[...] = src[a - v0:b - v0]
+            if kind != _SET:
+                np.add(dst, src, out=dst)
+                continue
+            for j in range(i + 1, len(ops)):
+                if j not in fused and ops[j][0] == _ADD and ops[j][1] == a and ops[j][2] == b:
+                    np.add(src, ops[j][3], out=dst)
+                    fused.add(j)
+                    break
             else:
-                np.add(dst, src[a - v0:b - v0], out=dst)
+                dst[...] = src
 
 
 _NONE, _SET, _ADD = 0, 1, 2  # lane work of a contribution (SMLSwitch.batch)

@@ -459,3 +459,6 @@ def test_spin_drain_returns_what_arrives_and_gives_up_in_time():
 
     cores = len(os.sched_getaffinity(0))
     assert frames.spin_budget(cores // 2 + 1) == 0.0 and frames.spin_budget(max(1, cores // 2)) == frames.SPIN_S
+    # the switch role's summing threads (pass 8): 2 only with a core for every process of the sync and one more
+    assert frames.cores() == cores
+    assert frames.sum_threads(cores) == 1 and frames.sum_threads(max(1, cores - 1)) == (2 if cores >= 2 else 1)

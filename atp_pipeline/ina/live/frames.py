@@ -56,11 +56,24 @@ def spin_budget(processes: int) -> float:
     datagram — on the critical path of every round trip —, and a spinning one takes a core:
     on a host with fewer cores than that (the 2-core test host) it would take it from the
     processes it waits for."""
+    return SPIN_S if cores() >= 2 * processes else 0.0
+
+
+def cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
-        cores = os.cpu_count() or 1
-    return SPIN_S if cores >= 2 * processes else 0.0
+        return os.cpu_count() or 1
+
+
+def sum_threads(processes: int) -> int:
+    """Threads the SwitchML switch role sums its lanes in (:attr:`~atp_pipeline.ina.switchml.SMLSwitch.threads`):
+    2 where the host has a core for every process taking part in a sync (``processes``: workers and
+    roles) and one more, else 1 (issue 28, pass 8). On the 2-core host, where a sync's five processes
+    already share the cores, the second thread only added CPU: the switch role used 0.3-0.7 ms more a
+    sync with it (``small``, 4 pairs, ``docs/ina_live/pass8/profile/threads.txt``)."""
+    return 2 if cores() >= processes + 1 else 1
 
 
 def spin_drain(sock: socket.socket, spin_s: float, limit: int = DRAIN) -> List[Tuple[bytes, Addr]]:

@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget
+from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget, sum_threads
 from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.shm import SharedLanes
@@ -199,7 +199,7 @@ class SMLSwitchNode(Role):
         super().__init__(fmt, **kw)  # type: ignore[arg-type]
         self.faults(loss, 0.0, seed)
         self.sml = SMLSwitch()
-        self.sml.threads = min(2, os.cpu_count() or 1)  # the lane sums in two halves at once (issue 28, pass 6)
+        self.sml.threads = 1  # (2 where the host has cores to spare: :meth:`_spin_for_routes`)
         self.routes: Dict[int, List[Addr]] = {}  # job -> worker addresses, worker-id order
         self.job_packets: Dict[int, int] = {}
         self.removed: Dict[int, int] = {}  # job -> slots freed at teardown
@@ -334,9 +334,12 @@ class SMLSwitchNode(Role):
 
     def _spin_for_routes(self) -> None:
         """The data-plane loop's busy-poll budget for the jobs installed (issue 28, pass 7;
-        :func:`~.frames.spin_budget` over this role and every worker of its jobs; none without a job)."""
+        :func:`~.frames.spin_budget` over this role and every worker of its jobs; none without a job),
+        and the threads that sum the lanes (:func:`~.frames.sum_threads`, pass 8: the lane sums in two
+        halves at once where a core is free for it)."""
         workers = sum(len(r) for r in self.routes.values())
         self.spin_s = spin_budget(1 + workers) if workers else 0.0
+        self.sml.threads = sum_threads(1 + workers) if workers else 1
 
     def op_shm(self, job: int) -> str:
         """The name of the shared-memory segment holding job ``job``'s registers (``(2, pool, K)``
