@@ -524,16 +524,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.retime == "steps":
             # the probes' whole steps (two probe models, every mesh and chunk count of w; never this grid's
             # models, meshes or batches) timed again: their measured / this calibration's prediction
-            if args.quiet_wait:
-                wait_quiet(args.quiet_wait)
+            wait_quiet(args.quiet_wait)
             probe_steps = retime_steps(calibrated, topo, w, args.conf)
             speeds.append({"before": f"{shape.name} / {w} proc.", **probe_steps.to_dict()})
             print(f"  {probe_steps.describe()}", flush=True)
         elif calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it
-            if args.quiet_wait:
-                wait_quiet(args.quiet_wait)
+            wait_quiet(args.quiet_wait)
             speed = retime(calibrated, args.conf)
             profile = calibrated.at_speed(speed)
             speeds.append({"before": f"{shape.name} / {w} proc.", **speed.to_dict()})
@@ -543,8 +541,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
-        if args.quiet_wait:  # other jobs' load: wait a while for a quiet host (rounds are checked too)
-            wait_quiet(args.quiet_wait)
+        wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
         got = ranks[0]
         times, waits = got["times"], got["waits"]

@@ -128,6 +128,9 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
     loads = iter([0.9, 0.8, 0.7])
     kept, foreign = hostload.quiet_rounds(1, 2, lambda i: i)
     assert kept == [2] and foreign == [0.7]  # never quiet: the least loaded of 1 + 2 rounds
+    # --quiet-wait 0 (or any max_s <= 0): no wait, not even one window (it had slept a 2 s window)
+    monkeypatch.setattr(hostload, "host_busy_s", lambda: (_ for _ in ()).throw(AssertionError("measured a window")))
+    assert hostload.wait_quiet(0) == 0.0 and hostload.wait_quiet(-1.0) == 0.0
 
 
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):

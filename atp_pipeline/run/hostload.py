@@ -58,7 +58,9 @@ class Round:
 def wait_quiet(max_s: float = 60.0, threshold: float = QUIET_CORES, window_s: float = 2.0) -> float:
     """Before a launch (from the parent, its own processes idle): wait until the host's busy
     CPU over a ``window_s`` window is at most ``threshold`` cores, at most ``max_s`` seconds;
-    returns the last window's load (cores)."""
+    returns the last window's load (cores). ``max_s <= 0``: no wait at all (0 returned)."""
+    if max_s <= 0:
+        return 0.0
     t_end = time.perf_counter() + max_s
     while True:
         b0, t0 = host_busy_s(), time.perf_counter()
