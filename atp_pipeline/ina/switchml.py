@@ -492,7 +492,7 @@ def _apply(todo: List[Tuple[int, int, int, np.ndarray]], vals: np.ndarray, lo: i
     block, every call's rows of a block in ``todo``'s order — except that a first contribution and
     the first other contribution over the same rows of a block are one call, ``rows = a + b``
     (issue 28, pass 8: the copy of the first lanes cost a pass over the block; integer sums are
-    exact and every ``_SET`` of a row precedes its ``_ADD``\ s in ``todo`` — sorted by kind, and a
+    exact and every ``_SET`` of a row precedes its ``_ADD`` calls in ``todo`` — sorted by kind, and a
     row restarts only after its result has left, when the work is done —, so the sums are the
     same bits)."""
     for r0 in range(lo, hi, step):
