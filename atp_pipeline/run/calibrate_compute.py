@@ -687,11 +687,10 @@ def probe_step_predictions(profile: ComputeProfile, topo: Any, shapes: Sequence[
             for mi, d1, d2, c in plans]
 
 
-def probe_step_errors(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], plans: Sequence[Plan],
-                      measured: Sequence[float]) -> List[float]:
+def probe_step_errors(predicted: Sequence[Any], measured: Sequence[float]) -> List[float]:
     """The step model's relative error on the probes' own training steps with their collectives
-    (in sample: a check of the calibration, not a validation)."""
-    return [abs(e.step_s - t) / t for e, t in zip(probe_step_predictions(profile, topo, shapes, plans), measured)]
+    (``predicted``: :func:`probe_step_predictions`; in sample: a check of the calibration, not a validation)."""
+    return [abs(e.step_s - t) / t for e, t in zip(predicted, measured)]
 
 
 def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[float],
@@ -787,7 +786,7 @@ def probe_step_rows(probe_names: Sequence[str], plans: Sequence[Plan], processes
     chunks, its measured wall and rank CPU, the terms' prediction (``terms``: compute, exposed, the
     rank's CPU, the step) and the profile's with the residual (``final``) — what a later diagnosis
     of the residual's forms needs (the calibration's ``<topology>_probe_steps.json``)."""
-    return [{"probe": probe_names[mi] if mi < len(probe_names) else f"probe{mi}", "processes": n,
+    return [{"probe": probe_names[mi], "processes": n,
              "mesh": f"{d1}x{d2}", "chunks": c, "measured_s": t, "measured_cpu_s": u,
              "compute_s": e.compute_s, "exposed_s": e.exposed_comm_s, "cpu_s": e.cpu_s, "terms_s": e.step_s,
              "predicted_s": f.step_s}
@@ -1121,12 +1120,12 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         extra_probes = probe_records(probe_names, shapes, [pl for pl, n in zip(live, live_at) if n != run.world],
                                      with_processes=True)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)
-        errs = probe_step_errors(profile, topo, shapes, live, live_wall)
+        final = probe_step_predictions(profile, topo, shapes, live)  # with the residual
+        errs = probe_step_errors(final, live_wall)
         if probe_steps is not None:
-            rows = probe_step_rows(probe_names, live, live_at, live_wall, live_cpu, predicted,
-                                   probe_step_predictions(profile, topo, shapes, live))
+            rows = probe_step_rows(probe_names, live, live_at, live_wall, live_cpu, predicted, final)
             probe_steps.write_text(json.dumps({"profile": name, "date": profile.date, "rows": rows}, indent=1) + "\n")
-        raw = [abs(p.step_s - t) / t for p, t in zip(predicted, live_wall)]
+        raw = probe_step_errors(predicted, live_wall)
         ratio = {n: statistics.median(t / p.step_s for p, t, m in zip(predicted, live_wall, live_at) if m == n)
                  for n in sorted(set(live_at))}
         load += (f"; the probes' own training steps (collectives, optimizer, a closing barrier; in sample) measured "
