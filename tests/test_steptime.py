@@ -541,6 +541,25 @@ def test_a_collective_in_flight_takes_the_loops_unhidden_share_of_the_overlap():
     assert tl.now == pytest.approx(got[0]) and tl.coll_cpu == pytest.approx(2e-6 + 0.25 * 3e-6)  # and its 3 us wait
 
 
+def test_the_pure_collective_loops_cover_small_messages_with_more_calls():
+    """The pure collective loops run on every group layout at 1 KiB to 1 MiB (small models'
+    activations are a few KiB: four calibrations fitted from 16 KiB up gave 345-535 us a
+    2-rank call), each a pass LOOP_BATCH x the calls of the other measurements."""
+    from atp_pipeline.run import calibrate_compute as cc_
+
+    pure = [p for p in cc_.sync_patterns(4) + cc_.cpu_loops(4) if p[5] == 0 and p[6] == cc_.SYNC]
+    layouts = {(d1, d2, dim) for d1, d2, dim, *_ in pure}
+    assert layouts == {(4, 1, 1), (2, 2, 1), (2, 2, 2)}
+    for layout in layouts:
+        for coll in cc_.SYNC_COLLECTIVES:
+            assert sorted(p[4] for p in pure if p[:3] == layout and p[3] == coll) == [
+                1024, 4096, 16384, 65536, 262144, 1048576]
+    assert {cc_.loop_batch(p) for p in pure} == {cc_.LOOP_BATCH} == {4}
+    assert {cc_.loop_batch(p) for p in cc_.sync_patterns(4) if p[5] > 0 or p[6] != cc_.SYNC} == {1}
+    assert cc_.calls_per_batch(10.0, 1e-3) == 10 and cc_.calls_per_batch(10.0, 1e-3, cc_.LOOP_BATCH) == 40
+    assert cc_.calls_per_batch(10.0, 0.05) == 1 and cc_.calls_per_batch(10.0, 0.0, 4) == 200
+
+
 def test_collective_cpu_per_call_and_byte_from_the_pure_collective_loops():
     """The pure collective loops (no GEMMs, every rank in them at once) give per group size a
     CPU per call and per byte; waiting costs nothing (no busy share); on the timeline a call of

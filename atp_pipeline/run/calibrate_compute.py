@@ -24,7 +24,9 @@ sequence lengths the calibration never ran):
   blocking all-reduce / all-gather (``m`` = 0, 1, 4, 16; 16 KiB and 256 KiB): what a loop
   takes over the profile's compute plus the topology's α-β is fitted as ``α + r·compute``;
   the same loops with the collective launched before the GEMMs and waited after give the
-  share of that overlap compute really hides.
+  share of that overlap compute really hides. The loops with no GEMMs, also at 1 KiB, 4 KiB,
+  64 KiB and 1 MiB and with :data:`LOOP_BATCH` times the calls, give a collective's backend CPU
+  per call and byte (:func:`fit_collective_cpu_loops`).
 * **contention** — the slowdown of CPU work with 1, 2, …, ``world`` processes on the host
   against ``world`` (:func:`measure_contention`): a run with fewer processes than the
   calibration's is predicted from the same profile.
@@ -87,7 +89,12 @@ SYNC_GEMM = Kernel(GEMM, (64, 256, 256))  # the compute of the compute-then-coll
 SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
-LOOP_BYTES = (1048576,)  # besides SYNC_BYTES: the pure collective loops the collectives' CPU per byte is fitted over
+# besides SYNC_BYTES: the pure collective loops the collectives' CPU per call and byte is fitted over. The
+# small sizes are where tensor-parallel activations of small models sit (a few KiB to ~100 KiB); with
+# 16 KiB, 256 KiB and 1 MiB alone, four calibrations fitted 345-535 us a 2-rank call and 847-1286 us a
+# 4-rank one (docs/step_validation/diagnosis/e19.log)
+LOOP_BYTES = (1024, 4096, 65536, 1048576)
+LOOP_BATCH = 4  # a pure loop runs 4x the batch of calls a pass (one call is ~0.3-1.5 ms of scattered CPU)
 SYNC, ASYNC = "sync", "async"  # collective after the GEMMs / launched before them, waited after
 MIN_FACTOR = -0.5  # the least the framework's kernel_factor may be: a kernel never takes 0 s
 CONTENTION_KERNELS = (Kernel(GEMM, (32, 16, 16)), Kernel(GEMM, (512, 128, 256)), Kernel(POINTWISE, (65536,)))
@@ -182,6 +189,18 @@ def cpu_loops(world: int) -> List[Pattern]:
 
 
 # ------------------------------------------------------------------------ timing (workers)
+def loop_batch(pat: Pattern) -> int:
+    """How many batches of calls a pattern runs a pass: a pure collective loop (no GEMMs,
+    blocking) :data:`LOOP_BATCH`, what :func:`fit_collective_cpu_loops` fits from; others 1."""
+    return LOOP_BATCH if pat[5] == 0 and pat[6] == SYNC else 1
+
+
+def calls_per_batch(batch_ms: float, seconds: float, batches: int = 1) -> int:
+    """Calls of a measurement a pass: ``batches × batch_ms`` of calls that took ``seconds``
+    each (1 to 200)."""
+    return max(1, min(200, int(batches * batch_ms * 1e-3 / max(seconds, 1e-7))))
+
+
 def _runner(k: Kernel, rank: int, world: int) -> Any:
     """A zero-argument callable that runs kernel ``k`` once, as the runtime runs it."""
     import torch
@@ -373,6 +392,7 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
         if mode != ASYNC:
             work = send()
         work.wait()
+    run.batch = loop_batch(pat)  # type: ignore[attr-defined]
     return run
 
 
@@ -390,12 +410,11 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
            + [_pattern_runner(p, rank) for p in patterns] + [_live_runner(p, models, rank) for p in live])
     kernels = [*kernels, *plans, *patterns, *live]  # type: ignore[list-item]
     reps = []
-    for fn in fns:  # warm-up; calls per batch (the same on every rank: the largest)
+    for fn in fns:  # warm-up; calls per batch (the same on every rank: the largest; a pure loop's LOOP_BATCH x)
         fn()
         t0 = time.perf_counter()
         fn()
-        dt = max(time.perf_counter() - t0, 1e-7)
-        r = torch.tensor([max(1, min(200, int(batch_ms * 1e-3 / dt)))])
+        r = torch.tensor([calls_per_batch(batch_ms, time.perf_counter() - t0, getattr(fn, "batch", 1))])
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         reps.append(int(r))
     from atp_pipeline.run.hostload import quiet_rounds
