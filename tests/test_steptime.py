@@ -543,7 +543,7 @@ def test_a_collective_in_flight_takes_the_loops_unhidden_share_of_the_overlap():
 
 def test_the_pure_collective_loops_cover_small_messages_with_more_calls():
     """The pure collective loops run on every group layout at 1 KiB to 1 MiB (small models'
-    activations are a few KiB: four calibrations fitted from 16 KiB up gave 345-535 us a
+    activations are a few KiB: eight calibrations fitted from 16 KiB up gave 345-535 us a
     2-rank call), each a pass LOOP_BATCH x the calls of the other measurements."""
     from atp_pipeline.run import calibrate_compute as cc_
 

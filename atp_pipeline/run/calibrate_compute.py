@@ -91,7 +91,7 @@ SYNC_BYTES = (16384, 262144)
 SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 # besides SYNC_BYTES: the pure collective loops the collectives' CPU per call and byte is fitted over. The
 # small sizes are where tensor-parallel activations of small models sit (a few KiB to ~100 KiB); with
-# 16 KiB, 256 KiB and 1 MiB alone, four calibrations fitted 345-535 us a 2-rank call and 847-1286 us a
+# 16 KiB, 256 KiB and 1 MiB alone, eight calibrations fitted 345-535 us a 2-rank call and 847-1286 us a
 # 4-rank one (docs/step_validation/diagnosis/e19.log)
 LOOP_BYTES = (1024, 4096, 65536, 1048576)
 LOOP_BATCH = 4  # a pure loop runs 4x the batch of calls a pass (one call is ~0.3-1.5 ms of scattered CPU)
