@@ -644,7 +644,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
     assert len(plans) == 2 * 3 * 2  # each probe: 3 meshes x 2 chunk counts (one runtime chunks every model)
-    want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9)
+    want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9, 15e-6)
     plan_s = [cc.framework_seconds(want, cc.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
               for mi, d1, d2, c in plans]
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
@@ -661,8 +661,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
                            {1: 0.5, 2: 0.5, 4: 1.0}, ["gpt", "llama"])
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
     fw = prof.framework
-    assert (fw.per_kernel_s, fw.kernel_factor, fw.per_collective_s, fw.per_collective_byte_s) == pytest.approx(
-        (20e-6, 0.25, 300e-6, 1e-9), rel=1e-5)
+    assert dataclasses.astuple(fw) == pytest.approx((20e-6, 0.25, 300e-6, 1e-9, 15e-6), rel=1e-5)
     assert (prof.sync.alpha_s, prof.sync.per_compute) == pytest.approx((100e-6, 0.3), rel=1e-6)
     assert "12 collective-free probe steps of 2 probe models" in prof.source and prof.optimizer.startswith("AdamW")
     assert {p.name for p in prof.probes} == {"gpt", "llama"} and prof.contention[2] == 0.5
@@ -699,6 +698,57 @@ def test_training_and_its_calibration_and_validation_step_one_optimizer():
         text = src.read_text()
         assert "adamw(" in text and "torch.optim.AdamW(" not in text, src
     assert "adamw(" in Path(LMModuleMixin.configure_optimizers.__code__.co_filename).read_text()
+
+
+def _count_reads(rank: int, world: int, entries: list) -> list:
+    """Each entry's DTensor ``to_local`` calls in one training forward and backward of the runtime's model."""
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from atp_pipeline.models.adapter import get_adapter
+    from atp_pipeline.parallel.apply import apply_plan
+    from atp_pipeline.run.calibrate_compute import _mesh
+
+    calls, to_local = [0], DTensor.to_local
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls[0] += 1
+        return to_local(self, *args, **kwargs)
+    DTensor.to_local = counted
+    out = []
+    for spec, mesh, chunks in entries:
+        adapter = get_adapter(spec["family"])
+        torch.manual_seed(0)
+        model = copy.deepcopy(adapter.build(spec["model_config"]))
+        idx = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]))
+        apply_plan(model, adapter.parallel_plan(model), _mesh(*mesh), chunks)
+        calls[0] = 0
+        adapter.lm_loss(model, idx, idx).backward()
+        out.append(calls[0])
+    return out
+
+
+def test_the_programs_parameter_reads_are_the_runtimes():
+    """``param_reads``: the sharded parameters a step reads (DTensor ``to_local``, each chunk's
+    own) are what the runtime reads for the built-in GPT (biases, norm statistics split over d2),
+    the transformers Llama (no biases, gathered norms) and GPT-2 (tied head) layouts, at 1 and 2
+    chunks, on 2 real processes; the timeline charges the framework's price for each."""
+    from atp_pipeline.launch import spawn
+    from atp_pipeline.run import calibrate_compute as cal
+
+    built = cal.compose_models(cal.probe_entries(["probe_gpt_s", "probe_llama", "probe_gpt2"]), CONF)
+    entries = [(spec, mesh, c) for _, spec in built for mesh in ((2, 1), (1, 2)) for c in (1, 2)]
+    got = spawn(_count_reads, 2, entries, timeout=300)[0]
+    want = [sp.param_reads(shape, c) for shape, _ in built for _ in ((2, 1), (1, 2)) for c in (1, 2)]
+    assert got == want == [17, 29, 17, 29, 9, 16, 9, 16, 11, 19, 11, 19]
+    prog = sp.build_program(GPT, (2, 1), GPT.batch_size, 2)[0]
+    assert prog.reads == sp.param_reads(GPT, 2) == 2 * 2 * 12 + 5
+    base = dataclasses.replace(_flat(5.0), framework=cp.Framework(0.0))
+    read = dataclasses.replace(base, framework=cp.Framework(0.0, per_read_s=10e-6))
+    two = cc.CommClock(_two(), (2, 1), 4)
+    assert (st._run(prog, two, read, 4).compute - st._run(prog, two, base, 4).compute) == pytest.approx(53 * 10e-6)
 
 
 def test_calibration_times_the_runtime_terms_on_processes():
@@ -757,14 +807,15 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, points={(kn.GEMM, (8, 8, 8)): 50e-6},
                              processes=4, cores=2, kernel_time="cpu", peak_flops=6e9,
-                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9), sync=cp.SyncFit(150e-6, 0.125, 0.75),
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6), sync=cp.SyncFit(150e-6, 0.125, 0.75),
                              collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
                              contention={1: 0.5, 4: 1.0}, reference=recorded)
     fast = prof.at_speed(speed)
     gemm, big = kn.Kernel(kn.GEMM, (8, 8, 8)), kn.Kernel(kn.NORM_FWD, (4096,))
     assert fast.seconds(gemm) == pytest.approx(60e-6) and fast.seconds(big) == pytest.approx(120e-6)
     assert fast.peak_flops == pytest.approx(5e9) and fast.contention == prof.contention
-    assert dataclasses.astuple(fast.framework) == pytest.approx((45e-6, 0.25, 600e-6, 3e-9))
+    assert dataclasses.astuple(fast.framework) == pytest.approx((45e-6, 0.25, 600e-6, 3e-9, 15e-6))
+    assert fast.read_seconds(4) == pytest.approx(60e-6) and prof.read_seconds(4) == pytest.approx(40e-6)
     assert (fast.sync.alpha_s, fast.sync.per_compute, fast.sync.hidden) == pytest.approx((225e-6, 0.125, 0.75))
     assert fast.collective_cpu.call_seconds(4, 1000.0) == pytest.approx(300e-6 + 1.5e-6)
     assert fast.step_kernel_seconds(gemm) == pytest.approx(60e-6 * 1.25 + 45e-6)

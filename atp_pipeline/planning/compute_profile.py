@@ -37,7 +37,11 @@ class Framework:
     faster in the step's sequence than each timed alone); and per collective call
     ``per_collective_s`` plus ``per_collective_byte_s`` per byte it moves — the buffers,
     copies, splits and concatenations around it on the rank's own CPU (the transfer itself
-    is the α-β). A kernel costs ``t·(1 + kernel_factor) + per_kernel_s`` in a step.
+    is the α-β). A kernel costs ``t·(1 + kernel_factor) + per_kernel_s`` in a step; each
+    sharded parameter the step reads (:func:`~atp_pipeline.planning.step_program.param_reads`:
+    DTensor ``to_local`` and its backward, each chunk's own) ``per_read_s`` besides — a layout
+    with biases and split norm statistics reads ~2x the parameters of one without, for about
+    as many kernels (``docs/step_validation/diagnosis/e20.log``).
     Calibrated from probe models' forward and backward with their collectives skipped
     (:mod:`atp_pipeline.run.calibrate_compute`)."""
 
@@ -45,6 +49,7 @@ class Framework:
     kernel_factor: float = 0.0
     per_collective_s: float = 0.0
     per_collective_byte_s: float = 0.0
+    per_read_s: float = 0.0
 
     def collective_seconds(self, nbytes: float) -> float:
         return self.per_collective_s + nbytes * self.per_collective_byte_s
@@ -396,7 +401,8 @@ class ComputeProfile:
         fits = {k: KindFit(f.alpha_s * c, f.per_unit_s * c, f.per_tensor_s * c) for k, f in self.fits.items()}
         fw = self.framework
         if fw is not None:
-            fw = Framework(fw.per_kernel_s * o, fw.kernel_factor, fw.per_collective_s * o, fw.per_collective_byte_s * o)
+            fw = Framework(fw.per_kernel_s * o, fw.kernel_factor, fw.per_collective_s * o, fw.per_collective_byte_s * o,
+                           fw.per_read_s * o)
         sync = None if self.sync is None else SyncFit(self.sync.alpha_s * o, self.sync.per_compute, self.sync.hidden)
         cc = self.collective_cpu
         if cc is not None:
@@ -480,6 +486,10 @@ class ComputeProfile:
             return t
         return t * (1.0 + self.framework.kernel_factor) + self.framework.per_kernel_s
 
+    def read_seconds(self, reads: int) -> float:
+        """The runtime's CPU for ``reads`` sharded parameter reads (:class:`Framework`)."""
+        return 0.0 if self.framework is None else reads * self.framework.per_read_s
+
     def collective_framework_seconds(self, nbytes: float) -> float:
         """The runtime's own CPU work around one collective call moving ``nbytes``."""
         return 0.0 if self.framework is None else self.framework.collective_seconds(nbytes)
@@ -502,7 +512,8 @@ class ComputeProfile:
         fw = self.framework
         if fw is not None:
             parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
-                         f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective")
+                         f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective"
+                         + (f", {fw.per_read_s * 1e6:.1f} us per parameter read" if fw.per_read_s else ""))
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
                          f"per collective, {self.sync.hidden:.0%} of overlap hidden")
@@ -604,12 +615,14 @@ class ComputeProfile:
                 fd = data["framework"]
                 framework = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor", 0.0)),
                                       float(fd.get("per_collective_us", 0.0)) * 1e-6,
-                                      float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9)
-                vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s)
+                                      float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9,
+                                      float(fd.get("per_read_us", 0.0)) * 1e-6)
+                vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s,
+                        framework.per_read_s)
                 if not (min(vals) >= 0 and framework.kernel_factor > -1
                         and all(math.isfinite(x) for x in (*vals, framework.kernel_factor))):
                     raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
-                                      f"per_collective_ns_per_byte must be finite >= 0, kernel_factor > -1")
+                                      f"per_collective_ns_per_byte, per_read_us must be finite >= 0, kernel_factor > -1")
             sync = None
             if data.get("sync"):
                 sd = data["sync"]
@@ -715,7 +728,8 @@ class ComputeProfile:
                 **({"optimizer": self.optimizer} if self.optimizer else {}),
                 **({"framework": {"per_kernel_us": g(fw.per_kernel_s * 1e6), "kernel_factor": g(fw.kernel_factor),
                                   "per_collective_us": g(fw.per_collective_s * 1e6),
-                                  "per_collective_ns_per_byte": g(fw.per_collective_byte_s * 1e9)}}
+                                  "per_collective_ns_per_byte": g(fw.per_collective_byte_s * 1e9),
+                                  **({"per_read_us": g(fw.per_read_s * 1e6)} if fw.per_read_s else {})}}
                    if fw is not None else {}),
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}

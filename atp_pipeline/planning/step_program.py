@@ -103,6 +103,7 @@ class Program:
     pre_bwd: List[Item]  # embeddings' backward
     tail: List[Item]  # optimizer
     chunks: int
+    reads: int = 0  # sharded parameters read a step (DTensor ``to_local``, each chunk's own): :func:`param_reads`
 
 
 def stages(items: List[Item]) -> List[List[Item]]:
@@ -259,6 +260,24 @@ def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
     return Kernel(OPTIMIZER, (tensors, int(params)))
 
 
+def param_reads(shape: ModelShape, chunks: int) -> int:
+    """The sharded parameters one step reads (each a DTensor ``to_local`` in the forward and its
+    backward): in every block and chunk, each linear's weight (and bias) and, with the norm
+    statistics split over d2 (``norm_layout="stats"``), the norms' parameters; once a step the
+    token (and learned position) embedding, the final statistics norm and the head (its own
+    weight, or the tied table read again). Modules run whole keep plain parameters (gathered
+    norms, ``gathered_embeddings``, a ``whole`` head). What the runtime reads for the built-in
+    GPT, the transformers Llama and GPT-2 layouts at 1 and 2 chunks
+    (``docs/step_validation/diagnosis/e20.log``)."""
+    norm_tensors = 2 if shape.norm == "layernorm" else 1
+    stats = shape.norm_layout == "stats"
+    linears = (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices
+    per_layer = linears * (2 if shape.bias else 1) + (2 * norm_tensors if stats else 0)
+    once = (1 + (1 if shape.position == "learned" else 0) + (norm_tensors if stats and shape.final_norm else 0)
+            + (0 if shape.head_layout == "whole" else 1))
+    return shape.layers * chunks * per_layer + once
+
+
 def build_program(shape: ModelShape, mesh: Mesh, batch: int, chunks: int,
                   terms: Optional[Sequence[CommTerm]] = None) -> Tuple[Program, Terms]:
     """One rank's program for ``batch`` sequences on ``mesh`` in ``chunks`` pieces, its
@@ -271,6 +290,7 @@ def build_program(shape: ModelShape, mesh: Mesh, batch: int, chunks: int,
         raise ConfigError(f"step model: chunks={chunks} does not divide the local batch {batch}")
     prog = _program(shape, mesh, tokens, batch, chunks, t)
     prog.tail = [("k", optimizer_kernel(shape, mesh))]
+    prog.reads = param_reads(shape, chunks)
     t.check_done()
     return prog, t
 

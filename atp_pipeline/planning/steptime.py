@@ -238,6 +238,11 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
          scale: float = 1.0, sync_scale: Optional[float] = None, skew: bool = True) -> "_Timeline":
     tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale,
                    skew=skew)
+    reads = scale * profile.read_seconds(prog.reads)  # the step's sharded parameter reads (Framework.per_read_s)
+    tl.now += reads
+    tl.compute += reads
+    tl.dispatch += reads
+    tl.since += reads
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [stages(items) for items in layer])

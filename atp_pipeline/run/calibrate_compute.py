@@ -592,16 +592,17 @@ def fit_kind(kernels: Sequence[Kernel], seconds: Sequence[float]) -> KindFit:
 
 
 def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], chunks: int,
-                  batch: Optional[int] = None) -> Tuple[float, int, int, float]:
+                  batch: Optional[int] = None) -> Tuple[float, int, int, float, int]:
     """What the framework cost of a plan's forward and backward is fitted over: the
     profile's seconds ``K`` of its ``n`` kernels (but the optimizer), its ``m`` collective
-    calls and the bytes ``B`` they move (:func:`~atp_pipeline.planning.step_program.build_program`)."""
+    calls, the bytes ``B`` they move and its ``r`` sharded parameter reads
+    (:func:`~atp_pipeline.planning.step_program.build_program`)."""
     prog, _ = build_program(shape, mesh, shape.batch_size if batch is None else batch, chunks)
     items = list(all_items(prog))
     ks = [it[1] for it in items if it[0] == "k" and it[1].kind != OPTIMIZER]
     colls = [it[1] for it in items if it[0] in ("sync", "async", "linear")]
     nbytes = float(sum(c.elements for c in colls)) * shape.bytes_per_element
-    return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes
+    return sum(profile.seconds(k) for k in ks), len(ks), len(colls), nbytes, prog.reads
 
 
 def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Dict[int, int]:
@@ -615,24 +616,26 @@ def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Dict[int, int]
     return calls
 
 
-def framework_seconds(fw: Framework, features: Tuple[float, int, int, float]) -> float:
-    """A plan's collective-free forward and backward under ``fw``: ``K·(1 + f) + n·o + m·a + B·b``."""
-    k, n, m, nbytes = features
-    return k * (1 + fw.kernel_factor) + n * fw.per_kernel_s + m * fw.per_collective_s + nbytes * fw.per_collective_byte_s
+def framework_seconds(fw: Framework, features: Tuple[float, int, int, float, int]) -> float:
+    """A plan's collective-free forward and backward under ``fw``: ``K·(1 + f) + n·o + m·a + B·b + r·p``."""
+    k, n, m, nbytes, reads = features
+    return (k * (1 + fw.kernel_factor) + n * fw.per_kernel_s + m * fw.per_collective_s + nbytes * fw.per_collective_byte_s
+            + reads * fw.per_read_s)
 
 
 def fit_framework(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
                   seconds: Sequence[float]) -> Framework:
-    """``T = K·(1 + f) + n·o + m·a + B·b`` over every probe plan (T its measured collective-free
-    forward and backward; :func:`plan_features`), one set for all models and meshes, relative
-    least squares with ``f >= -0.5`` (kernels can run faster in a plan's sequence than each
-    timed alone: warm caches) and ``o, a, b >= 0``
-    (:func:`~atp_pipeline.planning.lstsq.bounded_lstsq`)."""
+    """``T = K·(1 + f) + n·o + m·a + B·b + r·p`` over every probe plan (T its measured
+    collective-free forward and backward; :func:`plan_features`), one set for all models and
+    meshes, relative least squares with ``f >= -0.5`` (kernels can run faster in a plan's
+    sequence than each timed alone: warm caches) and ``o, a, b, p >= 0``
+    (:func:`~atp_pipeline.planning.lstsq.bounded_lstsq`). The probes' layouts read 0.14-0.44
+    sharded parameters a kernel (``r`` against ``n``), so ``p`` and ``o`` are told apart."""
     feats = [plan_features(profile, shapes[mi], (d1, d2), c) for mi, d1, d2, c in plans]
-    A = np.array([[k / t, n / t, m / t, b / t] for (k, n, m, b), t in zip(feats, seconds)])
-    y = np.array([(t - k) / t for (k, _, _, _), t in zip(feats, seconds)])
-    f, o, a, b = bounded_lstsq(A, y, [MIN_FACTOR, 0.0, 0.0, 0.0])
-    return Framework(float(o), float(f), float(a), float(b))
+    A = np.array([[k / t, n / t, m / t, b / t, r / t] for (k, n, m, b, r), t in zip(feats, seconds)])
+    y = np.array([(t - ft[0]) / t for ft, t in zip(feats, seconds)])
+    f, o, a, b, p = bounded_lstsq(A, y, [MIN_FACTOR, 0.0, 0.0, 0.0, 0.0])
+    return Framework(float(o), float(f), float(a), float(b), float(p))
 
 
 def pattern_prediction(profile: ComputeProfile, topo: Any, pat: Pattern) -> Tuple[float, float]:
