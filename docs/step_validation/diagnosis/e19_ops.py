@@ -11,23 +11,32 @@ sys.path.insert(0, '.')
 from atp_pipeline.run import calibrate_compute as C
 
 
-def worker(rank, world, entries):
+def runtime_step(spec, mesh, chunks=1):
+    """One training forward and backward of the runtime's parallel model of ``spec`` on ``mesh`` (a callable)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from atp_pipeline.models.adapter import get_adapter
     from atp_pipeline.parallel.apply import apply_plan
-    out = []
-    for label, spec, mesh in entries:
-        adapter = get_adapter(spec['family'])
-        torch.manual_seed(0)
-        model = copy.deepcopy(adapter.build(spec['model_config']))
-        b, s, V = spec['batch'], spec['seq_len'], spec['vocab']
-        idx, tgt = torch.randint(0, V, (b, s)), torch.randint(0, V, (b, s))
-        apply_plan(model, adapter.parallel_plan(model), C._mesh(*mesh), 1)
+    adapter = get_adapter(spec['family'])
+    torch.manual_seed(0)
+    model = copy.deepcopy(adapter.build(spec['model_config']))
+    b, s, V = spec['batch'], spec['seq_len'], spec['vocab']
+    idx, tgt = torch.randint(0, V, (b, s)), torch.randint(0, V, (b, s))
+    apply_plan(model, adapter.parallel_plan(model), C._mesh(*mesh), chunks)
+
+    def step():
         adapter.lm_loss(model, idx, tgt).backward()
         model.zero_grad(set_to_none=True)
+    return step
+
+
+def worker(rank, world, entries):
+    from torch.profiler import ProfilerActivity, profile
+    out = []
+    for label, spec, mesh in entries:
+        step = runtime_step(spec, mesh)
+        step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            adapter.lm_loss(model, idx, tgt).backward()
+            step()
         ev = [e for e in prof.events() if e.name.startswith('aten::')]
         out.append((label, mesh, sum(1 for e in ev if e.cpu_parent is None or not e.cpu_parent.name.startswith('aten::'))))
     return out

@@ -5,33 +5,28 @@ calibration (local_loop2.yaml), and torch.profiler's self time by operator (5 st
 
     python docs/step_validation/diagnosis/e20_profile.py > docs/step_validation/diagnosis/e20_profile.log
 """
-import copy, sys
+import sys
 from pathlib import Path
 sys.path.insert(0, '.')
 from atp_pipeline.run import calibrate_compute as C
 
 def worker(rank, world, entries):
-    import torch, time
+    import time
     from torch.profiler import ProfilerActivity, profile
-    from atp_pipeline.models.adapter import get_adapter
-    from atp_pipeline.parallel.apply import apply_plan
+    sys.path.insert(0, 'docs/step_validation/diagnosis')
+    from e19_ops import runtime_step
     out = []
     for label, spec, mesh in entries:
-        adapter = get_adapter(spec['family'])
-        torch.manual_seed(0)
-        model = copy.deepcopy(adapter.build(spec['model_config']))
-        b, s, V = spec['batch'], spec['seq_len'], spec['vocab']
-        idx, tgt = torch.randint(0, V, (b, s)), torch.randint(0, V, (b, s))
-        apply_plan(model, adapter.parallel_plan(model), C._mesh(*mesh), 1)
+        step = runtime_step(spec, mesh)
         for _ in range(3):
-            adapter.lm_loss(model, idx, tgt).backward(); model.zero_grad(set_to_none=True)
+            step()
         c0 = time.process_time()
         for _ in range(20):
-            adapter.lm_loss(model, idx, tgt).backward(); model.zero_grad(set_to_none=True)
+            step()
         cpu = (time.process_time() - c0) / 20
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
-                adapter.lm_loss(model, idx, tgt).backward(); model.zero_grad(set_to_none=True)
+                step()
         ka = prof.key_averages()
         rows = sorted(((e.key, e.count / 5, e.self_cpu_time_total / 5) for e in ka), key=lambda x: -x[2])
         out.append((label, mesh, cpu, rows[:22], sum(r[2] for r in rows)))
