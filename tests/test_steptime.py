@@ -618,6 +618,12 @@ def test_profile_with_runtime_terms_round_trips_and_names_them():
     assert line == ("kernels 'cal' (2026-11-26T13:00:00Z); framework 30.0 us/kernel + 25.0%, 400.0 us + 2.000 ns/B "
                     "per collective; sync 150 us + 0.125 x compute per collective, 75% of overlap hidden; "
                     "optimizer AdamW foreach=True; contention x0.500 at 1 processes (calibrated at 1)")
+    reads = dataclasses.replace(prof, framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 120e-6))
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(reads.to_config())))
+    assert reads.to_config()["framework"]["per_read_us"] == 120.0 and back.framework.per_read_s == pytest.approx(120e-6)
+    assert "400.0 us + 2.000 ns/B per collective, 120.0 us per parameter read;" in back.describe(1)
+    with pytest.raises(ConfigError, match=r"framework: .*per_read_us must be finite >= 0"):
+        cp.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "per_read_us": -1}})
     with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
         cp.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
     with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
