@@ -128,11 +128,7 @@ class _Timeline:
         dur = real = bare
         cpu = 0.0
         if bare > 0:
-            fw = self.scale * self.profile.collective_framework_seconds(nbytes)  # the rank's CPU, before launch
-            self.now += fw
-            self.compute += fw
-            self.dispatch += fw
-            self.since += fw
+            self.framework(self.scale * self.profile.collective_framework_seconds(nbytes))  # before launch
             extra = self.sync_scale * self.profile.sync_seconds(self.since if self.skew else 0.0)
             dur = self.clock.seconds(c.term.collective, c.term.dim, nbytes, extra)
             real = (self.clock.unemulated_seconds(c.term.collective, c.term.dim, nbytes) + extra
@@ -148,6 +144,14 @@ class _Timeline:
         self.link_free[c.term.dim] = end
         self.comm_total += dur
         return start, end, start + real, c.term.dim, cpu
+
+    def framework(self, seconds: float) -> None:
+        """The runtime's own CPU work outside any kernel (around a collective's launch, the step's
+        parameter reads): the rank's compute, all of it framework cost."""
+        self.now += seconds
+        self.compute += seconds
+        self.dispatch += seconds
+        self.since += seconds
 
     def run(self, items: Sequence[Item], pending: List[Flight]) -> None:
         joined: List[Flight] = []
@@ -238,11 +242,7 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
          scale: float = 1.0, sync_scale: Optional[float] = None, skew: bool = True) -> "_Timeline":
     tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale,
                    skew=skew)
-    reads = scale * profile.read_seconds(prog.reads)  # the step's sharded parameter reads (Framework.per_read_s)
-    tl.now += reads
-    tl.compute += reads
-    tl.dispatch += reads
-    tl.since += reads
+    tl.framework(scale * profile.read_seconds(prog.reads))  # the step's sharded parameter reads (Framework.per_read_s)
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [stages(items) for items in layer])

@@ -392,7 +392,6 @@ def _pattern_runner(pat: Pattern, rank: int) -> Any:
         if mode != ASYNC:
             work = send()
         work.wait()
-    run.batch = loop_batch(pat)  # type: ignore[attr-defined]
     return run
 
 
@@ -408,13 +407,15 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
 
     fns = ([_runner(k, rank, world) for k in kernels] + [_plan_runner(p, models, rank) for p in plans]
            + [_pattern_runner(p, rank) for p in patterns] + [_live_runner(p, models, rank) for p in live])
+    batches = [1] * (len(kernels) + len(plans)) + [loop_batch(p) for p in patterns] + [1] * len(live)
     kernels = [*kernels, *plans, *patterns, *live]  # type: ignore[list-item]
     reps = []
-    for fn in fns:  # warm-up; calls per batch (the same on every rank: the largest; a pure loop's LOOP_BATCH x)
+    # warm-up; calls per batch (the same on every rank: the largest; a pure loop's LOOP_BATCH x)
+    for fn, nb in zip(fns, batches):
         fn()
         t0 = time.perf_counter()
         fn()
-        r = torch.tensor([calls_per_batch(batch_ms, time.perf_counter() - t0, getattr(fn, "batch", 1))])
+        r = torch.tensor([calls_per_batch(batch_ms, time.perf_counter() - t0, nb)])
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         reps.append(int(r))
     from atp_pipeline.run.hostload import quiet_rounds
