@@ -266,9 +266,9 @@ def param_reads(shape: ModelShape, chunks: int) -> int:
     statistics split over d2 (``norm_layout="stats"``), the norms' parameters; once a step the
     token (and learned position) embedding, the final statistics norm and the head (its own
     weight, or the tied table read again). Modules run whole keep plain parameters (gathered
-    norms, ``gathered_embeddings``, a ``whole`` head). What the runtime reads for the built-in
-    GPT, the transformers Llama and GPT-2 layouts at 1 and 2 chunks
-    (``docs/step_validation/diagnosis/e20.log``)."""
+    norms, ``gathered_embeddings``, a ``whole`` head). What the runtime reads, at 1 and 2 chunks,
+    for layouts with and without biases, with statistics and with gathered norms, with an own
+    and with a tied head (``docs/step_validation/diagnosis/e20.log``)."""
     norm_tensors = 2 if shape.norm == "layernorm" else 1
     stats = shape.norm_layout == "stats"
     linears = (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices
