@@ -16,7 +16,7 @@ forward + backward (``×3``, no recomputation, as ATP §5 does). For the GPT of 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 NORMS = ("layernorm", "rmsnorm")
@@ -125,9 +125,6 @@ class ModelShape:
     mlp_layout: str = "split"  # "whole": the MLP's intermediate gathered over d1 (a norm over all of it)
     sink_params: int = 0  # per layer: per-head parameters read by the core (gradients summed over d1 and d2)
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
-    # the elementwise operators the MLP's activation dispatches, forward and backward: the step
-    # model's kernels for it (atp_pipeline.models.activation; GPT-2's tanh GELU 8 and 11, SiLU 1 and 1)
-    act_ops: Tuple[int, int] = (1, 1)
     unmodelled: str = ""  # what the layout sends that the runtime cost model does not count ("": nothing)
     # modules run whole (replicated) on the hidden gathered over d2, their output sliced back: a
     # block's mixer the layout cannot split (and a head's transform); counted over the whole model
@@ -148,9 +145,6 @@ class ModelShape:
             object.__setattr__(self, "moe", MoEShape(**self.moe))
         if isinstance(self.latent, dict):
             object.__setattr__(self, "latent", LatentShape(**self.latent))
-        object.__setattr__(self, "act_ops", tuple(int(n) for n in self.act_ops))  # (a list read back from to_dict())
-        if len(self.act_ops) != 2 or min(self.act_ops) < 1:
-            raise ValueError(f"model '{self.name}': act_ops must be two counts >= 1 (forward, backward), got {self.act_ops}")
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
         if not self.head_dim and self.heads:

@@ -170,9 +170,7 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
     pieces.append(([x for _ in range(up) for x in (_k(GEMM, T, hs, f // d1),
                                                    *_c("sync", tk("f3", "fwd", Fraction(1, up))))],
                    _fan_in_bwd(T, hs, [f // d1] * up, tk("f3", "bwd"))))
-    # the activation's own elementwise operators (ModelShape.act_ops), then a gated MLP's product
-    act_f, act_b = shape.act_ops
-    pieces.append(([_k(POINTWISE, T * f // d1)] * (act_f + up - 1), [_k(POINTWISE, T * f // d1)] * (act_b + up - 1)))
+    pieces.append(([_k(POINTWISE, T * f // d1)] * up, [_k(POINTWISE, T * f // d1)] * up))
     f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
     pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
                    [*_linear_bwd(T, f // d1, hs, f4b), _k(POINTWISE, T * hs)]))

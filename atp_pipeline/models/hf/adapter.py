@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
 
-import torch
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.models.activation import activation_ops
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.hf.layout import NORM, AttentionSpec, Layout, derive, register_conv1d
 from atp_pipeline.models.hf.whole import is_unit, whole_fields
@@ -77,14 +75,12 @@ class ShapeHints:
     bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
     position: str = "rotary"
     qkv_fused: bool = False
-    act: Callable[[Any], str] = lambda c: str(c.hidden_act)  # the MLP activation's name
 
 
 PRESET_SHAPES: Dict[str, ShapeHints] = {
     "llama": ShapeHints(), "mistral": ShapeHints(), "qwen2": ShapeHints(bias=lambda c: True),
     "gpt2": ShapeHints(ffn=lambda c: int(c.n_inner or 4 * c.hidden_size), gated=False, norm="layernorm",
-                       bias=lambda c: True, position="learned", qkv_fused=True,
-                       act=lambda c: str(c.activation_function)),
+                       bias=lambda c: True, position="learned", qkv_fused=True),
 }
 
 
@@ -174,7 +170,7 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         + int(type(inp).forward is not nn.Embedding.forward or (tied and bool(layout.whole_head))),
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
         heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
-        sink_params=layout.sink_params, scalar_params=layout.scalar_params, act_ops=layout.act_ops,
+        sink_params=layout.sink_params, scalar_params=layout.scalar_params,
         unmodelled=", ".join(x for x in ("per-head output gates" if layout.head_gates else "",
                                          layout.whole_unmodelled, layout.probe_unmodelled) if x),
         moe=layout.moe, latent=layout.latent,
@@ -270,9 +266,6 @@ def _preset_shape(config: "GivenFields", name: str) -> ModelShape:
         raise NotGiven("model_type")
     heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
     tied = bool(config.tie_word_embeddings)
-    act = getattr(torch.nn.functional, hints.act(config), None)  # a name torch itself implements
-    if act is None:
-        raise NotGiven("an activation torch.nn.functional names")
     return ModelShape(
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(config.num_hidden_layers),
         seq_len=int(config.max_position_embeddings), vocab_size=int(config.vocab_size), ffn=hints.ffn(config),
@@ -280,7 +273,7 @@ def _preset_shape(config: "GivenFields", name: str) -> ModelShape:
         head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
         gated=hints.gated, norm=hints.norm, bias=hints.bias(config), position=hints.position,
         tied_embeddings=tied, norm_layout="gathered", head_layout="tied" if tied else "gathered",
-        qkv_fused=hints.qkv_fused, final_norm=True, gathered_embeddings=0, act_ops=activation_ops(act))
+        qkv_fused=hints.qkv_fused, final_norm=True, gathered_embeddings=0)
 
 
 PRETRAINED = "atp_pretrained"  # attribute of a model built by load_pretrained: its checkpoint directory

@@ -46,7 +46,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.models.activation import activation_ops
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
 from atp_pipeline.models.hf import mla
@@ -134,7 +133,6 @@ class Layout:
     whole_mlp: bool = False  # the MLP's intermediate gathered over d1 around a module over all of it
     sink_params: int = 0  # per layer: per-head parameters the core reads (gradients summed over d1 and d2)
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
-    act_ops: Tuple[int, int] = (1, 1)  # the MLP activation's elementwise operators (models.activation)
     head_gates: bool = False  # per-head projections beside q/k/v (an output gate): not in the cost model
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     latent: Optional[LatentShape] = None  # a multi-head latent attention (style hf_mla), if any
@@ -468,12 +466,6 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                     and not any("output=full" in plan.get(n, "") for n in by_parent[parent]):
                 plan[f"{parent}.{child}"] = "hf_scalars(axis=d1)"
                 layout.scalar_params = layout.scalar_params or sum(p.numel() for p in params)
-    for parent in by_parent:  # the activation between a dense MLP's linears: the operators it dispatches
-        acts = [sub for _, sub in _first(names, parent).named_children()
-                if not any(True for _ in sub.parameters()) and not isinstance(sub, (nn.Dropout, nn.Identity))]
-        if len(acts) == 1 and not any(parent.startswith(b + ".") for b in moe_blocks):
-            layout.act_ops = activation_ops(acts[0])
-            break
     for full in experts:
         layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn,
                                       module if probe else None)
