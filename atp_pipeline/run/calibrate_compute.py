@@ -121,12 +121,6 @@ PROBES: Dict[str, Tuple[str, ...]] = {
 # predicted the same validation rows 0.72-1.15x apart.
 PROBES["probe_gpt_s_b48"] = (*PROBES["probe_gpt_s"][:-1], "model.batch_size=48")
 PROBES["probe_llama_b48"] = (*PROBES["probe_llama"][:-1], "model.batch_size=48")
-# The transformers layouts again with two blocks: with one block a probe's step cannot tell what a
-# block costs from what the step costs once (embeddings, head, loss, the family's own masks and
-# positions), and only the built-in GPT had a probe of two. Those probes alone priced a Llama-style
-# block at ~1.5-1.9x its measured CPU and its step's fixed part short (docs/step_validation/diagnosis/e21.log).
-PROBES["probe_llama_l2"] = tuple(x.replace("num_hidden_layers=1", "num_hidden_layers=2") for x in PROBES["probe_llama"])
-PROBES["probe_gpt2_l2"] = tuple(x.replace("num_hidden_layers=1", "num_hidden_layers=2") for x in PROBES["probe_gpt2"])
 
 
 # ------------------------------------------------------------------------ what is measured
