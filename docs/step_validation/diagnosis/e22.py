@@ -8,6 +8,9 @@ Part 2 (arithmetic on the committed grids of the CPU form, runs 18-27, 1,200 poi
 its rank CPU's (measured over the step predicted divided by its cell's step / CPU ratio) and its step / CPU ratio's
 (measured over the cell's), and the CPU part's bias per model and process count, per cell, and within them.
 
+Part 3 (after run 28, the same arithmetic): the step's bias per model, process count and cell over the 22 grids of
+runs 18-28 (runs 18-27's and run 28's two), the cells furthest from their predictions first.
+
     python -m benchmarks.step_validation --calibration-dir outputs/calibration/run25 --models llama_tiny,gpt2_tiny,small \
         --variants 16x28,4x76 --worlds 4,2 --out docs/step_validation/diagnosis --tag e22a    # then again: --tag e22b
     python docs/step_validation/diagnosis/e22.py > docs/step_validation/diagnosis/e22.log
@@ -72,3 +75,14 @@ for k in sorted(group):
 print("  per cell (processes, mesh/chunks): mean (sd)")
 for k in sorted(cell):
     print(f"    {k[0]} proc. {k[1]}: {np.mean(cell[k]):+.3f} ({np.std(cell[k]):.3f})")
+
+print("\nPart 3: the step's log of measured / predicted per model, process count and cell, 22 grids of runs 18-28")
+by = collections.defaultdict(list)
+for g in GRIDS + ['steps_read9', 'steps_read10']:
+    for r in (r for r in json.load(open(f'{D}/{g}.json'))['rows'] if r['class'] == 'real'):
+        by[(r['model'], r['processes'], r['point'])].append(np.log(r['measured_s'] / r['predicted_s']))
+ranked = sorted(by.items(), key=lambda kv: np.mean(kv[1]))
+for k, v in ranked[:6] + ranked[-4:]:
+    print(f"  {k[0]:11s} {k[1]} proc. {k[2]}: mean {np.mean(v):+.3f}, sd {np.std(v):.3f}, {len(v)} points")
+gpt = [np.mean(v) for k, v in by.items() if k[0] == 'small']
+print(f"  the built-in GPT's ('small') cells: {min(gpt):+.3f} to {max(gpt):+.3f}")
