@@ -34,7 +34,7 @@ for a, b in itertools.combinations(P, 2):
     keys = sorted(set(P[a]) & set(P[b]))
     for what, key in (('step', 'measured_s'), ('rank CPU', 'measured_rank_cpu_s')):
         r = np.array([P[b][k][key] / P[a][k][key] for k in keys])
-        e = np.abs(r - 1)  # |measured b / "predicted" (measured a) - 1|, the grids' relative error
+        e = np.abs(1 / r - 1)  # |"predicted" (measured a) - measured b| / measured b: the grids' relative error
         print(f"  {a + ' vs ' + b:34s} {what:10s} {np.std(np.log(r)):9.3f} {np.median(e):7.1%} {e.max():7.1%}  "
               + ' / '.join(str(int((e > x).sum())) for x in (0.10, 0.15, 0.20, 0.25)))
     worst = max(keys, key=lambda k: abs(P[b][k]['measured_s'] / P[a][k]['measured_s'] - 1))
