@@ -246,14 +246,19 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     return Program(pre, blocks_fwd, blocks_bwd, post_fwd, post_bwd, pre_bwd, [], chunks)
 
 
+def _block_modules(shape: ModelShape) -> Tuple[int, int]:
+    """A block's linear modules (q|k|v fused or three, the output projection, the MLP's) and the
+    parameter tensors of one of its norms (a LayerNorm's weight and bias, an RMSNorm's weight)."""
+    return (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices, 2 if shape.norm == "layernorm" else 1
+
+
 def optimizer_kernel(shape: ModelShape, mesh: Mesh) -> Kernel:
     """The optimizer step over this rank's parameter tensors (elements per device of
     :func:`~atp_pipeline.planning.memory.per_device_memory`)."""
     from atp_pipeline.planning.memory import per_device_memory
 
     params = per_device_memory(shape, mesh).params
-    linears = (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices
-    norm_tensors = 2 if shape.norm == "layernorm" else 1
+    linears, norm_tensors = _block_modules(shape)
     per_layer = linears * (2 if shape.bias else 1) + 2 * norm_tensors
     tensors = (shape.layers * per_layer + 1 + (1 if shape.position == "learned" else 0)
                + (norm_tensors if shape.final_norm else 0) + (0 if shape.tied_embeddings else 1))
@@ -269,9 +274,8 @@ def param_reads(shape: ModelShape, chunks: int) -> int:
     norms, ``gathered_embeddings``, a ``whole`` head). What the runtime reads, at 1 and 2 chunks,
     for layouts with and without biases, with statistics and with gathered norms, with an own
     and with a tied head (``docs/step_validation/diagnosis/e20.log``)."""
-    norm_tensors = 2 if shape.norm == "layernorm" else 1
+    linears, norm_tensors = _block_modules(shape)
     stats = shape.norm_layout == "stats"
-    linears = (1 if shape.qkv_fused else 3) + 1 + shape.ffn_matrices
     per_layer = linears * (2 if shape.bias else 1) + (2 * norm_tensors if stats else 0)
     once = (1 + (1 if shape.position == "learned" else 0) + (norm_tensors if stats and shape.final_norm else 0)
             + (0 if shape.head_layout == "whole" else 1))
