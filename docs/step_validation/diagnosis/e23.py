@@ -13,9 +13,12 @@ of the three one-block probes at 2 and 3 blocks, and of the validation models at
 already used (8x32, 2x128); 4 processes on 4x1/2x2/1x4 and 2 processes on 2x1/1x2, chunks 1 and 2; a rank's
 CPU (process_time), median of 8 rounds of 2 steps, the mean over the ranks (as the calibration). Raw: e23.json.
 
-Part B (arithmetic on e23.json): forms of the framework fitted on the six probes' steps alone (relative least
-squares, f >= -0.5, the rest >= 0, as fit_framework), at each process count; the probes' fit error, and the
-validation models' measured / fitted per model and per cell (out of sample for the fit).
+Part B (arithmetic on e23.json): forms of the framework fitted on the six probes' steps (relative least squares,
+f >= -0.5, the rest >= 0, as fit_framework), and on those with the two-block transformers probes, at each process
+count: F0 the form of runs 12-29, F1 with a cost once a step, F2 with a cost per block and chunk, F3 with both;
+the probes' fit error, and the validation models' measured / fitted per model and per cell (out of sample for the
+fit). Written before run 30 (the code of which is F3 with the two-block probes); it reads plan_features' first
+five terms, so it runs at any commit since.
 
     python docs/step_validation/diagnosis/e23.py measure   # Part A -> e23.json (~10 min, exclusive CPU lock)
     python docs/step_validation/diagnosis/e23.py > docs/step_validation/diagnosis/e23.log
@@ -91,7 +94,7 @@ def analyse():
     print(f"e23 (measured {data['date']}); priced with local_read5.yaml's kernels (run 28)")
 
     def feats(sh, m, c, form):
-        k, n, mm, b, r = C.plan_features(prof, sh, m, c)
+        k, n, mm, b, r = C.plan_features(prof, sh, m, c)[:5]
         extra = {'F0': [], 'F1 +step': [1.0], 'F2 +block-chunk': [sh.layers * c],
                  'F3 +step +block-chunk': [1.0, sh.layers * c]}[form]
         return [k, n, mm, b, r, *extra]
@@ -105,30 +108,32 @@ def analyse():
                     blk = (t[2] - t[0]) / 2
                     print(f"  {P}p {f:6s} {m[0]}x{m[1]} c{c}: {' '.join(f'{x*1e3:6.2f}' for x in t)}  block {blk*1e3:5.2f}"
                           f"  fixed {(t[0]-blk)*1e3:5.2f}")
-    print("\nPart B: forms fitted on the six probes' steps (per process count); validation models' measured / fitted")
+    print("\nPart B: forms fitted on the probes' steps (per process count); validation models' measured / fitted")
     models = [n for n, _ in ent if '@' in n]
-    for P in (4, 2):
-        for form in ('F0', 'F1 +step', 'F2 +block-chunk', 'F3 +step +block-chunk'):
-            rows = [(shapes[n], m, c, T[(n, P, m, c)]) for n in BASE for m in MESHES[P] for c in (1, 2)]
-            A = np.array([feats(sh, m, c, form) for sh, m, c, _ in rows], dtype=float)
-            y = np.array([t for *_, t in rows])
-            lo = [0.5] + [0.0] * (A.shape[1] - 1)
-            x = lsq_linear(A / y[:, None], np.ones(len(y)), bounds=(lo, np.inf)).x
-            fit = [abs(float(a @ x) / t - 1) for a, t in zip(A, y)]
-            by, cell = {}, {}
-            for n in models:
-                for m in MESHES[P]:
-                    for c in (1, 2):
-                        v = T[(n, P, m, c)] / float(np.array(feats(shapes[n], m, c, form)) @ x)
-                        by.setdefault(n.split('@')[0], []).append(v)
-                        cell.setdefault(f"{n.split('@')[0].split('_')[0]} {m[0]}x{m[1]}/c{c}", []).append(v)
-            allv = np.log([v for vs in by.values() for v in vs])
-            names = ['f', 'o', 'a', 'b', 'p', *form.split(' ')[1:]]
-            terms = ', '.join(f"{nm} {x[i]-1:+.2f}" if nm == 'f' else f"{nm} {x[i]*1e6:.0f} us" for i, nm in enumerate(names) if nm != 'b')
-            print(f"  {P}p {form:22s}: {terms}; probes' error median {st.median(fit):.1%}, worst {max(fit):.1%}")
-            print(f"      models: sd of log {np.std(allv):.3f}, worst |log| {np.max(np.abs(allv)):.3f}; per model median "
-                  + ', '.join(f"{k} {st.median(v):.2f}" for k, v in by.items()))
-            print("      per cell (mean of its 2 points): " + ', '.join(f"{k} {st.mean(v):.2f}" for k, v in cell.items()))
+    for probes, label in ((BASE, 'the six probes'), (BASE + ['llama_L2', 'gpt2_L2'], 'with the two-block transformers probes')):
+        print(f" fitted on {label}")
+        for P in (4, 2):
+            for form in ('F0', 'F1 +step', 'F2 +block-chunk', 'F3 +step +block-chunk'):
+                rows = [(shapes[n], m, c, T[(n, P, m, c)]) for n in probes for m in MESHES[P] for c in (1, 2)]
+                A = np.array([feats(sh, m, c, form) for sh, m, c, _ in rows], dtype=float)
+                y = np.array([t for *_, t in rows])
+                lo = [0.5] + [0.0] * (A.shape[1] - 1)
+                x = lsq_linear(A / y[:, None], np.ones(len(y)), bounds=(lo, np.inf)).x
+                fit = [abs(float(a @ x) / t - 1) for a, t in zip(A, y)]
+                by, cell = {}, {}
+                for n in models:
+                    for m in MESHES[P]:
+                        for c in (1, 2):
+                            v = T[(n, P, m, c)] / float(np.array(feats(shapes[n], m, c, form)) @ x)
+                            by.setdefault(n.split('@')[0], []).append(v)
+                            cell.setdefault(f"{n.split('@')[0].split('_')[0]} {m[0]}x{m[1]}/c{c}", []).append(v)
+                allv = np.log([v for vs in by.values() for v in vs])
+                names = ['f', 'o', 'a', 'b', 'p', *form.split(' ')[1:]]
+                terms = ', '.join(f"{nm} {x[i]-1:+.2f}" if nm == 'f' else f"{nm} {x[i]*1e6:.0f} us" for i, nm in enumerate(names) if nm != 'b')
+                print(f"  {P}p {form:22s}: {terms}; probes' error median {st.median(fit):.1%}, worst {max(fit):.1%}")
+                print(f"      models: sd of log {np.std(allv):.3f}, worst |log| {np.max(np.abs(allv)):.3f}; per model median "
+                      + ', '.join(f"{k} {st.median(v):.2f}" for k, v in by.items()))
+                print("      per cell (mean of its 2 points): " + ', '.join(f"{k} {st.mean(v):.2f}" for k, v in cell.items()))
 
 
 if __name__ == '__main__':
