@@ -622,16 +622,8 @@ def test_profile_with_runtime_terms_round_trips_and_names_them():
     back = cp.ComputeProfile.from_config(json.loads(json.dumps(reads.to_config())))
     assert reads.to_config()["framework"]["per_read_us"] == 120.0 and back.framework.per_read_s == pytest.approx(120e-6)
     assert "400.0 us + 2.000 ns/B per collective, 120.0 us per parameter read;" in back.describe(1)
-    with pytest.raises(ConfigError, match=r"framework: .*per_read_us, .* must be finite >= 0"):
+    with pytest.raises(ConfigError, match=r"framework: .*per_read_us must be finite >= 0"):
         cp.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "per_read_us": -1}})
-    fixed = dataclasses.replace(prof, framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 0.0, 900e-6, 300e-6))
-    back = cp.ComputeProfile.from_config(json.loads(json.dumps(fixed.to_config())))
-    assert (fixed.to_config()["framework"]["per_step_us"], fixed.to_config()["framework"]["per_block_us"]) == (900.0, 300.0)
-    assert dataclasses.astuple(back.framework) == pytest.approx(dataclasses.astuple(fixed.framework))
-    assert "per collective, 900 us a step + 300 us per block and chunk;" in back.describe(1)
-    assert back.fixed_seconds(4) == pytest.approx(900e-6 + 4 * 300e-6)
-    with pytest.raises(ConfigError, match=r"framework: .*per_block_us must be finite >= 0"):
-        cp.ComputeProfile.from_config({**prof.to_config(), "framework": {"per_kernel_us": 1, "per_block_us": -1}})
     with pytest.raises(ConfigError, match=r"device.compute.sync: alpha_us, per_compute must be finite >= 0"):
         cp.ComputeProfile.from_config({**prof.to_config(), "sync": {"alpha_us": -1}})
     with pytest.raises(ConfigError, match=r"hidden in \[0, 1\]"):
@@ -658,7 +650,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
     plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
     assert len(plans) == 2 * 3 * 2  # each probe: 3 meshes x 2 chunk counts (one runtime chunks every model)
-    want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9, 15e-6, 700e-6, 250e-6)
+    want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9, 15e-6)
     plan_s = [cc.framework_seconds(want, cc.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
               for mi, d1, d2, c in plans]
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
@@ -675,7 +667,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
                            {1: 0.5, 2: 0.5, 4: 1.0}, ["gpt", "llama"])
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
     fw = prof.framework
-    assert dataclasses.astuple(fw) == pytest.approx((20e-6, 0.25, 300e-6, 1e-9, 15e-6, 700e-6, 250e-6), rel=1e-5)
+    assert dataclasses.astuple(fw) == pytest.approx((20e-6, 0.25, 300e-6, 1e-9, 15e-6), rel=1e-5)
     assert (prof.sync.alpha_s, prof.sync.per_compute) == pytest.approx((100e-6, 0.3), rel=1e-6)
     assert "12 collective-free probe steps of 2 probe models" in prof.source and prof.optimizer.startswith("AdamW")
     assert {p.name for p in prof.probes} == {"gpt", "llama"} and prof.contention[2] == 0.5
@@ -763,10 +755,6 @@ def test_the_programs_parameter_reads_are_the_runtimes():
     read = dataclasses.replace(base, framework=cp.Framework(0.0, per_read_s=10e-6))
     two = cc.CommClock(_two(), (2, 1), 4)
     assert (st._run(prog, two, read, 4).compute - st._run(prog, two, base, 4).compute) == pytest.approx(53 * 10e-6)
-    # once a step, and per block and chunk: GPT's 2 blocks x 2 chunks
-    fixed = dataclasses.replace(base, framework=cp.Framework(0.0, per_step_s=700e-6, per_block_s=200e-6))
-    assert (st._run(prog, two, fixed, 4).compute - st._run(prog, two, base, 4).compute) == pytest.approx(
-        700e-6 + GPT.layers * 2 * 200e-6)
 
 
 def test_calibration_times_the_runtime_terms_on_processes():
@@ -825,14 +813,14 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, points={(kn.GEMM, (8, 8, 8)): 50e-6},
                              processes=4, cores=2, kernel_time="cpu", peak_flops=6e9,
-                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6, 600e-6, 200e-6), sync=cp.SyncFit(150e-6, 0.125, 0.75),
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6), sync=cp.SyncFit(150e-6, 0.125, 0.75),
                              collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
                              contention={1: 0.5, 4: 1.0}, reference=recorded)
     fast = prof.at_speed(speed)
     gemm, big = kn.Kernel(kn.GEMM, (8, 8, 8)), kn.Kernel(kn.NORM_FWD, (4096,))
     assert fast.seconds(gemm) == pytest.approx(60e-6) and fast.seconds(big) == pytest.approx(120e-6)
     assert fast.peak_flops == pytest.approx(5e9) and fast.contention == prof.contention
-    assert dataclasses.astuple(fast.framework) == pytest.approx((45e-6, 0.25, 600e-6, 3e-9, 15e-6, 900e-6, 300e-6))
+    assert dataclasses.astuple(fast.framework) == pytest.approx((45e-6, 0.25, 600e-6, 3e-9, 15e-6))
     assert fast.read_seconds(4) == pytest.approx(60e-6) and prof.read_seconds(4) == pytest.approx(40e-6)
     assert (fast.sync.alpha_s, fast.sync.per_compute, fast.sync.hidden) == pytest.approx((225e-6, 0.125, 0.75))
     assert fast.collective_cpu.call_seconds(4, 1000.0) == pytest.approx(300e-6 + 1.5e-6)

@@ -41,11 +41,7 @@ class Framework:
     sharded parameter the step reads (:func:`~atp_pipeline.planning.step_program.param_reads`:
     DTensor ``to_local`` and its backward, each chunk's own) ``per_read_s`` besides — a layout
     with biases and split norm statistics reads ~2x the parameters of one without, for about
-    as many kernels (``docs/step_validation/diagnosis/e20.log``). Besides, ``per_step_s`` once a
-    step (the model's own forward call, its masks and positions, the loss, ``backward()``) and
-    ``per_block_s`` for each repeated block in each chunk (its module calls, the wavefront's turns):
-    costs no listed kernel carries, which a form without them puts into ``per_kernel_s``, pricing a
-    block of many small kernels well above its CPU (``docs/step_validation/diagnosis/e23.log``).
+    as many kernels (``docs/step_validation/diagnosis/e20.log``).
     Calibrated from probe models' forward and backward with their collectives skipped
     (:mod:`atp_pipeline.run.calibrate_compute`)."""
 
@@ -54,8 +50,6 @@ class Framework:
     per_collective_s: float = 0.0
     per_collective_byte_s: float = 0.0
     per_read_s: float = 0.0
-    per_step_s: float = 0.0
-    per_block_s: float = 0.0
 
     def collective_seconds(self, nbytes: float) -> float:
         return self.per_collective_s + nbytes * self.per_collective_byte_s
@@ -408,7 +402,7 @@ class ComputeProfile:
         fw = self.framework
         if fw is not None:
             fw = Framework(fw.per_kernel_s * o, fw.kernel_factor, fw.per_collective_s * o, fw.per_collective_byte_s * o,
-                           fw.per_read_s * o, fw.per_step_s * o, fw.per_block_s * o)
+                           fw.per_read_s * o)
         sync = None if self.sync is None else SyncFit(self.sync.alpha_s * o, self.sync.per_compute, self.sync.hidden)
         cc = self.collective_cpu
         if cc is not None:
@@ -496,12 +490,6 @@ class ComputeProfile:
         """The runtime's CPU for ``reads`` sharded parameter reads (:class:`Framework`)."""
         return 0.0 if self.framework is None else reads * self.framework.per_read_s
 
-    def fixed_seconds(self, block_chunks: int) -> float:
-        """The runtime's CPU a step pays once and per block and chunk (``block_chunks``: the
-        blocks times the §4.1 chunks) beyond its kernels (:class:`Framework`)."""
-        fw = self.framework
-        return 0.0 if fw is None else fw.per_step_s + block_chunks * fw.per_block_s
-
     def collective_framework_seconds(self, nbytes: float) -> float:
         """The runtime's own CPU work around one collective call moving ``nbytes``."""
         return 0.0 if self.framework is None else self.framework.collective_seconds(nbytes)
@@ -525,9 +513,7 @@ class ComputeProfile:
         if fw is not None:
             parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
                          f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective"
-                         + (f", {fw.per_read_s * 1e6:.1f} us per parameter read" if fw.per_read_s else "")
-                         + (f", {fw.per_step_s * 1e6:.0f} us a step + {fw.per_block_s * 1e6:.0f} us per block and chunk"
-                            if fw.per_step_s or fw.per_block_s else ""))
+                         + (f", {fw.per_read_s * 1e6:.1f} us per parameter read" if fw.per_read_s else ""))
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
                          f"per collective, {self.sync.hidden:.0%} of overlap hidden")
@@ -630,15 +616,13 @@ class ComputeProfile:
                 framework = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor", 0.0)),
                                       float(fd.get("per_collective_us", 0.0)) * 1e-6,
                                       float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9,
-                                      float(fd.get("per_read_us", 0.0)) * 1e-6,
-                                      float(fd.get("per_step_us", 0.0)) * 1e-6, float(fd.get("per_block_us", 0.0)) * 1e-6)
+                                      float(fd.get("per_read_us", 0.0)) * 1e-6)
                 vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s,
-                        framework.per_read_s, framework.per_step_s, framework.per_block_s)
+                        framework.per_read_s)
                 if not (min(vals) >= 0 and framework.kernel_factor > -1
                         and all(math.isfinite(x) for x in (*vals, framework.kernel_factor))):
                     raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
-                                      f"per_collective_ns_per_byte, per_read_us, per_step_us, per_block_us must be finite >= 0, "
-                                      f"kernel_factor > -1")
+                                      f"per_collective_ns_per_byte, per_read_us must be finite >= 0, kernel_factor > -1")
             sync = None
             if data.get("sync"):
                 sd = data["sync"]
@@ -745,9 +729,7 @@ class ComputeProfile:
                 **({"framework": {"per_kernel_us": g(fw.per_kernel_s * 1e6), "kernel_factor": g(fw.kernel_factor),
                                   "per_collective_us": g(fw.per_collective_s * 1e6),
                                   "per_collective_ns_per_byte": g(fw.per_collective_byte_s * 1e9),
-                                  **({"per_read_us": g(fw.per_read_s * 1e6)} if fw.per_read_s else {}),
-                                  **({"per_step_us": g(fw.per_step_s * 1e6)} if fw.per_step_s else {}),
-                                  **({"per_block_us": g(fw.per_block_s * 1e6)} if fw.per_block_s else {})}}
+                                  **({"per_read_us": g(fw.per_read_s * 1e6)} if fw.per_read_s else {})}}
                    if fw is not None else {}),
                 **({"sync": {"alpha_us": g(self.sync.alpha_s * 1e6), "per_compute": g(self.sync.per_compute),
                              "hidden": g(self.sync.hidden)}}

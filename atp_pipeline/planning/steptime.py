@@ -243,7 +243,6 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
     tl = _Timeline(clock, profile, bytes_per_element, scale, sync_scale=scale if sync_scale is None else sync_scale,
                    skew=skew)
     tl.framework(scale * profile.read_seconds(prog.reads))  # the step's sharded parameter reads (Framework.per_read_s)
-    tl.framework(scale * profile.fixed_seconds(len(prog.blocks_fwd) * prog.chunks))  # once a step, per block and chunk
     tl.run(prog.pre, [])
     for layer in prog.blocks_fwd:
         _round_robin(tl, [stages(items) for items in layer])
