@@ -110,7 +110,7 @@ def analyse():
                           f"  fixed {(t[0]-blk)*1e3:5.2f}")
     print("\nPart B: forms fitted on the probes' steps (per process count); validation models' measured / fitted")
     models = [n for n, _ in ent if '@' in n]
-    for probes, label in ((BASE, 'the six probes'), (BASE + ['llama_L2', 'gpt2_L2'], 'with the two-block transformers probes')):
+    for probes, label in ((BASE, 'the six probes'), (BASE + ['llama_L2', 'gpt2_L2'], 'the six probes and the two-block transformers probes')):
         print(f" fitted on {label}")
         for P in (4, 2):
             for form in ('F0', 'F1 +step', 'F2 +block-chunk', 'F3 +step +block-chunk'):
