@@ -425,7 +425,6 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
     def one_pass(_: int) -> List[Tuple[float, float, Dict[int, float]]]:
         row = []
         for i, fn in enumerate(fns):
-            fn()  # untimed: the batch starts warm, as a training step follows the one before it (e24)
             comm = getattr(fn, "comm", None)
             if comm is not None:
                 comm.stats.reset()
@@ -456,11 +455,9 @@ def measure(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: float 
             patterns: Sequence[Pattern] = (), progress: str = "") -> List[float]:
     """Seconds per call of each kernel, then of each plan's collective-free forward and
     backward, then of each compute-then-collective pattern, on ``world`` concurrent
-    processes (median over interleaved passes of the slowest rank, each pass's batch after one
-    untimed call of the same measurement: warm, as a training step follows the one before it, not
-    the other measurements of the pass; a pass during which other jobs loaded the host is measured
-    again, :mod:`atp_pipeline.run.hostload`). ``progress``: a file rank 0 keeps the count of
-    finished measurements in."""
+    processes (median over interleaved passes of the slowest rank; a pass during which
+    other jobs loaded the host is measured again, :mod:`atp_pipeline.run.hostload`).
+    ``progress``: a file rank 0 keeps the count of finished measurements in."""
     return measure_with_load(kernels, world, passes, batch_ms, timeout, plans, models, patterns, progress)[0]
 
 
