@@ -26,29 +26,15 @@ five terms, so it runs at any commit since.
 import json, statistics as st, sys, time
 from pathlib import Path
 sys.path.insert(0, '.')
+sys.path.insert(0, str(Path(__file__).parent))
 from atp_pipeline.run import calibrate_compute as C
+from e21 import layers, worker  # e21's runner of the calibration's collective-free steps, and its block counts
 
 OUT = Path(__file__).with_name('e23.json')
 BASE = ['probe_gpt_s', 'probe_gpt_m', 'probe_llama', 'probe_gpt2', 'probe_gpt_s_b48', 'probe_llama_b48']
 FAM = {'probe_gpt_s': 'gpt_s', 'probe_llama': 'llama', 'probe_gpt2': 'gpt2'}
 MESHES = {4: ((4, 1), (2, 2), (1, 4)), 2: ((2, 1), (1, 2))}
 POINTS = ((8, 32), (2, 128))
-
-
-def worker(rank, world, models, plans, reps):
-    fns = [C._plan_runner(p, models, rank) for p in plans]
-    for f in fns:
-        f(); f()
-    res = [[] for _ in plans]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            c0 = time.process_time(); f(); f(); res[i].append((time.process_time() - c0) / 2)
-    return [st.median(x) for x in res]
-
-
-def layers(name, n):
-    key = 'model.layers=' if name == 'probe_gpt_s' else 'model.hf.num_hidden_layers='
-    return tuple(f'{key}{n}' if x.startswith(key) else x for x in C.PROBES[name])
 
 
 def entries(conf):
