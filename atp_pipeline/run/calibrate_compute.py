@@ -408,9 +408,6 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
     fns = ([_runner(k, rank, world) for k in kernels] + [_plan_runner(p, models, rank) for p in plans]
            + [_pattern_runner(p, rank) for p in patterns] + [_live_runner(p, models, rank) for p in live])
     batches = [1] * (len(kernels) + len(plans)) + [loop_batch(p) for p in patterns] + [1] * len(live)
-    # a probe's whole step is timed warm (one untimed step of it first), as training runs a step after its own
-    # previous one, not after another measurement: taken cold, it read 6.6 % longer at 2 processes (e24)
-    warm = [False] * (len(fns) - len(live)) + [True] * len(live)
     kernels = [*kernels, *plans, *patterns, *live]  # type: ignore[list-item]
     reps = []
     # warm-up; calls per batch (the same on every rank: the largest; a pure loop's LOOP_BATCH x)
@@ -428,8 +425,6 @@ def _worker(rank: int, world: int, kernels: List[Kernel], passes: int, batch_ms:
     def one_pass(_: int) -> List[Tuple[float, float, Dict[int, float]]]:
         row = []
         for i, fn in enumerate(fns):
-            if warm[i]:
-                fn()
             comm = getattr(fn, "comm", None)
             if comm is not None:
                 comm.stats.reset()
