@@ -37,7 +37,7 @@ for a, b in itertools.combinations(P, 2):
         e = np.abs(1 / r - 1)  # |"predicted" (measured a) - measured b| / measured b: the grids' relative error
         print(f"  {a + ' vs ' + b:34s} {what:10s} {np.std(np.log(r)):9.3f} {np.median(e):7.1%} {e.max():7.1%}  "
               + ' / '.join(str(int((e > x).sum())) for x in (0.10, 0.15, 0.20, 0.25)))
-    worst = max(keys, key=lambda k: abs(P[b][k]['measured_s'] / P[a][k]['measured_s'] - 1))
+    worst = max(keys, key=lambda k: abs(P[a][k]['measured_s'] / P[b][k]['measured_s'] - 1))  # as e
     print(f"  {'':34s} worst step: {worst}: {P[a][worst]['measured_s']*1e3:.1f} vs {P[b][worst]['measured_s']*1e3:.1f} ms")
 print("\nThe grid's own errors against run 25's calibration (median / worst), each run:")
 for k, v in P.items():
