@@ -455,30 +455,40 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
 
 def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe_models_left_out():
     """Run 16 (issue 27): the residual's CPU form (CpuStep) — the step as the probes' measured step
-    over their measured rank CPU per (mesh, chunks) cell, times the predicted rank CPU as the probes'
-    measured CPU was to it (``U = a·Û + b`` per process and chunk count) — recovers planted values
-    exactly; the calibration keeps whichever form predicts better the probe models left out in
-    turn; a profile with it predicts ``ratio × (a·cpu + b)`` (the nearest cell's ratio where a cell
-    is not calibrated), writes and reads it back, and re-times its CPU offset with the host."""
+    against their measured rank CPU per (mesh, chunks) cell (``T = ratio·U + wait``; the wait since
+    run 35), of the predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per
+    process and chunk count) — recovers planted values exactly; the calibration keeps whichever form
+    predicts better the probe models left out in turn; a profile with it predicts
+    ``ratio × (a·cpu + b) + wait`` (the medians of the cells of its chunk count where a cell is not
+    calibrated), writes and reads it back (a profile from before run 35: no wait), and re-times its
+    CPU offset and its waits with the host."""
     import math
 
     from atp_pipeline.run import calibrate_compute as cal
 
     ratio = {(2, (2, 1), 1): 1.2, (2, (1, 2), 1): 1.4, (2, (2, 1), 2): 1.3, (2, (1, 2), 2): 1.5,
              (4, (2, 2), 1): 2.4, (4, (4, 1), 1): 2.6}
+    wait = {(2, (1, 2), 2): 0.003, (4, (2, 2), 1): 0.002, (4, (4, 1), 1): 0.006}  # the other cells none
     ab = {(2, 1): (1.1, 0.002), (2, 2): (1.05, 0.004), (4, 1): (1.2, 0.001)}
-    steps = [(n, mesh, c, m, 0.010 * (1 + m) + 0.004 * (mesh[0] + c)) for (n, mesh, c) in ratio for m in range(3)]
+    steps = [(n, mesh, c, m, 0.010 * (1 + m) + 0.004 * (mesh[0] + c)) for (n, mesh, c) in ratio for m in range(4)]
     u_hat = [x[4] for x in steps]
     u = [ab[n, c][0] * uh + ab[n, c][1] for (n, _, c, _, uh) in steps]
-    wall = [ratio[n, mesh, c] * uu for (n, mesh, c, _, _), uu in zip(steps, u)]
+    wall = [ratio[n, mesh, c] * uu + wait.get((n, mesh, c), 0.0) for (n, mesh, c, _, _), uu in zip(steps, u)]
     args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
     fit = cal.fit_cpu_step(u_hat, u, wall, *args)
     assert fit.ratio == {2: {"1x2/c1": pytest.approx(1.4), "1x2/c2": pytest.approx(1.5), "2x1/c1": pytest.approx(1.2),
                              "2x1/c2": pytest.approx(1.3)}, 4: {"2x2/c1": pytest.approx(2.4), "4x1/c1": pytest.approx(2.6)}}
+    assert fit.wait == {2: {"1x2/c1": pytest.approx(0, abs=1e-9), "1x2/c2": pytest.approx(0.003),
+                            "2x1/c1": pytest.approx(0, abs=1e-9), "2x1/c2": pytest.approx(0, abs=1e-9)},
+                        4: {"2x2/c1": pytest.approx(0.002), "4x1/c1": pytest.approx(0.006)}}
     assert {(n, c): fit.cpu[n][c] for n, c in ab} == {k: pytest.approx(v, rel=1e-6) for k, v in ab.items()}
-    assert fit.step(2, (1, 2), 2, 0.05) == pytest.approx(1.5 * (1.05 * 0.05 + 0.004))
-    assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001))  # the median of 4's chunks-1 cells
-    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001))  # the nearest count, chunks
+    assert fit.step(2, (1, 2), 2, 0.05) == pytest.approx(1.5 * (1.05 * 0.05 + 0.004) + 0.003)
+    # a cell not calibrated: the medians of 4's chunks-1 cells (ratio 2.5, wait 4 ms)
+    assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001) + 0.004)
+    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001) + 0.004)  # the nearest count, chunks
+    # two steps of a cell: no line through them, the median ratio and no wait
+    two = cal.fit_cpu_step(u_hat[:2], u[:2], wall[:2], *(a[:2] for a in args))
+    assert two.wait[2]["2x1/c1"] == 0.0 and two.ratio[2]["2x1/c1"] == pytest.approx(1.2)
     # the form: planted as the CPU form, the CPU form predicts the left-out models exactly
     parts = [(0.6 * uh, 0.3 * uh * (1 + m)) for (_, _, _, m, uh) in steps]
     models = [x[3] for x in steps]
@@ -498,7 +508,7 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
                              sync=cp.SyncFit(100e-6), step_residual=res)
     base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), dataclasses.replace(prof, step_residual=None))
     est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
-    assert est.step_s == pytest.approx(2.4 * (1.2 * base.cpu_s + 0.001))
+    assert est.step_s == pytest.approx(2.4 * (1.2 * base.cpu_s + 0.001) + 0.002)
     assert est.residual_s == pytest.approx(est.step_s - base.step_s) and est.cpu_s == base.cpu_s
     assert "step / rank CPU" in est.calibration and "form 'cpu' chosen on the probe models left out" in est.calibration
     from atp_pipeline.planning.mesh_plan import residual_origin
@@ -507,13 +517,21 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     assert residual_origin(dataclasses.replace(prof, step_residual=res_t), est).startswith("the calibration's probe steps")
     cfg = json.loads(json.dumps(prof.to_config()))
     assert cfg["step_residual"]["form"] == "cpu" and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4)
+    assert cfg["step_residual"]["cpu_wait"]["4"]["4x1/c1"] == pytest.approx(6000.0)  # microseconds
     back = cp.ComputeProfile.from_config(cfg).step_residual
     assert back.form == "cpu" and back.anchored.cpu[4][1] == pytest.approx(ab[4, 1], rel=1e-5)
     assert back.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(res.cpu_step(4, (2, 2), 1, 0.05), rel=1e-5)
+    assert "4x1/c1 x2.60 + 6.00 ms" in back.describe()
+    older = {k: v for k, v in cfg["step_residual"].items() if k != "cpu_wait"}  # a profile from before run 35
+    assert cp.ComputeProfile.from_config({**cfg, "step_residual": older}).step_residual.cpu_step(4, (2, 2), 1, 0.05) \
+        == pytest.approx(2.4 * (1.2 * 0.05 + 0.001), rel=1e-5)
     slow = prof.at_speed(cp.HostSpeed(1.0, 2.0)).step_residual
-    assert slow.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(2.4 * (1.2 * 0.05 + 0.002))
+    assert slow.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(2.4 * (1.2 * 0.05 + 0.002) + 0.004)
     with pytest.raises(ConfigError, match=r"step_residual: cpu_ratio"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_ratio": {4: {"2x2/c1": -1}}}})
+    for bad in ({4: {"2x2/c1": -1.0}}, {4: {"1x4/c1": 10.0}}):  # a negative wait, a cell without a ratio
+        with pytest.raises(ConfigError, match=r"cpu_wait: cpu_ratio's cells"):
+            cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_wait": bad}})
     with pytest.raises(ConfigError, match=r"step residual: form 'x'"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "form": "x"}})
 

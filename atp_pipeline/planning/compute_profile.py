@@ -134,16 +134,21 @@ class CpuStep:
     measured that share as ``step / rank CPU`` within ±5 % across six probe models of 10-90 ms
     (``diagnosis/e14.json``), and the validation models' steps within ±13 % of it in every grid
     of runs 12-15 — what the terms' timeline does not reproduce (the waits depend on which
-    rank's work the others wait for). So the step is ``ratio[P][cell] × (a·CPU + b)``: ``CPU``
-    the model's predicted CPU of a rank (:attr:`~atp_pipeline.planning.steptime.StepEstimate.cpu_s`:
+    rank's work the others wait for). So the step is ``ratio[P][cell] × (a·CPU + b) + wait[P][cell]``:
+    ``CPU`` the model's predicted CPU of a rank (:attr:`~atp_pipeline.planning.steptime.StepEstimate.cpu_s`:
     its compute and its collectives' backend CPU), ``a, b`` per process count and chunk count
     what the probes' measured rank CPU was against that prediction (relative non-negative least
-    squares), ``ratio`` the median of their measured step over their measured rank CPU per cell.
-    A cell not calibrated takes the median over its process count's cells of its chunk count
-    (else of all its cells); a process count not calibrated the nearest one's (ties: the larger)."""
+    squares), ``ratio`` and ``wait`` per cell the probes' measured step against their measured rank
+    CPU, ``T = ratio·U + wait`` (relative non-negative least squares; a profile before run 35: the
+    median of ``T / U``, no wait). The wait (run 35, diagnosis e25): a step's waits do not all grow
+    with its CPU, so the validation models, 2-8x the probes' CPU, ran 3-5 % below the probes' median
+    ratio in every cell over 22 grids. A cell not calibrated takes the median over its process
+    count's cells of its chunk count (else of all its cells); a process count not calibrated the
+    nearest one's (ties: the larger)."""
 
     ratio: Mapping[int, Mapping[str, float]]  # processes -> cell_key -> step / rank CPU
     cpu: Mapping[int, Mapping[int, Tuple[float, float]]]  # processes -> chunks -> (a, b seconds)
+    wait: Mapping[int, Mapping[str, float]] = field(default_factory=dict)  # processes -> cell_key -> seconds
 
     def _count(self, processes: int) -> int:
         return min(self.ratio, key=lambda n: (abs(n - processes), -n))
@@ -151,23 +156,27 @@ class CpuStep:
     def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> float:
         """The step of a rank whose predicted CPU is ``cpu_s`` on ``mesh`` at ``chunks`` among ``processes``."""
         p = self._count(processes)
-        cells = self.ratio[p]
-        if p == processes and cell_key(mesh, chunks) in cells:
-            g = cells[cell_key(mesh, chunks)]
+        key = cell_key(mesh, chunks)
+        cells, waits = self.ratio[p], self.wait.get(p, {})
+        if p == processes and key in cells:
+            g, w = cells[key], waits.get(key, 0.0)
         else:
-            same = [v for k, v in cells.items() if k.endswith(f"/c{chunks}")] or list(cells.values())
-            g = statistics.median(same)
+            same = [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
+            g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
         a, b = _nearest(self.cpu.get(p) or _nearest(self.cpu, p), chunks)
-        return g * (a * cpu_s + b)
+        return g * (a * cpu_s + b) + w
 
     def at_speed(self, overhead: float) -> "CpuStep":
-        """The same with the CPU offsets ``b`` at the host's per-call speed now (:class:`HostSpeed`)."""
-        return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()})
+        """The same with the CPU offsets ``b`` and the waits at the host's per-call speed now (:class:`HostSpeed`)."""
+        return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()},
+                       {p: {k: w * overhead for k, w in cells.items()} for p, cells in self.wait.items()})
 
     def describe(self) -> str:
         def one(p: int) -> str:
             cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms (chunks {c})" for c, (a, b) in sorted(self.cpu.get(p, {}).items()))
-            cells = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.ratio[p].items()))
+            waits = self.wait.get(p, {})
+            cells = ", ".join(f"{k} x{v:.2f}" + (f" + {waits[k] * 1e3:.2f} ms" if waits.get(k) else "")
+                              for k, v in sorted(self.ratio[p].items()))
             return f"{p} processes: rank CPU {cpu}; step / rank CPU {cells}"
         return "the step from a rank's CPU (" + "; ".join(one(p) for p in sorted(self.ratio)) + ")"
 
@@ -667,7 +676,8 @@ class ComputeProfile:
             step_residual = None
             if data.get("step_residual"):
                 rd = data["step_residual"]
-                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps", "form", "cpu_ratio", "cpu_fit", "cv"})
+                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps", "form", "cpu_ratio", "cpu_fit",
+                                          "cpu_wait", "cv"})
                 if extra:
                     raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
                 def by_chunks(v: Any) -> Dict[int, float]:  # run 13: one factor for every chunk count
@@ -686,13 +696,17 @@ class ComputeProfile:
                              for p, cells in dict(rd["cpu_ratio"]).items()}
                     fit = {int(p): {int(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
                            for p, per in dict(rd.get("cpu_fit") or {}).items()}
+                    wait = {int(p): {str(k): float(v) * 1e-6 for k, v in dict(cells).items()}
+                            for p, cells in dict(rd.get("cpu_wait") or {}).items()}  # run 35; before: none
                     if not fit or not all(v > 0 and math.isfinite(v) for cells in ratio.values() for v in cells.values()) \
                             or not all(math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0
-                                       for per in fit.values() for a, b in per.values()):
+                                       for per in fit.values() for a, b in per.values()) \
+                            or not all(p in ratio and k in ratio[p] and v >= 0 and math.isfinite(v)
+                                       for p, cells in wait.items() for k, v in cells.items()):
                         raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
-                                          f"> 0 and cpu_fit: processes -> chunks -> [factor >= 0, microseconds >= 0], "
-                                          f"got {ratio}, {fit}")
-                    anchored = CpuStep(ratio, fit)
+                                          f"> 0, cpu_fit: processes -> chunks -> [factor >= 0, microseconds >= 0] and "
+                                          f"cpu_wait: cpu_ratio's cells -> microseconds >= 0, got {ratio}, {fit}, {wait}")
+                    anchored = CpuStep(ratio, fit, wait)
                 cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
                 step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()},
                                              anchored, str(rd.get("form", "terms")), cv)
@@ -765,6 +779,9 @@ class ComputeProfile:
                                 for p, cells in sorted(sr.anchored.ratio.items())}
             out["cpu_fit"] = {int(p): {int(c): [g(a), g(b * 1e6)] for c, (a, b) in sorted(per.items())}
                               for p, per in sorted(sr.anchored.cpu.items())}
+            if sr.anchored.wait:
+                out["cpu_wait"] = {int(p): {k: g(w * 1e6) for k, w in sorted(cells.items())}
+                                   for p, cells in sorted(sr.anchored.wait.items())}
         if sr.cv:
             out["cv"] = {f: [g(m), g(w)] for f, (m, w) in sorted(sr.cv.items())}
         return out

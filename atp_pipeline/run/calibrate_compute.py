@@ -744,29 +744,32 @@ def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[f
 def fit_cpu_step(cpu_pred: Sequence[float], cpu_meas: Sequence[float], measured: Sequence[float],
                  processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int]) -> Optional[CpuStep]:
     """:class:`CpuStep` from the probes' own training steps: per process count and (mesh, chunk
-    count) cell the median of measured step / measured rank CPU; per process count and chunk count
-    the measured rank CPU ``U`` against the predicted ``Û`` as ``U = a·Û + b`` (relative non-negative
-    least squares; with fewer than 3 steps, or no fit with ``a > 0``, ``a`` the median of ``U / Û``
-    and ``b = 0``). None without a step whose three times are all measured."""
-    ratio: Dict[int, Dict[str, List[float]]] = {}
+    count) cell the measured step ``T`` against the measured rank CPU ``U`` as ``T = ratio·U + wait``;
+    per process count and chunk count the measured rank CPU against the predicted ``Û`` as
+    ``U = a·Û + b`` (both :func:`_line`). None without a step whose three times are all measured."""
+    steps: Dict[int, Dict[str, List[Tuple[float, float]]]] = {}
     cpu: Dict[int, Dict[int, List[Tuple[float, float]]]] = {}
     for u_hat, u, t, n, mesh, k in zip(cpu_pred, cpu_meas, measured, processes, meshes, chunks):
         if u_hat > 0 and u > 0 and t > 0:
-            ratio.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append(t / u)
+            steps.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append((u, t))
             cpu.setdefault(int(n), {}).setdefault(int(k), []).append((u_hat, u))
-    if not ratio:
+    if not steps:
         return None
-    fits: Dict[int, Dict[int, Tuple[float, float]]] = {}
-    for n, per in cpu.items():
-        for k, pts in per.items():
-            a = b = 0.0
-            if len(pts) >= 3:
-                a, b = nnls(np.array([[uh / u, 1.0 / u] for uh, u in pts]), np.ones(len(pts)))
-            if not a > 0:
-                a, b = statistics.median(u / uh for uh, u in pts), 0.0
-            fits.setdefault(n, {})[k] = (float(a), float(b))
-    return CpuStep({n: {c: statistics.median(v) for c, v in sorted(cells.items())} for n, cells in sorted(ratio.items())},
-                   {n: dict(sorted(per.items())) for n, per in sorted(fits.items())})
+    cells = {n: {c: _line(pts) for c, pts in sorted(per.items())} for n, per in sorted(steps.items())}
+    return CpuStep({n: {c: g for c, (g, _) in per.items()} for n, per in cells.items()},
+                   {n: {k: _line(pts) for k, pts in sorted(per.items())} for n, per in sorted(cpu.items())},
+                   {n: {c: w for c, (_, w) in per.items()} for n, per in cells.items()})
+
+
+def _line(pts: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """``y = s·x + c`` over ``(x, y)`` points: relative non-negative least squares; with fewer than
+    3 points, or no fit with ``s > 0``, ``s`` the median of ``y / x`` and ``c = 0``."""
+    s = c = 0.0
+    if len(pts) >= 3:
+        s, c = nnls(np.array([[x / y, 1.0 / y] for x, y in pts]), np.ones(len(pts)))
+    if not s > 0:
+        s, c = statistics.median(y / x for x, y in pts), 0.0
+    return float(s), float(c)
 
 
 def fit_residual(parts: Sequence[Tuple[float, float]], cpu_pred: Sequence[float], cpu_meas: Sequence[float],
