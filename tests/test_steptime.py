@@ -7,6 +7,7 @@ import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import pytest
 from omegaconf import OmegaConf
@@ -725,13 +726,15 @@ def test_training_and_its_calibration_and_validation_step_one_optimizer():
 
 
 def _count_reads(rank: int, world: int, entries: list) -> list:
-    """Each entry's DTensor ``to_local`` calls in one training forward and backward of the runtime's model."""
+    """Each entry's DTensor ``to_local`` calls in one training forward and backward of the runtime's
+    model, and its collective calls by ``"collective/axis"`` (the runtime's own counter)."""
     import copy
 
     import torch
     from torch.distributed.tensor import DTensor
 
     from atp_pipeline.models.adapter import get_adapter
+    from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.run.calibrate_compute import _mesh
 
@@ -747,10 +750,22 @@ def _count_reads(rank: int, world: int, entries: list) -> list:
         torch.manual_seed(0)
         model = copy.deepcopy(adapter.build(spec["model_config"]))
         idx = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]))
-        apply_plan(model, adapter.parallel_plan(model), _mesh(*mesh), chunks)
+        on = _mesh(*mesh)
+        apply_plan(model, adapter.parallel_plan(model), on, chunks)
         calls[0] = 0
+        comm_for(on).stats.reset()
         adapter.lm_loss(model, idx, idx).backward()
-        out.append(calls[0])
+        out.append((calls[0], {f"{k}/{a}": c.calls for (k, a), c in comm_for(on).stats.totals.items() if c.calls}))
+    return out
+
+
+def _program_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Dict[str, int]:
+    """The step program's collective calls in the forward and backward by ``"collective/axis"``."""
+    out: Dict[str, int] = {}
+    for item in sp.all_items(sp.build_program(shape, mesh, shape.batch_size, chunks)[0]):
+        if item[0] in ("sync", "async", "linear"):
+            key = f"{item[1].term.collective}/d{item[1].term.dim}"
+            out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -766,13 +781,41 @@ def test_the_programs_parameter_reads_are_the_runtimes():
     entries = [(spec, mesh, c) for _, spec in built for mesh in ((2, 1), (1, 2)) for c in (1, 2)]
     got = spawn(_count_reads, 2, entries, timeout=300)[0]
     want = [sp.param_reads(shape, c) for shape, _ in built for _ in ((2, 1), (1, 2)) for c in (1, 2)]
-    assert got == want == [17, 29, 17, 29, 9, 16, 9, 16, 11, 19, 11, 19]
+    assert [reads for reads, _ in got] == want == [17, 29, 17, 29, 9, 16, 9, 16, 11, 19, 11, 19]
+    # and the program's collective calls are the runtime's (multi-head and grouped-query heads scattered)
+    assert [calls for _, calls in got] == [_program_calls(shape, mesh, c) for shape, _ in built
+                                           for mesh in ((2, 1), (1, 2)) for c in (1, 2)]
     prog = sp.build_program(GPT, (2, 1), GPT.batch_size, 2)[0]
     assert prog.reads == sp.param_reads(GPT, 2) == 2 * 2 * 12 + 5
     base = dataclasses.replace(_flat(5.0), framework=cp.Framework(0.0))
     read = dataclasses.replace(base, framework=cp.Framework(0.0, per_read_s=10e-6))
     two = cc.CommClock(_two(), (2, 1), 4)
     assert (st._run(prog, two, read, 4).compute - st._run(prog, two, base, 4).compute) == pytest.approx(53 * 10e-6)
+
+
+def test_the_programs_collective_calls_are_the_runtimes_on_four_processes():
+    """Run 37 (issue 27): the step program lists the collective calls the runtime sends, not only
+    their bytes (a collective's backend CPU and α are per call): key/value heads picked per rank
+    (grouped-query ``probe_llama`` on 2x2: their gradients summed over d2, keys and values in a call
+    each), gathered over d1 (on 4x1: keys and values each gathered, each gradient summed), and a
+    multi-head core on 2x2 (q, k and v scattered in one call); 4 real processes, chunks 1 and 2.
+    Before run 37 the program listed one call per cost-model term (gpt2 2x2: 33 calls against the
+    runtime's 31, a grouped-query Llama 41 against 43)."""
+    from atp_pipeline.launch import spawn
+    from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, kv_placement
+    from atp_pipeline.run import calibrate_compute as cal
+
+    (llama, llama_spec), (gpt2, gpt2_spec) = cal.compose_models(cal.probe_entries(["probe_llama", "probe_gpt2"]), CONF)
+    points = [(llama, llama_spec, (2, 2), 2), (llama, llama_spec, (4, 1), 2), (gpt2, gpt2_spec, (2, 2), 2),
+              (llama, llama_spec, (1, 4), 1)]
+    assert [kv_placement(sh, *m) for sh, _, m, _ in points] == [KV_PICK, KV_GATHERED, KV_SCATTER, KV_PICK]
+    got = spawn(_count_reads, 4, [(spec, m, c) for _, spec, m, c in points], timeout=300)[0]
+    assert [calls for _, calls in got] == [_program_calls(sh, m, c) for sh, _, m, c in points]
+    assert [sum(calls.values()) for _, calls in got] == [43, 18, 31, 18]
+    assert [reads for reads, _ in got] == [sp.param_reads(sh, c) for sh, _, _, c in points]
+    with pytest.raises(ValueError, match="one call of different collectives"):
+        sp.one_call(*(sp.Coll(CommTerm(op, "x", kind, dim, Fraction(1), 1, "bwd"), Fraction(1), 8)
+                      for op, kind, dim in (("a", ALL_REDUCE, 2), ("b", "all_gather", 2))))
 
 
 def test_calibration_times_the_runtime_terms_on_processes():

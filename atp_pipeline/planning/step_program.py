@@ -25,15 +25,30 @@ Item = Tuple[Any, ...]
 
 @dataclass(frozen=True)
 class Coll:
-    """A placed collective: ``share`` of a cost-model term, for ``tokens`` tokens."""
+    """A placed collective: ``share`` of a cost-model term, for ``tokens`` tokens; ``joined``:
+    other placed terms' shares the runtime sends in the same call (the same collective on the
+    same dimension: one call, its bytes theirs together)."""
 
     term: CommTerm
     share: Fraction
     tokens: int
+    joined: Tuple["Coll", ...] = ()
 
     @property
     def elements(self) -> Fraction:
-        return self.term.elements_per_token * (self.tokens if self.term.per_token else 1) * self.share
+        return (self.term.elements_per_token * (self.tokens if self.term.per_token else 1) * self.share
+                + sum((c.elements for c in self.joined), Fraction(0)))
+
+
+def one_call(*colls: Optional[Coll]) -> Optional[Coll]:
+    """The placed ``colls`` sent as one call (None where none is placed)."""
+    placed = [c for c in colls if c is not None]
+    if not placed:
+        return None
+    first, rest = placed[0], tuple(placed[1:])
+    if any((c.term.collective, c.term.dim) != (first.term.collective, first.term.dim) for c in rest):
+        raise ValueError(f"step model: one call of different collectives: {[(c.term.op, c.term.dim) for c in placed]}")
+    return Coll(first.term, first.share, first.tokens, first.joined + rest)
 
 
 class Terms:
@@ -155,14 +170,25 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
                                                 *_c("sync", tk("f1", "fwd", Fraction(w, q + 2 * kv))),
                                                 _k(POINTWISE, T * w // d1))],
                    _fan_in_bwd(T, hs, [w // d1 for w in widths], tk("f1", "bwd"))))
-    kvf = tk("kv", "fwd") if layout == KV_GATHERED else None
-    kv_pick = [tk("pick", "bwd", nth=i) for i in range(2)] if layout in (KV_PICK, KV_GATHERED) else []
-    kv_scatter = tk("scatter", "bwd", nth=1) if layout == KV_SCATTER else None
+    # the calls as parallel/attention.py's HeadSharding.localize sends them: a multi-head core
+    # scatters q, k and v in one call (one gather of their gradients), grouped-query heads each
+    # of q, k and v in its own; keys and values each gathered, and their gradients each summed
+    # over an axis, in a call of their own (a separate k and v projection: two calls a term)
+    kv_each = Fraction(1) if shape.qkv_fused else Fraction(1, 2)
+    kv_calls = 1 if shape.qkv_fused else 2
+    kvf = [tk("kv", "fwd", kv_each) for _ in range(kv_calls)] if layout == KV_GATHERED else []
+    kv_pick = ([tk("pick", "bwd", Fraction(1, 2), nth=i) for i in (1, 0) for _ in range(2)]
+               if layout in (KV_PICK, KV_GATHERED) else [])
     scq, gaf = tk("scatter", "bwd"), tk("gather", "fwd")
-    pieces.append(([*([_k(POINTWISE, T * (q + kv) // d1)] * rot), *_c("sync", kvf),
+    scatter: List[Optional[Coll]] = [scq]
+    if layout == KV_SCATTER and shape.kv_heads == shape.heads:
+        scatter = [one_call(scq, tk("scatter", "bwd", nth=1))]
+    elif layout == KV_SCATTER:
+        scatter = [tk("scatter", "bwd", Fraction(1, 2), nth=1) for _ in range(2)] + [scq]
+    pieces.append(([*([_k(POINTWISE, T * (q + kv) // d1)] * rot), *[x for c in kvf for x in _c("sync", c)],
                     _k(ATTN_FWD, batch, heads_local, s, hd), *_c("sync", gaf)],
-                   [_k(ATTN_BWD, batch, heads_local, s, hd), *_c("sync", scq), *_c("sync", kv_scatter),
-                    *[x for c in kv_pick for x in _c("sync", c)], *([_k(POINTWISE, T * (q + kv) // d1)] * rot)]))
+                   [_k(ATTN_BWD, batch, heads_local, s, hd), *[x for c in kv_pick for x in _c("sync", c)],
+                    *[x for c in scatter for x in _c("sync", c)], *([_k(POINTWISE, T * (q + kv) // d1)] * rot)]))
     f2f, f2b = tk("f2", "fwd"), tk("f2", "bwd")
     pieces.append(([_k(GEMM, T, q // d1, hs), *_c("sync", f2f), _k(POINTWISE, T * hs)],
                    [*_linear_bwd(T, q // d1, hs, f2b), _k(POINTWISE, T * hs)]))
