@@ -166,8 +166,11 @@ def part4(grids):
         fits = {w: form(probe, w) for w in (False, True)}
         own = {w: max(abs(fits[w](r) / r['predicted_s'] - 1) for r in rows) for w in (False, True)}
         used = min(own, key=own.get)
-        if own[used] > 1e-3:
-            raise SystemExit(f'{g}: neither form reproduces the rows ({own})')
+        if own[used] > 1e-3:  # the calibration chose the terms' form (its probe models left out): no CPU form ran
+            code = score(rows, lambda r: r['predicted_s'])
+            print(f"  {g:16s} ({name}, code: the terms' form, chosen at calibration; neither CPU form reproduces its "
+                  f"rows): {code['median']:.1%} / {code['worst']:.1%}{' ok' if code['ok'] else ''}; not paired")
+            continue
         s = {w: score(rows, fits[w]) for w in (False, True)}
         for w in (False, True):
             res[w].append(s[w])
