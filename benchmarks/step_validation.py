@@ -319,6 +319,7 @@ def prediction_fields(est: Any, measured: float) -> Dict[str, Any]:
             "predicted_total_comm_s": est.total_comm_s, "predicted_framework_s": est.dispatch_s,
             "predicted_optimizer_s": est.optimizer_s, "predicted_sync_s": est.sync_s,
             "predicted_timeline_s": est.timeline_s, "predicted_rank_cpu_s": est.cpu_s,
+            "predicted_coll_cpu_s": est.coll_cpu_s,
             "predicted_host_bound": est.host_bound, "predicted_residual_s": est.residual_s}
 
 

@@ -293,6 +293,7 @@ class StepEstimate:
     host_bound: bool = False  # the step is every rank's CPU over the host's cores (more processes than cores)
     timeline_s: float = 0.0  # the rank's own timeline (compute at a core's speed, the exposed collectives)
     residual_s: float = 0.0  # of step_s: the step beyond the terms' sum (the profile's StepResidual)
+    coll_cpu_s: float = 0.0  # of cpu_s: its collectives' backend CPU (CollectiveCPU)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
@@ -300,7 +301,8 @@ class StepEstimate:
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "profile": self.profile,
                 "comm_source": self.comm_source, "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
                 "sync_s": self.sync_s, "calibration": self.calibration, "cpu_s": self.cpu_s,
-                "host_bound": self.host_bound, "timeline_s": self.timeline_s, "residual_s": self.residual_s}
+                "host_bound": self.host_bound, "timeline_s": self.timeline_s, "residual_s": self.residual_s,
+                "coll_cpu_s": self.coll_cpu_s}
 
 
 def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSetting,
@@ -332,7 +334,7 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
     # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
     # exposed communication; 1 and 1 without one)
-    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu)
+    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu, tl.coll_cpu)
     if anchored is not None:
         # the residual's CPU form (CpuStep): the step as the probes' steps were to their rank's CPU
         residual = anchored - path
@@ -344,4 +346,4 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None
     return StepEstimate(step, compute, step - compute - gradsync_s - residual, tl.comm_total, gradsync_s,
                         shape.tokens_per_step / step, mfu, profile.name, clock.source, tl.dispatch, tl.optimizer,
-                        tl.sync, profile.describe(processes), cpu, host_bound, tl.now, residual)
+                        tl.sync, profile.describe(processes), cpu, host_bound, tl.now, residual, tl.coll_cpu)
