@@ -537,62 +537,6 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
         cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "form": "x"}})
 
 
-def test_the_ranks_cpu_prices_its_collectives_per_cell_from_the_probes():
-    """Run 39 (issue 27, diagnoses e26-e29): the rank CPU of the CPU form as ``a·Ĉ + k[cell]·K̂ + b`` —
-    the predicted compute ``Ĉ`` and collectives' backend CPU ``K̂`` (``StepEstimate.coll_cpu_s``) — with
-    ``k`` per (mesh, chunks) cell fitted from the probes' steps: planted values recovered exactly; with
-    fewer than 3 steps of a mesh, the pooled line (``k = a``); the estimate uses the timeline's own split;
-    the profile writes and reads ``cpu_coll`` back, refuses a bad one in one line, and one without it
-    predicts as before."""
-    from atp_pipeline.run import calibrate_compute as cal
-
-    a, b = {(4, 1): 1.1, (4, 2): 1.3}, {(4, 1): 0.002, (4, 2): 0.001}
-    k = {(4, (4, 1), 1): 1.4, (4, (2, 2), 1): 1.2, (4, (4, 1), 2): 0.9, (4, (2, 2), 2): 0.5}
-    ratio = {cell: 2.0 + 0.1 * i for i, cell in enumerate(k)}
-    steps = [(n, mesh, c, 0.008 * (1 + m) + 0.003 * mesh[0], 0.004 * (1 + (m * 7) % 5) * c)
-             for (n, mesh, c) in k for m in range(5)]
-    c_hat = [x[3] for x in steps]
-    k_hat = [x[4] for x in steps]
-    u = [a[n, c] * ch + k[n, mesh, c] * kh + b[n, c] for (n, mesh, c, ch, kh) in steps]
-    wall = [ratio[n, mesh, c] * uu for (n, mesh, c, _, _), uu in zip(steps, u)]
-    args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
-    u_hat = [ch + kh for ch, kh in zip(c_hat, k_hat)]
-    fit = cal.fit_cpu_step(u_hat, u, wall, *args, k_hat)
-    assert {(n, c): fit.cpu[n][c] for n, c in a} == {key: pytest.approx((a[key], b[key]), rel=1e-6) for key in a}
-    assert fit.coll == {4: {cp.cell_key(mesh, c): pytest.approx(v, rel=1e-6) for (_, mesh, c), v in k.items()}}
-    assert fit.step(4, (2, 2), 2, 0.05, 0.02) == pytest.approx(ratio[4, (2, 2), 2] * (1.3 * 0.03 + 0.5 * 0.02 + 0.001))
-    # a cell not calibrated: the medians of its chunk count's cells (k 0.7)
-    assert fit.step(4, (1, 4), 2, 0.05, 0.02) == pytest.approx(2.25 * (1.3 * 0.03 + 0.7 * 0.02 + 0.001))
-    # without the split (or too few steps of a mesh): one line on the whole predicted CPU, k = a
-    pooled = cal.fit_cpu_step(u_hat, u, wall, *args)
-    assert pooled.coll == {} and pooled.step(4, (2, 2), 2, 0.05, 0.02) == pytest.approx(pooled.step(4, (2, 2), 2, 0.05))
-    few = [i for i, x in enumerate(steps) if x[1] != (2, 2) or x[2] != 1 or i % 5 < 2]
-    sub = cal.fit_cpu_step(*([v[i] for i in few] for v in (u_hat, u, wall, *args, k_hat)))
-    assert "4x1/c1" not in sub.coll[4] and "2x2/c1" not in sub.coll[4] and sub.coll[4]["2x2/c2"] == pytest.approx(0.5)
-    # in a profile: the estimate's own split
-    four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
-                                 "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
-    res = cp.StepResidual({4: {1: 1.0, 2: 1.0}}, {4: {1: 1.0, 2: 1.0}}, anchored=fit, form="cpu")
-    prof = cp.ComputeProfile("p", "test", _flat(20.0).fits, processes=4, cores=2, kernel_time="cpu",
-                             sync=cp.SyncFit(100e-6), collective_cpu=cp.CollectiveCPU({}, {2: 400e-6, 4: 900e-6}),
-                             step_residual=res)
-    est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(chunks=2), prof)
-    assert est.coll_cpu_s > 0.1 * est.cpu_s
-    assert est.step_s == pytest.approx(ratio[4, (2, 2), 2] * (1.3 * (est.cpu_s - est.coll_cpu_s) + 0.5 * est.coll_cpu_s
-                                                              + 0.001))
-    cfg = json.loads(json.dumps(prof.to_config()))
-    assert cfg["step_residual"]["cpu_coll"]["4"]["2x2/c2"] == pytest.approx(0.5)
-    back = cp.ComputeProfile.from_config(cfg)
-    assert st.estimate_step(four, GPT, (2, 2), st.StepSetting(chunks=2), back).step_s == pytest.approx(est.step_s, rel=1e-5)
-    assert "its collectives' CPU 2x2/c1 x1.20, 2x2/c2 x0.50" in back.step_residual.describe()
-    older = {key: v for key, v in cfg["step_residual"].items() if key != "cpu_coll"}  # a profile from before run 39
-    assert cp.ComputeProfile.from_config({**cfg, "step_residual": older}).step_residual.cpu_step(4, (2, 2), 2, 0.05, 0.02) \
-        == pytest.approx(ratio[4, (2, 2), 2] * (1.3 * 0.05 + 0.001), rel=1e-5)
-    for bad in ({4: {"2x2/c2": -1.0}}, {4: {"1x4/c1": 1.0}}):  # a negative factor, a cell without a ratio
-        with pytest.raises(ConfigError, match=r"cpu_coll: cpu_ratio's cells -> finite factor >= 0"):
-            cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_coll": bad}})
-
-
 def test_a_collective_in_flight_takes_the_loops_unhidden_share_of_the_overlap():
     """The compute overlapping a collective in flight is late by ``1 - hidden`` of that overlap
     (the collective-during-compute loops' share) wherever the profile has those loops, whatever
@@ -763,6 +707,10 @@ def test_each_collective_call_adds_its_backend_cpu_on_the_timeline():
     assert tl.coll_cpu == pytest.approx(2 * 400e-6)
     items = sp.all_items(sp.build_program(GPT, (2, 2), GPT.batch_size, 1)[0])
     assert cc.plan_calls(GPT, (2, 2), 1) == {2: len([i for i in items if i[0] in ("sync", "async", "linear")])}
+    # the estimate reports that part of the rank's CPU apart (coll_cpu_s, the validation's predicted_coll_cpu_s)
+    est = st.estimate_step(_two(), GPT, (2, 1), st.StepSetting(), prof)
+    assert est.coll_cpu_s == pytest.approx(cc.plan_calls(GPT, (2, 1), 1)[2] * 400e-6) and est.cpu_s > est.coll_cpu_s
+    assert est.to_dict()["coll_cpu_s"] == est.coll_cpu_s
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():

@@ -142,52 +142,42 @@ class CpuStep:
     CPU, ``T = ratio·U + wait`` (relative non-negative least squares; a profile before run 35: the
     median of ``T / U``, no wait). The wait (run 35, diagnosis e25): a step's waits do not all grow
     with its CPU, so the validation models, 2-8x the probes' CPU, ran 3-5 % below the probes' median
-    ratio in every cell over 22 grids. The collectives' share of the rank's CPU per cell (run 39,
-    diagnoses e26-e29): ``CPU`` is the model's compute ``Ĉ`` and its collectives' backend CPU ``K̂``
-    (:attr:`~atp_pipeline.planning.steptime.StepEstimate.coll_cpu_s`), and the rank CPU
-    ``a·Ĉ + k[P][cell]·K̂ + b``: the pure collective loops price every call alike, where inside a step a
-    call costs a rank what its mesh's schedule makes of it (e26: a 2x2 chunks-2 step's extra calls
-    38-92 us each against 453 us priced, a 4x1 one's what priced), so ``k`` per cell beside the compute's
-    ``a`` (a profile before run 39: ``k = a``). A cell not calibrated takes the median over its process
+    ratio in every cell over 22 grids. A cell not calibrated takes the median over its process
     count's cells of its chunk count (else of all its cells); a process count not calibrated the
     nearest one's (ties: the larger)."""
 
     ratio: Mapping[int, Mapping[str, float]]  # processes -> cell_key -> step / rank CPU
     cpu: Mapping[int, Mapping[int, Tuple[float, float]]]  # processes -> chunks -> (a, b seconds)
     wait: Mapping[int, Mapping[str, float]] = field(default_factory=dict)  # processes -> cell_key -> seconds
-    coll: Mapping[int, Mapping[str, float]] = field(default_factory=dict)  # processes -> cell_key -> k (run 39)
 
     def _count(self, processes: int) -> int:
         return min(self.ratio, key=lambda n: (abs(n - processes), -n))
 
-    def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float, coll_s: float = 0.0) -> float:
-        """The step of a rank whose predicted CPU is ``cpu_s`` (of it ``coll_s`` its collectives'
-        backend CPU) on ``mesh`` at ``chunks`` among ``processes``."""
+    def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> float:
+        """The step of a rank whose predicted CPU is ``cpu_s`` on ``mesh`` at ``chunks`` among ``processes``."""
         p = self._count(processes)
         key = cell_key(mesh, chunks)
-        cells, waits, colls = self.ratio[p], self.wait.get(p, {}), self.coll.get(p, {})
-        a, b = _nearest(self.cpu.get(p) or _nearest(self.cpu, p), chunks)
+        cells, waits = self.ratio[p], self.wait.get(p, {})
         if p == processes and key in cells:
-            g, w, k = cells[key], waits.get(key, 0.0), colls.get(key, a)
+            g, w = cells[key], waits.get(key, 0.0)
         else:
-            same = [c for c in cells if c.endswith(f"/c{chunks}")] or list(cells)
-            g, w = statistics.median(cells[c] for c in same), statistics.median(waits.get(c, 0.0) for c in same)
-            k = statistics.median(colls.get(c, a) for c in same)
-        return g * (a * (cpu_s - coll_s) + k * coll_s + b) + w
+            same = [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
+            g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
+        a, b = _nearest(self.cpu.get(p) or _nearest(self.cpu, p), chunks)
+        return g * (a * cpu_s + b) + w
 
     def at_speed(self, overhead: float) -> "CpuStep":
         """The same with the CPU offsets ``b`` and the waits at the host's per-call speed now (:class:`HostSpeed`)."""
         return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()},
-                       {p: {k: w * overhead for k, w in cells.items()} for p, cells in self.wait.items()}, self.coll)
+                       {p: {k: w * overhead for k, w in cells.items()} for p, cells in self.wait.items()})
 
     def describe(self) -> str:
         def one(p: int) -> str:
             cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms (chunks {c})" for c, (a, b) in sorted(self.cpu.get(p, {}).items()))
-            waits, colls = self.wait.get(p, {}), self.coll.get(p, {})
+            waits = self.wait.get(p, {})
             cells = ", ".join(f"{k} x{v:.2f}" + (f" + {waits[k] * 1e3:.2f} ms" if waits.get(k) else "")
                               for k, v in sorted(self.ratio[p].items()))
-            coll = (f"; its collectives' CPU " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(colls.items()))) if colls else ""
-            return f"{p} processes: rank CPU {cpu}{coll}; step / rank CPU {cells}"
+            return f"{p} processes: rank CPU {cpu}; step / rank CPU {cells}"
         return "the step from a rank's CPU (" + "; ".join(one(p) for p in sorted(self.ratio)) + ")"
 
 
@@ -254,10 +244,9 @@ class StepResidual:
         return head + (f"; form '{self.form}' chosen on the probe models left out in turn (median / worst: {cv})"
                        if cv else "")
 
-    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float, coll_s: float = 0.0) -> Optional[float]:
+    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> Optional[float]:
         """The step from a rank's CPU where that form is chosen (:class:`CpuStep`), else None."""
-        return (self.anchored.step(processes, mesh, chunks, cpu_s, coll_s) if self.form == "cpu" and self.anchored
-                else None)
+        return self.anchored.step(processes, mesh, chunks, cpu_s) if self.form == "cpu" and self.anchored else None
 
 
 RESIDUAL_FORMS = ("terms", "cpu")
@@ -404,12 +393,10 @@ class ComputeProfile:
         (:class:`StepResidual`; 1 and 1 without one)."""
         return (1.0, 1.0) if self.step_residual is None else self.step_residual.at(processes, chunks)
 
-    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float, coll_s: float = 0.0) -> Optional[float]:
-        """The step from a rank's CPU ``cpu_s`` (of it ``coll_s`` its collectives' backend CPU) where
-        the residual's chosen form is that (:class:`CpuStep`), else None (the terms' step with
-        :meth:`residual_factors`)."""
-        return (None if self.step_residual is None
-                else self.step_residual.cpu_step(processes, mesh, chunks, cpu_s, coll_s))
+    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> Optional[float]:
+        """The step from a rank's CPU ``cpu_s`` where the residual's chosen form is that
+        (:class:`CpuStep`), else None (the terms' step with :meth:`residual_factors`)."""
+        return None if self.step_residual is None else self.step_residual.cpu_step(processes, mesh, chunks, cpu_s)
 
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
         """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
@@ -690,7 +677,7 @@ class ComputeProfile:
             if data.get("step_residual"):
                 rd = data["step_residual"]
                 extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps", "form", "cpu_ratio", "cpu_fit",
-                                          "cpu_wait", "cpu_coll", "cv"})
+                                          "cpu_wait", "cv"})
                 if extra:
                     raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
                 def by_chunks(v: Any) -> Dict[int, float]:  # run 13: one factor for every chunk count
@@ -711,12 +698,6 @@ class ComputeProfile:
                            for p, per in dict(rd.get("cpu_fit") or {}).items()}
                     wait = {int(p): {str(k): float(v) * 1e-6 for k, v in dict(cells).items()}
                             for p, cells in dict(rd.get("cpu_wait") or {}).items()}  # run 35; before: none
-                    coll = {int(p): {str(k): float(v) for k, v in dict(cells).items()}
-                            for p, cells in dict(rd.get("cpu_coll") or {}).items()}  # run 39; before: none
-                    if not all(p in ratio and k in ratio[p] and v >= 0 and math.isfinite(v)
-                               for p, cells in coll.items() for k, v in cells.items()):
-                        raise ConfigError(f"{where}.step_residual: cpu_coll: cpu_ratio's cells -> finite factor >= 0, "
-                                          f"got {coll}")
                     if not fit or not all(v > 0 and math.isfinite(v) for cells in ratio.values() for v in cells.values()) \
                             or not all(math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0
                                        for per in fit.values() for a, b in per.values()) \
@@ -725,7 +706,7 @@ class ComputeProfile:
                         raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
                                           f"> 0, cpu_fit: processes -> chunks -> [factor >= 0, microseconds >= 0] and "
                                           f"cpu_wait: cpu_ratio's cells -> microseconds >= 0, got {ratio}, {fit}, {wait}")
-                    anchored = CpuStep(ratio, fit, wait, coll)
+                    anchored = CpuStep(ratio, fit, wait)
                 cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
                 step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()},
                                              anchored, str(rd.get("form", "terms")), cv)
@@ -801,9 +782,6 @@ class ComputeProfile:
             if sr.anchored.wait:
                 out["cpu_wait"] = {int(p): {k: g(w * 1e6) for k, w in sorted(cells.items())}
                                    for p, cells in sorted(sr.anchored.wait.items())}
-            if sr.anchored.coll:
-                out["cpu_coll"] = {int(p): {k: g(v) for k, v in sorted(cells.items())}
-                                   for p, cells in sorted(sr.anchored.coll.items())}
         if sr.cv:
             out["cv"] = {f: [g(m), g(w)] for f, (m, w) in sorted(sr.cv.items())}
         return out

@@ -334,7 +334,7 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
     # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
     # exposed communication; 1 and 1 without one)
-    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu, tl.coll_cpu)
+    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu)
     if anchored is not None:
         # the residual's CPU form (CpuStep): the step as the probes' steps were to their rank's CPU
         residual = anchored - path

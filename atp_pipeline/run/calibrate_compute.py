@@ -742,46 +742,23 @@ def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[f
 
 
 def fit_cpu_step(cpu_pred: Sequence[float], cpu_meas: Sequence[float], measured: Sequence[float],
-                 processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int],
-                 coll_pred: Optional[Sequence[float]] = None) -> Optional[CpuStep]:
+                 processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int]) -> Optional[CpuStep]:
     """:class:`CpuStep` from the probes' own training steps: per process count and (mesh, chunk
-    count) cell the measured step ``T`` against the measured rank CPU ``U`` as ``T = ratio·U + wait``
-    (:func:`_line`); per process count and chunk count the measured rank CPU against the predicted
-    ``Û`` (of it ``coll_pred`` its collectives' backend CPU ``K̂``) as ``U = a·(Û - K̂) + k[mesh]·K̂ + b``
-    (:func:`_cpu_line`; without ``coll_pred``, ``U = a·Û + b``). None without a step whose three times
-    are all measured."""
+    count) cell the measured step ``T`` against the measured rank CPU ``U`` as ``T = ratio·U + wait``;
+    per process count and chunk count the measured rank CPU against the predicted ``Û`` as
+    ``U = a·Û + b`` (both :func:`_line`). None without a step whose three times are all measured."""
     steps: Dict[int, Dict[str, List[Tuple[float, float]]]] = {}
-    cpu: Dict[int, Dict[int, List[Tuple[Mesh, float, float, float]]]] = {}
-    for u_hat, k_hat, u, t, n, mesh, c in zip(cpu_pred, coll_pred or [0.0] * len(cpu_pred), cpu_meas, measured,
-                                              processes, meshes, chunks):
+    cpu: Dict[int, Dict[int, List[Tuple[float, float]]]] = {}
+    for u_hat, u, t, n, mesh, k in zip(cpu_pred, cpu_meas, measured, processes, meshes, chunks):
         if u_hat > 0 and u > 0 and t > 0:
-            steps.setdefault(int(n), {}).setdefault(cell_key(mesh, c), []).append((u, t))
-            cpu.setdefault(int(n), {}).setdefault(int(c), []).append((tuple(mesh), u_hat - k_hat, k_hat, u))
+            steps.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append((u, t))
+            cpu.setdefault(int(n), {}).setdefault(int(k), []).append((u_hat, u))
     if not steps:
         return None
     cells = {n: {c: _line(pts) for c, pts in sorted(per.items())} for n, per in sorted(steps.items())}
-    lines = {n: {c: _cpu_line(pts, c) for c, pts in sorted(per.items())} for n, per in sorted(cpu.items())}
-    coll = {n: {key: k for _, ks in per.values() for key, k in ks.items()} for n, per in lines.items()}
     return CpuStep({n: {c: g for c, (g, _) in per.items()} for n, per in cells.items()},
-                   {n: {c: ab for c, (ab, _) in per.items()} for n, per in lines.items()},
-                   {n: {c: w for c, (_, w) in per.items()} for n, per in cells.items()},
-                   {n: ks for n, ks in coll.items() if ks})
-
-
-def _cpu_line(pts: Sequence[Tuple[Mesh, float, float, float]], chunks: int
-              ) -> Tuple[Tuple[float, float], Dict[str, float]]:
-    """``U = a·Ĉ + k[mesh]·K̂ + b`` over one process and chunk count's probe steps ``(mesh, Ĉ, K̂, U)``
-    (the predicted compute and collectives' backend CPU, the measured rank CPU): relative
-    non-negative least squares, ``k`` per mesh whose steps have collectives (docs/step-time.md, run
-    39). ``((a, b), {cell: k})``; where a mesh has fewer than 3 steps, there are no more steps than
-    unknowns, or the fit gives ``a = 0``: :func:`_line` of ``U`` on ``Ĉ + K̂``, no ``k`` (``k = a``)."""
-    meshes = sorted({m for m, _, k, _ in pts if k > 0})
-    if meshes and all(sum(m == mm for m, *_ in pts) >= 3 for mm in meshes) and len(pts) > len(meshes) + 2:
-        x = nnls(np.array([[c / u, *(k / u if m == mm else 0.0 for mm in meshes), 1.0 / u] for m, c, k, u in pts]),
-                 np.ones(len(pts)))
-        if x[0] > 0:
-            return (float(x[0]), float(x[-1])), {cell_key(mm, chunks): float(v) for mm, v in zip(meshes, x[1:-1])}
-    return _line([(c + k, u) for _, c, k, u in pts]), {}
+                   {n: {k: _line(pts) for k, pts in sorted(per.items())} for n, per in sorted(cpu.items())},
+                   {n: {c: w for c, (_, w) in per.items()} for n, per in cells.items()})
 
 
 def _line(pts: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
@@ -797,17 +774,15 @@ def _line(pts: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
 
 def fit_residual(parts: Sequence[Tuple[float, float]], cpu_pred: Sequence[float], cpu_meas: Sequence[float],
                  measured: Sequence[float], processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int],
-                 models: Sequence[int], coll_pred: Optional[Sequence[float]] = None) -> Optional[StepResidual]:
+                 models: Sequence[int]) -> Optional[StepResidual]:
     """The :class:`StepResidual` of the probes' own steps in both forms — the terms' two factors
     (:func:`fit_step_residual`) and the step from a rank's CPU (:func:`fit_cpu_step`) — and the form
     that predicts better the probe *models* left out of the fit, one at a time (``models``: each
     step's probe model; the root mean square of the relative errors over every left-out step; the
     terms' form where there are fewer than two models or no CPU measured). Both forms' left-out
-    errors (median, worst) are kept in ``cv``. ``coll_pred``: of each ``cpu_pred`` its collectives'
-    backend CPU (:func:`fit_cpu_step`)."""
-    coll = list(coll_pred) if coll_pred is not None else [0.0] * len(cpu_pred)
+    errors (median, worst) are kept in ``cv``."""
     terms = fit_step_residual(parts, measured, processes, chunks)
-    anchored = fit_cpu_step(cpu_pred, cpu_meas, measured, processes, meshes, chunks, coll)
+    anchored = fit_cpu_step(cpu_pred, cpu_meas, measured, processes, meshes, chunks)
     if terms is None or anchored is None or len(set(models)) < 2:
         return terms
     errs: Dict[str, List[float]] = {"terms": [], "cpu": []}
@@ -816,14 +791,13 @@ def fit_residual(parts: Sequence[Tuple[float, float]], cpu_pred: Sequence[float]
         keep = [i for i in idx if models[i] != m]
         sub = lambda xs: [xs[i] for i in keep]  # noqa: E731
         t_fit = fit_step_residual(sub(parts), sub(measured), sub(processes), sub(chunks))
-        c_fit = fit_cpu_step(sub(cpu_pred), sub(cpu_meas), sub(measured), sub(processes), sub(meshes), sub(chunks),
-                             sub(coll))
+        c_fit = fit_cpu_step(sub(cpu_pred), sub(cpu_meas), sub(measured), sub(processes), sub(meshes), sub(chunks))
         for i in idx:
             if models[i] != m or not measured[i] > 0 or t_fit is None or c_fit is None:
                 continue
             fc, fe = t_fit.at(processes[i], chunks[i])
             errs["terms"].append((fc * parts[i][0] + fe * parts[i][1]) / measured[i] - 1.0)
-            errs["cpu"].append(c_fit.step(processes[i], meshes[i], chunks[i], cpu_pred[i], coll[i]) / measured[i] - 1.0)
+            errs["cpu"].append(c_fit.step(processes[i], meshes[i], chunks[i], cpu_pred[i]) / measured[i] - 1.0)
     if not errs["cpu"]:
         return terms
     rms = {f: math.sqrt(statistics.fmean(e * e for e in v)) for f, v in errs.items()}
@@ -1169,7 +1143,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         predicted = probe_step_predictions(profile, topo, shapes, live)
         residual = fit_residual([(e.compute_s, e.exposed_comm_s) for e in predicted], [e.cpu_s for e in predicted],
                                 live_cpu, live_wall, live_at, [(d1, d2) for _, d1, d2, _ in live],
-                                [c for _, _, _, c in live], [mi for mi, _, _, _ in live], [e.coll_cpu_s for e in predicted])
+                                [c for _, _, _, c in live], [mi for mi, _, _, _ in live])
         extra_probes = probe_records(probe_names, shapes, [pl for pl, n in zip(live, live_at) if n != run.world],
                                      with_processes=True)
         profile = dataclasses.replace(profile, step_residual=residual, probes=profile.probes + extra_probes)

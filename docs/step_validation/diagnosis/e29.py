@@ -12,7 +12,12 @@ both parts re-predicted with the current code from the calibration's committed p
 speed its prediction used (the CPU lines' offsets ``b`` and ``w`` scaled by its per-call speed, as the code does).
 
     python docs/step_validation/diagnosis/e29.py > docs/step_validation/diagnosis/e29.log
+    python docs/step_validation/diagnosis/e29.py --grids steps_coll1,steps_coll2   # run 39 on: paired, the code's fits
+
+``--grids`` runs the code's own ``fit_cpu_step`` with the collectives' CPU per cell: the code of runs 39-40 (29e8ace),
+reverted after them by their rule (``run39_rule.txt``); at a later commit only the main mode runs.
 """
+import dataclasses
 import math
 import statistics as st
 import sys
@@ -111,6 +116,9 @@ def fit(probe, pp, form, floor=False):
             continue
         a = np.array([[c / u] + [k / u if m == mm else 0.0 for mm in meshes] + [1.0 / u] for m, c, k, u in pts])
         x, _ = nnls(a, np.ones(len(pts)))
+        if form == 'split0' and min(x[1:-1]) <= 0:  # a mesh's factor at its bound: the pooled line
+            coef[key] = ('pooled', line([(c + k, u) for _, c, k, u in pts]))
+            continue
         coef[key] = ('split', (x[0], dict(zip(meshes, x[1:-1])), x[-1]))
 
     def pred(r, c, k):
@@ -126,9 +134,49 @@ def fit(probe, pp, form, floor=False):
     return pred
 
 
+def paired(grids):
+    """Grids whose rows and probe steps carry the split (run 39 on): the code's own fit (``fit_cpu_step``) with and
+    without the collectives' CPU per cell, each at the host speed of a row's prediction, on the same points."""
+    from atp_pipeline.run.calibrate_compute import fit_cpu_step
+    res = {f: [] for f in ('pooled', 'per cell', 'per cell, 0 -> pooled')}
+    for g in grids:
+        name, probe = probe_steps_of(g)
+        rows = rows_of(g)
+        args = ([r['cpu_s'] for r in probe], [r['measured_cpu_s'] for r in probe], [r['measured_s'] for r in probe],
+                [r['processes'] for r in probe], [mesh_of(r) for r in probe], [r['chunks'] for r in probe])
+        fits = {'pooled': fit_cpu_step(*args), 'per cell': fit_cpu_step(*args, [r['coll_cpu_s'] for r in probe])}
+        # the same, where a chunk count's fit put a mesh's factor at 0: that chunk count's pooled line
+        pc, po = fits['per cell'], fits['pooled']
+        zero = {(n, key.split('/c')[1]) for n, ks in pc.coll.items() for key, v in ks.items() if v <= 0}
+        fits['per cell, 0 -> pooled'] = dataclasses.replace(
+            pc, cpu={n: {c: (po.cpu[n][c] if (n, str(c)) in zero else ab) for c, ab in per.items()} for n, per in pc.cpu.items()},
+            coll={n: {key: v for key, v in ks.items() if (n, key.split('/c')[1]) not in zero} for n, ks in pc.coll.items()})
+
+        def pred(f):
+            def one(r):
+                ov = r['host_speed']['overhead'] if r.get('host_speed') else 1.0
+                return fits[f].at_speed(ov).step(r['processes'], mesh_of(r), r['chunks'], r['predicted_rank_cpu_s'],
+                                                 r['predicted_coll_cpu_s'])
+            return one
+        own = max(abs(pred('per cell')(r) / r['predicted_s'] - 1) for r in rows)
+        code = score(rows, lambda r: r['predicted_s'])
+        s = {f: score(rows, pred(f)) for f in res}
+        for f in res:
+            res[f].append(s[f])
+        print(f"  {g:12s} ({name}; code {code['median']:.1%} / {code['worst']:.1%}{' ok' if code['ok'] else ''}, "
+              f"{'the per-cell form reproduced' if own < 1e-3 else 'the terms form chosen at calibration'}): "
+              + ' | '.join(f"{f} {s[f]['median']:5.1%} / {s[f]['worst']:5.1%}{' ok' if s[f]['ok'] else '   '}" for f in res))
+    for f, v in res.items():
+        print(f"  {f:22s}: every target in {sum(x['ok'] for x in v)} of {len(v)} grids; mean worst "
+              f"{np.mean([x['worst'] for x in v]):.3f}; median of the medians {np.median([x['median'] for x in v]):.3f}")
+
+
 def main():
+    if sys.argv[1:2] == ['--grids']:
+        paired(sys.argv[2].split(','))
+        return
     print(f'e29: {len(GRIDS)} grids (runs 22-38), no measurement; both parts re-predicted with the current code\n')
-    res = {f: [] for f in ('pooled', 'split', 'pooled+floor', 'split+floor')}
+    res = {f: [] for f in ('pooled', 'split', 'split0', 'corrected', 'pooled+floor', 'split+floor')}
     shown = set()
     for g in GRIDS:
         name, probe = probe_steps_of(g)
@@ -144,7 +192,7 @@ def main():
             by = {id(r): p(r, c, k) for r, (c, k) in zip(rows, rp)}
             s[f] = score(rows, lambda r: by[id(r)])
             res[f].append(s[f])
-            if f == 'split' and name not in shown:
+            if f == 'split' and name not in shown and p.coef:
                 shown.add(name)
                 print(f"  {name}: " + '; '.join(
                     f"{n}p c{ch}: a {v[0]:.2f}, k " + ' '.join(f"{m} {x:.2f}" for m, x in sorted(v[1].items()))
