@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 from e25 import GRIDS as OLD, cell, line, probe_steps_of, rows_of, score  # noqa: E402
 
 GRIDS = OLD + ['steps_wait%d' % i for i in range(1, 5)] + ['steps_calls%d' % i for i in range(1, 5)]
+GRIDS_40 = GRIDS + ['steps_coll%d' % i for i in range(1, 5)]  # with runs 39-40 (e31)
 CONF = HERE.parents[2] / 'conf'
 
 
