@@ -51,9 +51,9 @@ def shape_of(entry):
     return C.compose_models([(name, list(over))], CONF)[0][0]
 
 
-def parts(name, shape, mesh, chunks, processes, speed=None):
-    """(the timeline's compute, its collectives' backend CPU) as estimate_step predicts them (``speed``: a grid
-    row's ``host_speed``, the profile at it as the row's prediction was)."""
+def timeline(name, shape, mesh, chunks, processes, speed=None):
+    """The step timeline estimate_step runs for ``shape`` on ``mesh`` (``name``'s committed profile on ``processes``;
+    ``speed``: a grid row's ``host_speed``, the profile at it as the row's prediction was)."""
     from atp_pipeline.planning.compute_profile import HostSpeed, profile_of
     from atp_pipeline.planning.step_program import build_program
     from atp_pipeline.planning.steptime import CommClock, _run
@@ -63,8 +63,13 @@ def parts(name, shape, mesh, chunks, processes, speed=None):
         prof = prof.at_speed(HostSpeed(float(speed['compute']), float(speed['overhead']), ''))
     prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
     clock = CommClock(topo, mesh, shape.bytes_per_element, None, prof.comm_factor(processes))
-    tl = _run(prog, clock, prof, shape.bytes_per_element, prof.timeline_factor(processes), prof.sync_factor(processes),
-              prof.skewed(processes))
+    return _run(prog, clock, prof, shape.bytes_per_element, prof.timeline_factor(processes), prof.sync_factor(processes),
+                prof.skewed(processes))
+
+
+def parts(name, shape, mesh, chunks, processes, speed=None):
+    """(the timeline's compute, its collectives' backend CPU) as estimate_step predicts them."""
+    tl = timeline(name, shape, mesh, chunks, processes, speed)
     return tl.compute, tl.coll_cpu
 
 

@@ -35,17 +35,7 @@ FORMS = ('pooled', 'dispatch', 'dispatch, a shared')
 
 def parts(name, shape, mesh, chunks, processes, speed=None):
     """(Û, D̂): the predicted rank CPU and its framework dispatch, as estimate_step's timeline has them."""
-    from atp_pipeline.planning.compute_profile import HostSpeed, profile_of
-    from atp_pipeline.planning.step_program import build_program
-    from atp_pipeline.planning.steptime import CommClock, _run
-    topo = e29.topo_of(name).restrict(processes)
-    prof = profile_of(topo)
-    if speed:
-        prof = prof.at_speed(HostSpeed(float(speed['compute']), float(speed['overhead']), ''))
-    prog, _ = build_program(shape, mesh, shape.batch_size, chunks)
-    clock = CommClock(topo, mesh, shape.bytes_per_element, None, prof.comm_factor(processes))
-    tl = _run(prog, clock, prof, shape.bytes_per_element, prof.timeline_factor(processes), prof.sync_factor(processes),
-              prof.skewed(processes))
+    tl = e29.timeline(name, shape, mesh, chunks, processes, speed)
     return tl.compute + tl.coll_cpu, tl.dispatch
 
 
@@ -86,12 +76,13 @@ def fit(probe, pp, form):
     return pred
 
 
-def main():
+def main(parts=parts, what='Û and D̂', label='e31'):
+    """Every grid's points under the three forms, ``parts`` giving each point's (Û, D̂) (e33 passes its own)."""
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.planning.compute_profile import profile_of
     from atp_pipeline.run.calibrate_compute import PROBES
     from benchmarks.step_validation import variant_overrides
-    print(f'e31: {len(e29.GRIDS_40)} grids (runs 22-40), no measurement; Û and D̂ re-predicted with the current code\n')
+    print(f'{label}: {len(e29.GRIDS_40)} grids (runs 22-40), no measurement; {what} re-predicted with the current code\n')
     res = {f: [] for f in FORMS}
     shown = set()
     for g in e29.GRIDS_40:
