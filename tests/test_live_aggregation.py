@@ -42,7 +42,7 @@ from atp_pipeline.launch import spawn
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import check_aggregation
 
-from .conftest import ROOT, finish_train, run_train, start_train
+from .conftest import ROOT, finish_train, run_side_by_side, run_train, start_train
 from .p4 import bmv2_missing
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
@@ -628,14 +628,13 @@ def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
 
 
 def test_bmv2_switch_bad_value_exits_before_anything_starts(tmp_path):
-    out = run_train([*FAST, "aggregation=ps", "aggregation.switch_impl=bmv2", "trainer.devices=2",
-                     f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("error: aggregation.switch_impl=bmv2 runs the ATP program")
-    assert not (tmp_path / "run" / "plan.json").exists()
-    out = run_train([*FAST, "aggregation=atp", "aggregation.racks=3", "mesh=1x1", "mesh.dp=4",
-                     f"hydra.run.dir={tmp_path / 'racks'}"], cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+    (bmv2, bmv2_run), (racks, racks_run) = run_side_by_side(tmp_path, [
+        [*FAST, "aggregation=ps", "aggregation.switch_impl=bmv2", "trainer.devices=2"],
+        [*FAST, "aggregation=atp", "aggregation.racks=3", "mesh=1x1", "mesh.dp=4"]])
+    assert bmv2.returncode == 2 and len(bmv2.stderr.strip().splitlines()) == 1, bmv2.stderr
+    assert bmv2.stderr.startswith("error: aggregation.switch_impl=bmv2 runs the ATP program")
+    assert not (bmv2_run / "plan.json").exists()
+    assert racks.returncode == 2 and racks.stderr.strip().splitlines() == [
         "error: aggregation.racks=3 must divide the 4 data-parallel workers (mesh.dp): every rack has as many "
-        "workers"], out.stderr
-    assert not (tmp_path / "racks" / "plan.json").exists()
+        "workers"], racks.stderr
+    assert not (racks_run / "plan.json").exists()

@@ -141,29 +141,45 @@ BAD_TRAINING_INPUT = [
     (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"], "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),
 ]
+#: the cases that run as ``python train.py`` (the others resolve in this process: the same
+#: :func:`resolve` raises, and tests/test_cli.py covers how the CLI prints it): a refusal after
+#: the fit's fork server was started (it is stopped), and a user's config directory
+BAD_TRAINING_CLI = (0, 2)
 
 
-@pytest.fixture(scope="module")
-def bad_training_runs(tmp_path_factory) -> List[Tuple[subprocess.CompletedProcess, Path]]:
-    """Every :data:`BAD_TRAINING_INPUT` case's ``python train.py``, run side by side."""
-    tmp = tmp_path_factory.mktemp("bad_input")
+def _user_conf(tmp: Path) -> Path:
     conf = tmp / "userconf"
     (conf / "model").mkdir(parents=True)
     (conf / "model" / "badplan.yaml").write_text(  # a user's model whose plan has a typo
         "name: badplan\nhidden: 64\nheads: 8\nlayers: 2\nseq_len: 32\nbatch_size: 8\n"
         "vocab_size: 256\ndtype: fp32\nparallel_plan:\n  'blocks.*.atn': column\n")
-    return run_side_by_side(tmp, [args for args, _ in BAD_TRAINING_INPUT], conf)
+    return conf
+
+
+@pytest.fixture(scope="module")
+def bad_training_runs(tmp_path_factory) -> Dict[int, Tuple[subprocess.CompletedProcess, Path]]:
+    """:data:`BAD_TRAINING_CLI`'s cases as ``python train.py``, run side by side."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    runs = run_side_by_side(tmp, [BAD_TRAINING_INPUT[i][0] for i in BAD_TRAINING_CLI], _user_conf(tmp))
+    return dict(zip(BAD_TRAINING_CLI, runs))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_TRAINING_INPUT)),
                          ids=[m for _, m in BAD_TRAINING_INPUT])
-def test_bad_training_input_fails_before_any_worker(bad_training_runs, case):
-    message = BAD_TRAINING_INPUT[case][1]
-    out, run = bad_training_runs[case]
-    assert out.returncode == 2, out.stderr[-2000:]
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
-    assert not (run / "lightning_logs").exists() and not (run / "checkpoints").exists()
+def test_bad_training_input_fails_before_any_worker(bad_training_runs, compose_cfg, tmp_path, case):
+    args, message = BAD_TRAINING_INPUT[case]
+    if case in bad_training_runs:
+        out, run = bad_training_runs[case]
+        assert out.returncode == 2, out.stderr[-2000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+        assert not (run / "lightning_logs").exists() and not (run / "checkpoints").exists()
+        return
+    overrides = [f"hydra.searchpath=[file://{_user_conf(tmp_path)}]" if a == "+USERCONF" else a for a in args]
+    with pytest.raises(ConfigError) as e:
+        resolve(compose_cfg(*overrides))
+    text = f"error: {e.value}"
+    assert "\n" not in text and text.startswith(message), text
 
 
 def test_default_run_learns(tmp_path):
