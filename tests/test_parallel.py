@@ -89,6 +89,16 @@ def test_emulation_imposes_exactly_the_planner_model(figure9):
         assert e["spans_cover_model"], e
 
 
+def test_training_optimizer_on_local_shards_is_adamw_bit_for_bit(figure9):
+    """LocalShardAdamW (training's optimizer) equals torch.optim.AdamW on the same DTensors bit for
+    bit (parameters and states, every placement kind, a pending-sum gradient) and the dense AdamW;
+    its state stays DTensors laid out like the parameters; a state laid out otherwise is refused."""
+    o = figure9["optim"]
+    assert o["equal_dtensor_path"] and o["state_like_params"], o
+    assert o["max_diff_dense"] == 0.0, o
+    assert o["refusal"] is not None and "exp_avg is laid out (Replicate(), Replicate())" in o["refusal"], o
+
+
 def test_bad_meshes_fail_clearly(figure9):
     assert figure9["errors"] == [
         "ATPLinear(9, 16, first='column'): in_features=9 is not divisible by d2=2",

@@ -714,14 +714,14 @@ def test_each_collective_call_adds_its_backend_cpu_on_the_timeline():
 
 
 def test_training_and_its_calibration_and_validation_step_one_optimizer():
-    """foreach AdamW (one dispatch per op for all DTensor parameters) in training, in the
-    optimizer the calibration times and in the validation's steps."""
+    """foreach AdamW on DTensor parameters' local shards in training, in the optimizer the
+    calibration times and in the validation's steps."""
     import torch
 
     from atp_pipeline.lightning.module import LMModuleMixin, adamw
 
     opt = adamw([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
-    assert opt.defaults["foreach"] is True
+    assert opt.defaults["foreach"] is True and type(opt).__name__ == "LocalShardAdamW"
     root = Path(__file__).resolve().parents[1]
     for src in (root / "benchmarks" / "step_validation.py", root / "atp_pipeline" / "run" / "calibrate_compute.py"):
         text = src.read_text()
@@ -823,7 +823,7 @@ def test_the_programs_collective_calls_are_the_runtimes_on_four_processes():
 
 
 def test_calibration_times_the_runtime_terms_on_processes():
-    """The measuring half on 2 real processes: foreach AdamW over DTensors on a mesh, the
+    """The measuring half on 2 real processes: foreach AdamW on DTensors' shards on a mesh, the
     runtime's collective-free forward and backward of a plan, a compute-then-collective loop."""
     from atp_pipeline.run import calibrate_compute as cc
 

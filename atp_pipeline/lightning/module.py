@@ -43,17 +43,21 @@ class LMModuleMixin:
 
 def adamw(params: Any, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """The optimizer training runs (also what the compute calibration times and the step
-    validation steps with): AdamW with ``foreach=True`` — DTensor parameters take one
-    dispatch per op for all tensors, not one per tensor.
+    validation steps with): AdamW with ``foreach=True`` (one kernel per op for all tensors of a
+    group) whose kernels update DTensor parameters' local shards
+    (:class:`~atp_pipeline.parallel.optim.LocalShardAdamW`: the same numbers as DTensor
+    dispatch, without its sharding propagation).
 
-    A foreach kernel refuses a list mixing DTensors and plain tensors (a model whose parallel
-    layers hold DTensors beside replicated plain ones, e.g. an HF model's norms), so the
-    parameters go into one group per kind; the update of each parameter is unchanged."""
+    DTensor and plain parameters (an HF model's replicated norms beside its parallel layers)
+    go into one group each, as the DTensor path needed (a foreach kernel refused the mix), so
+    checkpoints keep their groups; the update of each parameter is unchanged."""
+    from atp_pipeline.parallel.optim import LocalShardAdamW
+
     params = list(params)
     if params and isinstance(params[0], dict):
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return LocalShardAdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
     from torch.distributed.tensor import DTensor
 
     groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return torch.optim.AdamW([{"params": g} for g in groups if g] or params, lr=lr, weight_decay=weight_decay,
-                             foreach=True)
+    return LocalShardAdamW([{"params": g} for g in groups if g] or params, lr=lr, weight_decay=weight_decay,
+                           foreach=True)

@@ -42,7 +42,7 @@ of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
   compute-then-collective loops) and the share ``hidden`` of a collective's overlap with
   compute that compute really hides (from collective-during-compute loops; on CPU the
   transfer takes cycles from compute); the optimizer timed as training runs it (foreach
-  AdamW over DTensor parameters); and the *contention* factor: every calibrated time
+  AdamW on DTensor parameters' local shards); and the *contention* factor: every calibrated time
   (kernels, framework, sync, fitted α-β) scaled by the measured slowdown with the run's
   processes on the host against the calibration's (a 2-process run on a 4-process
   calibration of a 2-core host runs about twice as fast per kernel).

@@ -10,8 +10,8 @@ sequence lengths the calibration never ran):
 
 * **kernels** — a sweep of shapes per kind (:func:`sweep_kernels`): GEMMs over a grid of token
   counts and widths in both orientations, attention over batch x heads x sequence x head size,
-  norms and elementwise kernels over element counts, foreach AdamW over DTensor parameters
-  (training's, ``lightning.module.adamw``) over tensor counts x elements. The step model
+  norms and elementwise kernels over element counts, foreach AdamW on DTensor parameters'
+  local shards (training's, ``lightning.module.adamw``) over tensor counts x elements. The step model
   interpolates between the measured points (log work, log time) and fits ``α + work·γ``
   per kind beyond them.
 * **framework** — the runtime's CPU work around kernels and collectives (:class:`Framework`):
@@ -84,7 +84,7 @@ from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM
 from atp_pipeline.planning.step_program import all_items, build_program
 
 CONF = Path("conf")
-OPTIMIZER_DESC = "AdamW foreach=True over DTensor parameters (lightning.module.adamw)"
+OPTIMIZER_DESC = "AdamW foreach=True on DTensor parameters' local shards (lightning.module.adamw)"
 SYNC_GEMM = Kernel(GEMM, (64, 256, 256))  # the compute of the compute-then-collective loop
 SYNC_COMPUTE = (0, 1, 4, 16)  # SYNC_GEMMs before each collective
 SYNC_BYTES = (16384, 262144)
@@ -240,7 +240,7 @@ def _runner(k: Kernel, rank: int, world: int) -> Any:
         n = k.dims[0]
         x, y = rnd(n).requires_grad_(), rnd(n)
         return lambda: x + y
-    if k.kind == OPTIMIZER:  # as training runs it: foreach AdamW over DTensors on a (d1, d2) mesh
+    if k.kind == OPTIMIZER:  # as training runs it: foreach AdamW on DTensors' shards of a (d1, d2) mesh
         from torch.distributed.tensor import DTensor, Shard
 
         from atp_pipeline.lightning.module import adamw
