@@ -59,9 +59,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import pytest
+
+from tests.zygote import Zygote, argv_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TMP = "@TMP@"  # the run's temporary root in a cheap form; '$TMP' in the --list table
@@ -78,6 +80,8 @@ DEFAULT_TIMEOUT = 300.0
 #: with this many values a packet unless the command sets aggregation.payload_k
 LIVE_AGGREGATION = {"atp", "ps", "switchml"}
 LIVE_FIT_PAYLOAD = 2048
+#: plain ``python`` commands fork from one warm interpreter (tests/zygote.py); 0: each its own
+ZYGOTE = os.environ.get("ATP_DOCS_ZYGOTE", "1") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------ discovery
@@ -1073,6 +1077,8 @@ class Runner:
         self.procs: Set[subprocess.Popen] = set()
         self.closed = False
         self.threads: List[threading.Thread] = []
+        self._zygote: Optional[Zygote] = None
+        self._zygote_failed = not ZYGOTE
         (tmp / "home").mkdir(parents=True, exist_ok=True)
         (tmp / "scratch").mkdir(parents=True, exist_ok=True)
         (tmp / "outputs").mkdir(parents=True, exist_ok=True)
@@ -1158,6 +1164,8 @@ class Runner:
             self._kill(p)
         for t in self.threads:
             t.join(timeout=10)
+        if self._zygote is not None:
+            self._zygote.close()
 
     # -- one job
     def concrete(self, shell: str, port: Optional[int]) -> str:
@@ -1181,6 +1189,33 @@ class Runner:
             env.setdefault("MPLCONFIGDIR", str(real / ".config" / "matplotlib"))
             env["HOME"] = str(self.tmp / "home")
         return env
+
+    def zygote(self) -> Optional[Zygote]:
+        """The warm interpreter plain ``python`` commands fork from (:mod:`tests.zygote`), started on
+        first use; ``None`` with ``ATP_DOCS_ZYGOTE=0`` or where it did not start (bash runs all)."""
+        with self.cv:
+            if self._zygote is None and not self._zygote_failed and not self.closed:
+                try:
+                    self._zygote = Zygote(self.env(Plan(DocCommand("", 0, "", "", ""), "run")), ROOT)
+                except (RuntimeError, OSError):
+                    self._zygote_failed = True
+            return self._zygote
+
+    def _start(self, p: Plan, cmd: str, log: Path, out) -> Any:
+        """Start the job's command: forked from the zygote when it is a plain ``python`` command
+        with the runner's environment (no ``HOME`` of its own), else ``bash -c``."""
+        argv = None if p.home else argv_of(cmd)
+        z = self.zygote() if argv else None
+        if z is not None and argv is not None:
+            try:
+                child = z.start(argv, ROOT, self.env(p), log)
+            except RuntimeError:
+                child = None
+            if child is not None:
+                with self.cv:
+                    self.procs.add(child)
+                return child
+        return self._popen(cmd, self.env(p), out)
 
     def _popen(self, cmd: str, env: Dict[str, str], out) -> subprocess.Popen:
         p = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -1257,7 +1292,7 @@ class Runner:
                 self._kill(proc)
                 return Result(True, 0, out, time.time() - t0, cmd)
             with open(logs / f"{slug}.log", "w") as fh:
-                proc = self._popen(cmd, self.env(p), fh)
+                proc = self._start(p, cmd, logs / f"{slug}.log", fh)
                 try:
                     rc = proc.wait(timeout=p.timeout)
                     timed_out = False
@@ -1412,6 +1447,39 @@ def test_rules_behave(monkeypatch, tmp_path):
     assert t == f"python train.py 'hydra.searchpath=[atpmesh://,file://'{TMP}'/outputs/conf]' x={TMP}/outputs/a"
     assert strip_comment("python a.py --x '#1'   # note") == "python a.py --x '#1'"
     assert split_chain("pip install -e . && python train.py") == ["pip install -e .", "python train.py"]
+
+
+def test_zygote_children_behave_as_python(tmp_path):
+    """A command forked from the docs zygote is what ``python <argv>`` would be: its argv, cwd,
+    environment and ``sys.path[0]``, its output in its log, its exit status (``SystemExit``, 1 after
+    an uncaught exception with its traceback, ``-15`` when the runner's ``killpg`` stops it), atexit
+    handlers run; commands with shell syntax go to bash."""
+    assert argv_of("python train.py stage=plan 'hydra.searchpath=[file:///x]'") == [
+        "train.py", "stage=plan", "hydra.searchpath=[file:///x]"]
+    assert argv_of("python -m benchmarks.x --out /tmp/y") == ["-m", "benchmarks.x", "--out", "/tmp/y"]
+    for shell in ("python train.py > log", "python train.py x=$HOME", "python a.py mesh=[1]", "pip install x",
+                  "python -c 'print(1)'", "python -m"):
+        assert argv_of(shell) is None, shell
+    script = tmp_path / "probe.py"
+    script.write_text("import atexit, os, sys, time\natexit.register(print, 'bye')\n"
+                      "print(sys.argv, os.getcwd(), os.environ['PROBE'], sys.path[0], __name__)\n"
+                      "if sys.argv[1] == 'sleep': time.sleep(60)\n"
+                      "if sys.argv[1] == 'boom': raise ValueError('boom')\nsys.exit(int(sys.argv[1]))\n")
+    env = {**os.environ, "PROBE": "p1"}
+    z = Zygote(env, ROOT)
+    try:
+        logs = {a: tmp_path / f"{a}.log" for a in ("3", "boom", "sleep")}
+        kids = {a: z.start([str(script), a], tmp_path, env, logs[a]) for a in logs}
+        assert kids["3"].wait(timeout=60) == 3 and kids["boom"].wait(timeout=60) == 1
+        assert kids["sleep"].poll() is None
+        os.killpg(kids["sleep"].pid, signal.SIGTERM)
+        assert kids["sleep"].wait(timeout=60) == -signal.SIGTERM
+        out = logs["3"].read_text()
+        assert out == f"{[str(script), '3']} {tmp_path} p1 {tmp_path} __main__\nbye\n", out
+        assert "ValueError: boom" in logs["boom"].read_text() and logs["boom"].read_text().endswith("bye\n")
+    finally:
+        z.close()
+    assert z.proc.returncode == 0
 
 
 def test_every_command_has_a_rule():
