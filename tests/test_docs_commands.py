@@ -40,7 +40,10 @@ nodes, a package install, a P4Runtime server) are skipped with the reason. Comma
 forms are equal run once.
 
 Commands run with ``cwd`` = the repository root, ``ATP_DOCS_JOBS`` (default 2) at a time, in
-document order with producers before their consumers. ``python -m tests.test_docs_commands
+document order with producers before their consumers. A plain ``python <script>`` / ``python -m <module>`` command
+(no shell syntax, no HOME of its own) is forked from one warm interpreter that imported torch,
+DTensor, Hydra and the package once (:mod:`tests.zygote`; the child is what ``python <argv>``
+would be); ``ATP_DOCS_ZYGOTE=0`` starts each as its own interpreter through bash. ``python -m tests.test_docs_commands
 --list`` prints the table: each command, and what runs for it or why it is skipped.
 """
 

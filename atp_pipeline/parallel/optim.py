@@ -41,8 +41,8 @@ def _local(p: Tensor, t: Tensor, what: str, index: int) -> Tensor:
 
 class LocalShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose kernels run on DTensor parameters' local shards (module
-    docstring); plain tensors are updated as by ``torch.optim.AdamW``. No ``amsgrad`` and no
-    ``fused`` (neither is used here; both keep DTensor semantics if asked for)."""
+    docstring); plain tensors are updated as by ``torch.optim.AdamW``. ``amsgrad`` and ``fused``
+    are refused (neither is used here, and neither would see local shards)."""
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
