@@ -138,3 +138,24 @@ def test_unknown_job_and_parameter_packets_are_rejected():
     assert s.on_packet(FMT.packet(job=1, is_param=1)) == [] and s.stats.malformed == 1
     with pytest.raises(ValueError):
         ParameterServer(FMT, 1, shard=3).add_job(layout())
+
+
+def test_ps_role_tells_a_stalled_worker_whether_its_job_is_still_installed():
+    """The PS role's ``missing`` (a stalled worker's diagnosis, ``engine._stalled``): the
+    workers whose contribution has not arrived while the job is installed; once a rank of the
+    run failed and tore the job down, ``installed`` is false — so a rank stalling later says
+    that, instead of naming every worker as silent."""
+    from atp_pipeline.ina.live.nodes import PSNode
+
+    node = PSNode(FMT)
+    try:
+        workers = [["127.0.0.1", 40000 + w] for w in range(4)]
+        node.op_add_job(3, workers, ["127.0.0.1", 41000])
+        assert node.op_missing(3, 7) == {"installed": True, "missing": None}  # nothing of seq 7 yet
+        node.handle(FMT.encode(FMT.packet(job=3, seq=7, worker_id=1, fan_in0=4, bitmap0=1 << 1,
+                                          payload=np.zeros(K, dtype=np.int32))))
+        assert node.op_missing(3, 7) == {"installed": True, "missing": 0b1101}
+        assert node.op_remove_job(3)
+        assert node.op_missing(3, 7) == {"installed": False, "missing": None}
+    finally:
+        node.close()

@@ -355,17 +355,20 @@ class Engine:
         except AggregationError as e:
             notes.append(str(e))
         shard = seq % len(self.ps_controls)
+        head = f"ATP gradient sync of job {self.job} made no progress for {waited:.0f} s at sequence {seq}"
         try:
-            miss = call(self.ps_controls[shard], "missing", timeout=3.0, what="parameter server",
-                        job=self.job, seq=seq)
-            if miss is not None:
-                seen |= full & ~miss
+            ps = call(self.ps_controls[shard], "missing", timeout=3.0, what="parameter server",
+                      job=self.job, seq=seq)
+            if not ps["installed"]:  # torn down: another rank of the run failed first (close(ok=False))
+                return AggregationError(f"{head}: the job was torn down meanwhile — another rank of this run "
+                                        f"failed first (its error names the cause)")
+            if ps["missing"] is not None:
+                seen |= full & ~ps["missing"]
         except AggregationError as e:
             notes.append(str(e))
         missing = [i for i in range(self.n_workers) if not seen >> i & 1]
         who = ", ".join(f"worker {i} (rank {self.ranks[i]})" for i in missing) or "none identified"
-        msg = (f"ATP gradient sync of job {self.job} made no progress for {waited:.0f} s at sequence {seq}: "
-               f"no contribution from {who} — that process stopped or is unreachable")
+        msg = f"{head}: no contribution from {who} — that process stopped or is unreachable"
         if notes:
             msg += "; " + "; ".join(notes)
         return AggregationError(msg)

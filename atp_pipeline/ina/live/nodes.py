@@ -422,8 +422,12 @@ class PSNode(Role):
             self.finished[job] = self.ps.job_stats(job)
         return self.ps.remove_job(job)
 
-    def op_missing(self, job: int, seq: int) -> Optional[int]:
-        return self.ps.missing(job, seq) if job in self.ps.jobs else None
+    def op_missing(self, job: int, seq: int) -> Dict[str, Any]:
+        """Diagnosis of a stalled job: ``installed`` (false once a rank tore the job down) and
+        ``missing``, :meth:`ParameterServer.missing` for ⟨job, seq⟩ (None if not installed)."""
+        if job not in self.ps.jobs:
+            return {"installed": False, "missing": None}
+        return {"installed": True, "missing": self.ps.missing(job, seq)}
 
     def op_stats(self) -> Dict[str, Any]:
         return {"ps": self.ps.stats.as_dict(), "send_errors": self.send_errors,

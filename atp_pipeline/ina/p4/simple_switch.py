@@ -113,6 +113,23 @@ def netns_users(inode: int) -> List[int]:
 _CLI_ERROR = re.compile(r"(?:^|RuntimeCmd:\s*)((?:Error|Invalid|Exception|Traceback)\b.*)")
 
 
+def thrift_answers(switch_pid: int, port: int = THRIFT_PORT) -> bool:
+    """Whether the switch ``switch_pid`` accepts a connection on its Thrift ``port`` (in its
+    network namespace)."""
+    try:
+        with in_netns(switch_pid):
+            s = socket.socket()
+    except OSError:
+        return False  # the namespace is not there yet (still the launcher's), or the switch is gone
+    with s:
+        s.settimeout(0.5)
+        try:
+            s.connect(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 class CLI:
     """One ``simple_switch_CLI`` session inside the switch's namespace, kept open: commands
     go to its stdin, and a batch's output ends at a sentinel line it cannot know (so each
@@ -120,6 +137,12 @@ class CLI:
 
     def __init__(self, switch_pid: int, thrift_port: int = THRIFT_PORT, timeout: float = 30.0) -> None:
         cli = require("simple_switch_CLI")
+        deadline = time.monotonic() + timeout
+        while not thrift_answers(switch_pid, thrift_port):  # a switch just started: not listening yet
+            if time.monotonic() > deadline:
+                raise P4ToolError(f"simple_switch (pid {switch_pid}) did not answer on its Thrift port "
+                                  f"{thrift_port} within {timeout:.0f} s")
+            time.sleep(0.05)
         fd = os.open(f"/proc/{switch_pid}/ns/net", os.O_RDONLY)
         try:
             self.proc = subprocess.Popen([cli, "--thrift-port", str(thrift_port)], stdin=subprocess.PIPE,
@@ -253,18 +276,7 @@ class SimpleSwitch:
 
     def _thrift_up(self) -> bool:
         assert self.proc is not None
-        try:
-            with in_netns(self.proc.pid):
-                s = socket.socket()
-        except OSError:
-            return False  # the namespace is not there yet (still the launcher's)
-        with s:
-            s.settimeout(0.5)
-            try:
-                s.connect(("127.0.0.1", THRIFT_PORT))
-                return True
-            except OSError:
-                return False
+        return thrift_answers(self.proc.pid, THRIFT_PORT)
 
     def close(self) -> None:
         """Stop the CLI and the switch (its namespace goes with it), close the packet socket."""
