@@ -145,3 +145,38 @@ def test_fork_server_started_for_a_run_is_gone_when_the_run_is_refused():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["GONE"]
 
+
+
+_RESOLVE_FIT = r"""
+import sys
+from hydra import compose, initialize_config_dir
+from torch.nn import init
+from atp_pipeline.config import register_mesh_source, register_schemas
+from atp_pipeline.models.meta import INITIALIZERS, outline_device
+from atp_pipeline.run.resolve import resolve
+
+register_schemas(); register_mesh_source()
+before = {n: getattr(init, n) for n in INITIALIZERS}
+with initialize_config_dir(version_base="1.3", config_dir=CONF):
+    spec = resolve(compose(config_name="config", overrides=["stage=fit"]))
+with outline_device():
+    import torch
+    w = init.normal_(torch.empty(3, 4), std=0.02)
+print("META", w.is_meta, "RESTORED", all(getattr(init, n) is f for n, f in before.items()) and bool(before),
+      "DYNAMO", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_resolving_the_default_fit_runs_no_initializer_and_imports_no_dynamo():
+    """The launcher checks the plan on a model built on the meta device (its structure only):
+    :func:`~atp_pipeline.models.meta.outline_device` runs no initializer there and restores them
+    after — on meta, ``normal_`` alone imports TorchDynamo (~1.5 s of CPU a launch)."""
+    import subprocess
+    import sys
+
+    from .conftest import CONF
+
+    out = subprocess.run([sys.executable, "-c", _RESOLVE_FIT.replace("CONF", repr(str(CONF)))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-6:] == ["META", "True", "RESTORED", "True", "DYNAMO", "False"], out.stdout

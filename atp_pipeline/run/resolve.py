@@ -339,7 +339,9 @@ def resolve(cfg: DictConfig) -> RunSpec:
     if fitting or user_plan:  # the plan's patterns name real modules (stage=plan: only a user's plan)
         from atp_pipeline.parallel.apply import match_plan
 
-        with torch.device("meta"):  # a user's plan may name any block; the family's is per block
+        from atp_pipeline.models.meta import outline_device
+
+        with outline_device():  # a user's plan may name any block; the family's is per block
             model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
         match_plan(model, user_plan or adapter.parallel_plan(model))
         if result.kind == "sbp":
