@@ -14,9 +14,10 @@ Processes start from a fork server (multiprocessing's ``forkserver`` context) th
 imported torch and Lightning once: a fresh interpreter per rank would import them again
 (Lightning pulls torchmetrics, which pulls transformers: ~9 s of CPU per process), so a
 launch of 8 ranks on 2 cores spent ~40 s importing. The server is started fresh by this
-process (no threads, no CUDA, no process group), each rank is forked from it and gets this
-process's environment as it is at the launch; ``ATP_START_METHOD=spawn`` restores a fresh
-interpreter per rank.
+process (no threads, no CUDA, no process group) or inherited from the process this one was
+forked from; each rank is forked from it and gets this process's environment, working
+directory, stdout and stderr as they are at the launch (not the server's, from its start);
+``ATP_START_METHOD=spawn`` restores a fresh interpreter per rank.
 """
 
 from __future__ import annotations
@@ -63,27 +64,35 @@ def _context() -> Any:
     return ctx
 
 
+_STARTED = (0, 0)  # (this process, the fork server prestart() started in it)
+
+
 def prestart() -> None:
     """Start the fork server now (it imports :data:`PRELOAD` in the background), so the
     launcher's own work (resolving the run: imports, the plan) overlaps with it;
     :func:`spawn` then finds it running. Needs no torch in this process: the server is the
     standard library's, which ``torch.multiprocessing`` re-exports."""
+    global _STARTED
     if os.environ.get("ATP_START_METHOD", "forkserver") == "forkserver" and not os.environ.get("TORCHELASTIC_RUN_ID"):
         import multiprocessing
         from multiprocessing import forkserver
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        before = forkserver._forkserver._forkserver_pid
         forkserver.ensure_running()
+        if forkserver._forkserver._forkserver_pid != before:
+            _STARTED = (os.getpid(), forkserver._forkserver._forkserver_pid)
 
 
 def stop_prestarted() -> None:
     """Stop a fork server :func:`prestart` started when the run turned out not to need it
-    (bad input): its preload would otherwise go on for seconds after this process exits."""
+    (bad input): its preload would otherwise go on for seconds after this process exits. One
+    this process did not start (inherited, or serving others) is left running."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # the standard library's singleton (no public stop)
     pid = getattr(server, "_forkserver_pid", None)
-    if pid:
+    if pid and _STARTED == (os.getpid(), pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -91,8 +100,33 @@ def stop_prestarted() -> None:
         server._stop()
 
 
+class _Stdio:
+    """The launcher's stdout and stderr, handed to a rank (pickled while the rank starts, the
+    descriptors travel as multiprocessing passes a pipe's): a rank forked from a fork server
+    would otherwise write where the server's were at its start."""
+
+    def __reduce__(self) -> Any:
+        from multiprocessing import reduction
+
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        return _redirect, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _redirect(out: Any, err: Any) -> None:
+    for wrapped, fd in ((out, 1), (err, 2)):
+        got = wrapped.detach()
+        if got != fd:
+            os.dup2(got, fd)
+            os.close(got)
+
+
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
-           args: tuple, results: "mp.Queue", init: bool = True, env: Optional[dict] = None) -> None:
+           args: tuple, results: "mp.Queue", init: bool = True, env: Optional[dict] = None,
+           stdio: Any = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -169,7 +203,7 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, t
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init, env),
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init, env, _Stdio()),
                          daemon=False) for r in range(world)]
     for p in procs:
         p.start()

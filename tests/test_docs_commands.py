@@ -1456,7 +1456,8 @@ def test_zygote_children_behave_as_python(tmp_path):
     """A command forked from the docs zygote is what ``python <argv>`` would be: its argv, cwd,
     environment and ``sys.path[0]``, its output in its log, its exit status (``SystemExit``, 1 after
     an uncaught exception with its traceback, ``-15`` when the runner's ``killpg`` stops it), atexit
-    handlers run; commands with shell syntax go to bash."""
+    handlers run; its launches fork ranks from the zygote's fork server, which get its environment,
+    cwd and log; commands with shell syntax go to bash."""
     assert argv_of("python train.py stage=plan 'hydra.searchpath=[file:///x]'") == [
         "train.py", "stage=plan", "hydra.searchpath=[file:///x]"]
     assert argv_of("python -m benchmarks.x --out /tmp/y") == ["-m", "benchmarks.x", "--out", "/tmp/y"]
@@ -1468,11 +1469,24 @@ def test_zygote_children_behave_as_python(tmp_path):
                       "print(sys.argv, os.getcwd(), os.environ['PROBE'], sys.path[0], __name__)\n"
                       "if sys.argv[1] == 'sleep': time.sleep(60)\n"
                       "if sys.argv[1] == 'boom': raise ValueError('boom')\nsys.exit(int(sys.argv[1]))\n")
+    # a launch forks its ranks from the zygote's fork server, with the child's environment, cwd and
+    # log; a run refused after prestart() leaves that server running
+    ranks = tmp_path / "ranks.py"
+    ranks.write_text("import os\nfrom multiprocessing import forkserver\n"
+                     "from atp_pipeline.launch import prestart, spawn, stop_prestarted\n"
+                     "def fn(rank, world):\n"
+                     "    os.write(1, f'rank {rank} {os.getcwd()} {os.environ[\"PROBE\"]}\\n'.encode())\n"
+                     "    return os.getppid()\n"
+                     "if __name__ == '__main__':\n"
+                     "    prestart(); stop_prestarted()\n"
+                     "    parents = spawn(fn, 2)\n"
+                     "    print('SERVER', forkserver._forkserver._forkserver_pid, sorted(set(parents)))\n")
     env = {**os.environ, "PROBE": "p1"}
     z = Zygote(env, ROOT)
     try:
-        logs = {a: tmp_path / f"{a}.log" for a in ("3", "boom", "sleep")}
-        kids = {a: z.start([str(script), a], tmp_path, env, logs[a]) for a in logs}
+        logs = {a: tmp_path / f"{a}.log" for a in ("3", "boom", "sleep", "ranks")}
+        kids = {a: z.start([str(script), a] if a != "ranks" else [str(ranks)], tmp_path, env, logs[a])
+                for a in logs}
         assert kids["3"].wait(timeout=60) == 3 and kids["boom"].wait(timeout=60) == 1
         assert kids["sleep"].poll() is None
         os.killpg(kids["sleep"].pid, signal.SIGTERM)
@@ -1480,6 +1494,13 @@ def test_zygote_children_behave_as_python(tmp_path):
         out = logs["3"].read_text()
         assert out == f"{[str(script), '3']} {tmp_path} p1 {tmp_path} __main__\nbye\n", out
         assert "ValueError: boom" in logs["boom"].read_text() and logs["boom"].read_text().endswith("bye\n")
+        assert kids["ranks"].wait(timeout=300) == 0, logs["ranks"].read_text()[-3000:]
+        lines = logs["ranks"].read_text().splitlines()
+        assert sorted(ln for ln in lines if ln.startswith("rank")) == [f"rank {r} {tmp_path} p1" for r in (0, 1)], lines
+        server = int(lines[-1].split()[1])
+        assert lines[-1] == f"SERVER {server} [{server}]", lines  # both ranks forked from it
+        ppid = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert ppid == z.proc.pid, "the ranks' fork server is the zygote's (started once, kept running)"
     finally:
         z.close()
     assert z.proc.returncode == 0

@@ -9,9 +9,13 @@ and what it starts), the command's working directory, environment, ``sys.argv`` 
 ``sys.path[0]``, stdout and stderr into the command's log, then the script run as ``__main__``
 (``runpy``, as the interpreter runs it) and an interpreter's exit: non-daemon threads joined,
 ``atexit`` handlers, the exit status of ``SystemExit`` (1 after an uncaught exception, its
-traceback printed). Whatever the command starts — a fork server, ranks, services — it starts as
-it would from a fresh interpreter. The zygote runs no torch op (a fork after one could inherit
-a thread pool's state); it forks only.
+traceback printed). Whatever the command starts — ranks, services — it starts as it would from a
+fresh interpreter, except the ranks' fork server (:mod:`atp_pipeline.launch`): the zygote starts
+one at its start and every child's launches fork their ranks from it (a server of their own
+would import torch, DTensor and Lightning again: ~8 s of CPU a launch); a rank still gets its
+launcher's environment, working directory, stdout and stderr (``launch._entry``), and a child
+refused before it launches leaves the shared server running (``launch.stop_prestarted``). The
+zygote runs no torch op (a fork after one could inherit a thread pool's state); it forks only.
 
 Protocol (lines of JSON): the runner writes ``{"id", "argv", "cwd", "env", "log"}`` to the
 zygote's stdin; the zygote answers ``{"id", "pid"}`` when the child exists and ``{"id", "rc"}``
@@ -56,6 +60,32 @@ def argv_of(cmd: str) -> Optional[List[str]]:
 
 
 # ------------------------------------------------------------------------------ the zygote itself
+def _adopt_fork_server() -> None:
+    """In a child: launches use the zygote's fork server. multiprocessing checks its server with
+    ``waitpid``, which fails in a process that did not start it (``os.fork`` copied the handle,
+    not the parenthood): the check becomes "is it alive", and a new server starts if it is not."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+
+    def ensure_running() -> None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:  # gone: this child starts its own, as a fresh interpreter would
+            server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+            del server.ensure_running
+            forkserver.ensure_running = server.ensure_running
+            server.ensure_running()
+            return
+        resource_tracker.ensure_running()
+
+    # the instance's (connect_to_new_process calls it) and the module's alias of it
+    server.ensure_running = forkserver.ensure_running = ensure_running  # type: ignore[method-assign]
+
+
 def _child(req: dict) -> None:
     """In the forked child: become ``python <argv>`` and exit as it would."""
     import atexit
@@ -76,6 +106,7 @@ def _child(req: dict) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    _adopt_fork_server()
     argv = req["argv"]
     code: object = 0
     try:
@@ -117,6 +148,9 @@ def serve() -> None:
     os.dup2(2, 1)
     for m in PRELOAD:
         importlib.import_module(m)
+    from atp_pipeline.launch import prestart
+
+    prestart()  # the ranks' fork server, shared by every child (_adopt_fork_server)
     out.write(json.dumps({"ready": True}) + "\n")
     children: Dict[int, int] = {}
     buf = b""
