@@ -113,11 +113,19 @@ class _Stdio:
                 f.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        return _redirect, (reduction.DupFd(1), reduction.DupFd(2))
+        fds = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+                fds.append((fd, reduction.DupFd(fd)))
+            except OSError:  # closed in the launcher: the rank keeps what it has
+                pass
+        return _redirect, (fds,)
 
 
-def _redirect(out: Any, err: Any) -> None:
-    for wrapped, fd in ((out, 1), (err, 2)):
+def _redirect(fds: List[Any]) -> None:
+    """In the rank, while its arguments are unpickled (before :func:`_entry` runs)."""
+    for fd, wrapped in fds:
         got = wrapped.detach()
         if got != fd:
             os.dup2(got, fd)
@@ -127,6 +135,7 @@ def _redirect(out: Any, err: Any) -> None:
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
            args: tuple, results: "mp.Queue", init: bool = True, env: Optional[dict] = None,
            stdio: Any = None) -> None:
+    # (stdio, a _Stdio, redirected this process's stdout and stderr as it was unpickled)
     import torch
     import torch.distributed as dist
 
