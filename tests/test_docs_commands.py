@@ -1175,7 +1175,7 @@ class Runner:
         s = shell.replace(TMP, str(self.tmp))
         return s.replace(PORT, str(port)) if port is not None else s
 
-    def env(self, p: Plan) -> Dict[str, str]:
+    def env(self, p: Optional[Plan] = None) -> Dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PYTEST_CURRENT_TEST")}
         path = [str(Path(sys.executable).parent)]
         try:
@@ -1186,7 +1186,7 @@ class Runner:
             pass
         env["PATH"] = os.pathsep.join(path + [env.get("PATH", "")])
         env["MPLBACKEND"] = "Agg"
-        if p.home or any(q.home for q in p.preludes):
+        if p is not None and (p.home or any(q.home for q in p.preludes)):
             real = Path.home()
             env.setdefault("XDG_CACHE_HOME", str(real / ".cache"))
             env.setdefault("MPLCONFIGDIR", str(real / ".config" / "matplotlib"))
@@ -1199,7 +1199,7 @@ class Runner:
         with self.cv:
             if self._zygote is None and not self._zygote_failed and not self.closed:
                 try:
-                    self._zygote = Zygote(self.env(Plan(DocCommand("", 0, "", "", ""), "run")), ROOT)
+                    self._zygote = Zygote(self.env(), ROOT)
                 except (RuntimeError, OSError):
                     self._zygote_failed = True
             return self._zygote

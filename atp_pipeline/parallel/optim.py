@@ -23,12 +23,11 @@ from typing import Any, List
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 def _local(p: Tensor, t: Tensor, what: str, index: int) -> Tensor:
     """``t``'s local shard, ``t`` laid out like the DTensor parameter ``p``."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(t, DTensor):
         raise RuntimeError(f"LocalShardAdamW: parameter {index} is a DTensor but its {what} is not")
     if t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
@@ -52,8 +51,6 @@ class LocalShardAdamW(torch.optim.AdamW):
     def _init_group(self, group: dict, params_with_grad: List[Tensor], grads: List[Tensor],
                     exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], max_exp_avg_sqs: List[Tensor],
                     state_steps: List[Tensor]) -> bool:
-        from torch.distributed.tensor import DTensor
-
         has_complex = super()._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs,
                                           max_exp_avg_sqs, state_steps)
         for i, p in enumerate(params_with_grad):
