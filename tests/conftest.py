@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -14,6 +18,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from atp_pipeline.config import register_mesh_source, register_schemas
+
+from .zygote import Zygote
 
 register_schemas()
 register_mesh_source()
@@ -61,17 +67,89 @@ def compose_cfg() -> Callable[..., DictConfig]:
     return _compose
 
 
-def run_train(args: List[str], cwd: Optional[Path] = None, timeout: float = 120
+def run_train(args: List[str], cwd: Optional[Path] = None, timeout: float = 120, fresh: bool = False
               ) -> subprocess.CompletedProcess:
     """Run ``python train.py args`` as a user would; output lands under ``cwd``."""
-    return finish_train(start_train(args, cwd), timeout)
+    return finish_train(start_train(args, cwd, fresh), timeout)
 
 
-def start_train(args: List[str], cwd: Optional[Path] = None) -> subprocess.Popen:
+#: the suite's ``python train.py`` runs fork from a warm interpreter (:mod:`tests.zygote`, one per
+#: pytest process): a fresh one imports torch, DTensor, Hydra and the package (~3 s of CPU on the 2-core
+#: CI host) and a fit starts the ranks' fork server (~8 s) before it does anything. 0: every run its own
+ZYGOTE = os.environ.get("ATP_TRAIN_ZYGOTE", "1") not in ("", "0")
+_ZYGOTE: List[Any] = []  # [the zygote] once started, [None] where it did not start
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _train_env() -> Dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+
+
+def _zygote() -> Optional[Zygote]:
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            try:
+                z: Optional[Zygote] = Zygote(_train_env(), ROOT)
+            except (RuntimeError, OSError):
+                z = None
+            _ZYGOTE.append(z)
+            if z is not None:
+                atexit.register(z.close)
+        return _ZYGOTE[0]
+
+
+class ZygoteRun:
+    """A ``python train.py`` forked from the zygote, as :func:`finish_train` uses a
+    :class:`subprocess.Popen`: ``args``, ``pid``, ``returncode``, ``poll``, ``wait``, ``kill``
+    (its session: the child is a session leader) and ``communicate`` (its stdout and stderr)."""
+
+    def __init__(self, z: Zygote, args: List[str], cwd: Path, env: Dict[str, str]) -> None:
+        fd, out = tempfile.mkstemp(prefix="train-", suffix=".out")
+        os.close(fd)
+        fd, err = tempfile.mkstemp(prefix="train-", suffix=".err")
+        os.close(fd)
+        self.args, self._out, self._err = args, Path(out), Path(err)
+        self._child = z.start(args[1:], cwd, env, self._out, self._err)
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._child.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._child.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self._child.wait(timeout)
+
+    def kill(self) -> None:
+        if self._child.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def communicate(self, timeout: Optional[float] = None) -> Tuple[str, str]:
+        self._child.wait(timeout)
+        try:
+            return (self._out.read_text(errors="replace"), self._err.read_text(errors="replace"))
+        finally:
+            self._out.unlink(missing_ok=True)
+            self._err.unlink(missing_ok=True)
+
+
+def start_train(args: List[str], cwd: Optional[Path] = None, fresh: bool = False) -> Any:
     """Start ``python train.py args`` (:func:`finish_train` waits for it): runs side by side,
-    where most of each is starting up."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd or ROOT, env=env,
+    where most of each is starting up. Forked from the zygote (:data:`ZYGOTE`) unless ``fresh``:
+    a test of what a fresh interpreter prints or imports asks for one."""
+    argv = [sys.executable, str(ROOT / "train.py"), *args]
+    z = _zygote() if ZYGOTE and not fresh else None
+    if z is not None:
+        try:
+            return ZygoteRun(z, argv, cwd or ROOT, _train_env())
+        except RuntimeError:  # the zygote is gone: this run starts on its own
+            pass
+    return subprocess.Popen(argv, cwd=cwd or ROOT, env=_train_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -90,7 +168,7 @@ def run_side_by_side(tmp: Path, cases: List[List[str]], conf: Optional[Path] = N
     return [(finish_train(p, 300), run) for p, run in started]
 
 
-def finish_train(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+def finish_train(p: Any, timeout: float = 120) -> subprocess.CompletedProcess:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

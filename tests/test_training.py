@@ -185,7 +185,7 @@ def test_default_run_learns(tmp_path):
     """`python train.py`: tiny GPT on the corpus, 4 processes on `local`; loss falls >= 30%; a quiet
     console (no Lightning tip or deprecation warning, a progress bar of steps, memory in human units)."""
     run = tmp_path / "run"
-    out = run_train([f"hydra.run.dir={run}"], cwd=tmp_path, timeout=600)
+    out = run_train([f"hydra.run.dir={run}"], cwd=tmp_path, timeout=600, fresh=True)  # (its imports' warnings too)
     assert out.returncode == 0, out.stderr[-3000:]
     console = out.stdout + out.stderr
     for noise in ("Tip", "deprecated", "Epoch 0/-2", "v_num", "~0.0 GB"):

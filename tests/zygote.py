@@ -17,8 +17,11 @@ launcher's environment, working directory, stdout and stderr (``launch._entry``)
 refused before it launches leaves the shared server running (``launch.stop_prestarted``). The
 zygote runs no torch op (a fork after one could inherit a thread pool's state); it forks only.
 
-Protocol (lines of JSON): the runner writes ``{"id", "argv", "cwd", "env", "log"}`` to the
-zygote's stdin; the zygote answers ``{"id", "pid"}`` when the child exists and ``{"id", "rc"}``
+The suite's own ``python train.py`` runs (``tests/conftest.py``: :func:`start_train`) fork from a
+zygote of their own the same way.
+
+Protocol (lines of JSON): the runner writes ``{"id", "argv", "cwd", "env", "log"}`` (and ``"err"``:
+stderr into a file of its own, else both into ``log``) to the zygote's stdin; the zygote answers ``{"id", "pid"}`` when the child exists and ``{"id", "rc"}``
 when it ended (``rc`` as :attr:`subprocess.Popen.returncode`: ``-N`` for a signal).
 """
 
@@ -94,12 +97,13 @@ def _child(req: dict) -> None:
 
     os.setsid()
     fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    efd = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if req.get("err") else fd
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.close(null)
+    os.dup2(efd, 2)
+    for f in {fd, efd, null}:
+        os.close(f)
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)  # block-buffered to a file, as `python ... > log`
     sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -223,7 +227,7 @@ class Zygote:
             self.cv.wait_for(lambda: self.ready or self.dead, timeout=timeout)
             if not self.ready:
                 self.close()
-                raise RuntimeError("the docs zygote did not start")
+                raise RuntimeError("the zygote did not start")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -244,19 +248,19 @@ class Zygote:
             self.dead = True
             self.cv.notify_all()
 
-    def start(self, argv: List[str], cwd: Path, env: Dict[str, str], log: Path) -> Child:
+    def start(self, argv: List[str], cwd: Path, env: Dict[str, str], log: Path, err: Optional[Path] = None) -> Child:
         with self.cv:
             if self.dead:
-                raise RuntimeError("the docs zygote is gone")
+                raise RuntimeError("the zygote is gone")
             ident = self.next_id
             self.next_id += 1
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"id": ident, "argv": argv, "cwd": str(cwd), "env": env,
-                                              "log": str(log)}) + "\n")
+                                              "log": str(log), "err": str(err) if err else None}) + "\n")
             self.proc.stdin.flush()
             self.cv.wait_for(lambda: ident in self.pids or self.dead)
             if ident not in self.pids:
-                raise RuntimeError("the docs zygote is gone")
+                raise RuntimeError("the zygote is gone")
             return Child(self, ident, self.pids[ident])
 
     def _rc(self, child: Child, block: bool, timeout: Optional[float] = None) -> Optional[int]:
