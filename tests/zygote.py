@@ -21,8 +21,9 @@ The suite's own ``python train.py`` runs (``tests/conftest.py``: :func:`start_tr
 zygote of their own the same way.
 
 Protocol (lines of JSON): the runner writes ``{"id", "argv", "cwd", "env", "log"}`` (and ``"err"``:
-stderr into a file of its own, else both into ``log``) to the zygote's stdin; the zygote answers ``{"id", "pid"}`` when the child exists and ``{"id", "rc"}``
-when it ended (``rc`` as :attr:`subprocess.Popen.returncode`: ``-N`` for a signal).
+stderr into a file of its own, else both into ``log``) to the zygote's stdin; the zygote answers
+``{"id", "pid"}`` when the child exists and ``{"id", "rc"}`` when it ended (``rc`` as
+:attr:`subprocess.Popen.returncode`: ``-N`` for a signal).
 """
 
 from __future__ import annotations
