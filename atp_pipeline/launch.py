@@ -17,7 +17,8 @@ launch of 8 ranks on 2 cores spent ~40 s importing. The server is started fresh 
 process (no threads, no CUDA, no process group) or inherited from the process this one was
 forked from; each rank is forked from it and gets this process's environment, working
 directory, stdout and stderr as they are at the launch (not the server's, from its start);
-``ATP_START_METHOD=spawn`` restores a fresh interpreter per rank.
+``ATP_START_METHOD=spawn`` restores a fresh interpreter per rank. A rank ends when its launcher
+has gone, however it went (:func:`_die_with`).
 """
 
 from __future__ import annotations
@@ -132,10 +133,36 @@ def _redirect(fds: List[Any]) -> None:
             os.close(got)
 
 
+def _die_with(launcher: int) -> None:
+    """In a rank: end this process (SIGKILL) when the ``launcher`` process has gone. A launcher
+    killed outright (``kill -9`` of ``python train.py``) cannot stop its ranks, and they are not its
+    children but the fork server's, which may outlive it (a server inherited from the process
+    the launcher was forked from); its ranks would go on training for nobody. A daemon thread
+    blocked on the launcher's pidfd (Linux): no polling. Elsewhere, or without pidfds, nothing."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(launcher)  # type: ignore[attr-defined]
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="atp-launcher-watch", daemon=True).start()
+
+
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable[..., Any],
            args: tuple, results: "mp.Queue", init: bool = True, env: Optional[dict] = None,
-           stdio: Any = None) -> None:
+           stdio: Any = None, launcher: int = 0) -> None:
     # (stdio, a _Stdio, redirected this process's stdout and stderr as it was unpickled)
+    if launcher:
+        _die_with(launcher)
     import torch
     import torch.distributed as dist
 
@@ -212,8 +239,8 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, t
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init, env, _Stdio()),
-                         daemon=False) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, fn, args, results, init, env, _Stdio(),
+                                              os.getpid()), daemon=False) for r in range(world)]
     for p in procs:
         p.start()
     out: List[Any] = [None] * world

@@ -1458,7 +1458,7 @@ def test_zygote_children_behave_as_python(tmp_path):
     an uncaught exception with its traceback — in a file of its own where asked —, ``-15`` when the
     runner's ``killpg`` stops it), atexit
     handlers run; its launches fork ranks from the zygote's fork server, which get its environment,
-    cwd and log; commands with shell syntax go to bash."""
+    cwd and log, and end when it is killed; commands with shell syntax go to bash."""
     assert argv_of("python train.py stage=plan 'hydra.searchpath=[file:///x]'") == [
         "train.py", "stage=plan", "hydra.searchpath=[file:///x]"]
     assert argv_of("python -m benchmarks.x --out /tmp/y") == ["-m", "benchmarks.x", "--out", "/tmp/y"]
@@ -1482,9 +1482,37 @@ def test_zygote_children_behave_as_python(tmp_path):
                      "    prestart(); stop_prestarted()\n"
                      "    parents = spawn(fn, 2)\n"
                      "    print('SERVER', forkserver._forkserver._forkserver_pid, sorted(set(parents)))\n")
+    # a launcher killed outright takes its ranks with it, though they are the zygote's server's
+    # children, which outlives it (launch._die_with)
+    orphans = tmp_path / "orphans.py"
+    orphans.write_text("import os, sys, time\nfrom atp_pipeline.launch import spawn\n"
+                       "def fn(rank, world, d):\n"
+                       "    open(os.path.join(d, f'{rank}.pid'), 'w').write(str(os.getpid()))\n"
+                       "    time.sleep(300)\n"
+                       "if __name__ == '__main__':\n"
+                       "    spawn(fn, 2, sys.argv[1], init=False)\n")
     env = {**os.environ, "PROBE": "p1"}
     z = Zygote(env, ROOT)
     try:
+        launcher = z.start([str(orphans), str(tmp_path)], tmp_path, env, tmp_path / "orphans.log")
+        pids = [tmp_path / f"{r}.pid" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text() for f in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks_ = [int(f.read_text()) for f in pids]
+        os.killpg(launcher.pid, signal.SIGKILL)
+        assert launcher.wait(timeout=30) == -signal.SIGKILL
+
+        def running(pid: int) -> bool:
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+
+        deadline = time.monotonic() + 30
+        while any(running(p) for p in ranks_) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(p) for p in ranks_), f"ranks {ranks_} outlived their killed launcher"
         logs = {a: tmp_path / f"{a}.log" for a in ("3", "boom", "sleep", "ranks")}
         err = tmp_path / "boom.err"  # stderr apart from stdout (tests/conftest.py's train.py runs)
         kids = {a: z.start([str(script), a] if a != "ranks" else [str(ranks)], tmp_path, env, logs[a],
