@@ -109,7 +109,12 @@ class ZygoteRun:
         fd, err = tempfile.mkstemp(prefix="train-", suffix=".err")
         os.close(fd)
         self.args, self._out, self._err = args, Path(out), Path(err)
-        self._child = z.start(args[1:], cwd, env, self._out, self._err)
+        try:
+            self._child = z.start(args[1:], cwd, env, self._out, self._err)
+        except RuntimeError:
+            self._out.unlink(missing_ok=True)
+            self._err.unlink(missing_ok=True)
+            raise
         self.pid = self._child.pid
 
     @property
