@@ -173,6 +173,14 @@ def run_side_by_side(tmp: Path, cases: List[List[str]], conf: Optional[Path] = N
     return [(finish_train(p, 300), run) for p, run in started]
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one that exited, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def finish_train(p: Any, timeout: float = 120) -> subprocess.CompletedProcess:
     try:
         out, err = p.communicate(timeout=timeout)

@@ -66,6 +66,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import pytest
 
+from tests.conftest import running
 from tests.zygote import Zygote, argv_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1502,13 +1503,6 @@ def test_zygote_children_behave_as_python(tmp_path):
         ranks_ = [int(f.read_text()) for f in pids]
         os.killpg(launcher.pid, signal.SIGKILL)
         assert launcher.wait(timeout=30) == -signal.SIGKILL
-
-        def running(pid: int) -> bool:
-            try:
-                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            except FileNotFoundError:
-                return False
-
         deadline = time.monotonic() + 30
         while any(running(p) for p in ranks_) and time.monotonic() < deadline:
             time.sleep(0.2)

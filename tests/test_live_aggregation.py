@@ -42,7 +42,7 @@ from atp_pipeline.launch import spawn
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import check_aggregation
 
-from .conftest import ROOT, finish_train, run_side_by_side, run_train, start_train
+from .conftest import ROOT, finish_train, run_side_by_side, run_train, running, start_train
 from .p4 import bmv2_missing
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
@@ -236,8 +236,8 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     roles = [pr for key in keys for pr in r0[key + "_roles"]]
     assert len(roles) == 2 + 2 * 4 + 4 * len(bmv2)
     switches = [b for key in bmv2 for b in r0[key + "_simple_switch"]]  # simple_switch gone, its namespace freed
-    assert not [b for b in switches if _alive(b["pid"]) or netns_users(b["netns_inode"])]
-    assert not [pid for pid, _ in roles if _alive(pid)]
+    assert not [b for b in switches if running(b["pid"]) or netns_users(b["netns_inode"])]
+    assert not [pid for pid, _ in roles if running(pid)]
     assert not [r0[key + "_ports_left"] for key in keys if r0[key + "_ports_left"]]
 
 
@@ -393,17 +393,11 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
             assert cause or "the job was torn down meanwhile — another rank of this run failed first" in text, \
                 text[-2000:]
         assert causes >= 1, err[-4000:]
-        def gone(pid: int) -> bool:
-            try:
-                return "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-            except OSError:
-                return True
-
         for pid in workers + servers:  # the fork server exits once its launcher has gone
             until = time.monotonic() + 15
-            while not gone(pid) and time.monotonic() < until:
+            while running(pid) and time.monotonic() < until:
                 time.sleep(0.2)
-            assert gone(pid), ("fork server" if pid in servers else "worker", pid)
+            assert not running(pid), ("fork server" if pid in servers else "worker", pid)
         live = _live_role_pids()
         assert sw.switch.pid in live and not set(roles) & set(live)  # the run's PS is gone
         st = sw.stats()["switch"]
@@ -455,13 +449,6 @@ SMALL = ["model.hidden=16", "model.heads=2", "model.layers=1"]
 needs_bmv2 = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-
-
 def _session(sid: int) -> List[int]:
     """Live processes of session ``sid``."""
     out = []
@@ -504,7 +491,7 @@ def test_train_through_the_p4_program_on_bmv2(tmp_path):
     rows = [r for r in read_metrics(tmp_path / "bmv2" / "metrics.csv") if "atp_in_switch_frac" in r]
     assert len(rows) == 20 and min(r["atp_in_switch_frac"] for r in rows) >= 0.9
     assert roles["switch_allocated_after"] == 0
-    assert not _alive(sw["pid"]) and netns_users(sw["netns_inode"]) == []
+    assert not running(sw["pid"]) and netns_users(sw["netns_inode"]) == []
     assert not [p for p in _live_role_pids() if b"--impl" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
@@ -544,7 +531,7 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path):
         while _session(proc.pid) and time.monotonic() < end:
             time.sleep(0.2)
         assert _session(proc.pid) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in _session(proc.pid)]
-        assert not _alive(switch) and netns_users(inode) == []
+        assert not running(switch) and netns_users(inode) == []
         assert ipc and not [a for a in ipc if Path(a[len("ipc://"):]).exists()]
     finally:
         if cli is not None:
@@ -567,9 +554,9 @@ def test_killed_bmv2_switch_role_leaves_only_files_the_next_one_sweeps(tmp_path)
         os.kill(node.pid, signal.SIGKILL)
         node.wait(10)
         end = time.monotonic() + 10
-        while (_alive(info["bmv2_pid"]) or netns_users(info["netns_inode"])) and time.monotonic() < end:
+        while (running(info["bmv2_pid"]) or netns_users(info["netns_inode"])) and time.monotonic() < end:
             time.sleep(0.1)
-        assert not _alive(info["bmv2_pid"]) and netns_users(info["netns_inode"]) == []
+        assert not running(info["bmv2_pid"]) and netns_users(info["netns_inode"]) == []
         (left,) = tmp_path.glob(f"{bmv2_node.WORKDIR_PREFIX}{node.pid}-*")  # the sockets and log of the dead one
         assert bmv2_node.sweep_stale_workdirs(tmp_path) == [left] and not left.exists()
     finally:

@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from atp_pipeline.ina.p4.simple_switch import SimpleSwitch, netns_users
 
+from ..conftest import running
 from . import bmv2_missing
 
 pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
@@ -20,18 +20,10 @@ pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "
 ARP = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _gone(pid: int, inode: int, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not _alive(pid) and not netns_users(inode):
+        if not running(pid) and not netns_users(inode):
             return True
         time.sleep(0.1)
     return False
@@ -59,7 +51,7 @@ def test_killed_owner_takes_the_switch_and_its_namespace_along(v1model_json, tmp
                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         pid, inode = map(int, owner.stdout.readline().split())
-        assert _alive(pid) and pid in netns_users(inode)
+        assert running(pid) and pid in netns_users(inode)
         os.kill(owner.pid, signal.SIGKILL)  # no cleanup code runs in the owner
         owner.wait(10)
         assert _gone(pid, inode), (pid, netns_users(inode))
