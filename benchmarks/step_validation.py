@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
-RETIME_MODES = ("group", "once", "off", "steps")
+RETIME_MODES = ("bracket", "group", "once", "off", "steps")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -437,9 +437,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--retime", default="group", metavar="{" + ",".join(RETIME_MODES) + "}",
-                   help="time the calibration's reference probe again before each launch (group), once before the "
-                        "grid (once), or never (off), and price the predictions at that host speed; steps: instead "
+    p.add_argument("--retime", default="bracket", metavar="{" + ",".join(RETIME_MODES) + "}",
+                   help="time the calibration's reference probe again before each launch and after the last, and "
+                        "price each launch at the mean of the speeds before and after it (bracket), or before each "
+                        "launch (group), once before the grid (once), or never (off), and price the predictions at "
+                        "that host speed; steps: instead "
                         "time two probe models' whole steps on the launch's process count before each launch and "
                         "record their measured/predicted (rows: probe_steps; a diagnosis, predictions unchanged)")
     p.add_argument("--quiet-wait", type=float, default=30.0,
@@ -518,6 +520,64 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     load_start = _loadavg()
     speed = None
+    bracket = args.retime == "bracket" and bool(calibrated.reference)
+    pending: Optional[Dict[str, Any]] = None  # --retime bracket: a launch waiting for the probe after it
+
+    def finish(launch: Dict[str, Any], speed: Any) -> None:
+        """The launch's rows: every point predicted at ``speed`` (None: the calibration's own)
+        beside its measurement; the partial report written (it survives a crash)."""
+        shape, w, points, got, ranks, emu = (launch[k] for k in ("shape", "w", "points", "got", "ranks", "emu"))
+        at = calibrated if speed is None else calibrated.at_speed(speed)
+        sub = topo.restrict(w)
+        times, waits = got["times"], got["waits"]
+        variant = f"b{shape.batch_size} s{shape.seq_len}"
+        load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
+        record = None if speed is None else {**speed.to_dict(), **launch.get("bracket", {})}
+        probe_steps = launch["probe_steps"]
+        for d1, d2, c, e in points:
+            emulated = (emu, args.slowdown) if e else None
+            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
+            # beside it, the same prediction at the calibration's own host speed (not re-timed)
+            flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
+                                                              calibrated, emulated)
+            key = json.dumps([d1, d2, c, e])
+            meas = statistics.median(times[key])
+            inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
+            why = in_sample(calibrated, shape, (d1, d2), w)
+            rows.append({"model": launch["model"], "batch": shape.batch_size, "seq_len": shape.seq_len,
+                         "processes": w, "interconnect": inter,
+                         "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
+                         "in_sample": why, "group": f"{launch['model']} {variant} / {w} proc. / {inter}",
+                         "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
+                         "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
+                         "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
+                         # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
+                         "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
+                         "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
+                         "host_speed": record,
+                         "probe_steps": ({"ratio": probe_steps.ratio, "processes": probe_steps.processes,
+                                          "measured": probe_steps.measured} if probe_steps is not None else None),
+                         "predicted_at_calibration_speed_s": flat.step_s,
+                         "calibration": calibration_field(calibration, est)})
+        _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
+
+    def probe(before: str) -> Any:
+        """The reference probe timed again now (after a wait for a quiet host), recorded."""
+        wait_quiet(args.quiet_wait)
+        now = retime(calibrated, args.conf)
+        speeds.append({"before": before, **now.to_dict()})
+        print(f"  {now.describe()}", flush=True)
+        return now
+
+    def close(now: Any) -> None:
+        """--retime bracket: the launch before this probe, priced at the speed between its two probes."""
+        nonlocal pending
+        if pending is not None:
+            opened = pending.pop("opened")
+            pending["bracket"] = {"bracket": [opened.to_dict(), now.to_dict()]}
+            finish(pending, opened.until(now))
+            pending = None
+
     for model, shape, spec, w, points in plan:
         if not points:
             continue
@@ -529,57 +589,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             probe_steps = retime_steps(calibrated, topo, w, args.conf)
             speeds.append({"before": f"{shape.name} / {w} proc.", **probe_steps.to_dict()})
             print(f"  {probe_steps.describe()}", flush=True)
-        elif calibrated.reference and (args.retime == "group" or (args.retime == "once" and speed is None)):
+        elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
-            # never this grid's models, meshes or batches) timed again, the predictions priced at it
-            wait_quiet(args.quiet_wait)
-            speed = retime(calibrated, args.conf)
-            profile = calibrated.at_speed(speed)
-            speeds.append({"before": f"{shape.name} / {w} proc.", **speed.to_dict()})
-            print(f"  {speed.describe()}", flush=True)
+            # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
+            # bracket: at the mean of it and the probe after the launch, which is the next launch's)
+            speed = probe(f"{shape.name} / {w} proc.")
+            close(speed)
         emu = emu_full.restrict(w) if emu_full is not None else None
-        sub = topo.restrict(w)
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
         print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
         wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
-        got = ranks[0]
-        times, waits = got["times"], got["waits"]
-        foreign_load.append({"model": shape.name, "processes": w, "rounds": got["foreign"]})
-        variant = f"b{shape.batch_size} s{shape.seq_len}"
-        load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-        for d1, d2, c, e in points:
-            emulated = (emu, args.slowdown) if e else None
-            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), profile, emulated)  # what stage=plan says
-            # beside it, the same prediction at the calibration's own host speed (not re-timed)
-            flat = est if profile is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
-                                                                    calibrated, emulated)
-            key = json.dumps([d1, d2, c, e])
-            meas = statistics.median(times[key])
-            inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
-            why = in_sample(profile, shape, (d1, d2), w)
-            rows.append({"model": model, "batch": shape.batch_size, "seq_len": shape.seq_len, "processes": w,
-                         "interconnect": inter, "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
-                         "in_sample": why, "group": f"{model} {variant} / {w} proc. / {inter}",
-                         "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
-                         "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
-                         "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
-                         # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
-                         "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
-                         "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
-                         "host_speed": speed.to_dict() if speed is not None else None,
-                         "probe_steps": ({"ratio": probe_steps.ratio, "processes": probe_steps.processes,
-                                          "measured": probe_steps.measured} if probe_steps is not None else None),
-                         "predicted_at_calibration_speed_s": flat.step_s,
-                         "calibration": calibration_field(calibration, est)})
-        _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})  # survives a crash
+        foreign_load.append({"model": shape.name, "processes": w, "rounds": ranks[0]["foreign"]})
+        launch = {"model": model, "shape": shape, "w": w, "points": points, "got": ranks[0], "ranks": ranks,
+                  "emu": emu, "probe_steps": probe_steps}
+        if bracket:
+            pending = {**launch, "opened": speed}
+        else:
+            finish(launch, speed)
+    if pending is not None:
+        close(probe("the end (after the last launch)"))
     retimed = ("--retime steps: two probe models' whole steps timed again on each launch's process count "
                "before it (rows: probe_steps, ratio = measured / this calibration's prediction); predictions "
                "at the calibration's host speed" if args.retime == "steps" else
                f"--retime {args.retime}: the calibration's reference probe timed again "
-               + ("before each launch" if args.retime == "group" else "before the grid")
-               + ", every prediction priced at the host speed it gave (rows: host_speed)"
+               + {"bracket": "before each launch and after the last, every launch's points priced at the "
+                             "geometric mean of the speeds of the probes before and after it (rows: host_speed, "
+                             "its bracket)",
+                  "group": "before each launch, every prediction priced at the host speed it gave (rows: host_speed)",
+                  }.get(args.retime, "before the grid, every prediction priced at the host speed it gave "
+                                     "(rows: host_speed)")
                if speeds else "not re-timed: predicted at the calibration's host speed"
                + ("" if calibrated.reference else " (the calibration has no reference probe)"))
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),

@@ -147,7 +147,7 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     write_topology(cfg, tmp_path / "cal4.yaml")
     base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
             "--out", str(tmp_path / "out")]
-    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of group, once, off, steps"),
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of bracket, group, once, off, steps"),
                         (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2")):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -161,3 +161,71 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     assert got["probe_ratio_bias_correlation"] == pytest.approx(statistics.correlation([0.9, 1.1, 1.0], biases))
     assert got["probe_ratio_range"] == [0.9, 1.1] and "probe_ratio" not in got["groups"]["d"]
     assert "probe_ratio_bias_correlation" not in sv.summarize([{**r, "probe_steps": None} for r in rows])
+
+
+def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_path, monkeypatch):
+    """``--retime bracket`` (the default) times the reference probe before each launch and once
+    after the last, and prices a launch's points at the geometric mean of its two probes' speeds
+    (:meth:`HostSpeed.until`), what ``stage=plan`` predicts at that speed; ``--retime group`` at the
+    probe before. Launches and probes are stand-ins here (the measuring form runs in
+    tests/test_docs_commands.py); the bookkeeping is what is checked."""
+    import math
+
+    from atp_pipeline import launch
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
+    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.topology.model import Topology
+    from benchmarks import step_validation as sv
+
+    prof = dataclasses.replace(cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS},
+                                                 processes=4),
+                               reference={"compute": {"gemm 8x8x8": 1e-4}, "overhead": {"gemm 1x1x1": 1e-5}})
+    cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
+           "device": {"name": "cpu", "compute": prof.to_config()}}
+    write_topology(cfg, tmp_path / "cal4.yaml")
+    spoken = [cp.HostSpeed(1.0, 1.0, "t0"), cp.HostSpeed(1.21, 1.44, "t1"), cp.HostSpeed(0.81, 1.0, "t2")]
+
+    def run(mode: str) -> dict:
+        probes = iter(spoken)
+        monkeypatch.setattr(calibrate_compute, "retime", lambda profile, conf: next(probes))
+
+        def spawn(fn, w, spec, timeout):  # every point 10 ms; the worker's result layout
+            keys = [json.dumps(list(p)) for p in spec["points"]]
+            got = {"times": {k: [0.01] for k in keys}, "waits": {k: [0.001] for k in keys},
+                   "cpus": {k: [0.005] for k in keys}, "foreign": [0.0]}
+            return [got] * w
+        monkeypatch.setattr(launch, "spawn", spawn)
+        out = tmp_path / mode
+        assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16,2x24",
+                        "--worlds", "2", "--chunks", "1", "--quiet-wait", "0", "--retime", mode,
+                        "--out", str(out), "--tag", "t"]) == 0
+        return json.loads((out / "t.json").read_text())
+
+    got = run("bracket")
+    measured = got["meta"]["host_speed"]["measured"]
+    assert [m["measured"] for m in measured] == ["t0", "t1", "t2"]  # one probe per launch, one after the last
+    assert measured[-1]["before"] == "the end (after the last launch)"
+    topo = Topology.from_config(cfg).restrict(2)
+    profile = cp.ComputeProfile.from_config(prof.to_config())
+    by_launch = {}
+    for r in got["rows"]:
+        by_launch.setdefault(r["seq_len"], []).append(r)
+    assert sorted(by_launch) == [16, 24] and all(len(rs) == 2 for rs in by_launch.values())  # 2x1 and 1x2
+    for seq, (before, after) in ((16, spoken[:2]), (24, spoken[1:])):
+        want = before.until(after)
+        assert want.compute == pytest.approx(math.sqrt(before.compute * after.compute))
+        for r in by_launch[seq]:
+            hs = r["host_speed"]
+            assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
+            assert [b["measured"] for b in hs["bracket"]] == [before.measured, after.measured]
+            shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+                                                     CONF)[0][0]
+            d1, d2 = (int(x) for x in r["mesh"].split("x"))
+            est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
+            assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
+            flat = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile)
+            assert r["predicted_at_calibration_speed_s"] == pytest.approx(flat.step_s, rel=1e-9)
+    grouped = run("group")
+    assert [m["measured"] for m in grouped["meta"]["host_speed"]["measured"]] == ["t0", "t1"]  # none after
+    for r in grouped["rows"]:
+        assert r["host_speed"]["measured"] == ("t0" if r["seq_len"] == 16 else "t1") and "bracket" not in r["host_speed"]

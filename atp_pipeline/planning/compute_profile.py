@@ -309,6 +309,13 @@ class HostSpeed:
     def to_dict(self) -> Dict[str, Any]:
         return {"compute": self.compute, "overhead": self.overhead, "measured": self.measured}
 
+    def until(self, after: "HostSpeed") -> "HostSpeed":
+        """The host's speed over a span this probe opened and ``after`` closed: the geometric
+        mean of the two, per group (a launch bracketed by two probes; on this shared host the
+        speed drifts within minutes, docs/step-time.md "Run 42")."""
+        return HostSpeed(math.sqrt(self.compute * after.compute), math.sqrt(self.overhead * after.overhead),
+                         f"{self.measured} .. {after.measured}")
+
 
 def host_speed(recorded: Mapping[str, Mapping[str, float]], now: Mapping[str, Mapping[str, float]],
                measured: str = "") -> HostSpeed:
