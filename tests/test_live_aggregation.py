@@ -37,7 +37,7 @@ from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Switc
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.live import bmv2_node
 from atp_pipeline.ina.live.services import Services
-from atp_pipeline.ina.p4.simple_switch import CLI, netns_users, parse_counter
+from atp_pipeline.ina.p4.simple_switch import CLI, boot_seconds, netns_users, parse_counter
 from atp_pipeline.launch import spawn
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import check_aggregation
@@ -166,6 +166,9 @@ def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
                                                                  *sync.services.ps]]
             st = out[key + "_stats"]
             out[key + "_simple_switch"] = [s["bmv2"] for s in [st["switch"], *st["racks"]] if "bmv2" in s]
+            # no process joins a switch's namespace once its job closes: one started later is in a new
+            # namespace that reuses the freed one's inode number (another test's switch)
+            out[key + "_closing_at"] = boot_seconds()
         dist.barrier()
         sync.close()
         if "shm" in key:  # the workers' segments and the switch's are unlinked (once rank 0 tore the job down)
@@ -235,8 +238,8 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     keys = ("sml_lossy", "sml_shm_lossy", "atp2", "atp2_lossy", *bmv2)
     roles = [pr for key in keys for pr in r0[key + "_roles"]]
     assert len(roles) == 2 + 2 * 4 + 4 * len(bmv2)
-    switches = [b for key in bmv2 for b in r0[key + "_simple_switch"]]  # simple_switch gone, its namespace freed
-    assert not [b for b in switches if running(b["pid"]) or netns_users(b["netns_inode"])]
+    switches = [(b, r0[key + "_closing_at"]) for key in bmv2 for b in r0[key + "_simple_switch"]]
+    assert not [b for b, t in switches if running(b["pid"]) or netns_users(b["netns_inode"], t)]  # gone, freed
     assert not [pid for pid, _ in roles if running(pid)]
     assert not [r0[key + "_ports_left"] for key in keys if r0[key + "_ports_left"]]
 
@@ -495,6 +498,23 @@ def test_train_through_the_p4_program_on_bmv2(tmp_path):
     assert not [p for p in _live_role_pids() if b"--impl" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
+def test_a_namespace_user_started_after_the_mark_is_not_counted():
+    """``netns_users(inode, started_before)`` leaves out processes started after the mark: the kernel
+    reuses a freed namespace's inode number, so a process started after a switch began to stop can
+    only be in another namespace of that number (another test's switch, seen 2 of 6 times side by
+    side with tests/p4/test_simple_switch.py)."""
+    inode = os.stat("/proc/self/ns/net").st_ino
+    mark = boot_seconds()
+    time.sleep(0.05)  # start times are in clock ticks (10 ms)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in netns_users(inode) and os.getpid() in netns_users(inode)
+        later = netns_users(inode, mark)
+        assert child.pid not in later and os.getpid() in later
+    finally:
+        child.kill()
+        child.wait()
+
 @needs_bmv2
 def test_killed_bmv2_run_leaves_nothing(tmp_path):
     """SIGKILL to ``train.py`` while the P4 program aggregates: every process of the run exits,
@@ -525,13 +545,14 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path):
             raise AssertionError("no aggregation in the switch")
         cli.close()
         cli = None
+        killed = boot_seconds()  # the run's processes all started before this
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         end = time.monotonic() + 30
         while _session(proc.pid) and time.monotonic() < end:
             time.sleep(0.2)
         assert _session(proc.pid) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in _session(proc.pid)]
-        assert not running(switch) and netns_users(inode) == []
+        assert not running(switch) and netns_users(inode, killed) == []
         assert ipc and not [a for a in ipc if Path(a[len("ipc://"):]).exists()]
     finally:
         if cli is not None:
@@ -551,12 +572,13 @@ def test_killed_bmv2_switch_role_leaves_only_files_the_next_one_sweeps(tmp_path)
     try:
         info = json.loads(node.stdout.readline() or "{}")
         assert info.get("impl") == "bmv2", node.stderr.read() if node.poll() is not None else info
+        killed = boot_seconds()
         os.kill(node.pid, signal.SIGKILL)
         node.wait(10)
         end = time.monotonic() + 10
-        while (running(info["bmv2_pid"]) or netns_users(info["netns_inode"])) and time.monotonic() < end:
+        while (running(info["bmv2_pid"]) or netns_users(info["netns_inode"], killed)) and time.monotonic() < end:
             time.sleep(0.1)
-        assert not running(info["bmv2_pid"]) and netns_users(info["netns_inode"]) == []
+        assert not running(info["bmv2_pid"]) and netns_users(info["netns_inode"], killed) == []
         (left,) = tmp_path.glob(f"{bmv2_node.WORKDIR_PREFIX}{node.pid}-*")  # the sockets and log of the dead one
         assert bmv2_node.sweep_stale_workdirs(tmp_path) == [left] and not left.exists()
     finally:

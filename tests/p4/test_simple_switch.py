@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from atp_pipeline.ina.p4.simple_switch import SimpleSwitch, netns_users
+from atp_pipeline.ina.p4.simple_switch import SimpleSwitch, boot_seconds, netns_users
 
 from ..conftest import running
 from . import bmv2_missing
@@ -20,10 +20,13 @@ pytestmark = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "
 ARP = bytes.fromhex("ffffffffffff020000000009") + b"\x08\x06" + bytes(28)
 
 
-def _gone(pid: int, inode: int, timeout: float = 10.0) -> bool:
+def _gone(pid: int, inode: int, ended: float, timeout: float = 10.0) -> bool:
+    """The switch ``pid`` has exited and its namespace ``inode`` is freed (a process started after
+    ``ended``, :func:`boot_seconds` as the switch began to stop, is in a new namespace that reuses
+    the number)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not running(pid) and not netns_users(inode):
+        if not running(pid) and not netns_users(inode, ended):
             return True
         time.sleep(0.1)
     return False
@@ -39,7 +42,8 @@ def test_frames_cross_the_switch_and_close_leaves_nothing(v1model_json, tmp_path
         ss.send(3, ARP)
         assert ss.recv(5.0) == (7, ARP)  # non-ATP frames pass untouched, out of the port the table names
         assert ss.recv(0.2) is None
-    assert _gone(pid, inode)
+        closing = boot_seconds()
+    assert _gone(pid, inode, closing)
     assert not list(tmp_path.glob("*.ipc"))
 
 
@@ -52,9 +56,10 @@ def test_killed_owner_takes_the_switch_and_its_namespace_along(v1model_json, tmp
     try:
         pid, inode = map(int, owner.stdout.readline().split())
         assert running(pid) and pid in netns_users(inode)
+        killed = boot_seconds()
         os.kill(owner.pid, signal.SIGKILL)  # no cleanup code runs in the owner
         owner.wait(10)
-        assert _gone(pid, inode), (pid, netns_users(inode))
+        assert _gone(pid, inode, killed), (pid, netns_users(inode, killed))
     finally:
         if owner.poll() is None:
             owner.kill()

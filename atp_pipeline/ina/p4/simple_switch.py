@@ -89,15 +89,31 @@ def netns_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
-def netns_users(inode: int) -> List[int]:
+def boot_seconds() -> float:
+    """Seconds since boot, the clock of a process's start time in ``/proc/<pid>/stat``."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def started_at(pid: int) -> float:
+    """When ``pid`` started, in :func:`boot_seconds` (``/proc/<pid>/stat`` field 22)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def netns_users(inode: int, started_before: Optional[float] = None) -> List[int]:
     """Processes in, or holding a descriptor of, the network namespace ``inode`` (empty: the
-    kernel has freed it, and with it every interface it contained)."""
+    kernel has freed it, and with it every interface it contained). The kernel reuses a freed
+    namespace's inode number for a new one: ``started_before`` (:func:`boot_seconds`, taken once
+    the namespace's own processes had ended) leaves out processes started after it, which can
+    only be in a new namespace of that number."""
     tag = f"net:[{inode}]"
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
+            if started_before is not None and started_at(int(d.name)) > started_before:
+                continue
             if os.readlink(d / "ns" / "net") == tag:
                 out.append(int(d.name))
                 continue
