@@ -31,7 +31,10 @@ order each round), each round timing ``--steps`` steps per point; a point's time
 median of all its timed steps (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
-chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts. The
+chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
+host's speed (``--retime``: by default the calibration's reference probe is timed again before
+each launch and after the last, and a launch is priced at the geometric mean of the two speeds
+around it; every row also carries the prediction at the calibration's own speed). The
 other jobs' load on the host while a point was measured (the mean over its launch's kept
 rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
 

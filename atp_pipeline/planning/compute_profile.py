@@ -312,7 +312,7 @@ class HostSpeed:
     def until(self, after: "HostSpeed") -> "HostSpeed":
         """The host's speed over a span this probe opened and ``after`` closed: the geometric
         mean of the two, per group (a launch bracketed by two probes; on this shared host the
-        speed drifts within minutes, docs/step-time.md "Run 42")."""
+        speed drifts within minutes, docs/step-time.md "Runs 42–44")."""
         return HostSpeed(math.sqrt(self.compute * after.compute), math.sqrt(self.overhead * after.overhead),
                          f"{self.measured} .. {after.measured}")
 
