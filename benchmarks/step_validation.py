@@ -526,16 +526,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bracket = args.retime == "bracket" and bool(calibrated.reference)
     pending: Optional[Dict[str, Any]] = None  # --retime bracket: a launch waiting for the probe after it
 
-    def finish(launch: Dict[str, Any], speed: Any) -> None:
-        """The launch's rows: every point predicted at ``speed`` (None: the calibration's own)
-        beside its measurement; the partial report written (it survives a crash)."""
+    def finish(launch: Dict[str, Any], priced: Any) -> None:
+        """The launch's rows: every point predicted at the host speed ``priced`` (None: the
+        calibration's own) beside its measurement; the partial report written (it survives a crash)."""
         shape, w, points, got, ranks, emu = (launch[k] for k in ("shape", "w", "points", "got", "ranks", "emu"))
-        at = calibrated if speed is None else calibrated.at_speed(speed)
+        at = calibrated if priced is None else calibrated.at_speed(priced)
         sub = topo.restrict(w)
         times, waits = got["times"], got["waits"]
         variant = f"b{shape.batch_size} s{shape.seq_len}"
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-        record = None if speed is None else {**speed.to_dict(), **launch.get("bracket", {})}
+        record = None if priced is None else {**priced.to_dict(), **launch.get("bracket", {})}
         probe_steps = launch["probe_steps"]
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None

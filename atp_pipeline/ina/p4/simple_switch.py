@@ -103,9 +103,9 @@ def started_at(pid: int) -> float:
 def netns_users(inode: int, started_before: Optional[float] = None) -> List[int]:
     """Processes in, or holding a descriptor of, the network namespace ``inode`` (empty: the
     kernel has freed it, and with it every interface it contained). The kernel reuses a freed
-    namespace's inode number for a new one: ``started_before`` (:func:`boot_seconds`, taken once
-    the namespace's own processes had ended) leaves out processes started after it, which can
-    only be in a new namespace of that number."""
+    namespace's inode number for a new one: ``started_before`` (:func:`boot_seconds`, taken before
+    the namespace's own processes began to stop; none joins it after that) leaves out processes
+    started after it, which can only be in a new namespace of that number."""
     tag = f"net:[{inode}]"
     out = []
     for d in Path("/proc").iterdir():
