@@ -475,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
-        profile = calibrated = profile_of(topo)  # the calibration's own prices (at its host speed)
+        calibrated = profile_of(topo)  # the calibration's own prices (at its host speed)
         worlds = [int(w) for w in args.worlds.split(",") if w]
         if any(w < 1 or w > topo.world_size for w in worlds):
             raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
@@ -506,7 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        for c in chunk_list
                        if mesh_infeasibility(shape, (d1, d2)) is None and shape.batch_size % c == 0]
                 for d1, d2, c, e in pts:
-                    why = in_sample(profile, shape, (d1, d2), w)
+                    why = in_sample(calibrated, shape, (d1, d2), w)
                     if why and not args.allow_in_sample:
                         refused.append(f"{label} {d1}x{d2}/c{c}: {why}")
                 plan.append((model, shape, spec, w, pts))
@@ -524,18 +524,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load_start = _loadavg()
     speed = None
     bracket = args.retime == "bracket" and bool(calibrated.reference)
-    pending: Optional[Dict[str, Any]] = None  # --retime bracket: a launch waiting for the probe after it
+    pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
 
-    def finish(launch: Dict[str, Any], priced: Any) -> None:
+    def finish(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
         """The launch's rows: every point predicted at the host speed ``priced`` (None: the
-        calibration's own) beside its measurement; the partial report written (it survives a crash)."""
+        calibration's own; ``around``: the two probes it is the mean of) beside its measurement; the
+        partial report written (it survives a crash)."""
         shape, w, points, got, ranks, emu = (launch[k] for k in ("shape", "w", "points", "got", "ranks", "emu"))
         at = calibrated if priced is None else calibrated.at_speed(priced)
         sub = topo.restrict(w)
         times, waits = got["times"], got["waits"]
         variant = f"b{shape.batch_size} s{shape.seq_len}"
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-        record = None if priced is None else {**priced.to_dict(), **launch.get("bracket", {})}
+        record = None if priced is None else {**priced.to_dict(),
+                                              **({"bracket": [s.to_dict() for s in around]} if around else {})}
         probe_steps = launch["probe_steps"]
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
@@ -576,9 +578,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         """--retime bracket: the launch before this probe, priced at the speed between its two probes."""
         nonlocal pending
         if pending is not None:
-            opened = pending.pop("opened")
-            pending["bracket"] = {"bracket": [opened.to_dict(), now.to_dict()]}
-            finish(pending, opened.until(now))
+            launch, opened = pending
+            finish(launch, opened.until(now), (opened, now))
             pending = None
 
     for model, shape, spec, w, points in plan:
@@ -608,7 +609,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launch = {"model": model, "shape": shape, "w": w, "points": points, "got": ranks[0], "ranks": ranks,
                   "emu": emu, "probe_steps": probe_steps}
         if bracket:
-            pending = {**launch, "opened": speed}
+            pending = (launch, speed)
         else:
             finish(launch, speed)
     if pending is not None:
@@ -627,8 +628,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                + ("" if calibrated.reference else " (the calibration has no reference probe)"))
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
             "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds},
-            "contention": {str(k): v for k, v in sorted(profile.contention.items())},
-            "probes": sorted({p.name for p in profile.probes}),
+            "contention": {str(k): v for k, v in sorted(calibrated.contention.items())},
+            "probes": sorted({p.name for p in calibrated.probes}),
             "load_average": {"start": load_start, "end": _loadavg()},
             "foreign_load_cores": foreign_load,  # other jobs' CPU during each kept round (hostload)
             "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
@@ -636,7 +637,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
     report(rows, meta, Path(args.out), args.tag)
     print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "
-          f"{profile.describe()}")
+          f"{calibrated.describe()}")
     print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
     print(f"wrote {Path(args.out) / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
     return 0

@@ -214,12 +214,12 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     for seq, (before, after) in ((16, spoken[:2]), (24, spoken[1:])):
         want = before.until(after)
         assert want.compute == pytest.approx(math.sqrt(before.compute * after.compute))
+        shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+                                                 CONF)[0][0]
         for r in by_launch[seq]:
             hs = r["host_speed"]
             assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
             assert [b["measured"] for b in hs["bracket"]] == [before.measured, after.measured]
-            shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
-                                                     CONF)[0][0]
             d1, d2 = (int(x) for x in r["mesh"].split("x"))
             est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
             assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)

@@ -112,15 +112,9 @@ def netns_users(inode: int, started_before: Optional[float] = None) -> List[int]
         if not d.name.isdigit():
             continue
         try:
-            if started_before is not None and started_at(int(d.name)) > started_before:
-                continue
-            if os.readlink(d / "ns" / "net") == tag:
+            member = os.readlink(d / "ns" / "net") == tag or any(os.readlink(fd) == tag for fd in (d / "fd").iterdir())
+            if member and (started_before is None or started_at(int(d.name)) <= started_before):
                 out.append(int(d.name))
-                continue
-            for fd in (d / "fd").iterdir():
-                if os.readlink(fd) == tag:
-                    out.append(int(d.name))
-                    break
         except OSError:
             continue
     return out

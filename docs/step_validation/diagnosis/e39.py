@@ -4,12 +4,13 @@ Arithmetic on committed files, nothing measured. (1) In each calibration's probe
 of runs 41-44), a rank's measured CPU over the model's (``measured_cpu_s / cpu_s``) per process count for the batch-48
 probes and the batch-6 ones (medians). (2) Every grid whose rows the committed model reproduces (its prediction from
 the calibration's probe steps, to 0.1 %), predicted again with the CPU line ``U = a·Û + b`` per process count and chunk
-count fitted as the calibration fits it (relative least squares, ``b >= 0``: ``calibrate_compute._line``) and with
-``b`` free; the step's own line per cell unchanged.
+count fitted as the calibration fits it (``calibrate_compute.fit_cpu_step``: relative least squares, ``b >= 0``) and
+with ``b`` free; the step's own line per cell unchanged (``CpuStep.step``).
 
     python docs/step_validation/diagnosis/e39.py
 """
 
+import dataclasses
 import glob
 import json
 import math
@@ -18,7 +19,7 @@ import statistics as st
 
 import numpy as np
 
-from atp_pipeline.run.calibrate_compute import _line
+from atp_pipeline.run.calibrate_compute import _line, fit_cpu_step
 
 ROOT = "docs/step_validation"
 
@@ -29,22 +30,25 @@ def free_line(pts):
     return (float(s), float(c)) if s > 0 else _line(pts)
 
 
-def fit(rows, cpu_line):
-    steps, cpu = {}, {}
+def fit(rows, free=False):
+    """The calibration's own fit (:func:`calibrate_compute.fit_cpu_step`) of the probes' steps; ``free``: its CPU
+    lines refitted with the intercept unbounded (:func:`free_line`), the step's lines per cell as they are."""
+    cs = fit_cpu_step([r["cpu_s"] for r in rows], [r["measured_cpu_s"] for r in rows], [r["measured_s"] for r in rows],
+                      [r["processes"] for r in rows], [tuple(int(x) for x in r["mesh"].split("x")) for r in rows],
+                      [r["chunks"] for r in rows])
+    if not free:
+        return cs
+    pts = {}
     for r in rows:
-        steps.setdefault(r["processes"], {}).setdefault(f'{r["mesh"]}/c{r["chunks"]}', []).append(
-            (r["measured_cpu_s"], r["measured_s"]))
-        cpu.setdefault(r["processes"], {}).setdefault(r["chunks"], []).append((r["cpu_s"], r["measured_cpu_s"]))
-    return ({n: {c: _line(p) for c, p in per.items()} for n, per in steps.items()},
-            {n: {c: cpu_line(p) for c, p in per.items()} for n, per in cpu.items()})
+        pts.setdefault(r["processes"], {}).setdefault(r["chunks"], []).append((r["cpu_s"], r["measured_cpu_s"]))
+    return dataclasses.replace(cs, cpu={n: {c: free_line(p) for c, p in per.items()} for n, per in pts.items()})
 
 
-def predict(row, fitted):
-    steps, cpu = fitted
-    g, w = steps[row["processes"]][row["point"]]
-    a, b = cpu[row["processes"]][row["chunks"]]
+def predict(row, cpu_step):
+    """The row's step from its model CPU, at the host speed its row was priced at (``CpuStep.at_speed``)."""
     ov = (row.get("host_speed") or {}).get("overhead", 1.0)
-    return g * (a * row["predicted_rank_cpu_s"] + b * ov) + w * ov
+    mesh = tuple(int(x) for x in row["mesh"].split("x"))
+    return cpu_step.at_speed(ov).step(row["processes"], mesh, row["chunks"], row["predicted_rank_cpu_s"])
 
 
 def main():
@@ -73,8 +77,8 @@ def main():
             continue
         probe_rows = calibrations[m.group(1)]
         out = []
-        for name, line in (("bounded", _line), ("free", free_line)):
-            fitted = fit(probe_rows, line)
+        for name, free in (("bounded", False), ("free", True)):
+            fitted = fit(probe_rows, free)
             pred = [predict(r, fitted) for r in rows]
             if name == "bounded" and max(abs(p / r["predicted_s"] - 1) for p, r in zip(pred, rows)) > 1e-3:
                 break  # an older model form: not reproduced
