@@ -523,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     load_start = _loadavg()
     speed = None
-    bracket = args.retime == "bracket" and bool(calibrated.reference)
+    bracket = args.retime in ("bracket", "steps") and bool(calibrated.reference)
     pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
 
     def finish(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
@@ -561,7 +561,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
                          "host_speed": record,
                          "probe_steps": ({"ratio": probe_steps.ratio, "processes": probe_steps.processes,
-                                          "measured": probe_steps.measured} if probe_steps is not None else None),
+                                          "measured": probe_steps.measured,
+                                          **({"after": launch["probe_after"].ratio,
+                                              "after_measured": launch["probe_after"].measured}
+                                             if launch.get("probe_after") is not None else {})}
+                                         if probe_steps is not None else None),
                          "predicted_at_calibration_speed_s": flat.step_s,
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
@@ -593,7 +597,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             probe_steps = retime_steps(calibrated, topo, w, args.conf)
             speeds.append({"before": f"{shape.name} / {w} proc.", **probe_steps.to_dict()})
             print(f"  {probe_steps.describe()}", flush=True)
-        elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
+        if calibrated.reference and (args.retime in ("group", "bracket", "steps")
+                                     or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
             # bracket: at the mean of it and the probe after the launch, which is the next launch's)
@@ -606,8 +611,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
         foreign_load.append({"model": shape.name, "processes": w, "rounds": ranks[0]["foreign"]})
+        probe_after = None
+        if args.retime == "steps":  # and again right after the launch (the launch between the two)
+            probe_after = retime_steps(calibrated, topo, w, args.conf)
+            speeds.append({"after": f"{shape.name} / {w} proc.", **probe_after.to_dict()})
         launch = {"model": model, "shape": shape, "w": w, "points": points, "got": ranks[0], "ranks": ranks,
-                  "emu": emu, "probe_steps": probe_steps}
+                  "emu": emu, "probe_steps": probe_steps, "probe_after": probe_after}
         if bracket:
             pending = (launch, speed)
         else:
