@@ -32,9 +32,11 @@ median of all its timed steps (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
 chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
-host's speed (``--retime``: by default the calibration's reference probe is timed again before
-each launch and after the last, and a launch is priced at the geometric mean of the two speeds
-around it; every row also carries the prediction at the calibration's own speed). The
+host's speed (``--retime``: by default the probe models' whole steps the calibration recorded
+are timed again on the launch's process count right before it and right after it, and the
+launch is priced at the geometric mean of the two speeds, as ``stage=plan`` prices a plan at
+them (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); every row
+also carries the prediction at the calibration's own speed). The
 other jobs' load on the host while a point was measured (the mean over its launch's kept
 rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
 
@@ -60,7 +62,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
-RETIME_MODES = ("bracket", "group", "once", "off", "steps")
+RETIME_MODES = ("steps", "bracket", "group", "once", "off")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -240,8 +242,9 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def probe_tracking(groups: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """With ``--retime steps``: the Pearson correlation over groups of the probes' re-timed
-    measured/predicted (``probe_ratio``) with the group's own (``bias``); empty without it."""
+    """Rows of the diagnosis grids of runs 15 and 45 (``probe_steps``: the probes' steps re-timed before a
+    launch, measured / predicted): the Pearson correlation over groups of that ratio (``probe_ratio``)
+    with the group's own (``bias``); empty without it."""
     pairs = [(g["probe_ratio"], g["bias"]) for g in groups.values() if "probe_ratio" in g]
     if len(pairs) < 3:
         return {}
@@ -440,13 +443,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--retime", default="bracket", metavar="{" + ",".join(RETIME_MODES) + "}",
-                   help="time the calibration's reference probe again before each launch and after the last, and "
-                        "price each launch at the mean of the speeds before and after it (bracket), or before each "
-                        "launch (group), once before the grid (once), or never (off), and price the predictions at "
-                        "that host speed; steps: instead "
-                        "time two probe models' whole steps on the launch's process count before each launch and "
-                        "record their measured/predicted (rows: probe_steps; a diagnosis, predictions unchanged)")
+    p.add_argument("--retime", default="steps", metavar="{" + ",".join(RETIME_MODES) + "}",
+                   help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
+                        "recorded timed again on each launch's process count before it and after it, at the mean "
+                        "of the two (steps, stage=plan's basis); or the calibration's kernel reference probe timed "
+                        "again before each launch and after the last, at the mean of the speeds around a launch "
+                        "(bracket), before each launch (group), once before the grid (once); or never (off)")
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for other jobs' load to fall below "
                         "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
@@ -468,7 +470,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
-    from atp_pipeline.planning.compute_profile import profile_of
+    from atp_pipeline.planning.compute_profile import STEPS_GROUP, profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
     from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime, retime_steps
     from atp_pipeline.run.hostload import wait_quiet
@@ -485,6 +487,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.retime == "steps" and min(worlds, default=2) < 2:
             raise ConfigError(f"step_validation: --retime steps: --worlds {args.worlds}: each >= 2 (the probes' "
                               f"steps run collectives)")
+        if args.retime == "steps" and not calibrated.reference.get(STEPS_GROUP):
+            raise ConfigError(f"step_validation: --retime steps: calibration {calibration['file']} recorded no probe "
+                              f"steps (calibrated before run 45): --retime bracket, or calibrate again")
         only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
         chunk_list = [int(c) for c in args.chunks.split(",")]
         names = [m for m in args.models.split(",") if m]
@@ -523,7 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     load_start = _loadavg()
     speed = None
-    bracket = args.retime in ("bracket", "steps") and bool(calibrated.reference)
+    bracket = args.retime == "bracket" and bool(calibrated.reference)  # kernels: the probe after a launch is the next one's
     pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
 
     def finish(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
@@ -538,7 +543,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
         record = None if priced is None else {**priced.to_dict(),
                                               **({"bracket": [s.to_dict() for s in around]} if around else {})}
-        probe_steps = launch["probe_steps"]
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
             est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
@@ -560,20 +564,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
                          "host_speed": record,
-                         "probe_steps": ({"ratio": probe_steps.ratio, "processes": probe_steps.processes,
-                                          "measured": probe_steps.measured,
-                                          **({"after": launch["probe_after"].ratio,
-                                              "after_measured": launch["probe_after"].measured}
-                                             if launch.get("probe_after") is not None else {})}
-                                         if probe_steps is not None else None),
                          "predicted_at_calibration_speed_s": flat.step_s,
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
 
-    def probe(before: str) -> Any:
-        """The reference probe timed again now (after a wait for a quiet host), recorded."""
+    def probe(before: str, processes: int = 0) -> Any:
+        """The host's speed now (after a wait for a quiet host; ``processes``: on the steps' basis,
+        on that many, else the kernel reference probe), recorded."""
         wait_quiet(args.quiet_wait)
-        now = retime(calibrated, args.conf)
+        now = retime_steps(calibrated, processes, args.conf) if processes else retime(calibrated, args.conf)
         speeds.append({"before": before, **now.to_dict()})
         print(f"  {now.describe()}", flush=True)
         return now
@@ -589,16 +588,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for model, shape, spec, w, points in plan:
         if not points:
             continue
-        probe_steps = None
         if args.retime == "steps":
-            # the probes' whole steps (two probe models, every mesh and chunk count of w; never this grid's
-            # models, meshes or batches) timed again: their measured / this calibration's prediction
-            wait_quiet(args.quiet_wait)
-            probe_steps = retime_steps(calibrated, topo, w, args.conf)
-            speeds.append({"before": f"{shape.name} / {w} proc.", **probe_steps.to_dict()})
-            print(f"  {probe_steps.describe()}", flush=True)
-        if calibrated.reference and (args.retime in ("group", "bracket", "steps")
-                                     or (args.retime == "once" and speed is None)):
+            # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
+            # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
+            speed = probe(f"{shape.name} / {w} proc.", w)
+        elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
             # bracket: at the mean of it and the probe after the launch, which is the next launch's)
@@ -611,21 +605,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
         foreign_load.append({"model": shape.name, "processes": w, "rounds": ranks[0]["foreign"]})
-        probe_after = None
-        if args.retime == "steps":  # and again right after the launch (the launch between the two)
-            probe_after = retime_steps(calibrated, topo, w, args.conf)
-            speeds.append({"after": f"{shape.name} / {w} proc.", **probe_after.to_dict()})
         launch = {"model": model, "shape": shape, "w": w, "points": points, "got": ranks[0], "ranks": ranks,
-                  "emu": emu, "probe_steps": probe_steps, "probe_after": probe_after}
+                  "emu": emu}
         if bracket:
             pending = (launch, speed)
+        elif args.retime == "steps":
+            after = probe(f"after {shape.name} / {w} proc.", w)
+            finish(launch, speed.until(after), (speed, after))
         else:
             finish(launch, speed)
     if pending is not None:
         close(probe("the end (after the last launch)"))
-    retimed = ("--retime steps: two probe models' whole steps timed again on each launch's process count "
-               "before it (rows: probe_steps, ratio = measured / this calibration's prediction); predictions "
-               "at the calibration's host speed" if args.retime == "steps" else
+    retimed = ("--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
+               "process count before it and after it, every launch's points priced at the geometric mean of the "
+               "two speeds (rows: host_speed, its bracket)" if args.retime == "steps" else
                f"--retime {args.retime}: the calibration's reference probe timed again "
                + {"bracket": "before each launch and after the last, every launch's points priced at the "
                              "geometric mean of the speeds of the probes before and after it (rows: host_speed, "

@@ -41,14 +41,21 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
 
     assert {g: sorted(v) for g, v in prof.reference.items()} == {  # the host's speed at calibration
         "compute": sorted(map(reference_label, REFERENCE["compute"])),
-        "overhead": sorted([*map(reference_label, REFERENCE["overhead"]), f"step {REFERENCE_STEP} 2x1/c1"])}
-    plan = plan_from_config(compose_cfg(*two, "model=tiny"))  # re-times the reference probe (stage=plan's default)
+        "overhead": sorted([*map(reference_label, REFERENCE["overhead"]), f"step {REFERENCE_STEP} 2x1/c1"]),
+        "steps": sorted(f"probe_gpt_s {m}/c{c} on 2" for m in ("2x1", "1x2") for c in (1, 2))}  # the probe's whole steps
+    assert all(v > 0 for v in prof.reference["steps"].values())
+    plan = plan_from_config(compose_cfg(*two, "model=tiny"))  # re-times the probe's steps (stage=plan's default)
     assert plan.objective.value == "step" and all(c.step is not None for c in plan.candidates)
     assert plan.profile.name == prof.name and plan.profile.speed is not None
+    speed = plan.profile.speed
+    assert (speed.basis, speed.processes) == ("steps", 2) and speed.compute == speed.overhead > 0
     assert any(f"calibration {path} (sha256 {row['sha256']}" in n for n in plan.notes)
-    assert any(plan.profile.speed.describe() in n for n in plan.notes)
+    assert any(speed.describe() in n for n in plan.notes)
+    assert "the probes' whole steps on 2 processes ran x" in speed.describe()
     cached = json.loads((tmp_path / "local_speed.json").read_text())
-    assert cached["sha256"] == row["sha256"] and cached["compute"] == plan.profile.speed.compute
+    assert cached["sha256"] == row["sha256"] and cached["compute"] == speed.compute and cached["basis"] == "steps"
+    again = plan_from_config(compose_cfg(*two, "model=tiny"))  # within calibration.retime_s: the same speed, reused
+    assert again.profile.speed == speed and any("reused for calibration.retime_s" in n for n in again.notes)
     other = plan_from_config(compose_cfg("topology=local", f"calibration.dir={tmp_path}", "model=tiny"))
     assert other.objective.value == "comm"  # 4 processes: the file is for 2
     assert any("is for levels (('process', 2),)" in n and "not used" in n for n in other.notes)
@@ -79,7 +86,7 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
            "device": {"name": "cpu", "compute": prof.to_config()}}
     write_topology(cfg, tmp_path / "cal4.yaml")
     code = sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "8x64",
-                    "--worlds", "4", "--out", str(tmp_path / "out")])
+                    "--worlds", "4", "--retime", "off", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("error: step_validation: 6 points are in the calibration's sample (--allow-in-sample")
@@ -134,9 +141,10 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
 
 
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
-    """``--retime steps`` parses (refused at one process: its probes run collectives), any other
-    mode is refused in one line (exit 2); the summary's correlation of the groups' re-timed probe
-    ratio with their measured/predicted is Pearson's over the groups that have one."""
+    """``--retime steps`` (the default) is refused at one process (its probes run collectives) and
+    on a calibration that recorded no probe steps, any other mode is refused, each in one line
+    (exit 2); the summary's correlation of the groups' re-timed probe ratio (diagnosis rows of runs
+    15 and 45) with their measured/predicted is Pearson's over the groups that have one."""
     import statistics
 
     from benchmarks import step_validation as sv
@@ -147,8 +155,10 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     write_topology(cfg, tmp_path / "cal4.yaml")
     base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
             "--out", str(tmp_path / "out")]
-    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of bracket, group, once, off, steps"),
-                        (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2")):
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, bracket, group, once, off"),
+                        (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
+                        (["--worlds", "2"], "--retime steps: calibration " + str(tmp_path / "cal4.yaml")
+                         + " recorded no probe steps (calibrated before run 45)")):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
@@ -164,11 +174,13 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
 
 
 def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_path, monkeypatch):
-    """``--retime bracket`` (the default) times the reference probe before each launch and once
-    after the last, and prices a launch's points at the geometric mean of its two probes' speeds
-    (:meth:`HostSpeed.until`), what ``stage=plan`` predicts at that speed; ``--retime group`` at the
-    probe before. Launches and probes are stand-ins here (the measuring form runs in
-    tests/test_docs_commands.py); the bookkeeping is what is checked."""
+    """``--retime steps`` (the default) times the probes' whole steps on a launch's process count
+    right before it and right after it and prices its points at the geometric mean of the two
+    speeds (:meth:`HostSpeed.until`); ``--retime bracket`` the kernel reference probe before each
+    launch and once after the last, a launch at the mean of the probes around it — what
+    ``stage=plan`` predicts at that speed; ``--retime group`` at the probe before. Launches and
+    probes are stand-ins here (the measuring form runs in tests/test_docs_commands.py); the
+    bookkeeping is what is checked."""
     import math
 
     from atp_pipeline import launch
@@ -179,15 +191,24 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
 
     prof = dataclasses.replace(cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS},
                                                  processes=4),
-                               reference={"compute": {"gemm 8x8x8": 1e-4}, "overhead": {"gemm 1x1x1": 1e-5}})
+                               reference={"compute": {"gemm 8x8x8": 1e-4}, "overhead": {"gemm 1x1x1": 1e-5},
+                                          "steps": {"probe_gpt_s 2x1/c1 on 2": 0.02, "probe_gpt_s 4x1/c1 on 4": 0.04}})
     cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
            "device": {"name": "cpu", "compute": prof.to_config()}}
     write_topology(cfg, tmp_path / "cal4.yaml")
     spoken = [cp.HostSpeed(1.0, 1.0, "t0"), cp.HostSpeed(1.21, 1.44, "t1"), cp.HostSpeed(0.81, 1.0, "t2")]
 
+    steps_spoken = [cp.HostSpeed(r, r, f"s{i}", "steps", 2) for i, r in enumerate((0.9, 1.1, 1.2, 0.8))]
+    asked = []
+
     def run(mode: str) -> dict:
-        probes = iter(spoken)
+        probes, step_probes = iter(spoken), iter(steps_spoken)
         monkeypatch.setattr(calibrate_compute, "retime", lambda profile, conf: next(probes))
+
+        def retime_steps(profile, processes, conf):
+            asked.append(processes)
+            return next(step_probes)
+        monkeypatch.setattr(calibrate_compute, "retime_steps", retime_steps)
 
         def spawn(fn, w, spec, timeout):  # every point 10 ms; the worker's result layout
             keys = [json.dumps(list(p)) for p in spec["points"]]
@@ -201,30 +222,39 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
                         "--out", str(out), "--tag", "t"]) == 0
         return json.loads((out / "t.json").read_text())
 
+    def check(got: dict, around: dict) -> None:
+        """Every row priced at the mean of its launch's two speeds (``around``: seq -> (before, after))."""
+        by_launch = {}
+        for r in got["rows"]:
+            by_launch.setdefault(r["seq_len"], []).append(r)
+        assert sorted(by_launch) == [16, 24] and all(len(rs) == 2 for rs in by_launch.values())  # 2x1 and 1x2
+        for seq, (before, after) in around.items():
+            want = before.until(after)
+            assert want.compute == pytest.approx(math.sqrt(before.compute * after.compute))
+            shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+                                                     CONF)[0][0]
+            for r in by_launch[seq]:
+                hs = r["host_speed"]
+                assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
+                assert [b["measured"] for b in hs["bracket"]] == [before.measured, after.measured]
+                d1, d2 = (int(x) for x in r["mesh"].split("x"))
+                est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
+                assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
+                flat = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile)
+                assert r["predicted_at_calibration_speed_s"] == pytest.approx(flat.step_s, rel=1e-9)
+
+    topo = Topology.from_config(cfg).restrict(2)
+    profile = cp.ComputeProfile.from_config(prof.to_config())
+    got = run("steps")
+    assert asked == [2, 2, 2, 2]  # before and after each launch, on its process count
+    assert [m["measured"] for m in got["meta"]["host_speed"]["measured"]] == ["s0", "s1", "s2", "s3"]
+    assert all(r["host_speed"]["basis"] == "steps" and r["host_speed"]["processes"] == 2 for r in got["rows"])
+    check(got, {16: steps_spoken[:2], 24: steps_spoken[2:]})
     got = run("bracket")
     measured = got["meta"]["host_speed"]["measured"]
     assert [m["measured"] for m in measured] == ["t0", "t1", "t2"]  # one probe per launch, one after the last
     assert measured[-1]["before"] == "the end (after the last launch)"
-    topo = Topology.from_config(cfg).restrict(2)
-    profile = cp.ComputeProfile.from_config(prof.to_config())
-    by_launch = {}
-    for r in got["rows"]:
-        by_launch.setdefault(r["seq_len"], []).append(r)
-    assert sorted(by_launch) == [16, 24] and all(len(rs) == 2 for rs in by_launch.values())  # 2x1 and 1x2
-    for seq, (before, after) in ((16, spoken[:2]), (24, spoken[1:])):
-        want = before.until(after)
-        assert want.compute == pytest.approx(math.sqrt(before.compute * after.compute))
-        shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
-                                                 CONF)[0][0]
-        for r in by_launch[seq]:
-            hs = r["host_speed"]
-            assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
-            assert [b["measured"] for b in hs["bracket"]] == [before.measured, after.measured]
-            d1, d2 = (int(x) for x in r["mesh"].split("x"))
-            est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
-            assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
-            flat = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile)
-            assert r["predicted_at_calibration_speed_s"] == pytest.approx(flat.step_s, rel=1e-9)
+    check(got, {16: spoken[:2], 24: spoken[1:]})
     grouped = run("group")
     assert [m["measured"] for m in grouped["meta"]["host_speed"]["measured"]] == ["t0", "t1"]  # none after
     for r in grouped["rows"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -927,3 +928,75 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     was = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
     assert "host_speed" not in was.device and cp.profile_of(was).speed is None
     assert "has no reference probe (calibrated before it was recorded): predicted at the calibration's host speed" in was.note
+
+
+def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at_calibration(tmp_path, monkeypatch):
+    """Run 45 (issue 27): the profile's reference records the probes' whole steps (label ->
+    seconds, ``"<probe> <d1>x<d2>/c<chunks> on <processes>"``); timed again on a process count, the
+    geometric mean of now / then over that count's labels is one ratio for every price, so a
+    CPU-form step scales by it exactly; two speeds of different kinds never make a span; a plan's
+    re-timing is reused only on the same basis and process count."""
+    from types import SimpleNamespace
+
+    from atp_pipeline.planning.alphabeta_fit import write_topology
+    from atp_pipeline.run.calibration import file_digest, with_calibration
+
+    then = {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02, "p 4x1/c1 on 4": 0.04, "q 2x2/c2 on 4": 0.05}
+    now = {"p 2x1/c1 on 2": 0.012, "p 1x2/c1 on 2": 0.03, "p 4x1/c1 on 4": 0.02, "other 2x1/c1 on 2": 1.0}
+    two = cp.steps_speed(then, now, 2, "t")
+    assert (two.compute, two.overhead) == pytest.approx((math.sqrt(1.2 * 1.5),) * 2)
+    assert (two.basis, two.processes, two.measured) == ("steps", 2, "t")
+    assert cp.steps_speed(then, now, 4).compute == pytest.approx(0.5)  # q not timed again: p's alone
+    assert two.describe() == f"host speed re-timed t: the probes' whole steps on 2 processes ran x{two.compute:.3f} " \
+                             "their time at calibration"
+    assert cp.HostSpeed.from_dict(two.to_dict()) == two
+    assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # kernels' (runs 10-44)
+    assert cp.parse_step_label("probe_gpt_s 2x1/c2 on 2") == ("probe_gpt_s", (2, 1), 2, 2)
+    assert cp.step_label("probe_gpt_s", (2, 1), 2, 2) == "probe_gpt_s 2x1/c2 on 2"
+    assert cp.step_processes(then) == [2, 4]
+    with pytest.raises(ConfigError, match=r"^host speed: no probe step on 8 processes timed both at calibration and now "
+                                          r"\(calibrated on \[2, 4\]"):
+        cp.steps_speed(then, now, 8)
+    with pytest.raises(ConfigError, match="probe step label 'p 2x1 on 2'"):
+        cp.step_processes({"p 2x1 on 2": 1.0})
+    with pytest.raises(ConfigError, match="a span between two probes of different kinds"):
+        two.until(cp.HostSpeed(1.0, 1.0, "t2"))
+    with pytest.raises(ConfigError, match="basis 'wall'"):
+        cp.HostSpeed(1.0, 1.0, basis="wall")
+    span = two.until(cp.steps_speed(then, {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02}, 2, "t2"))
+    assert span.compute == pytest.approx(math.sqrt(two.compute)) and (span.basis, span.processes) == ("steps", 2)
+    # the step of the CPU form x the ratio, exactly
+    ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
+    anchored = cp.CpuStep({4: {"2x2/c1": 2.0}}, {4: {1: (1.1, 1e-3)}}, {4: {"2x2/c1": 2e-3}})
+    prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, processes=4, cores=2, kernel_time="cpu",
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6),
+                             collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
+                             reference={"steps": then},
+                             step_residual=cp.StepResidual({4: {1: 1.0}}, {4: {1: 1.0}}, anchored=anchored, form="cpu"))
+    four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                                 "alpha_beta": ab})
+    base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+    fast = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof.at_speed(cp.steps_speed(then, now, 4, "n")))
+    assert fast.step_s == pytest.approx(0.5 * base.step_s, rel=1e-12)
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
+    assert dict(back["steps"]) == pytest.approx(then)
+    # stage=plan's path: a cached re-timing is reused on its basis and process count only
+    path = tmp_path / "t.yaml"
+    write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                    "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
+    bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
+    cal = SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0)
+    cached = {"sha256": file_digest(path), "epoch": __import__("time").time()}
+    (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **cp.HostSpeed(0.5, 0.5, "c", "steps", 4).to_dict()}))
+    topo = with_calibration(bare, cal)
+    assert cp.HostSpeed.from_dict(topo.device["host_speed"]) == cp.HostSpeed(0.5, 0.5, "c", "steps", 4)
+    assert "the probes' whole steps on 4 processes ran x0.500" in topo.note and "reused" in topo.note
+    from atp_pipeline.run import calibrate_compute
+
+    timed = []
+    monkeypatch.setattr(calibrate_compute, "retime_steps",
+                        lambda profile, processes: timed.append(processes) or cp.HostSpeed(0.7, 0.7, "d", "steps", 4))
+    for other in (cp.HostSpeed(0.5, 0.5, "c", "steps", 2), cp.HostSpeed(0.5, 0.6, "c")):  # another count, the kernels'
+        (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
+        assert with_calibration(bare, cal).device["host_speed"]["compute"] == 0.7
+    assert timed == [4, 4]

@@ -362,9 +362,10 @@ class CalibrationConfig:
     use: bool = True
     passes: int = 5  # interleaved timed passes per measurement (median; 3 until run 10)
     quick: bool = False  # a coarse sweep, one probe (a smoke run: tests)
-    # price predictions at the host's speed now: the calibration's reference probe timed again
-    # (~10 s), reused for ``retime_s`` seconds (``<dir>/<topology>_speed.json``); false: at the
-    # calibration's speed (the plan's notes say which)
+    # price predictions at the host's speed now: the probes' whole steps the calibration recorded
+    # timed again (~15 s; a calibration from before run 45: its kernel reference probe), reused for
+    # ``retime_s`` seconds (``<dir>/<topology>_speed.json``); false: at the calibration's speed
+    # (the plan's notes say which)
     retime: bool = True
     retime_s: float = 300.0
 

@@ -285,36 +285,103 @@ def shape_key(shape: ModelShape) -> str:
 
 
 REFERENCE_GROUPS = ("compute", "overhead")
+#: the reference's group of the probes' whole training steps: label (:func:`step_label`) -> the
+#: step's wall time at calibration (what :func:`steps_speed` reads the same steps timed again against)
+STEPS_GROUP = "steps"
+SPEED_BASES = ("kernels", "steps")
 
 
 @dataclass(frozen=True)
 class HostSpeed:
-    """How fast the host runs now against when it was calibrated: the *reference probe* (a
-    fixed synthetic set of the calibration's own kernel runners and one probe model's
-    collective-free step, :data:`atp_pipeline.run.calibrate_compute.REFERENCE`) timed again,
-    over its times recorded at calibration (:attr:`ComputeProfile.reference`). ``compute``: the
-    geometric mean of the ratio over the rate-bound kernels (GEMMs, norms, elementwise over
-    64 K elements); ``overhead``: over the per-call-bound ones (tiny kernels, the probe step of
-    a small model). :meth:`ComputeProfile.at_speed` scales the profile's kernel prices by the
-    first and its per-kernel, per-collective and backend CPU prices by the second."""
+    """How fast the host runs now against when it was calibrated, on one of two bases.
+    ``"steps"`` (since run 45, docs/step-time.md "Run 45"): the calibration's probe models' whole
+    training steps (forward, backward with collectives, optimizer, a closing barrier: what the step
+    model's residual is fitted over) timed again on ``processes`` processes, over their wall times
+    at calibration (:data:`STEPS_GROUP` of :attr:`ComputeProfile.reference`; :func:`steps_speed`),
+    one ratio for ``compute`` and ``overhead`` alike — the step's prices scale by it whole.
+    ``"kernels"`` (runs 10-44): the *reference probe* (a fixed synthetic set of the calibration's
+    own kernel runners and one probe model's collective-free step,
+    :data:`atp_pipeline.run.calibrate_compute.REFERENCE`) timed again (:func:`host_speed`):
+    ``compute`` the geometric mean of the ratio over the rate-bound kernels (GEMMs, norms,
+    elementwise over 64 K elements), ``overhead`` over the per-call-bound ones (tiny kernels, the
+    probe step of a small model) — on a host two days after its calibration it read x0.59-0.83
+    while the steps ran at their calibration's speed (run 45). :meth:`ComputeProfile.at_speed`
+    scales the profile's kernel prices by ``compute`` and its per-kernel, per-collective and
+    backend CPU prices by ``overhead``."""
 
     compute: float
     overhead: float
     measured: str = ""  # when the probe was timed again (UTC)
+    basis: str = "kernels"  # one of SPEED_BASES
+    processes: int = 0  # "steps": the process count the steps ran on
+
+    def __post_init__(self) -> None:
+        if self.basis not in SPEED_BASES or not (self.compute > 0 and self.overhead > 0):
+            raise ConfigError(f"host speed: basis '{self.basis}' (one of {', '.join(SPEED_BASES)}), "
+                              f"ratios > 0 (got {self.compute}, {self.overhead})")
 
     def describe(self) -> str:
+        if self.basis == "steps":
+            return (f"host speed re-timed {self.measured or '?'}: the probes' whole steps on {self.processes} "
+                    f"processes ran x{self.compute:.3f} their time at calibration")
         return (f"host speed re-timed {self.measured or '?'}: the reference probe ran x{self.compute:.3f} "
                 f"(kernels) and x{self.overhead:.3f} (per-call work) its time at calibration")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"compute": self.compute, "overhead": self.overhead, "measured": self.measured}
+        return {"compute": self.compute, "overhead": self.overhead, "measured": self.measured,
+                **({"basis": self.basis, "processes": self.processes} if self.basis == "steps" else {})}
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "HostSpeed":
+        """The inverse of :meth:`to_dict` (a dict without ``basis``: the kernels')."""
+        return HostSpeed(float(data["compute"]), float(data["overhead"]), str(data.get("measured", "")),
+                         str(data.get("basis", "kernels")), int(data.get("processes", 0)))
 
     def until(self, after: "HostSpeed") -> "HostSpeed":
         """The host's speed over a span this probe opened and ``after`` closed: the geometric
         mean of the two, per group (a launch bracketed by two probes; on this shared host the
         speed drifts within minutes, docs/step-time.md "Runs 42–44")."""
+        if (after.basis, after.processes) != (self.basis, self.processes):
+            raise ConfigError(f"host speed: a span between two probes of different kinds ({self.describe()}; "
+                              f"{after.describe()})")
         return HostSpeed(math.sqrt(self.compute * after.compute), math.sqrt(self.overhead * after.overhead),
-                         f"{self.measured} .. {after.measured}")
+                         f"{self.measured} .. {after.measured}", self.basis, self.processes)
+
+
+def step_label(probe: str, mesh: Mesh, chunks: int, processes: int) -> str:
+    """A probe's whole step in the reference's :data:`STEPS_GROUP`: ``"probe_gpt_s 2x1/c1 on 2"``."""
+    return f"{probe} {mesh[0]}x{mesh[1]}/c{chunks} on {processes}"
+
+
+def parse_step_label(label: str) -> Tuple[str, Mesh, int, int]:
+    """``(probe, mesh, chunks, processes)`` of a :func:`step_label`."""
+    try:
+        probe, cell, on, count = label.split(" ")
+        mesh, chunks = cell.split("/c")
+        d1, d2 = mesh.split("x")
+        if on != "on":
+            raise ValueError(label)
+        return probe, (int(d1), int(d2)), int(chunks), int(count)
+    except ValueError:
+        raise ConfigError(f"probe step label '{label}': '<probe> <d1>x<d2>/c<chunks> on <processes>'") from None
+
+
+def step_processes(recorded: Mapping[str, float]) -> List[int]:
+    """The process counts :data:`STEPS_GROUP` labels were timed on."""
+    return sorted({parse_step_label(k)[3] for k in recorded})
+
+
+def steps_speed(recorded: Mapping[str, float], now: Mapping[str, float], processes: int,
+                measured: str = "") -> HostSpeed:
+    """The probes' whole steps on ``processes`` processes now over at calibration (labels of
+    :func:`step_label`): the geometric mean of ``now[label] / recorded[label]`` over the labels
+    both have, as a :class:`HostSpeed` of basis ``"steps"``."""
+    common = sorted(k for k in set(recorded) & set(now) if parse_step_label(k)[3] == processes)
+    if not common:
+        raise ConfigError(f"host speed: no probe step on {processes} processes timed both at calibration and now "
+                          f"(calibrated on {step_processes(recorded)}; calibrate again: python train.py stage=calibrate)")
+    r = math.exp(sum(math.log(now[k] / recorded[k]) for k in common) / len(common))
+    return HostSpeed(r, r, measured, "steps", processes)
 
 
 def host_speed(recorded: Mapping[str, Mapping[str, float]], now: Mapping[str, Mapping[str, float]],
@@ -386,8 +453,9 @@ class ComputeProfile:
     # the collectives' own factor with ``P`` processes on the host (pairs' all-reduce; absent:
     # the kernels' ``contention``)
     comm_contention: Mapping[int, float] = field(default_factory=dict)
-    # the reference probe's times at calibration: group (REFERENCE_GROUPS) -> label -> a rank's
-    # CPU seconds per call (absent in profiles calibrated before run 10)
+    # the host's speed at calibration: the kernel reference probe's times, group (REFERENCE_GROUPS)
+    # -> label -> a rank's CPU seconds per call (absent in profiles calibrated before run 10), and
+    # the probes' whole steps, STEPS_GROUP -> step_label -> wall seconds (since run 45)
     reference: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # set by :meth:`at_speed`: the prices are this calibration's scaled to the host's speed now
     speed: Optional[HostSpeed] = None
@@ -406,7 +474,7 @@ class ComputeProfile:
         return None if self.step_residual is None else self.step_residual.cpu_step(processes, mesh, chunks, cpu_s)
 
     def at_speed(self, speed: HostSpeed) -> "ComputeProfile":
-        """This profile at the host's speed now (:class:`HostSpeed`, the reference probe timed again):
+        """This profile at the host's speed now (:class:`HostSpeed`, timed again where it predicts):
         every kernel price (measured points, fits; the peak throughput inversely) x ``speed.compute``;
         the framework's per-kernel and per-collective prices, the collectives' backend CPU and the
         sync term's per-collective extra x ``speed.overhead``. Ratios (contention factors, the
@@ -673,9 +741,9 @@ class ComputeProfile:
                 raise ConfigError(f"{where}.comm_contention: processes >= 2 -> finite factor > 0, got {comm_contention}")
             reference = {str(g): {str(k): float(v) * 1e-6 for k, v in dict(vals or {}).items()}
                          for g, vals in dict(data.get("reference") or {}).items()}
-            if any(g not in REFERENCE_GROUPS for g in reference) or not all(
+            if any(g not in (*REFERENCE_GROUPS, STEPS_GROUP) for g in reference) or not all(
                     v > 0 and math.isfinite(v) for vals in reference.values() for v in vals.values()):
-                raise ConfigError(f"{where}.reference: group ({', '.join(REFERENCE_GROUPS)}) -> label -> "
+                raise ConfigError(f"{where}.reference: group ({', '.join((*REFERENCE_GROUPS, STEPS_GROUP))}) -> label -> "
                                   f"microseconds > 0, got {sorted(reference)}")
             probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
                                  int(p["batch"]), int(p["seq_len"]), int(p.get("processes", 0)))
@@ -821,8 +889,8 @@ def profile_of(topo: Topology) -> Optional[ComputeProfile]:
     compute = topo.device.get("compute")
     if compute:
         prof = ComputeProfile.from_config(compute, f"topology '{topo.name}': device.compute")
-        speed = topo.device.get("host_speed")  # the reference probe re-timed (run.calibration.with_calibration)
+        speed = topo.device.get("host_speed")  # the host's speed re-timed (run.calibration.with_calibration)
         if speed:
-            prof = prof.at_speed(HostSpeed(float(speed["compute"]), float(speed["overhead"]), str(speed.get("measured", ""))))
+            prof = prof.at_speed(HostSpeed.from_dict(speed))
         return prof
     return ComputeProfile.from_spec(topo.device)

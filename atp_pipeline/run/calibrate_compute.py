@@ -77,8 +77,10 @@ import numpy as np
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
-from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, CpuStep, Framework, KindFit, Mesh,
-                                                   Probe, StepResidual, SyncFit, cell_key, shape_key)
+from atp_pipeline.planning.compute_profile import (STEPS_GROUP, CollectiveCPU, ComputeProfile, CpuStep, Framework,
+                                                   KindFit, Mesh, Probe, StepResidual, SyncFit, cell_key,
+                                                   parse_step_label, shape_key, step_label, step_processes,
+                                                   steps_speed)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
                                            Kernel)
 from atp_pipeline.planning.step_program import all_items, build_program
@@ -880,11 +882,13 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
 
 
 # ------------------------------------------------------------------------ the host's speed now
-# The reference probe: a fixed synthetic set of the calibration's own measurements, timed in a
-# launch of its own at calibration (recorded in the profile, ``reference``) and again wherever a
-# prediction is made (``stage=plan``, the step validation), so a prediction is priced at the host's
-# speed now (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`). Never a model, batch or
-# sequence length a user plans: kernels at sweep shapes and the smallest probe model's step.
+# The kernel reference probe: a fixed synthetic set of the calibration's own measurements, timed in
+# a launch of its own at calibration (recorded in the profile, ``reference``) and again by the step
+# validation's ``--retime bracket|group|once`` (and by ``stage=plan`` for a calibration from before
+# run 45), so a prediction is priced at the host's speed now
+# (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis "kernels"; since run 45 the
+# probes' whole steps are, :func:`retime_steps`). Never a model, batch or sequence length a user
+# plans: kernels at sweep shapes and the smallest probe model's step.
 REFERENCE: Dict[str, Tuple[Kernel, ...]] = {
     "compute": (Kernel(GEMM, (512, 256, 256)), Kernel(GEMM, (2048, 64, 256)), Kernel(NORM_FWD, (65536,)),
                 Kernel(NORM_BWD, (65536,)), Kernel(POINTWISE, (65536,))),  # rate-bound
@@ -930,52 +934,44 @@ def retime(profile: ComputeProfile, conf: Path = CONF) -> Any:
     return host_speed(profile.reference, now, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
-# The probe models whose whole steps are timed again before a prediction (``--retime steps`` of
-# the step validation): two of the calibration's probes, every mesh and chunk count of the
-# process count, as the calibration timed them for the step residual (:func:`_live_runner`).
+# The probe models whose whole steps are the host's speed on the steps' basis (recorded at
+# calibration, timed again before a prediction: ``stage=plan``, the step validation's ``--retime
+# steps``): two of the calibration's probes, every mesh and chunk count of the process count, as
+# the calibration timed them for the step residual (:func:`_live_runner`).
 RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
 
 
-@dataclass(frozen=True)
-class ProbeSteps:
-    """The probes' whole training steps timed again on ``processes`` (:func:`retime_steps`):
-    ``ratio`` is the geometric mean over them of measured / the profile's prediction (its step
-    residual included, fitted over the same kinds of steps at calibration: ~1 there by
-    construction); ``steps``: per step label, its measured and predicted seconds."""
-
-    processes: int
-    ratio: float
-    steps: Dict[str, Tuple[float, float]]
-    measured: str = ""  # when (UTC)
-
-    def describe(self) -> str:
-        return (f"probe steps re-timed {self.measured or '?'} on {self.processes} processes: measured "
-                f"x{self.ratio:.3f} the profile's prediction (geometric mean over {len(self.steps)} steps)")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"processes": self.processes, "ratio": self.ratio, "measured": self.measured,
-                "steps": {k: {"measured_s": m, "predicted_s": p} for k, (m, p) in self.steps.items()}}
-
-
-def retime_steps(profile: ComputeProfile, topo: Any, processes: int, conf: Path = CONF,
-                 probes: Sequence[str] = RETIME_STEP_PROBES, chunks: Sequence[int] = (1, 2),
-                 passes: int = 3, batch_ms: float = 8.0) -> ProbeSteps:
-    """Time ``probes``' whole training steps (forward, backward with collectives, optimizer, a closing
-    barrier: the calibration's own :func:`_live_runner` through :func:`measure_all`, the slowest
-    rank's wall per step) on every candidate mesh of ``processes`` and chunk count, and compare each
-    with ``profile``'s prediction of it (:func:`probe_step_predictions`, ``topo`` restricted to
-    ``processes``). Probe models only: never a model, batch or sequence length a user plans."""
+def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, passes: int = 3,
+                     batch_ms: float = 8.0) -> Dict[str, float]:
+    """``probes``' whole training steps (forward, backward with collectives, optimizer, a closing
+    barrier: :func:`_live_runner`, what the step residual is fitted over) on every candidate mesh
+    of ``processes`` and chunk count 1 and 2, in a launch of their own (:func:`measure_all`: the
+    slowest rank's wall per step, median over interleaved passes): label
+    (:func:`~atp_pipeline.planning.compute_profile.step_label`) -> seconds. The host's speed on the
+    steps' basis (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`) is these timed again
+    over these at calibration — the same call both times. Probe models only: never a model, batch
+    or sequence length a user plans."""
     if processes < 2:
-        raise ConfigError(f"retime_steps: {processes} processes (the probes' steps need >= 2 to run collectives)")
+        raise ConfigError(f"probe steps: {processes} processes (the probes' steps need >= 2 to run collectives)")
     built = compose_models(probe_entries(probes), conf)
-    shapes = [sh for sh, _ in built]
-    live = plan_points(shapes, processes, chunks)
+    live = plan_points([sh for sh, _ in built], processes, (1, 2))
     _, timed, _ = measure_all([], processes, passes, batch_ms, models=[spec for _, spec in built], live=live)
-    predicted = probe_step_predictions(profile, topo, shapes, live)
-    steps = {f"{probes[mi]} {d1}x{d2}/c{c}": (t.wall, e.step_s)
-             for (mi, d1, d2, c), t, e in zip(live, timed, predicted)}
-    ratio = math.exp(statistics.fmean(math.log(m / p) for m, p in steps.values()))
-    return ProbeSteps(processes, ratio, steps, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return {step_label(probes[mi], (d1, d2), c, processes): t.wall for (mi, d1, d2, c), t in zip(live, timed)}
+
+
+def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> Any:
+    """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
+    the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
+    count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`)."""
+    recorded = dict(profile.reference.get(STEPS_GROUP) or {})
+    if not recorded:
+        raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "
+                          f"run 45; calibrate again: python train.py stage=calibrate)")
+    counts = step_processes(recorded)
+    n = min(counts, key=lambda c: (abs(c - processes), -c))
+    probes = sorted({parse_step_label(k)[0] for k in recorded if parse_step_label(k)[3] == n})
+    now = time_probe_steps(probes, n, conf)
+    return steps_speed(recorded, now, n, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 # ------------------------------------------------------------------------ the command
@@ -1135,6 +1131,16 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     if progress is not None:
         progress("reference probe (before, after)", 2, 2)
     reference = {g: {k: math.sqrt(v * after[g][k]) for k, v in before[g].items()} for g in before}
+    # and on the steps' basis (what stage=plan times again, run 45): two probes' whole steps on each
+    # process count of the step residual, in launches of their own as they are timed again
+    steps_probes = [p for p in RETIME_STEP_PROBES if p in probe_names]
+    if steps_probes and run.world >= 2:
+        counts = [run.world] if run.quick else residual_counts(run.world)
+        reference[STEPS_GROUP] = {}
+        for i, count in enumerate(counts):
+            reference[STEPS_GROUP].update(time_probe_steps(steps_probes, count, conf, *((1, 2.0) if run.quick else ())))
+            if progress is not None:
+                progress("probe steps (the host's speed)", i + 1, len(counts))
     profile = dataclasses.replace(profile, reference=reference)
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):

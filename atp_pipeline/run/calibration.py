@@ -85,41 +85,58 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
             f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
     device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
     speed, said = host_speed_now(path, compute, getattr(calibration, "retime", False),
-                                 float(getattr(calibration, "retime_s", 0.0)))
+                                 float(getattr(calibration, "retime_s", 0.0)), topo.world_size)
     if speed is not None:
         device["host_speed"] = speed.to_dict()  # profile_of prices the calibration at it
     return dataclasses.replace(topo, levels=found.levels, alpha_beta=found.alpha_beta, device=device,
                                note="; ".join(x for x in (topo.note, note, said) if x))
 
 
-def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float) -> Tuple[Any, str]:
-    """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`:
-    its reference probe timed again, :func:`atp_pipeline.run.calibrate_compute.retime`), and the
-    plan's note on it. A re-timing of the same file (SHA-256) younger than ``max_age_s`` seconds is
-    reused (``<topology>_speed.json`` beside it). None where the profile has no reference probe (a
-    calibration older than it: priced at its calibration's speed, flagged) or ``retime`` is off."""
+def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float,
+                   processes: int = 0) -> Tuple[Any, str]:
+    """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`),
+    and the plan's note on it: the probes' whole steps the calibration recorded timed again on the
+    recorded process count nearest ``processes`` (:func:`atp_pipeline.run.calibrate_compute.retime_steps`,
+    since run 45); a calibration from before it recorded them, its reference probe's kernels
+    (:func:`atp_pipeline.run.calibrate_compute.retime`). A re-timing of the same file (SHA-256) on
+    the same basis and process count younger than ``max_age_s`` seconds is reused
+    (``<topology>_speed.json`` beside it). None where the profile has no reference (a calibration
+    older than it: priced at its calibration's speed, flagged) or ``retime`` is off."""
     import json
 
-    from atp_pipeline.planning.compute_profile import ComputeProfile, HostSpeed
+    from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile, HostSpeed, step_processes
 
-    if not compute.get("reference"):
+    reference = compute.get("reference") or {}
+    if not reference:
         return None, ("the calibration has no reference probe (calibrated before it was recorded): "
                       "predicted at the calibration's host speed, not re-timed")
     if not retime:
         return None, "calibration.retime=false: predicted at the calibration's host speed"
+    steps = dict(reference.get(STEPS_GROUP) or {})
+    basis, count = "kernels", 0
+    if steps:
+        counts = step_processes(steps)
+        basis, count = "steps", min(counts, key=lambda c: (abs(c - processes), -c))
     digest = file_digest(path)
     cache = path.with_name(f"{path.stem}_speed.json")
     try:
         got = json.loads(cache.read_text())
-        if got["sha256"] == digest and 0 <= time.time() - float(got["epoch"]) <= max_age_s:
-            speed = HostSpeed(float(got["compute"]), float(got["overhead"]), str(got["measured"]))
+        speed = HostSpeed.from_dict(got)
+        if (got["sha256"] == digest and 0 <= time.time() - float(got["epoch"]) <= max_age_s
+                and (speed.basis, speed.processes) == (basis, count)):
             return speed, f"{speed.describe()} ({cache}, reused for calibration.retime_s={max_age_s:g} s)"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
         pass
-    from atp_pipeline.run.calibrate_compute import retime as _retime
+    from atp_pipeline.run.calibrate_compute import retime as _retime, retime_steps
 
-    print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
-    speed = _retime(ComputeProfile.from_config(compute, f"{path}: device.compute"))
+    profile = ComputeProfile.from_config(compute, f"{path}: device.compute")
+    if basis == "steps":
+        print(f"timing the host's speed now against calibration {path} (the probes' whole steps on {count} "
+              f"processes, ~15 s) ...", flush=True)
+        speed = retime_steps(profile, count)
+    else:
+        print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
+        speed = _retime(profile)
     try:
         cache.write_text(json.dumps({"sha256": digest, "epoch": time.time(), **speed.to_dict()}) + "\n")
     except OSError:
