@@ -13,7 +13,7 @@ calibration's ``*_probe_steps.json``: the steps read against their own time then
 Before that, (0): one launch (``gpt2_tiny`` b4 s168, 2 processes) on the two-day-old calibration timed five times in a
 row with the kernel bracket, and once with the probes' steps (``diagnosis/run45_ab/``, code 3cbc022). After it, (2):
 over every launch of the grids, the correlation of its level (measured / predicted at the calibration's speed,
-median) with the log of each speed it was or could be priced at — the probes' steps over the four grids of runs 45-46
+median) with the log of each speed it was or could be priced at — the probes' steps over the five grids of runs 45-46
 (run 46's rows are priced at them), the kernel reference (per-call work) over the fourteen grids of runs 37-44.
 
     python docs/step_validation/diagnosis/e40.py
@@ -119,14 +119,14 @@ def tracking():
         for v in by_group(r for r in json.load(open(f"{ROOT}/{grid}"))["rows"] if r["class"] == "real").values():
             ps = v[0]["probe_steps"]
             steps.append((math.log(math.sqrt(ps["ratio"] * ps["after"]) / cal[v[0]["processes"]]), level(v)))
-    for grid in ("steps_st1.json", "steps_st2.json"):
+    for grid in ("steps_st1.json", "steps_st2.json", "steps_st3.json"):
         for v in by_group(r for r in json.load(open(f"{ROOT}/{grid}"))["rows"] if r["class"] == "real").values():
             steps.append((math.log(v[0]["host_speed"]["compute"]), level(v)))
     for tag in ("calls1", "calls2", "wait1", "wait2", "wait3", "wait4", "opt1", "opt2", *(f"br{i}" for i in range(1, 7))):
         for v in by_group(r for r in json.load(open(f"{ROOT}/steps_{tag}.json"))["rows"] if r["class"] == "real").values():
             kernels.append((math.log(v[0]["host_speed"]["overhead"]), level(v)))
     print("(2) each launch's level against the log of the speed (correlation, least-squares slope)")
-    for name, pts in (("the probes' steps, steps_sp1/sp2/st1/st2", steps),
+    for name, pts in (("the probes' steps, steps_sp1/sp2/st1/st2/st3", steps),
                       ("the kernel reference, steps_calls1-2, wait1-4, opt1-2, br1-6", kernels)):
         xs, ys = zip(*pts)
         print(f"  {name}: {len(pts)} launches, correlation {st.correlation(xs, ys):.2f}, "
