@@ -568,12 +568,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
 
-    def probe(before: str, processes: int = 0) -> Any:
+    def probe(at: str, processes: int = 0) -> Any:
         """The host's speed now (after a wait for a quiet host; ``processes``: on the steps' basis,
-        on that many, else the kernel reference probe), recorded."""
+        on that many, else the kernel reference probe), recorded with ``at`` (which launch it is before
+        or after)."""
         wait_quiet(args.quiet_wait)
         now = retime_steps(calibrated, processes, args.conf) if processes else retime(calibrated, args.conf)
-        speeds.append({"before": before, **now.to_dict()})
+        speeds.append({"at": at, **now.to_dict()})
         print(f"  {now.describe()}", flush=True)
         return now
 
@@ -591,12 +592,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.retime == "steps":
             # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
             # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
-            speed = probe(f"{shape.name} / {w} proc.", w)
+            speed = probe(f"before {shape.name} / {w} proc.", w)
         elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
             # bracket: at the mean of it and the probe after the launch, which is the next launch's)
-            speed = probe(f"{shape.name} / {w} proc.")
+            speed = probe(f"before {shape.name} / {w} proc.")
             close(speed)
         emu = emu_full.restrict(w) if emu_full is not None else None
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,

@@ -247,13 +247,15 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     profile = cp.ComputeProfile.from_config(prof.to_config())
     got = run("steps")
     assert asked == [2, 2, 2, 2]  # before and after each launch, on its process count
-    assert [m["measured"] for m in got["meta"]["host_speed"]["measured"]] == ["s0", "s1", "s2", "s3"]
+    assert [(m["at"], m["measured"]) for m in got["meta"]["host_speed"]["measured"]] == [
+        ("before tiny@2x16 / 2 proc.", "s0"), ("after tiny@2x16 / 2 proc.", "s1"),
+        ("before tiny@2x24 / 2 proc.", "s2"), ("after tiny@2x24 / 2 proc.", "s3")]
     assert all(r["host_speed"]["basis"] == "steps" and r["host_speed"]["processes"] == 2 for r in got["rows"])
     check(got, {16: steps_spoken[:2], 24: steps_spoken[2:]})
     got = run("bracket")
     measured = got["meta"]["host_speed"]["measured"]
     assert [m["measured"] for m in measured] == ["t0", "t1", "t2"]  # one probe per launch, one after the last
-    assert measured[-1]["before"] == "the end (after the last launch)"
+    assert measured[-1]["at"] == "the end (after the last launch)"
     check(got, {16: spoken[:2], 24: spoken[1:]})
     grouped = run("group")
     assert [m["measured"] for m in grouped["meta"]["host_speed"]["measured"]] == ["t0", "t1"]  # none after

@@ -371,6 +371,12 @@ def step_processes(recorded: Mapping[str, float]) -> List[int]:
     return sorted({parse_step_label(k)[3] for k in recorded})
 
 
+def steps_count(recorded: Mapping[str, float], processes: int) -> int:
+    """The recorded process count the host's speed for ``processes`` is timed on: the nearest
+    (ties: the larger)."""
+    return min(step_processes(recorded), key=lambda c: (abs(c - processes), -c))
+
+
 def steps_speed(recorded: Mapping[str, float], now: Mapping[str, float], processes: int,
                 measured: str = "") -> HostSpeed:
     """The probes' whole steps on ``processes`` processes now over at calibration (labels of

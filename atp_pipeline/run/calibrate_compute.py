@@ -79,7 +79,7 @@ from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
 from atp_pipeline.planning.compute_profile import (STEPS_GROUP, CollectiveCPU, ComputeProfile, CpuStep, Framework,
                                                    KindFit, Mesh, Probe, StepResidual, SyncFit, cell_key,
-                                                   parse_step_label, shape_key, step_label, step_processes,
+                                                   parse_step_label, shape_key, step_label, steps_count,
                                                    steps_speed)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
                                            Kernel)
@@ -967,8 +967,7 @@ def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> 
     if not recorded:
         raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "
                           f"run 45; calibrate again: python train.py stage=calibrate)")
-    counts = step_processes(recorded)
-    n = min(counts, key=lambda c: (abs(c - processes), -c))
+    n = steps_count(recorded, processes)
     probes = sorted({parse_step_label(k)[0] for k in recorded if parse_step_label(k)[3] == n})
     now = time_probe_steps(probes, n, conf)
     return steps_speed(recorded, now, n, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))

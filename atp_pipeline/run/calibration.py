@@ -104,7 +104,7 @@ def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s:
     older than it: priced at its calibration's speed, flagged) or ``retime`` is off."""
     import json
 
-    from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile, HostSpeed, step_processes
+    from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile, HostSpeed, steps_count
 
     reference = compute.get("reference") or {}
     if not reference:
@@ -113,10 +113,7 @@ def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s:
     if not retime:
         return None, "calibration.retime=false: predicted at the calibration's host speed"
     steps = dict(reference.get(STEPS_GROUP) or {})
-    basis, count = "kernels", 0
-    if steps:
-        counts = step_processes(steps)
-        basis, count = "steps", min(counts, key=lambda c: (abs(c - processes), -c))
+    basis, count = ("steps", steps_count(steps, processes)) if steps else ("kernels", 0)
     digest = file_digest(path)
     cache = path.with_name(f"{path.stem}_speed.json")
     try:
