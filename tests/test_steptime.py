@@ -954,6 +954,7 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     assert cp.parse_step_label("probe_gpt_s 2x1/c2 on 2") == ("probe_gpt_s", (2, 1), 2, 2)
     assert cp.step_label("probe_gpt_s", (2, 1), 2, 2) == "probe_gpt_s 2x1/c2 on 2"
     assert cp.step_processes(then) == [2, 4]
+    assert [cp.steps_count(then, n) for n in (1, 2, 3, 4, 8)] == [2, 2, 4, 4, 4]  # the nearest (ties: the larger)
     with pytest.raises(ConfigError, match=r"^host speed: no probe step on 8 processes timed both at calibration and now "
                                           r"\(calibrated on \[2, 4\]"):
         cp.steps_speed(then, now, 8)
