@@ -349,7 +349,7 @@ class HostSpeed:
 
 
 def step_label(probe: str, mesh: Mesh, chunks: int, processes: int) -> str:
-    """A probe's whole step in the reference's :data:`STEPS_GROUP`: ``"probe_gpt_s 2x1/c1 on 2"``."""
+    """A probe's whole step in the reference's :data:`STEPS_GROUP`: ``"<probe> 2x1/c1 on 2"``."""
     return f"{probe} {mesh[0]}x{mesh[1]}/c{chunks} on {processes}"
 
 

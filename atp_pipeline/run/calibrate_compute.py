@@ -78,7 +78,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.comm_clock import CommClock
 from atp_pipeline.planning.compute_profile import (STEPS_GROUP, CollectiveCPU, ComputeProfile, CpuStep, Framework,
-                                                   KindFit, Mesh, Probe, StepResidual, SyncFit, cell_key,
+                                                   HostSpeed, KindFit, Mesh, Probe, StepResidual, SyncFit, cell_key,
                                                    parse_step_label, shape_key, step_label, steps_count,
                                                    steps_speed)
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
@@ -838,6 +838,11 @@ def probe_records(probe_names: Sequence[str], shapes: Sequence[Any], plans: Sequ
                        d1 * d2 if with_processes else 0) for mi, d1, d2, _ in plans)
 
 
+def utc_now() -> str:
+    """Now (UTC) as a profile's ``date`` and a re-timing's ``measured`` spell it."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float], world: int,
                  shapes: Sequence[Any] = (), plans: Sequence[Plan] = (), plan_seconds: Sequence[float] = (),
                  topo: Any = None, patterns: Sequence[Pattern] = (), pattern_seconds: Sequence[float] = (),
@@ -876,8 +881,7 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
     probes = probe_records(probe_names, shapes, plans)
     return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
-                          contention=dict(contention or {}), date=_dt.datetime.now(_dt.timezone.utc).strftime(
-                              "%Y-%m-%dT%H:%M:%SZ"), probes=probes, collective_cpu=collective_cpu,
+                          contention=dict(contention or {}), date=utc_now(), probes=probes, collective_cpu=collective_cpu,
                           kernel_time=kernel_time, comm_contention=dict(comm_contention or {}))
 
 
@@ -931,7 +935,7 @@ def retime(profile: ComputeProfile, conf: Path = CONF) -> Any:
     if not profile.reference:
         return None
     now = reference_probe(profile.processes, conf)
-    return host_speed(profile.reference, now, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return host_speed(profile.reference, now, utc_now())
 
 
 # The probe models whose whole steps are the host's speed on the steps' basis (recorded at
@@ -959,7 +963,7 @@ def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, p
     return {step_label(probes[mi], (d1, d2), c, processes): t.wall for (mi, d1, d2, c), t in zip(live, timed)}
 
 
-def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> Any:
+def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> HostSpeed:
     """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
     the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
     count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`)."""
@@ -968,9 +972,9 @@ def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> 
         raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "
                           f"run 45; calibrate again: python train.py stage=calibrate)")
     n = steps_count(recorded, processes)
-    probes = sorted({parse_step_label(k)[0] for k in recorded if parse_step_label(k)[3] == n})
+    probes = sorted({probe for probe, _, _, count in map(parse_step_label, recorded) if count == n})
     now = time_probe_steps(probes, n, conf)
-    return steps_speed(recorded, now, n, _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return steps_speed(recorded, now, n, utc_now())
 
 
 # ------------------------------------------------------------------------ the command
