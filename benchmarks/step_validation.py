@@ -22,20 +22,23 @@ first ``w`` devices, :meth:`~atp_pipeline.topology.model.Topology.restrict`) × 
 each point also on that emulated interconnect (``--slowdown``;
 :mod:`atp_pipeline.parallel.emulation`), reported apart from the real (gloo) points.
 
-**Measure.** One launch of ``w`` gloo processes per model variant and process count builds
+**Measure.** A launch of ``w`` gloo processes per model variant and process count builds
 every point's parallel model from the same dense one (the family's own plan,
 :func:`atp_pipeline.parallel.apply.apply_plan`) with AdamW, as training does; a step is
 forward + backward + optimizer step between two barriers. Every point first runs
 ``--warmup`` untimed steps; then ``--repeats`` rounds interleave the points (a rotated
-order each round), each round timing ``--steps`` steps per point; a point's time is the
-median of all its timed steps (rank 0's clock between barriers).
+order each round), each round timing ``--steps`` steps per point. Each group is launched
+``--launches`` times (default 2), once per pass over the grid: one launch's own state moves a
+point by up to ±12 % against the same launch repeated (docs/step-time.md "Run 47"); a point's
+time is the median of all its timed steps in all its launches (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
 chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
 host's speed (``--retime``: by default the probe models' whole steps the calibration recorded
-are timed again on the launch's process count right before it and right after it, and the
-launch is priced at the geometric mean of the two speeds, as ``stage=plan`` prices a plan at
-them (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); every row
+are timed again on the launch's process count right before it and right after it — the probe
+after one launch is the next one's before, on the same count — and a group is priced at the
+geometric mean of its launches' speeds, each the mean of the two around it, as ``stage=plan``
+prices a plan at them (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); every row
 also carries the prediction at the calibration's own speed). The
 other jobs' load on the host while a point was measured (the mean over its launch's kept
 rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
@@ -399,6 +402,20 @@ def _write(out: Path, tag: str, rows: List[Dict[str, Any]], meta: Dict[str, Any]
         wr.writerows(rows)
 
 
+def merge_launches(launches: Sequence[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """One group's launches (each: per rank, the worker's result) as one: per rank, every point's
+    timed steps, waits and CPU of all launches together, and the other jobs' load in all their rounds."""
+    out = []
+    for per_rank in zip(*launches):
+        merged: Dict[str, Any] = {k: {} for k in ("times", "waits", "cpus")}
+        for got in per_rank:
+            for k in merged:
+                for key, vals in got[k].items():
+                    merged[k].setdefault(key, []).extend(vals)
+        out.append({**merged, "foreign": [f for got in per_rank for f in got["foreign"]]})
+    return out
+
+
 def parse_variants(text: str) -> List[Tuple[int, int]]:
     from atp_pipeline.errors import ConfigError
 
@@ -443,6 +460,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--launches", type=int, default=2,
+                   help="launches per model variant and process count, a pass over the grid each; a point's time "
+                        "is the median of its steps in all of them (one launch's own state moves a point by up to "
+                        "+-12 %%: docs/step-time.md)")
     p.add_argument("--retime", default="steps", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
                         "recorded timed again on each launch's process count before it and after it, at the mean "
@@ -470,7 +491,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
-    from atp_pipeline.planning.compute_profile import STEPS_GROUP, profile_of
+    from atp_pipeline.planning.compute_profile import STEPS_GROUP, HostSpeed, profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
     from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime, retime_steps
     from atp_pipeline.run.hostload import wait_quiet
@@ -497,8 +518,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
         built = compose_models(entries, args.conf)
         emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
-        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or not args.slowdown > 0 or not args.quiet_wait >= 0:
-            raise ConfigError("step_validation: --steps, --repeats >= 1, --warmup >= 0, --slowdown > 0, "
+        if (args.steps < 1 or args.repeats < 1 or args.launches < 1 or args.warmup < 0 or not args.slowdown > 0
+                or not args.quiet_wait >= 0):
+            raise ConfigError("step_validation: --steps, --repeats, --launches >= 1, --warmup >= 0, --slowdown > 0, "
                               "--quiet-wait >= 0")
         plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
         refused: List[str] = []
@@ -530,18 +552,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     speed = None
     bracket = args.retime == "bracket" and bool(calibrated.reference)  # kernels: the probe after a launch is the next one's
     pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
+    latest: Optional[Any] = None  # --retime steps: the last probe, while no launch ran after it
+    launched: Dict[str, List[Tuple[List[Dict[str, Any]], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
 
-    def finish(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
-        """The launch's rows: every point predicted at the host speed ``priced`` (None: the
-        calibration's own; ``around``: the two probes it is the mean of) beside its measurement; the
-        partial report written (it survives a crash)."""
-        shape, w, points, got, ranks, emu = (launch[k] for k in ("shape", "w", "points", "got", "ranks", "emu"))
+    def settle(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
+        """A launch measured and priced (``priced``: the host speed, None for the calibration's own;
+        ``around``: the probes it is the mean of); its group's rows once all its launches are."""
+        done = launched.setdefault(launch["shape"].name + f" / {launch['w']}", [])
+        done.append((launch["ranks"], priced, tuple(around)))
+        if len(done) == args.launches:
+            speeds_in = [sp for _, sp, _ in done]
+            finish(launch, [r for r, _, _ in done],
+                   None if any(sp is None for sp in speeds_in) else HostSpeed.over(speeds_in),
+                   [a for _, _, ar in done for a in ar])
+
+    def finish(launch: Dict[str, Any], each: List[List[Dict[str, Any]]], priced: Any, around: Sequence[Any] = ()) -> None:
+        """A group's rows from its launches' measurements pooled (``each``: per launch, per rank):
+        every point predicted at the host speed ``priced`` (None: the calibration's own; ``around``:
+        the probes it is the mean of) beside its measurement; the partial report written (it
+        survives a crash)."""
+        shape, w, points, emu = (launch[k] for k in ("shape", "w", "points", "emu"))
+        ranks = merge_launches(each)
+        got = ranks[0]
         at = calibrated if priced is None else calibrated.at_speed(priced)
         sub = topo.restrict(w)
         times, waits = got["times"], got["waits"]
         variant = f"b{shape.batch_size} s{shape.seq_len}"
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-        record = None if priced is None else {**priced.to_dict(),
+        record = None if priced is None else {**priced.to_dict(), "launches": args.launches,
                                               **({"bracket": [s.to_dict() for s in around]} if around else {})}
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
@@ -559,7 +597,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "in_sample": why, "group": f"{launch['model']} {variant} / {w} proc. / {inter}",
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
-                         "samples": len(times[key]), "measured_comm_wait_s": statistics.median(waits[key]),
+                         "samples": len(times[key]), "launches": args.launches,
+                         "measured_per_launch_s": [statistics.median(one[0]["times"][key]) for one in each], "measured_comm_wait_s": statistics.median(waits[key]),
                          # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
@@ -573,7 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         on that many, else the kernel reference probe), recorded with ``at`` (which launch it is before
         or after)."""
         wait_quiet(args.quiet_wait)
-        now = retime_steps(calibrated, processes, args.conf) if processes else retime(calibrated, args.conf)
+        now = retime_steps(calibrated, processes, topo, args.conf) if processes else retime(calibrated, args.conf)
         speeds.append({"at": at, **now.to_dict()})
         print(f"  {now.describe()}", flush=True)
         return now
@@ -583,43 +622,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         nonlocal pending
         if pending is not None:
             launch, opened = pending
-            finish(launch, opened.until(now), (opened, now))
+            settle(launch, opened.until(now), (opened, now))
             pending = None
 
-    for model, shape, spec, w, points in plan:
-        if not points:
-            continue
+    # every group once per pass, --launches passes (a group's launches minutes apart); within a pass
+    # the launches of one process count one after another, a probe after one the next one's before
+    order = [g for _ in range(args.launches) for g in sorted((g for g in plan if g[4]), key=lambda g: -g[3])]
+    for n, (model, shape, spec, w, points) in enumerate(order):
+        tag = f"{shape.name} / {w} proc." + (f" (launch {n // (len(order) // args.launches) + 1})"
+                                              if args.launches > 1 else "")
         if args.retime == "steps":
             # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
             # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
-            speed = probe(f"before {shape.name} / {w} proc.", w)
+            speed = latest if latest is not None and latest.processes == w else probe(f"before {tag}", w)
         elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
             # bracket: at the mean of it and the probe after the launch, which is the next launch's)
-            speed = probe(f"before {shape.name} / {w} proc.")
+            speed = probe(f"before {tag}")
             close(speed)
         emu = emu_full.restrict(w) if emu_full is not None else None
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-        print(f"{shape.name}: measuring {len(points)} points on {w} processes ...", flush=True)
+        print(f"{tag}: measuring {len(points)} points on {w} processes ...", flush=True)
         wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
         foreign_load.append({"model": shape.name, "processes": w, "rounds": ranks[0]["foreign"]})
-        launch = {"model": model, "shape": shape, "w": w, "points": points, "got": ranks[0], "ranks": ranks,
-                  "emu": emu}
+        launch = {"model": model, "shape": shape, "w": w, "points": points, "ranks": ranks, "emu": emu}
         if bracket:
             pending = (launch, speed)
         elif args.retime == "steps":
-            after = probe(f"after {shape.name} / {w} proc.", w)
-            finish(launch, speed.until(after), (speed, after))
+            latest = probe(f"after {tag}", w)
+            settle(launch, speed.until(latest), (speed, latest))
         else:
-            finish(launch, speed)
+            settle(launch, speed)
     if pending is not None:
         close(probe("the end (after the last launch)"))
     retimed = ("--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
-               "process count before it and after it, every launch's points priced at the geometric mean of the "
-               "two speeds (rows: host_speed, its bracket)" if args.retime == "steps" else
+               "process count before it and after it, over the calibrated model's time for them, every group's "
+               "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
+               "(rows: host_speed, its bracket)" if args.retime == "steps" else
                f"--retime {args.retime}: the calibration's reference probe timed again "
                + {"bracket": "before each launch and after the last, every launch's points priced at the "
                              "geometric mean of the speeds of the probes before and after it (rows: host_speed, "
@@ -636,7 +678,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "load_average": {"start": load_start, "end": _loadavg()},
             "foreign_load_cores": foreign_load,  # other jobs' CPU during each kept round (hostload)
             "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "wall_s": time.perf_counter() - t0,
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launches": args.launches,
+            "wall_s": time.perf_counter() - t0,
             "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
     report(rows, meta, Path(args.out), args.tag)
     print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "

@@ -17,9 +17,10 @@ from atp_pipeline.planning.shape import ModelShape
 from .conftest import CONF
 
 
-def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose_cfg, tmp_path, capsys):
+def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose_cfg, tmp_path, capsys, monkeypatch):
     """A quick calibration of a 2-process 'local' (its own levels), found by the plan by the
-    topology's name; a file for other levels is named and not used."""
+    topology's name; a file for other levels is named and not used. The host's speed is the
+    probes' steps now over the calibrated model's time for them (run 47), exactly."""
     from atp_pipeline.run import run
     from atp_pipeline.run.resolve import plan_from_config
 
@@ -61,6 +62,17 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert any("is for levels (('process', 2),)" in n and "not used" in n for n in other.notes)
     off = plan_from_config(compose_cfg(*two, "calibration.use=false", "model=tiny"))
     assert off.objective.value == "comm"
+    from atp_pipeline.run import calibrate_compute as cc
+    from atp_pipeline.topology.model import Topology
+
+    topo = Topology.from_config(__import__("yaml").safe_load(path.read_text()))
+    labels = sorted(prof.reference["steps"])
+    shape = cc.compose_models(cc.probe_entries(["probe_gpt_s"]), cc.CONF)[0][0]
+    model = {label: est.step_s for label, est in zip(labels, cc.probe_step_predictions(
+        prof, topo, [shape], [(0, *cp.parse_step_label(label)[1], cp.parse_step_label(label)[2]) for label in labels]))}
+    monkeypatch.setattr(cc, "time_probe_steps", lambda probes, n, conf: {k: 1.25 * v for k, v in model.items()})
+    assert cc.retime_steps(prof, 4, topo).compute == pytest.approx(1.25)  # 2 recorded: the nearest count
+    assert model != prof.reference["steps"]  # not the steps' own wall times at calibration
 
 
 def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
@@ -142,7 +154,7 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
 
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     """``--retime steps`` (the default) is refused at one process (its probes run collectives) and
-    on a calibration that recorded no probe steps, any other mode is refused, each in one line
+    on a calibration that recorded no probe steps, any other mode is refused, and no launch a group, each in one line
     (exit 2); the summary's correlation of the groups' re-timed probe ratio (diagnosis rows of runs
     15 and 45) with their measured/predicted is Pearson's over the groups that have one."""
     import statistics
@@ -158,7 +170,8 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, bracket, group, once, off"),
                         (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
                         (["--worlds", "2"], "--retime steps: calibration " + str(tmp_path / "cal4.yaml")
-                         + " recorded no probe steps (calibrated before run 45)")):
+                         + " recorded no probe steps (calibrated before run 45)"),
+                        (["--retime", "off", "--worlds", "2", "--launches", "0"], "--steps, --repeats, --launches >= 1")):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
@@ -175,12 +188,15 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
 
 def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_path, monkeypatch):
     """``--retime steps`` (the default) times the probes' whole steps on a launch's process count
-    right before it and right after it and prices its points at the geometric mean of the two
-    speeds (:meth:`HostSpeed.until`); ``--retime bracket`` the kernel reference probe before each
-    launch and once after the last, a launch at the mean of the probes around it — what
-    ``stage=plan`` predicts at that speed; ``--retime group`` at the probe before. Launches and
-    probes are stand-ins here (the measuring form runs in tests/test_docs_commands.py); the
-    bookkeeping is what is checked."""
+    right before it and right after it (the probe after one launch the next one's before, on the
+    same count) and prices its points at the geometric mean of the two speeds
+    (:meth:`HostSpeed.until`); ``--retime bracket`` the kernel reference probe before each launch
+    and once after the last, a launch at the mean of the probes around it — what ``stage=plan``
+    predicts at that speed; ``--retime group`` at the probe before. With ``--launches 2`` (the
+    default) each group is launched once per pass over the grid, its points' steps pooled and
+    priced at the mean of its launches' speeds (:meth:`HostSpeed.over`). Launches and probes are
+    stand-ins here (the measuring form runs in tests/test_docs_commands.py); the bookkeeping is what
+    is checked."""
     import math
 
     from atp_pipeline import launch
@@ -198,45 +214,49 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     write_topology(cfg, tmp_path / "cal4.yaml")
     spoken = [cp.HostSpeed(1.0, 1.0, "t0"), cp.HostSpeed(1.21, 1.44, "t1"), cp.HostSpeed(0.81, 1.0, "t2")]
 
-    steps_spoken = [cp.HostSpeed(r, r, f"s{i}", "steps", 2) for i, r in enumerate((0.9, 1.1, 1.2, 0.8))]
+    steps_spoken = [cp.HostSpeed(r, r, f"s{i}", "steps", 2) for i, r in enumerate((0.9, 1.1, 1.2, 0.8, 1.0))]
     asked = []
+    launches = []
 
-    def run(mode: str) -> dict:
+    def run(mode: str, n: int = 1) -> dict:
         probes, step_probes = iter(spoken), iter(steps_spoken)
         monkeypatch.setattr(calibrate_compute, "retime", lambda profile, conf: next(probes))
 
-        def retime_steps(profile, processes, conf):
+        def retime_steps(profile, processes, topo, conf):
             asked.append(processes)
             return next(step_probes)
         monkeypatch.setattr(calibrate_compute, "retime_steps", retime_steps)
 
-        def spawn(fn, w, spec, timeout):  # every point 10 ms; the worker's result layout
+        def spawn(fn, w, spec, timeout):  # every point 10 ms (20 ms in a group's 2nd launch); the worker's layout
             keys = [json.dumps(list(p)) for p in spec["points"]]
-            got = {"times": {k: [0.01] for k in keys}, "waits": {k: [0.001] for k in keys},
+            launches.append(spec["seq_len"])
+            t = 0.01 * launches.count(spec["seq_len"])
+            got = {"times": {k: [t] for k in keys}, "waits": {k: [0.001] for k in keys},
                    "cpus": {k: [0.005] for k in keys}, "foreign": [0.0]}
             return [got] * w
         monkeypatch.setattr(launch, "spawn", spawn)
         out = tmp_path / mode
         assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16,2x24",
                         "--worlds", "2", "--chunks", "1", "--quiet-wait", "0", "--retime", mode,
-                        "--out", str(out), "--tag", "t"]) == 0
+                        "--launches", str(n), "--out", str(out), "--tag", "t"]) == 0
         return json.loads((out / "t.json").read_text())
 
     def check(got: dict, around: dict) -> None:
-        """Every row priced at the mean of its launch's two speeds (``around``: seq -> (before, after))."""
+        """Every row priced at the mean of its launches' speeds (``around``: seq -> the probes
+        before and after each of its launches)."""
         by_launch = {}
         for r in got["rows"]:
             by_launch.setdefault(r["seq_len"], []).append(r)
         assert sorted(by_launch) == [16, 24] and all(len(rs) == 2 for rs in by_launch.values())  # 2x1 and 1x2
-        for seq, (before, after) in around.items():
-            want = before.until(after)
-            assert want.compute == pytest.approx(math.sqrt(before.compute * after.compute))
+        for seq, probes in around.items():
+            want = cp.HostSpeed.over([b.until(a) for b, a in zip(probes[::2], probes[1::2])])
+            assert want.compute == pytest.approx(math.prod(p.compute for p in probes) ** (1 / len(probes)))
             shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
                                                      CONF)[0][0]
             for r in by_launch[seq]:
                 hs = r["host_speed"]
                 assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
-                assert [b["measured"] for b in hs["bracket"]] == [before.measured, after.measured]
+                assert [b["measured"] for b in hs["bracket"]] == [p.measured for p in probes]
                 d1, d2 = (int(x) for x in r["mesh"].split("x"))
                 est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
                 assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
@@ -246,12 +266,21 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     topo = Topology.from_config(cfg).restrict(2)
     profile = cp.ComputeProfile.from_config(prof.to_config())
     got = run("steps")
-    assert asked == [2, 2, 2, 2]  # before and after each launch, on its process count
+    assert asked == [2, 2, 2]  # before the first launch and after each, on its process count
     assert [(m["at"], m["measured"]) for m in got["meta"]["host_speed"]["measured"]] == [
-        ("before tiny@2x16 / 2 proc.", "s0"), ("after tiny@2x16 / 2 proc.", "s1"),
-        ("before tiny@2x24 / 2 proc.", "s2"), ("after tiny@2x24 / 2 proc.", "s3")]
+        ("before tiny@2x16 / 2 proc.", "s0"), ("after tiny@2x16 / 2 proc.", "s1"), ("after tiny@2x24 / 2 proc.", "s2")]
     assert all(r["host_speed"]["basis"] == "steps" and r["host_speed"]["processes"] == 2 for r in got["rows"])
-    check(got, {16: steps_spoken[:2], 24: steps_spoken[2:]})
+    check(got, {16: steps_spoken[:2], 24: steps_spoken[1:3]})
+    # two launches a group, one pass over the grid each: 2x16, 2x24, 2x16, 2x24; the steps pooled
+    asked.clear(), launches.clear()
+    got = run("steps", 2)
+    assert launches == [16, 24, 16, 24] and asked == [2] * 5
+    assert [m["at"] for m in got["meta"]["host_speed"]["measured"]][-1] == "after tiny@2x24 / 2 proc. (launch 2)"
+    s0, s1, s2, s3, s4 = steps_spoken
+    check(got, {16: [s0, s1, s2, s3], 24: [s1, s2, s3, s4]})
+    assert all(r["measured_s"] == pytest.approx(0.015) and r["samples"] == 2 and r["launches"] == 2
+               and r["measured_per_launch_s"] == pytest.approx([0.01, 0.02])
+               and r["host_speed"]["launches"] == 2 for r in got["rows"])  # the median of 10 and 20 ms
     got = run("bracket")
     measured = got["meta"]["host_speed"]["measured"]
     assert [m["measured"] for m in measured] == ["t0", "t1", "t2"]  # one probe per launch, one after the last

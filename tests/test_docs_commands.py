@@ -453,6 +453,7 @@ def _step_validation(t: str) -> Tuple[str, str]:
                    "nothing measured (docs/step-time.md's command runs the measuring form)")
     t = set_opt(set_opt(set_opt(t, "--models", "gpt2_tiny"), "--variants", "2x32"), "--worlds", "2")
     t = set_opt(set_opt(set_opt(set_opt(t, "--chunks", "1"), "--steps", "1"), "--warmup", "0"), "--repeats", "1")
+    t = set_opt(t, "--launches", "1")
     t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/step_validation")  # never over the committed run in docs/
     # a committed calibration (stage=calibrate is planned here): a YAML that carries its own
     # calibration makes --calibration-dir moot, and the tag only names the output files, so the
@@ -460,7 +461,7 @@ def _step_validation(t: str) -> Tuple[str, str]:
     # records the probes' steps the default --retime steps times again around the launch
     t = set_opt(drop_opt(t, "--calibration-dir"), "--topology", "docs/step_validation/local_st1.yaml")
     t = set_opt(set_opt(t, "--tag", "steps"), "--quiet-wait", "0")  # the suite's other worker never lets the host go quiet
-    return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, "
+    return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, one launch, "
                "from the committed calibration docs/step_validation/local_st1.yaml (the probes' steps timed again "
                "before and after the launch), no wait for a quiet host")
 

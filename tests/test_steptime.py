@@ -948,7 +948,7 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     assert (two.basis, two.processes, two.measured) == ("steps", 2, "t")
     assert cp.steps_speed(then, now, 4).compute == pytest.approx(0.5)  # q not timed again: p's alone
     assert two.describe() == f"host speed re-timed t: the probes' whole steps on 2 processes ran x{two.compute:.3f} " \
-                             "their time at calibration"
+                             "the calibrated model's time for them"
     assert cp.HostSpeed.from_dict(two.to_dict()) == two
     assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # kernels' (runs 10-44)
     assert cp.parse_step_label("probe_gpt_s 2x1/c2 on 2") == ("probe_gpt_s", (2, 1), 2, 2)
@@ -966,6 +966,12 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
         cp.HostSpeed(1.0, 1.0, basis="wall")
     span = two.until(cp.steps_speed(then, {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02}, 2, "t2"))
     assert span.compute == pytest.approx(math.sqrt(two.compute)) and (span.basis, span.processes) == ("steps", 2)
+    # a point measured in several launches: the launches' speeds' geometric mean, first start to last end
+    spans = [cp.HostSpeed(r, r, f"t{2 * i} .. t{2 * i + 1}", "steps", 2) for i, r in enumerate((0.8, 1.25, 1.0))]
+    over = cp.HostSpeed.over(spans)
+    assert over.compute == pytest.approx(1.0) and over.measured == "t0 .. t5" and over.processes == 2
+    with pytest.raises(ConfigError, match="a span between two probes of different kinds"):
+        cp.HostSpeed.over([*spans, cp.HostSpeed(1.0, 1.0, "t6", "steps", 4)])
     # the step of the CPU form x the ratio, exactly
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     anchored = cp.CpuStep({4: {"2x2/c1": 2.0}}, {4: {1: (1.1, 1e-3)}}, {4: {"2x2/c1": 2e-3}})
@@ -996,7 +1002,7 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
 
     timed = []
     monkeypatch.setattr(calibrate_compute, "retime_steps",
-                        lambda profile, processes: timed.append(processes) or cp.HostSpeed(0.7, 0.7, "d", "steps", 4))
+                        lambda profile, processes, topo: timed.append(processes) or cp.HostSpeed(0.7, 0.7, "d", "steps", 4))
     for other in (cp.HostSpeed(0.5, 0.5, "c", "steps", 2), cp.HostSpeed(0.5, 0.6, "c")):  # another count, the kernels'
         (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
         assert with_calibration(bare, cal).device["host_speed"]["compute"] == 0.7

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD,
@@ -286,7 +286,8 @@ def shape_key(shape: ModelShape) -> str:
 
 REFERENCE_GROUPS = ("compute", "overhead")
 #: the reference's group of the probes' whole training steps: label (:func:`step_label`) -> the
-#: step's wall time at calibration (what :func:`steps_speed` reads the same steps timed again against)
+#: step's wall time at calibration (in one launch of their own); which steps the host's speed times
+#: again, against the calibrated model's time for them (:func:`steps_speed`, since run 47)
 STEPS_GROUP = "steps"
 SPEED_BASES = ("kernels", "steps")
 
@@ -296,9 +297,10 @@ class HostSpeed:
     """How fast the host runs now against when it was calibrated, on one of two bases.
     ``"steps"`` (since run 45, docs/step-time.md "Run 45"): the calibration's probe models' whole
     training steps (forward, backward with collectives, optimizer, a closing barrier: what the step
-    model's residual is fitted over) timed again on ``processes`` processes, over their wall times
-    at calibration (:data:`STEPS_GROUP` of :attr:`ComputeProfile.reference`; :func:`steps_speed`),
-    one ratio for ``compute`` and ``overhead`` alike — the step's prices scale by it whole.
+    model's residual is fitted over; the ones :data:`STEPS_GROUP` of :attr:`ComputeProfile.reference`
+    names) timed again on ``processes`` processes, over the calibrated step model's time for them
+    (since run 47; runs 45-46: over their wall times in one launch at calibration), one ratio for
+    ``compute`` and ``overhead`` alike — the step's prices scale by it whole (:func:`steps_speed`).
     ``"kernels"`` (runs 10-44): the *reference probe* (a fixed synthetic set of the calibration's
     own kernel runners and one probe model's collective-free step,
     :data:`atp_pipeline.run.calibrate_compute.REFERENCE`) timed again (:func:`host_speed`):
@@ -323,7 +325,7 @@ class HostSpeed:
     def describe(self) -> str:
         if self.basis == "steps":
             return (f"host speed re-timed {self.measured or '?'}: the probes' whole steps on {self.processes} "
-                    f"processes ran x{self.compute:.3f} their time at calibration")
+                    f"processes ran x{self.compute:.3f} the calibrated model's time for them")
         return (f"host speed re-timed {self.measured or '?'}: the reference probe ran x{self.compute:.3f} "
                 f"(kernels) and x{self.overhead:.3f} (per-call work) its time at calibration")
 
@@ -341,11 +343,23 @@ class HostSpeed:
         """The host's speed over a span this probe opened and ``after`` closed: the geometric
         mean of the two, per group (a launch bracketed by two probes; on this shared host the
         speed drifts within minutes, docs/step-time.md "Runs 42–44")."""
-        if (after.basis, after.processes) != (self.basis, self.processes):
-            raise ConfigError(f"host speed: a span between two probes of different kinds ({self.describe()}; "
-                              f"{after.describe()})")
-        return HostSpeed(math.sqrt(self.compute * after.compute), math.sqrt(self.overhead * after.overhead),
-                         f"{self.measured} .. {after.measured}", self.basis, self.processes)
+        return HostSpeed.over([self, after])
+
+    @staticmethod
+    def over(speeds: Sequence["HostSpeed"]) -> "HostSpeed":
+        """The host's speed over the spans ``speeds`` were timed across (in time order; the probes
+        around one launch, or each launch's speed where a point is measured in several): the
+        geometric mean per group, measured from the first one's start to the last one's end."""
+        first, last = speeds[0], speeds[-1]
+        if len(speeds) == 1:
+            return first
+        if any((s.basis, s.processes) != (first.basis, first.processes) for s in speeds):
+            raise ConfigError(f"host speed: a span between two probes of different kinds "
+                              f"({'; '.join(s.describe() for s in speeds)})")
+        mean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
+        return HostSpeed(mean([s.compute for s in speeds]), mean([s.overhead for s in speeds]),
+                         f"{first.measured.split(' .. ')[0]} .. {last.measured.split(' .. ')[-1]}",
+                         first.basis, first.processes)
 
 
 def step_label(probe: str, mesh: Mesh, chunks: int, processes: int) -> str:
@@ -377,16 +391,17 @@ def steps_count(recorded: Mapping[str, float], processes: int) -> int:
     return min(step_processes(recorded), key=lambda c: (abs(c - processes), -c))
 
 
-def steps_speed(recorded: Mapping[str, float], now: Mapping[str, float], processes: int,
+def steps_speed(then: Mapping[str, float], now: Mapping[str, float], processes: int,
                 measured: str = "") -> HostSpeed:
-    """The probes' whole steps on ``processes`` processes now over at calibration (labels of
-    :func:`step_label`): the geometric mean of ``now[label] / recorded[label]`` over the labels
-    both have, as a :class:`HostSpeed` of basis ``"steps"``."""
-    common = sorted(k for k in set(recorded) & set(now) if parse_step_label(k)[3] == processes)
+    """The probes' whole steps on ``processes`` processes now over ``then`` (labels of
+    :func:`step_label`; the calibrated step model's time for them since run 47,
+    :func:`atp_pipeline.run.calibrate_compute.retime_steps`): the geometric mean of
+    ``now[label] / then[label]`` over the labels both have, as a :class:`HostSpeed` of basis ``"steps"``."""
+    common = sorted(k for k in set(then) & set(now) if parse_step_label(k)[3] == processes)
     if not common:
         raise ConfigError(f"host speed: no probe step on {processes} processes timed both at calibration and now "
-                          f"(calibrated on {step_processes(recorded)}; calibrate again: python train.py stage=calibrate)")
-    r = math.exp(sum(math.log(now[k] / recorded[k]) for k in common) / len(common))
+                          f"(calibrated on {step_processes(then)}; calibrate again: python train.py stage=calibrate)")
+    r = math.exp(sum(math.log(now[k] / then[k]) for k in common) / len(common))
     return HostSpeed(r, r, measured, "steps", processes)
 
 

@@ -963,18 +963,28 @@ def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, p
     return {step_label(probes[mi], (d1, d2), c, processes): t.wall for (mi, d1, d2, c), t in zip(live, timed)}
 
 
-def retime_steps(profile: ComputeProfile, processes: int, conf: Path = CONF) -> HostSpeed:
+def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path = CONF) -> HostSpeed:
     """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
     the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
-    count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`)."""
+    count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`), over the
+    calibrated step model's own time for them (:func:`probe_step_predictions` on ``topo``, the
+    calibration's topology, at the calibration's speed). The model was fitted to these probes'
+    steps interleaved through the calibration's main launch, so the ratio carries the host's speed
+    now against the calibration's whole launch, not against the one short launch that recorded the
+    steps: that launch's own level read x0.84-1.39 the model's (runs 46-47, docs/step-time.md "Run 47")."""
     recorded = dict(profile.reference.get(STEPS_GROUP) or {})
     if not recorded:
         raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "
                           f"run 45; calibrate again: python train.py stage=calibrate)")
     n = steps_count(recorded, processes)
-    probes = sorted({probe for probe, _, _, count in map(parse_step_label, recorded) if count == n})
+    cells = [(label, *parse_step_label(label)) for label in sorted(recorded)]
+    cells = [c for c in cells if c[4] == n]
+    probes = sorted({probe for _, probe, _, _, _ in cells})
+    shapes = [shape for shape, _ in compose_models(probe_entries(probes), conf)]
+    model = probe_step_predictions(profile, topo, shapes,
+                                   [(probes.index(probe), mesh[0], mesh[1], c) for _, probe, mesh, c, _ in cells])
     now = time_probe_steps(probes, n, conf)
-    return steps_speed(recorded, now, n, utc_now())
+    return steps_speed({label: est.step_s for (label, *_), est in zip(cells, model)}, now, n, utc_now())
 
 
 # ------------------------------------------------------------------------ the command

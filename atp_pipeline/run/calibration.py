@@ -85,7 +85,7 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
             f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
     device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
     speed, said = host_speed_now(path, compute, getattr(calibration, "retime", False),
-                                 float(getattr(calibration, "retime_s", 0.0)), topo.world_size)
+                                 float(getattr(calibration, "retime_s", 0.0)), topo.world_size, found)
     if speed is not None:
         device["host_speed"] = speed.to_dict()  # profile_of prices the calibration at it
     return dataclasses.replace(topo, levels=found.levels, alpha_beta=found.alpha_beta, device=device,
@@ -93,10 +93,11 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
 
 
 def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float,
-                   processes: int = 0) -> Tuple[Any, str]:
+                   processes: int = 0, calibrated: Optional[Topology] = None) -> Tuple[Any, str]:
     """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`),
     and the plan's note on it: the probes' whole steps the calibration recorded timed again on the
-    recorded process count nearest ``processes`` (:func:`atp_pipeline.run.calibrate_compute.retime_steps`,
+    recorded process count nearest ``processes``, over the calibrated model's time for them on
+    ``calibrated`` (the file's topology; :func:`atp_pipeline.run.calibrate_compute.retime_steps`,
     since run 45); a calibration from before it recorded them, its reference probe's kernels
     (:func:`atp_pipeline.run.calibrate_compute.retime`). A re-timing of the same file (SHA-256) on
     the same basis and process count younger than ``max_age_s`` seconds is reused
@@ -130,7 +131,11 @@ def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s:
     if basis == "steps":
         print(f"timing the host's speed now against calibration {path} (the probes' whole steps on {count} "
               f"processes, ~15 s) ...", flush=True)
-        speed = retime_steps(profile, count)
+        if calibrated is None:
+            import yaml
+
+            calibrated = Topology.from_config(yaml.safe_load(path.read_text()))
+        speed = retime_steps(profile, count, calibrated)
     else:
         print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
         speed = _retime(profile)
