@@ -29,13 +29,14 @@ forward + backward + optimizer step between two barriers. Every point first runs
 ``--warmup`` untimed steps; then ``--repeats`` rounds interleave the points (a rotated
 order each round), each round timing ``--steps`` steps per point. Each group is launched
 ``--launches`` times (default 2), once per pass over the grid: one launch's own state moves a
-point by up to ±12 % against the same launch repeated (docs/step-time.md "Run 47"); a point's
+point by 0.13 in log (sd) against the same launch repeated (docs/step-time.md "Runs 47–49"); a point's
 time is the median of all its timed steps in all its launches (rank 0's clock between barriers).
 
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
 chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
 host's speed (``--retime``: by default the probe models' whole steps the calibration recorded
-are timed again on the launch's process count right before it and right after it — the probe
+are timed again, over the calibrated model's time for them, on the launch's process count right
+before it and right after it — the probe
 after one launch is the next one's before, on the same count — and a group is priced at the
 geometric mean of its launches' speeds, each the mean of the two around it, as ``stage=plan``
 prices a plan at them (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); every row
@@ -462,12 +463,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--launches", type=int, default=2,
                    help="launches per model variant and process count, a pass over the grid each; a point's time "
-                        "is the median of its steps in all of them (one launch's own state moves a point by up to "
-                        "+-12 %%: docs/step-time.md)")
+                        "is the median of its steps in all of them (one launch's own state moves a point by 0.13 "
+                        "in log: docs/step-time.md \"Runs 47-49\")")
     p.add_argument("--retime", default="steps", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
-                        "recorded timed again on each launch's process count before it and after it, at the mean "
-                        "of the two (steps, stage=plan's basis); or the calibration's kernel reference probe timed "
+                        "recorded timed again on each launch's process count before it and after it, over the "
+                        "calibrated model's time for them, at the mean of the two (steps, stage=plan's basis); or "
+                        "the calibration's kernel reference probe timed "
                         "again before each launch and after the last, at the mean of the speeds around a launch "
                         "(bracket), before each launch (group), once before the grid (once); or never (off)")
     p.add_argument("--quiet-wait", type=float, default=30.0,
@@ -598,7 +600,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
                          "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
                          "samples": len(times[key]), "launches": args.launches,
-                         "measured_per_launch_s": [statistics.median(one[0]["times"][key]) for one in each], "measured_comm_wait_s": statistics.median(waits[key]),
+                         "measured_per_launch_s": [statistics.median(one[0]["times"][key]) for one in each],
+                         "measured_comm_wait_s": statistics.median(waits[key]),
                          # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),

@@ -971,7 +971,7 @@ def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path 
     calibration's topology, at the calibration's speed). The model was fitted to these probes'
     steps interleaved through the calibration's main launch, so the ratio carries the host's speed
     now against the calibration's whole launch, not against the one short launch that recorded the
-    steps: that launch's own level read x0.84-1.39 the model's (runs 46-47, docs/step-time.md "Run 47")."""
+    steps: that launch's own level read x0.78-1.39 the model's (runs 46-49, docs/step-time.md "Runs 47–49")."""
     recorded = dict(profile.reference.get(STEPS_GROUP) or {})
     if not recorded:
         raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "

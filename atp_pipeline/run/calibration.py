@@ -34,7 +34,7 @@ import hashlib
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from omegaconf import DictConfig
 
@@ -93,7 +93,7 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
 
 
 def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float,
-                   processes: int = 0, calibrated: Optional[Topology] = None) -> Tuple[Any, str]:
+                   processes: int, calibrated: Topology) -> Tuple[Any, str]:
     """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`),
     and the plan's note on it: the probes' whole steps the calibration recorded timed again on the
     recorded process count nearest ``processes``, over the calibrated model's time for them on
@@ -131,10 +131,6 @@ def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s:
     if basis == "steps":
         print(f"timing the host's speed now against calibration {path} (the probes' whole steps on {count} "
               f"processes, ~15 s) ...", flush=True)
-        if calibrated is None:
-            import yaml
-
-            calibrated = Topology.from_config(yaml.safe_load(path.read_text()))
         speed = retime_steps(profile, count, calibrated)
     else:
         print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
