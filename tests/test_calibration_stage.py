@@ -70,7 +70,7 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     shape = cc.compose_models(cc.probe_entries(["probe_gpt_s"]), cc.CONF)[0][0]
     model = {label: est.step_s for label, est in zip(labels, cc.probe_step_predictions(
         prof, topo, [shape], [(0, *cp.parse_step_label(label)[1], cp.parse_step_label(label)[2]) for label in labels]))}
-    monkeypatch.setattr(cc, "time_probe_steps", lambda probes, n, conf: {k: 1.25 * v for k, v in model.items()})
+    monkeypatch.setattr(cc, "time_probe_steps", lambda probes, n, conf, built: {k: 1.25 * v for k, v in model.items()})
     assert cc.retime_steps(prof, 4, topo).compute == pytest.approx(1.25)  # 2 recorded: the nearest count
     assert model != prof.reference["steps"]  # not the steps' own wall times at calibration
 

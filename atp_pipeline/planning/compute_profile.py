@@ -356,8 +356,8 @@ class HostSpeed:
         if any((s.basis, s.processes) != (first.basis, first.processes) for s in speeds):
             raise ConfigError(f"host speed: a span between two probes of different kinds "
                               f"({'; '.join(s.describe() for s in speeds)})")
-        mean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
-        return HostSpeed(mean([s.compute for s in speeds]), mean([s.overhead for s in speeds]),
+        return HostSpeed(statistics.geometric_mean(s.compute for s in speeds),
+                         statistics.geometric_mean(s.overhead for s in speeds),
                          f"{first.measured.split(' .. ')[0]} .. {last.measured.split(' .. ')[-1]}",
                          first.basis, first.processes)
 
@@ -401,7 +401,7 @@ def steps_speed(then: Mapping[str, float], now: Mapping[str, float], processes: 
     if not common:
         raise ConfigError(f"host speed: no probe step on {processes} processes timed both at calibration and now "
                           f"(calibrated on {step_processes(then)}; calibrate again: python train.py stage=calibrate)")
-    r = math.exp(sum(math.log(now[k] / then[k]) for k in common) / len(common))
+    r = statistics.geometric_mean(now[k] / then[k] for k in common)
     return HostSpeed(r, r, measured, "steps", processes)
 
 
@@ -415,7 +415,7 @@ def host_speed(recorded: Mapping[str, Mapping[str, float]], now: Mapping[str, Ma
         if not common:
             raise ConfigError(f"reference probe: no '{g}' timing both at calibration and now "
                               f"(calibrate again: python train.py stage=calibrate)")
-        ratios.append(math.exp(sum(math.log(now[g][k] / recorded[g][k]) for k in common) / len(common)))
+        ratios.append(statistics.geometric_mean(now[g][k] / recorded[g][k] for k in common))
     return HostSpeed(ratios[0], ratios[1], measured)
 
 

@@ -946,18 +946,18 @@ RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
 
 
 def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, passes: int = 3,
-                     batch_ms: float = 8.0) -> Dict[str, float]:
+                     batch_ms: float = 8.0, built: Optional[List[Tuple[Any, Dict[str, Any]]]] = None) -> Dict[str, float]:
     """``probes``' whole training steps (forward, backward with collectives, optimizer, a closing
     barrier: :func:`_live_runner`, what the step residual is fitted over) on every candidate mesh
     of ``processes`` and chunk count 1 and 2, in a launch of their own (:func:`measure_all`: the
     slowest rank's wall per step, median over interleaved passes): label
-    (:func:`~atp_pipeline.planning.compute_profile.step_label`) -> seconds. The host's speed on the
-    steps' basis (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`) is these timed again
-    over these at calibration — the same call both times. Probe models only: never a model, batch
-    or sequence length a user plans."""
+    (:func:`~atp_pipeline.planning.compute_profile.step_label`) -> seconds: recorded at calibration,
+    and timed again for the host's speed on the steps' basis (:func:`retime_steps`). ``built``: the
+    probes as :func:`compose_models` composed them (composed here if None). Probe models only:
+    never a model, batch or sequence length a user plans."""
     if processes < 2:
         raise ConfigError(f"probe steps: {processes} processes (the probes' steps need >= 2 to run collectives)")
-    built = compose_models(probe_entries(probes), conf)
+    built = built or compose_models(probe_entries(probes), conf)
     live = plan_points([sh for sh, _ in built], processes, (1, 2))
     _, timed, _ = measure_all([], processes, passes, batch_ms, models=[spec for _, spec in built], live=live)
     return {step_label(probes[mi], (d1, d2), c, processes): t.wall for (mi, d1, d2, c), t in zip(live, timed)}
@@ -980,10 +980,10 @@ def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path 
     cells = [(label, *parse_step_label(label)) for label in sorted(recorded)]
     cells = [c for c in cells if c[4] == n]
     probes = sorted({probe for _, probe, _, _, _ in cells})
-    shapes = [shape for shape, _ in compose_models(probe_entries(probes), conf)]
-    model = probe_step_predictions(profile, topo, shapes,
+    built = compose_models(probe_entries(probes), conf)
+    model = probe_step_predictions(profile, topo, [shape for shape, _ in built],
                                    [(probes.index(probe), mesh[0], mesh[1], c) for _, probe, mesh, c, _ in cells])
-    now = time_probe_steps(probes, n, conf)
+    now = time_probe_steps(probes, n, conf, built=built)
     return steps_speed({label: est.step_s for (label, *_), est in zip(cells, model)}, now, n, utc_now())
 
 
