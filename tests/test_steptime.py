@@ -178,6 +178,33 @@ def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
     assert plan.summary_row()["compute_profile"] == "fake4"
 
 
+def test_an_attention_core_is_priced_by_its_score_elements_not_its_flops():
+    """On a CPU an attention core's time is its loops over the ``s × s`` scores, not its FLOPs (run 50,
+    diagnosis e42: a calibration's cores with head size 8 and 32 of the same ``b, a, s`` within 0.9-1.18x of each
+    other): a calibration fits its cores per score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the
+    YAML) and interpolates its points in them, whatever the head size; an older profile's fit per FLOP keeps its unit."""
+    from atp_pipeline.run.calibrate_compute import fit_kind
+
+    def took(c):  # a made-up device: 20 us + 4 ns per score element, whatever the head size
+        b, a, s, _ = c
+        return 20e-6 + 4e-9 * b * a * s * s
+    sweep = [(b, a, s, d) for b in (2, 8) for a in (1, 4) for s in (32, 128) for d in (8, 32)]
+    fit = fit_kind([kn.Kernel(kn.ATTN_FWD, c) for c in sweep], [took(c) for c in sweep])
+    assert fit.per_size and fit.alpha_s == pytest.approx(20e-6, rel=1e-6) and fit.per_unit_s == pytest.approx(4e-9, rel=1e-6)
+    assert not fit_kind([kn.Kernel(kn.GEMM, (m, 8, 8)) for m in (8, 64)], [1e-6, 2e-6]).per_size
+    prof = cp.ComputeProfile("p", "test", {**{k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS}, kn.ATTN_FWD: fit},
+                             points={(kn.ATTN_FWD, c): took(c) for c in sweep})
+    inside = (4, 4, 64, 16)  # a head size the sweep never ran, between two of its score counts
+    assert prof.seconds(kn.Kernel(kn.ATTN_FWD, inside)) == pytest.approx(took(inside), rel=0.03)
+    beyond = (16, 4, 120, 8)  # past the sweep: the fit per score element
+    assert prof.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond), rel=1e-9)
+    back = cp.ComputeProfile.from_config(prof.to_config())
+    assert back.fits[kn.ATTN_FWD].per_size and back.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond))
+    older = prof.to_config()
+    del older["fits"][kn.ATTN_FWD]["per_size"]  # a profile calibrated before run 50: its ns_per_unit is per FLOP
+    k = kn.Kernel(kn.ATTN_FWD, beyond)
+    assert cp.ComputeProfile.from_config(older).seconds(k) == pytest.approx(20e-6 + 4e-9 * k.work, rel=1e-6)
+
 def test_report_shows_step_time_tokens_and_mfu(compose_cfg, tmp_path):
     from atp_pipeline.run.resolve import plan_from_config
 

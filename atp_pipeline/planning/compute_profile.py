@@ -20,11 +20,18 @@ Mesh = Tuple[int, int]
 
 @dataclass(frozen=True)
 class KindFit:
-    """``t = alpha_s + work * per_unit_s`` (plus ``per_tensor_s`` per tensor for the optimizer)."""
+    """``t = alpha_s + work * per_unit_s`` (plus ``per_tensor_s`` per tensor for the optimizer);
+    ``per_size``: per unit of :attr:`Kernel.size` instead of work (a calibrated profile's attention
+    cores since run 50: per score element)."""
 
     alpha_s: float
     per_unit_s: float
     per_tensor_s: float = 0.0
+    per_size: bool = False
+
+    def units(self, k: Kernel) -> float:
+        """What ``per_unit_s`` multiplies for ``k``."""
+        return k.size if self.per_size else k.work
 
 
 @dataclass(frozen=True)
@@ -503,7 +510,8 @@ class ComputeProfile:
         if self.speed is not None:
             raise ConfigError(f"compute profile '{self.name}' is already at a re-timed speed ({self.speed.describe()})")
         c, o = speed.compute, speed.overhead
-        fits = {k: KindFit(f.alpha_s * c, f.per_unit_s * c, f.per_tensor_s * c) for k, f in self.fits.items()}
+        fits = {k: replace(f, alpha_s=f.alpha_s * c, per_unit_s=f.per_unit_s * c, per_tensor_s=f.per_tensor_s * c)
+                for k, f in self.fits.items()}
         fw = self.framework
         if fw is not None:
             fw = Framework(fw.per_kernel_s * o, fw.kernel_factor, fw.per_collective_s * o, fw.per_collective_byte_s * o,
@@ -652,8 +660,9 @@ class ComputeProfile:
 
     def seconds(self, k: Kernel) -> float:
         """A kernel's time: the measured point of its shape; else, between measured points of
-        its kind, interpolated in log(work)-log(time) from the nearest below and above (a
-        sweep of shapes, not the plans' own); else the kind's fit ``α + work·γ``."""
+        its kind, interpolated in log(size)-log(time) from the nearest below and above (a
+        sweep of shapes, not the plans' own; :attr:`Kernel.size`: the work, an attention core's
+        score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`)."""
         hit = self.points.get((k.kind, tuple(k.dims)))
         if hit is not None:
             return hit
@@ -661,26 +670,27 @@ class ComputeProfile:
         if fit is None:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
         if k.kind == OPTIMIZER:
-            return fit.alpha_s + k.dims[0] * fit.per_tensor_s + k.work * fit.per_unit_s
+            return fit.alpha_s + k.dims[0] * fit.per_tensor_s + fit.units(k) * fit.per_unit_s
         curve = self._curves().get(k.kind)
-        if curve and k.work > 0 and curve[0][0] <= k.work <= curve[-1][0]:
-            w = math.log(k.work)
+        size = k.size
+        if curve and size > 0 and curve[0][0] <= size <= curve[-1][0]:
+            w = math.log(size)
             for (w0, t0), (w1, t1) in zip(curve, curve[1:]):
-                if w0 <= k.work <= w1:
+                if w0 <= size <= w1:
                     if w1 == w0:
                         return t0
                     a = (w - math.log(w0)) / (math.log(w1) - math.log(w0))
                     return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
-        return fit.alpha_s + k.work * fit.per_unit_s
+        return fit.alpha_s + fit.units(k) * fit.per_unit_s
 
     def _curves(self) -> Dict[str, List[Tuple[float, float]]]:
-        """Per kind, the measured ``(work, seconds)`` points sorted by work (equal work: the median)."""
+        """Per kind, the measured ``(size, seconds)`` points sorted by :attr:`Kernel.size` (equal size: the median)."""
         cached = self.__dict__.get("_curve_cache")
         if cached is None:
             by: Dict[str, Dict[float, List[float]]] = {}
             for (kind, dims), t in self.points.items():
                 if kind != OPTIMIZER:
-                    w = Kernel(kind, dims).work
+                    w = Kernel(kind, dims).size
                     if w > 0:
                         by.setdefault(kind, {}).setdefault(w, []).append(t)
             cached = {kind: [(w, sorted(ts)[len(ts) // 2]) for w, ts in sorted(d.items())] for kind, d in by.items()}
@@ -701,7 +711,7 @@ class ComputeProfile:
                 if kind not in KINDS:
                     raise ConfigError(f"{where}.fits: unknown kernel kind '{kind}' (one of {', '.join(KINDS)})")
                 fit = KindFit(float(f["alpha_us"]) * 1e-6, float(f["ns_per_unit"]) * 1e-9,
-                              float(f.get("per_tensor_us", 0.0)) * 1e-6)
+                              float(f.get("per_tensor_us", 0.0)) * 1e-6, bool(f.get("per_size", False)))
                 if min(fit.alpha_s, fit.per_unit_s, fit.per_tensor_s) < 0 or not all(
                         math.isfinite(x) for x in (fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
                     raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
@@ -833,7 +843,8 @@ class ComputeProfile:
                 **({"comm_contention": {int(p): g(c) for p, c in sorted(self.comm_contention.items())}}
                    if self.comm_contention else {}),
                 "fits": {k: {"alpha_us": g(f.alpha_s * 1e6), "ns_per_unit": g(f.per_unit_s * 1e9),
-                             **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {})}
+                             **({"per_tensor_us": g(f.per_tensor_s * 1e6)} if f.per_tensor_s else {}),
+                             **({"per_size": True} if f.per_size else {})}
                          for k, f in self.fits.items()},
                 **({"optimizer": self.optimizer} if self.optimizer else {}),
                 **({"framework": {"per_kernel_us": g(fw.per_kernel_s * 1e6), "kernel_factor": g(fw.kernel_factor),

@@ -33,3 +33,17 @@ class Kernel:
             b, a, s, d = self.dims
             return (4.0 if self.kind == ATTN_FWD else 8.0) * b * a * s * s * d
         return float(self.dims[-1])
+
+    @property
+    def size(self) -> float:
+        """What a measured kernel's time goes with, the coordinate a calibrated profile
+        interpolates its kind's points and fits its kind in: an attention core's score elements
+        ``b·a·s²``, else :attr:`work`. On a CPU the core's time is its loops over the ``s × s``
+        scores (softmax, mask, both products' rows), not its FLOPs: a calibration's cores of the
+        same ``b, a, s`` with head size 8 and 32 ran within 0.9-1.18x of each other where their
+        FLOPs differ 4x, and interpolated by FLOPs a ``(16, 4, 120, 8)`` core was priced at a
+        quarter of what it took in a step (docs/step-time.md "Run 50", diagnosis e42)."""
+        if self.kind in (ATTN_FWD, ATTN_BWD):
+            b, a, s, _ = self.dims
+            return float(b * a * s * s)
+        return self.work

@@ -582,16 +582,17 @@ def measure_contention(world: int, passes: int = 3, batch_ms: float = 10.0,
 
 # ------------------------------------------------------------------------ fitting
 def fit_kind(kernels: Sequence[Kernel], seconds: Sequence[float]) -> KindFit:
-    """``t = α + work·γ`` (optimizer: ``t = α + tensors·τ + work·γ``), least squares on
-    relative residuals, non-negative."""
+    """``t = α + size·γ`` (:attr:`Kernel.size`: the work, an attention core's score elements;
+    optimizer: ``t = α + tensors·τ + work·γ``), least squares on relative residuals, non-negative."""
     t = np.asarray(seconds, dtype=np.float64)
-    work = np.array([k.work for k in kernels], dtype=np.float64)
+    per_size = any(k.size != k.work for k in kernels)
+    work = np.array([k.size for k in kernels], dtype=np.float64)
     opt = bool(kernels) and kernels[0].kind == OPTIMIZER
     cols = [np.ones_like(t)] + ([np.array([k.dims[0] for k in kernels], dtype=np.float64)] if opt else []) + [work]
     x = nnls(np.stack(cols, axis=1) / t[:, None], np.ones_like(t))
     if opt:
         return KindFit(float(x[0]), float(x[2]), float(x[1]))
-    return KindFit(float(x[0]), float(x[1]))
+    return KindFit(float(x[0]), float(x[1]), per_size=per_size)
 
 
 def plan_features(profile: ComputeProfile, shape: Any, mesh: Tuple[int, int], chunks: int,
