@@ -180,8 +180,8 @@ def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
 
 def test_an_attention_core_is_priced_by_its_score_elements_not_its_flops():
     """On a CPU an attention core's time is its loops over the ``s × s`` scores, not its FLOPs (run 50,
-    diagnosis e42: a calibration's cores with head size 8 and 32 of the same ``b, a, s`` within 0.9-1.18x of each
-    other): a calibration fits its cores per score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the
+    diagnosis e42: calibrations' cores with head size 32 ran 0.51-1.65x those with head size 8 of the same
+    ``b, a, s``, their FLOPs 4x): a calibration fits its cores per score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the
     YAML) and interpolates its points in them, whatever the head size; an older profile's fit per FLOP keeps its unit."""
     from atp_pipeline.run.calibrate_compute import fit_kind
 
@@ -204,6 +204,7 @@ def test_an_attention_core_is_priced_by_its_score_elements_not_its_flops():
     del older["fits"][kn.ATTN_FWD]["per_size"]  # a profile calibrated before run 50: its ns_per_unit is per FLOP
     k = kn.Kernel(kn.ATTN_FWD, beyond)
     assert cp.ComputeProfile.from_config(older).seconds(k) == pytest.approx(20e-6 + 4e-9 * k.work, rel=1e-6)
+
 
 def test_report_shows_step_time_tokens_and_mfu(compose_cfg, tmp_path):
     from atp_pipeline.run.resolve import plan_from_config

@@ -586,9 +586,9 @@ def fit_kind(kernels: Sequence[Kernel], seconds: Sequence[float]) -> KindFit:
     optimizer: ``t = α + tensors·τ + work·γ``), least squares on relative residuals, non-negative."""
     t = np.asarray(seconds, dtype=np.float64)
     per_size = any(k.size != k.work for k in kernels)
-    work = np.array([k.size for k in kernels], dtype=np.float64)
+    size = np.array([k.size for k in kernels], dtype=np.float64)
     opt = bool(kernels) and kernels[0].kind == OPTIMIZER
-    cols = [np.ones_like(t)] + ([np.array([k.dims[0] for k in kernels], dtype=np.float64)] if opt else []) + [work]
+    cols = [np.ones_like(t)] + ([np.array([k.dims[0] for k in kernels], dtype=np.float64)] if opt else []) + [size]
     x = nnls(np.stack(cols, axis=1) / t[:, None], np.ones_like(t))
     if opt:
         return KindFit(float(x[0]), float(x[2]), float(x[1]))
