@@ -39,7 +39,7 @@ class Kernel:
         """What a measured kernel's time goes with, the coordinate a calibrated profile
         interpolates its kind's points and fits its kind in: an attention core's score elements
         ``b·a·s²``, else :attr:`work`. On a CPU the core's time is its loops over the ``s × s``
-        scores (softmax, mask, both products' rows), not its FLOPs: four calibrations' cores of the
+        scores (softmax, mask, both products' rows), not its FLOPs: three calibrations' cores of the
         same ``b, a, s`` with head size 32 ran 0.51-1.65x (most 0.9-1.3x) those with head size 8
         where their FLOPs differ 4x, and interpolated by FLOPs a ``(16, 4, 120, 8)`` core was priced
         at a quarter of what it took in a step (docs/step-time.md "Runs 50–52", diagnosis e42)."""
