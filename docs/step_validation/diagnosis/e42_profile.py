@@ -45,22 +45,14 @@ def main():
     (shape, spec), = compose_models([(f"{m}@{b}x{s}", variant_overrides(m, b, s, CONF))], CONF)
     topo, _ = load_calibrated("docs/step_validation/local_lb.yaml", "unused", CONF); prof = profile_of(topo)
     prog, _ = build_program(shape, cell[:2], b, cell[2])
-    import dataclasses
-    import atp_pipeline.planning.kernels as kn
-    from atp_pipeline.run.calibrate_compute import fit_kind
-    fits = dict(prof.fits)
-    for kind in (kn.ATTN_FWD, kn.ATTN_BWD):  # the calibration's points refitted per score element
-        pts = [(kn.Kernel(k, d), t) for (k, d), t in prof.points.items() if k == kind]
-        fits[kind] = fit_kind([k for k, _ in pts], [t for _, t in pts])
-    size = kn.Kernel.size
-    for label, p, coord in (("by score elements", dataclasses.replace(prof, fits=fits), size),
-                            ("by FLOPs (before run 50)", prof, property(lambda self: self.work))):
-        kn.Kernel.size = coord
-        p.__dict__.pop("_curve_cache", None)
+    import contextlib
+    sys.path.insert(0, str(Path(__file__).parent))
+    from e42 import by_flops, by_scores, fresh
+    for label, p, flops in (("by score elements", by_scores(prof), False), ("by FLOPs (before run 50)", fresh(prof), True)):
         by = collections.Counter(); cnt = collections.Counter()
-        for it in all_items(prog):
-            if it[0] == "k": by[it[1].kind] += p.seconds(it[1]) * 1e3; cnt[it[1].kind] += 1
-        kn.Kernel.size = size
+        with by_flops() if flops else contextlib.nullcontext():
+            for it in all_items(prog):
+                if it[0] == "k": by[it[1].kind] += p.seconds(it[1]) * 1e3; cnt[it[1].kind] += 1
         print(f"the program's kernels priced {label} (ms):", {k: round(v, 2) for k, v in by.items()}, "calls", dict(cnt))
     got = spawn(work, 2, {**spec, "cell": cell}, timeout=600)[0]
     print("plain step CPU ms", round(got["plain_ms"], 1))

@@ -15,13 +15,14 @@ from atp_pipeline.launch import spawn
 from atp_pipeline.planning.compute_profile import profile_of
 from atp_pipeline.planning.steptime import StepSetting, estimate_step
 from atp_pipeline.run.calibrate_compute import compose_models
+sys.path.insert(0, str(Path(__file__).parent))
+from e42 import by_flops  # noqa: E402
 CONF = Path("conf")
 def main():
     cal = sys.argv[1]; models = sys.argv[2].split(","); variants = [tuple(map(int, v.split("x"))) for v in sys.argv[3].split(",")]
     W = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 2
     if "--by-flops" in sys.argv:
-        import atp_pipeline.planning.kernels as kn
-        kn.Kernel.size = property(lambda self: self.work)
+        by_flops().__enter__()  # for the rest of this process: every price as before run 50
     topo, _ = load_calibrated(cal, "unused", CONF); prof = profile_of(topo)
     ent = [(f"{m}@{b}x{s}", variant_overrides(m, b, s, CONF)) for m in models for b, s in variants]
     pts = [(2, 1, 1, False), (2, 1, 2, False), (1, 2, 1, False), (1, 2, 2, False)] if W == 2 else \
