@@ -35,12 +35,17 @@ time is the median of all its timed steps in all its launches (rank 0's clock be
 **Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
 chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
 host's speed (``--retime``: by default the probe models' whole steps the calibration recorded
-are timed again, over the calibrated model's time for them, on the launch's process count right
-before it and right after it — the probe
-after one launch is the next one's before, on the same count — and a group is priced at the
-geometric mean of its launches' speeds, each the mean of the two around it, as ``stage=plan``
-prices a plan at them (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); every row
-also carries the prediction at the calibration's own speed). The
+on the launch's process count are timed inside every launch, interleaved with its points in
+every round, over the calibrated model's time for them — never this grid's models, meshes or
+batches — and a group is priced at the geometric mean of its launches' speeds, as ``stage=plan``
+prices a plan at the same probes' steps timed before it
+(:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); ``--retime steps``
+times them in launches of their own right before and right after each launch instead — the
+probe after one launch the next one's before — a launch at the mean of the two: a launch's
+own state, which moves its points by 0.13 in log, is then not in its speed (docs/step-time.md
+"Runs 53–55"); ``--probes-in-launch`` gives every row the prediction at the in-launch speed
+beside whatever ``--retime`` priced it at; every row also carries the prediction at the
+calibration's own speed). The
 other jobs' load on the host while a point was measured (the mean over its launch's kept
 rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
 
@@ -66,7 +71,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
-RETIME_MODES = ("steps", "bracket", "group", "once", "off")
+RETIME_MODES = ("steps", "launch", "bracket", "group", "once", "off")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -81,18 +86,26 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
     from atp_pipeline.run.hostload import quiet_rounds
     from atp_pipeline.topology.model import Topology
 
-    adapter = get_adapter(spec["family"])
-    torch.manual_seed(0)
-    dense = adapter.build(spec["model_config"])
-    g = torch.Generator().manual_seed(0)
-    b, s, V = spec["batch"], spec["seq_len"], spec["vocab"]
-    idx = torch.randint(0, V, (b, s), generator=g)
-    tgt = torch.randint(0, V, (b, s), generator=g)
+    def batch_of(m: Dict[str, Any]) -> Tuple[Any, Any, Any, Any]:
+        """A model's adapter, dense model and fixed batch, as training builds them."""
+        adapter = get_adapter(m["family"])
+        torch.manual_seed(0)
+        dense = adapter.build(m["model_config"])
+        g = torch.Generator().manual_seed(0)
+        b, s, V = m["batch"], m["seq_len"], m["vocab"]
+        return adapter, dense, torch.randint(0, V, (b, s), generator=g), torch.randint(0, V, (b, s), generator=g)
+
     emu_topo = Topology.from_config(spec["emulate"]) if spec["emulate"] else None
-    runners: List[Tuple[str, Any, Any, Any]] = []
+    # the group's points, then (--retime launch) the calibration's probe steps on the same meshes,
+    # interleaved with them in every round: (key, step function, the mesh's Comm)
+    runners: List[Tuple[str, Any, Any]] = []
     meshes: Dict[Tuple[int, int, bool], Any] = {}
-    for key in spec["points"]:
-        d1, d2, chunks, emulated = key
+    built = [batch_of(spec)] + [batch_of(m) for m in spec.get("probe_models", [])]
+    todo = [(json.dumps(key), 0, tuple(key)) for key in spec["points"]]
+    todo += [(json.dumps(["probe", label]), 1 + mi, (d1, d2, c, False))
+             for label, mi, d1, d2, c in spec.get("probe_points", [])]
+    for name, mi, (d1, d2, chunks, emulated) in todo:
+        adapter, dense, idx, tgt = built[mi]
         # one mesh per shape (and interconnect), as training holds one: every mesh more holds gloo
         # process groups whose idle threads take CPU from the ranks (docs/step-time.md)
         mesh = meshes.get((d1, d2, emulated)) or meshes.setdefault((d1, d2, emulated), init_mesh((d1, d2)))
@@ -100,41 +113,41 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
         apply_plan(model, adapter.parallel_plan(model), mesh, chunks)
         comm_for(mesh, TopologyEmulator(emu_topo, (d1, d2), spec["slowdown"]) if emulated else None)
         opt = adamw(model.parameters(), lr=1e-4)  # training's optimizer (foreach AdamW)
-        runners.append((json.dumps(key), model, opt, comm_for(mesh)))
 
-    def step(model: Any, opt: Any) -> None:
-        loss = adapter.lm_loss(model, idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        def step(model: Any = model, opt: Any = opt, adapter: Any = adapter, idx: Any = idx, tgt: Any = tgt) -> None:
+            adapter.lm_loss(model, idx, tgt).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runners.append((name, step, comm_for(mesh)))
 
-    def timed(model: Any, opt: Any, n: int) -> List[float]:
+    def timed(step: Any, n: int) -> List[float]:
         out = []
         for _ in range(n):
             dist.barrier()
             t0 = time.perf_counter()
-            step(model, opt)
+            step()
             dist.barrier()
             out.append(time.perf_counter() - t0)
         return out
 
-    for _, model, opt, _ in runners:
-        timed(model, opt, spec["warmup"])
+    for _, step, _ in runners:
+        timed(step, spec["warmup"])
+
     def one_round(r: int) -> Dict[str, Tuple[List[float], float, float]]:
         order = runners[r % len(runners):] + runners[:r % len(runners)]
         got = {}
-        for k, model, opt, comm in order:
+        for k, step, comm in order:
             comm.stats.reset()
             cpu0 = time.process_time()
-            ts = timed(model, opt, spec["steps"])
+            ts = timed(step, spec["steps"])
             cpu = (time.process_time() - cpu0) / spec["steps"]  # this rank's CPU (its threads) per step
             got[k] = (ts, sum(c.wait_s for c in comm.stats.totals.values()) / spec["steps"], cpu)
         return got
     # rounds during which other jobs loaded the host are measured again (atp_pipeline.run.hostload)
     kept, foreign = quiet_rounds(spec["repeats"], spec["repeats"], one_round)
-    times = {k: [t for rd in kept for t in rd[k][0]] for k, _, _, _ in runners}
-    waits = {k: [rd[k][1] for rd in kept] for k, _, _, _ in runners}
-    cpus = {k: [rd[k][2] for rd in kept] for k, _, _, _ in runners}
+    times = {k: [t for rd in kept for t in rd[k][0]] for k, *_ in runners}
+    waits = {k: [rd[k][1] for rd in kept] for k, *_ in runners}
+    cpus = {k: [rd[k][2] for rd in kept] for k, *_ in runners}
     # every rank's phases (the step model predicts one rank; the host runs all of them)
     return {"times": times, "waits": waits, "cpus": cpus, "foreign": foreign}
 
@@ -465,13 +478,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="launches per model variant and process count, a pass over the grid each; a point's time "
                         "is the median of its steps in all of them (one launch's own state moves a point by 0.13 "
                         "in log: docs/step-time.md \"Runs 47-49\")")
-    p.add_argument("--retime", default="steps", metavar="{" + ",".join(RETIME_MODES) + "}",
+    p.add_argument("--retime", default="launch", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
-                        "recorded timed again on each launch's process count before it and after it, over the "
-                        "calibrated model's time for them, at the mean of the two (steps, stage=plan's basis); or "
-                        "the calibration's kernel reference probe timed "
+                        "recorded on the launch's process count timed inside each launch, interleaved with its "
+                        "points in every round, over the calibrated model's time for them (launch); the same "
+                        "steps timed in launches of their own before and after each launch, at the mean of the "
+                        "two (steps, stage=plan's basis); the calibration's kernel reference probe timed "
                         "again before each launch and after the last, at the mean of the speeds around a launch "
                         "(bracket), before each launch (group), once before the grid (once); or never (off)")
+    p.add_argument("--probes-in-launch", action="store_true",
+                   help="time the probe steps inside each launch too (as --retime launch does) and give every row "
+                        "also the prediction at that speed (predicted_at_in_launch_speed_s), whatever --retime prices at")
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for other jobs' load to fall below "
                         "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
@@ -495,7 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
     from atp_pipeline.planning.compute_profile import STEPS_GROUP, HostSpeed, profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run.calibrate_compute import compose_models, load_topology_yaml, retime, retime_steps
+    from atp_pipeline.run.calibrate_compute import (compose_models, load_topology_yaml, probe_steps, retime,
+                                                    retime_steps, utc_now)
     from atp_pipeline.run.hostload import wait_quiet
 
     try:
@@ -507,12 +525,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               f"(topology '{topo.name}')")
         if args.retime not in RETIME_MODES:
             raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
-        if args.retime == "steps" and min(worlds, default=2) < 2:
-            raise ConfigError(f"step_validation: --retime steps: --worlds {args.worlds}: each >= 2 (the probes' "
+        in_launch = args.retime == "launch" or args.probes_in_launch
+        on_steps = "--retime steps" if args.retime == "steps" else "--retime launch" if in_launch else ""
+        if on_steps and min(worlds, default=2) < 2:
+            raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
                               f"steps run collectives)")
-        if args.retime == "steps" and not calibrated.reference.get(STEPS_GROUP):
-            raise ConfigError(f"step_validation: --retime steps: calibration {calibration['file']} recorded no probe "
+        if on_steps and not calibrated.reference.get(STEPS_GROUP):
+            raise ConfigError(f"step_validation: {on_steps}: calibration {calibration['file']} recorded no probe "
                               f"steps (calibrated before run 45): --retime bracket, or calibrate again")
+        # --retime launch / --probes-in-launch: per process count, the probe steps each launch also times
+        # (on its own process count: the calibration must have recorded them there)
+        probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
+        off = sorted(w for w, ps in probes_at.items() if ps.processes != w)
+        if off:
+            raise ConfigError(f"step_validation: {'--retime launch' if args.retime == 'launch' else '--probes-in-launch'}: "
+                              f"--worlds {args.worlds}: the calibration recorded no probe steps on {off} processes "
+                              f"(only on {sorted({ps.processes for ps in probes_at.values()})})")
         only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
         chunk_list = [int(c) for c in args.chunks.split(",")]
         names = [m for m in args.models.split(",") if m]
@@ -555,24 +583,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bracket = args.retime == "bracket" and bool(calibrated.reference)  # kernels: the probe after a launch is the next one's
     pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
     latest: Optional[Any] = None  # --retime steps: the last probe, while no launch ran after it
-    launched: Dict[str, List[Tuple[List[Dict[str, Any]], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
+    launched: Dict[str, List[Tuple[Dict[str, Any], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
 
     def settle(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
         """A launch measured and priced (``priced``: the host speed, None for the calibration's own;
         ``around``: the probes it is the mean of); its group's rows once all its launches are."""
         done = launched.setdefault(launch["shape"].name + f" / {launch['w']}", [])
-        done.append((launch["ranks"], priced, tuple(around)))
+        done.append((launch, priced, tuple(around)))
         if len(done) == args.launches:
             speeds_in = [sp for _, sp, _ in done]
-            finish(launch, [r for r, _, _ in done],
+            finish(launch, [one["ranks"] for one, _, _ in done],
                    None if any(sp is None for sp in speeds_in) else HostSpeed.over(speeds_in),
-                   [a for _, _, ar in done for a in ar])
+                   [a for _, _, ar in done for a in ar],
+                   [one["in_launch"] for one, _, _ in done if one["in_launch"] is not None])
 
-    def finish(launch: Dict[str, Any], each: List[List[Dict[str, Any]]], priced: Any, around: Sequence[Any] = ()) -> None:
+    def finish(launch: Dict[str, Any], each: List[List[Dict[str, Any]]], priced: Any, around: Sequence[Any] = (),
+               inside: Sequence[Any] = ()) -> None:
         """A group's rows from its launches' measurements pooled (``each``: per launch, per rank):
         every point predicted at the host speed ``priced`` (None: the calibration's own; ``around``:
-        the probes it is the mean of) beside its measurement; the partial report written (it
-        survives a crash)."""
+        the probes it is the mean of) beside its measurement, and (``inside``: each launch's speed
+        from the probe steps timed in it) at the geometric mean of those; the partial report written
+        (it survives a crash)."""
         shape, w, points, emu = (launch[k] for k in ("shape", "w", "points", "emu"))
         ranks = merge_launches(each)
         got = ranks[0]
@@ -581,14 +612,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         times, waits = got["times"], got["waits"]
         variant = f"b{shape.batch_size} s{shape.seq_len}"
         load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
+        where = "per_launch" if args.retime == "launch" else "bracket"  # what the priced speed is the mean of
         record = None if priced is None else {**priced.to_dict(), "launches": args.launches,
-                                              **({"bracket": [s.to_dict() for s in around]} if around else {})}
+                                              **({where: [s.to_dict() for s in around]} if around else {})}
+        within = HostSpeed.over(inside) if inside else None
+        extra: Dict[str, Any] = {} if within is None else {
+            "host_speed_in_launch": {**within.to_dict(), "per_launch": [s.to_dict() for s in inside]}}
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
             est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
             # beside it, the same prediction at the calibration's own host speed (not re-timed)
             flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
                                                               calibrated, emulated)
+            if within is not None:  # and at the speed of the probe steps timed inside its launches
+                extra["predicted_at_in_launch_speed_s"] = estimate_step(
+                    sub, shape, (d1, d2), StepSetting(chunks=c), calibrated.at_speed(within), emulated).step_s
             key = json.dumps([d1, d2, c, e])
             meas = statistics.median(times[key])
             inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
@@ -606,7 +644,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
                          "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
                          "host_speed": record,
-                         "predicted_at_calibration_speed_s": flat.step_s,
+                         "predicted_at_calibration_speed_s": flat.step_s, **extra,
                          "calibration": calibration_field(calibration, est)})
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
 
@@ -634,7 +672,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for n, (model, shape, spec, w, points) in enumerate(order):
         tag = f"{shape.name} / {w} proc." + (f" (launch {n // (len(order) // args.launches) + 1})"
                                               if args.launches > 1 else "")
-        if args.retime == "steps":
+        if args.retime == "launch":
+            pass  # priced at the probe steps timed inside the launch
+        elif args.retime == "steps":
             # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
             # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
             speed = latest if latest is not None and latest.processes == w else probe(f"before {tag}", w)
@@ -647,12 +687,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         emu = emu_full.restrict(w) if emu_full is not None else None
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+        ps = probes_at.get(w)
+        if ps is not None:  # the probe steps, interleaved with the points in every round
+            spec["probe_models"] = [m for _, m in ps.built]
+            spec["probe_points"] = [(label, mi, d1, d2, c) for label, (mi, d1, d2, c) in zip(ps.labels, ps.plans)]
         print(f"{tag}: measuring {len(points)} points on {w} processes ...", flush=True)
         wait_quiet(args.quiet_wait)  # other jobs' load: wait a while for a quiet host (rounds are checked too)
         ranks = spawn(_worker, w, spec, timeout=3600)
         foreign_load.append({"model": shape.name, "processes": w, "rounds": ranks[0]["foreign"]})
-        launch = {"model": model, "shape": shape, "w": w, "points": points, "ranks": ranks, "emu": emu}
-        if bracket:
+        inside = None
+        if ps is not None:  # the host's speed in this launch: its probe steps over the model's time for them
+            inside = ps.speed({label: statistics.median(ranks[0]["times"][json.dumps(["probe", label])])
+                               for label in ps.labels}, f"inside {tag} ({utc_now()})")
+            speeds.append({"at": f"inside {tag}", **inside.to_dict()})
+            print(f"  {inside.describe()}", flush=True)
+        launch = {"model": model, "shape": shape, "w": w, "points": points, "ranks": ranks, "emu": emu,
+                  "in_launch": inside}
+        if args.retime == "launch":
+            settle(launch, inside, (inside,))
+        elif bracket:
             pending = (launch, speed)
         elif args.retime == "steps":
             latest = probe(f"after {tag}", w)
@@ -661,7 +714,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             settle(launch, speed)
     if pending is not None:
         close(probe("the end (after the last launch)"))
-    retimed = ("--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
+    retimed = ("--retime launch: the probes' whole steps the calibration recorded timed inside each launch, "
+               "interleaved with its points in every round, over the calibrated model's time for them, every "
+               "group's points priced at the geometric mean of its launches' speeds (rows: host_speed, per_launch)"
+               if args.retime == "launch" else
+               "--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
                "process count before it and after it, over the calibrated model's time for them, every group's "
                "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
                "(rows: host_speed, its bracket)" if args.retime == "steps" else
@@ -675,7 +732,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                if speeds else "not re-timed: predicted at the calibration's host speed"
                + ("" if calibrated.reference else " (the calibration has no reference probe)"))
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
-            "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds},
+            "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds,
+                           "probes_in_launch": in_launch},
             "contention": {str(k): v for k, v in sorted(calibrated.contention.items())},
             "probes": sorted({p.name for p in calibrated.probes}),
             "load_average": {"start": load_start, "end": _loadavg()},

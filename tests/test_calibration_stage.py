@@ -153,8 +153,8 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
 
 
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
-    """``--retime steps`` (the default) is refused at one process (its probes run collectives) and
-    on a calibration that recorded no probe steps, any other mode is refused, and no launch a group, each in one line
+    """``--retime launch`` (the default) and ``--retime steps`` are refused at one process (their probes
+    run collectives) and on a calibration that recorded no probe steps, any other mode is refused, and no launch a group, each in one line
     (exit 2); the summary's correlation of the groups' re-timed probe ratio (diagnosis rows of runs
     15 and 45) with their measured/predicted is Pearson's over the groups that have one."""
     import statistics
@@ -167,10 +167,11 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     write_topology(cfg, tmp_path / "cal4.yaml")
     base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
             "--out", str(tmp_path / "out")]
-    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, bracket, group, once, off"),
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, launch, bracket, group, once, off"),
                         (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
-                        (["--worlds", "2"], "--retime steps: calibration " + str(tmp_path / "cal4.yaml")
+                        (["--worlds", "2"], "--retime launch: calibration " + str(tmp_path / "cal4.yaml")
                          + " recorded no probe steps (calibrated before run 45)"),
+                        (["--worlds", "2,1"], "--retime launch: --worlds 2,1: each >= 2"),
                         (["--retime", "off", "--worlds", "2", "--launches", "0"], "--steps, --repeats, --launches >= 1")):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -187,7 +188,7 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
 
 
 def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_path, monkeypatch):
-    """``--retime steps`` (the default) times the probes' whole steps on a launch's process count
+    """``--retime steps`` times the probes' whole steps on a launch's process count
     right before it and right after it (the probe after one launch the next one's before, on the
     same count) and prices its points at the geometric mean of the two speeds
     (:meth:`HostSpeed.until`); ``--retime bracket`` the kernel reference probe before each launch
@@ -290,3 +291,91 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     assert [m["measured"] for m in grouped["meta"]["host_speed"]["measured"]] == ["t0", "t1"]  # none after
     for r in grouped["rows"]:
         assert r["host_speed"]["measured"] == ("t0" if r["seq_len"] == 16 else "t1") and "bracket" not in r["host_speed"]
+
+
+def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launches(tmp_path, monkeypatch, capsys):
+    """``--retime launch``: every launch also times the probe steps the calibration recorded on its
+    process count (the probe models, meshes and chunk counts of ``probe_steps``), interleaved with
+    its points; the launch's speed is their steps over the calibrated model's time for them and a
+    group is priced at the geometric mean of its launches' (:meth:`HostSpeed.over`), no probe launch
+    around it. ``--probes-in-launch`` keeps the default pricing and gives every row the prediction at
+    that speed too. A process count the calibration recorded no probe steps on is refused in one line.
+    Launches are stand-ins (the bookkeeping is what is checked; the worker's probe runners run in
+    tests/test_docs_commands.py)."""
+    from atp_pipeline import launch
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
+    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.topology.model import Topology
+    from benchmarks import step_validation as sv
+
+    prof = dataclasses.replace(cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS},
+                                                 processes=4),
+                               reference={"compute": {"gemm 8x8x8": 1e-4}, "overhead": {"gemm 1x1x1": 1e-5},
+                                          "steps": {"probe_gpt_s 2x1/c1 on 2": 0.02, "probe_gpt_s 1x2/c2 on 2": 0.03,
+                                                    "probe_gpt_s 4x1/c1 on 4": 0.04}})
+    cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
+           "device": {"name": "cpu", "compute": prof.to_config()}}
+    write_topology(cfg, tmp_path / "cal4.yaml")
+    topo = Topology.from_config(cfg)
+    profile = cp.ComputeProfile.from_config(prof.to_config())
+    ps = calibrate_compute.probe_steps(profile, 2, topo)
+    assert ps.labels == ("probe_gpt_s 1x2/c2 on 2", "probe_gpt_s 2x1/c1 on 2") and ps.processes == 2
+    factor = {16: 1.3, 24: 0.8}  # the probe steps ran x1.3 / x0.8 the model's time in the launches of seq 16 / 24
+    seen = []
+
+    def spawn(fn, w, spec, timeout):
+        seen.append(spec)
+        keys = [json.dumps(list(p)) for p in spec["points"]]
+        probes = {json.dumps(["probe", label]): factor[spec["seq_len"]] * ps.model_s[label]
+                  for label, *_ in spec["probe_points"]}
+        got = {"times": {**{k: [0.01] for k in keys}, **{k: [t] for k, t in probes.items()}},
+               "waits": {k: [0.001] for k in [*keys, *probes]}, "cpus": {k: [0.005] for k in [*keys, *probes]},
+               "foreign": [0.0]}
+        return [got] * w
+    monkeypatch.setattr(launch, "spawn", spawn)
+    monkeypatch.setattr(calibrate_compute, "retime_steps", lambda *a: pytest.fail("a probe launch"))
+
+    def run(*extra: str) -> dict:
+        seen.clear()
+        out = tmp_path / "-".join(extra)
+        assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16,2x24",
+                        "--worlds", "2", "--chunks", "1", "--quiet-wait", "0", "--out", str(out), "--tag", "t",
+                        *extra]) == 0
+        assert all(s["probe_points"] == [(label, mi, d1, d2, c) for label, (mi, d1, d2, c) in zip(ps.labels, ps.plans)]
+                   and [m["family"] for m in s["probe_models"]] == ["gpt"] for s in seen)
+        return json.loads((out / "t.json").read_text())
+
+    def shape(seq: int):
+        return calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+                                                CONF)[0][0]
+
+    got = run("--retime", "launch", "--launches", "2")
+    assert len(seen) == 4 and got["meta"]["host_speed"]["retime"] == "launch"
+    assert [m["at"].split(" (")[0] for m in got["meta"]["host_speed"]["measured"]] == [
+        "inside tiny@2x16 / 2 proc.", "inside tiny@2x24 / 2 proc."] * 2
+    for r in got["rows"]:
+        f = factor[r["seq_len"]]
+        hs = r["host_speed"]
+        assert (hs["basis"], hs["processes"]) == ("steps", 2) and hs["compute"] == pytest.approx(f)
+        assert [s["compute"] for s in hs["per_launch"]] == pytest.approx([f, f]) and "bracket" not in hs
+        d1, d2 = (int(x) for x in r["mesh"].split("x"))
+        est = estimate_step(topo.restrict(2), shape(r["seq_len"]), (d1, d2), StepSetting(chunks=1),
+                            profile.at_speed(cp.HostSpeed(f, f, "", "steps", 2)))
+        assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
+        assert r["predicted_at_in_launch_speed_s"] == pytest.approx(est.step_s, rel=1e-9)
+    got = run("--retime", "off", "--probes-in-launch", "--launches", "1")
+    assert got["meta"]["host_speed"]["probes_in_launch"] is True
+    for r in got["rows"]:
+        d1, d2 = (int(x) for x in r["mesh"].split("x"))
+        f = factor[r["seq_len"]]
+        assert r["host_speed"] is None and r["host_speed_in_launch"]["compute"] == pytest.approx(f)
+        assert r["predicted_s"] == pytest.approx(r["predicted_at_calibration_speed_s"], rel=1e-12)
+        est = estimate_step(topo.restrict(2), shape(r["seq_len"]), (d1, d2), StepSetting(chunks=1),
+                            profile.at_speed(cp.HostSpeed(f, f, "", "steps", 2)))
+        assert r["predicted_at_in_launch_speed_s"] == pytest.approx(est.step_s, rel=1e-9)
+    capsys.readouterr()
+    assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16",
+                    "--worlds", "3", "--retime", "launch", "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--retime launch: --worlds 3: the calibration recorded no probe steps on [3] processes" \
+        in err[0], err

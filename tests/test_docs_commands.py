@@ -458,12 +458,13 @@ def _step_validation(t: str) -> Tuple[str, str]:
     # a committed calibration (stage=calibrate is planned here): a YAML that carries its own
     # calibration makes --calibration-dir moot, and the tag only names the output files, so the
     # documented runs against different calibration runs share one cheap form (run once); run 46's
-    # records the probes' steps the default --retime steps times again around the launch
+    # records the probes' steps the default --retime launch times inside the launch (--retime steps:
+    # in launches of their own around it)
     t = set_opt(drop_opt(t, "--calibration-dir"), "--topology", "docs/step_validation/local_st1.yaml")
     t = set_opt(set_opt(t, "--tag", "steps"), "--quiet-wait", "0")  # the suite's other worker never lets the host go quiet
     return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, one launch, "
                "from the committed calibration docs/step_validation/local_st1.yaml (the probes' steps timed again "
-               "before and after the launch), no wait for a quiet host")
+               "inside the launch, or with --retime steps before and after it), no wait for a quiet host")
 
 
 def _sbp_calibration(t: str) -> Tuple[str, str]:

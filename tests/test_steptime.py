@@ -1035,3 +1035,40 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
         (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
         assert with_calibration(bare, cal).device["host_speed"]["compute"] == 0.7
     assert timed == [4, 4]
+
+
+def test_an_mlp_activation_is_priced_by_the_kernels_its_code_runs():
+    """GPT-2's tanh GELU is written in Python (transformers' ``NewGELUActivation``): 8 kernels
+    forward and 11 backward over the MLP's whole intermediate, where ``nn.GELU``/``nn.SiLU`` run one
+    each (counted with a dispatch mode, :func:`atp_pipeline.models.op_count.pointwise_kernels`). The
+    HF layout reads the count off the MLP's own activation module (any family: no name is asked), the
+    shape carries it (``act_kernels``) and the step program prices that many elementwise kernels:
+    a GPT-2 MLP 7 more forward and 10 more backward per layer and chunk than a fused one."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    from atp_pipeline.models.op_count import pointwise_kernels
+    from atp_pipeline.run.calibrate_compute import compose_models
+    from benchmarks.step_validation import variant_overrides
+
+    assert pointwise_kernels(ACT2FN["gelu_new"]) == (8, 11)
+    assert pointwise_kernels(torch.nn.GELU()) == pointwise_kernels(torch.nn.SiLU()) == (1, 1)
+    assert pointwise_kernels(torch.nn.Dropout(0.0)) == (0, 0)  # returns its input: no kernel
+    assert pointwise_kernels(torch.nn.LayerNorm(8)) is None  # parameters: not an activation
+    shapes = {m: compose_models([(m, variant_overrides(m, 4, 16, CONF))], CONF)[0][0]
+              for m in ("gpt2_tiny", "llama_tiny", "small")}
+    assert {m: s.act_kernels for m, s in shapes.items()} == {"gpt2_tiny": (8, 11), "llama_tiny": (1, 1),
+                                                             "small": (1, 1)}
+    gpt2 = shapes["gpt2_tiny"]
+    fused = dataclasses.replace(gpt2, act_kernels=(1, 1))
+    for mesh, chunks in (((2, 1), 1), ((1, 2), 2), ((2, 2), 2)):
+        size = gpt2.batch_size * gpt2.seq_len // chunks * gpt2.ffn // mesh[0]
+
+        def count(shape: ModelShape, blocks: str) -> int:
+            prog = sp.build_program(shape, mesh, shape.batch_size, chunks)[0]
+            return sum(1 for layer in getattr(prog, blocks) for chunk in layer for i in chunk
+                       if i[0] == "k" and i[1].kind == kn.POINTWISE and i[1].dims == (size,))
+        assert count(gpt2, "blocks_fwd") - count(fused, "blocks_fwd") == 7 * gpt2.layers * chunks
+        assert count(gpt2, "blocks_bwd") - count(fused, "blocks_bwd") == 10 * gpt2.layers * chunks
+    with pytest.raises(ValueError, match="act_kernels must be two counts >= 0"):
+        dataclasses.replace(gpt2, act_kernels=(1, -1))

@@ -16,7 +16,7 @@ forward + backward (``×3``, no recomputation, as ATP §5 does). For the GPT of 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 NORMS = ("layernorm", "rmsnorm")
@@ -135,12 +135,19 @@ class ModelShape:
     whole_note: str = ""  # which modules run whole, in words (the plan's note)
     attention_layers: int = -1  # layers whose attention is split (-1: every layer)
     mlp_layers: int = -1  # layers with a split dense MLP (-1: every layer not routed)
+    # the MLP's activation as its code runs: elementwise kernels forward, backward (a composite
+    # activation, e.g. GPT-2's tanh GELU written in Python, runs 8 and 11 where a fused one runs 1 and 1)
+    act_kernels: Tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         optional = {"heads": self.attention_layers == 0, "ffn": self.mlp_layers == 0}  # none split
         for key in ("hidden", "heads", "layers", "seq_len", "vocab_size", "ffn", "batch_size"):
             if getattr(self, key) < 1 and not (optional.get(key) and getattr(self, key) == 0):
                 raise ValueError(f"model '{self.name}': {key} must be >= 1, got {getattr(self, key)}")
+        object.__setattr__(self, "act_kernels", tuple(int(k) for k in self.act_kernels))  # (a list read back)
+        if len(self.act_kernels) != 2 or min(self.act_kernels) < 0:
+            raise ValueError(f"model '{self.name}': act_kernels must be two counts >= 0 (forward, backward), "
+                             f"got {list(self.act_kernels)}")
         if isinstance(self.moe, dict):  # read back from to_dict()
             object.__setattr__(self, "moe", MoEShape(**self.moe))
         if isinstance(self.latent, dict):

@@ -964,15 +964,29 @@ def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, p
     return {step_label(probes[mi], (d1, d2), c, processes): t.wall for (mi, d1, d2, c), t in zip(live, timed)}
 
 
-def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path = CONF) -> HostSpeed:
-    """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
-    the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
-    count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`), over the
-    calibrated step model's own time for them (:func:`probe_step_predictions` on ``topo``, the
-    calibration's topology, at the calibration's speed). The model was fitted to these probes'
-    steps interleaved through the calibration's main launch, so the ratio carries the host's speed
-    now against the calibration's whole launch, not against the one short launch that recorded the
-    steps: that launch's own level read x0.78-1.39 the model's (runs 46-49, docs/step-time.md "Runs 47–49")."""
+@dataclass(frozen=True)
+class ProbeSteps:
+    """The probe steps the host's speed on ``processes`` processes is timed over (the steps'
+    basis): the labels the calibration recorded on the recorded count nearest them
+    (:func:`~atp_pipeline.planning.compute_profile.steps_count`), the probes as
+    :func:`compose_models` composed them, each label's plan (probe index, mesh, chunks), and the
+    calibrated step model's own time for each label (:func:`probe_step_predictions` on the
+    calibration's topology, at the calibration's speed)."""
+
+    processes: int
+    probes: Tuple[str, ...]
+    built: Tuple[Tuple[Any, Dict[str, Any]], ...]
+    labels: Tuple[str, ...]
+    plans: Tuple[Plan, ...]
+    model_s: Dict[str, float]
+
+    def speed(self, now: Mapping[str, float], measured: str) -> HostSpeed:
+        """The host's speed from the labels' steps ``now`` over the model's time for them."""
+        return steps_speed(self.model_s, now, self.processes, measured)
+
+
+def probe_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path = CONF) -> ProbeSteps:
+    """The :class:`ProbeSteps` of ``profile`` (its reference's ``steps``) for ``processes``."""
     recorded = dict(profile.reference.get(STEPS_GROUP) or {})
     if not recorded:
         raise ConfigError(f"compute profile '{profile.name}': no probe steps in its reference (calibrated before "
@@ -982,10 +996,23 @@ def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path 
     cells = [c for c in cells if c[4] == n]
     probes = sorted({probe for _, probe, _, _, _ in cells})
     built = compose_models(probe_entries(probes), conf)
-    model = probe_step_predictions(profile, topo, [shape for shape, _ in built],
-                                   [(probes.index(probe), mesh[0], mesh[1], c) for _, probe, mesh, c, _ in cells])
-    now = time_probe_steps(probes, n, conf, built=built)
-    return steps_speed({label: est.step_s for (label, *_), est in zip(cells, model)}, now, n, utc_now())
+    plans = [(probes.index(probe), mesh[0], mesh[1], c) for _, probe, mesh, c, _ in cells]
+    model = probe_step_predictions(profile, topo, [shape for shape, _ in built], plans)
+    return ProbeSteps(n, tuple(probes), tuple(built), tuple(c[0] for c in cells), tuple(plans),
+                      {label: est.step_s for (label, *_), est in zip(cells, model)})
+
+
+def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path = CONF) -> HostSpeed:
+    """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
+    the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
+    count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`), over the
+    calibrated step model's own time for them (:func:`probe_steps`). The model was fitted to these probes'
+    steps interleaved through the calibration's main launch, so the ratio carries the host's speed
+    now against the calibration's whole launch, not against the one short launch that recorded the
+    steps: that launch's own level read x0.78-1.39 the model's (runs 46-49, docs/step-time.md "Runs 47–49")."""
+    ps = probe_steps(profile, processes, topo, conf)
+    now = time_probe_steps(list(ps.probes), ps.processes, conf, built=list(ps.built))
+    return ps.speed(now, utc_now())
 
 
 # ------------------------------------------------------------------------ the command

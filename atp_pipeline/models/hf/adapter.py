@@ -159,6 +159,7 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         name=name or str(config.model_type), hidden=hidden, heads=heads, layers=int(text.num_hidden_layers),
         seq_len=max(int(getattr(text, "max_position_embeddings", None) or 2048), 1), vocab_size=int(text.vocab_size),
         ffn=layout.ffn, kv_heads=kv_heads, head_dim=head_dim, gated=layout.gated, norm=layout.norm,
+        act_kernels=layout.act_kernels,
         bias=layout.bias, position="learned" if embeddings else "rotary",
         tied_embeddings=tied, norm_layout="gathered",
         head_layout="whole" if layout.whole_head else _head_layout(module, tied),

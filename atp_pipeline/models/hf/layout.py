@@ -49,6 +49,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.fsdp import block_units
 from atp_pipeline.parallel.linear import _transposed, as_linear, linear_kinds, register_linear_kind
 from atp_pipeline.models.hf import mla
+from atp_pipeline.models.op_count import pointwise_kernels
 from atp_pipeline.models.hf.whole import derive_with_whole, hidden_io, idle_units, is_unit, token_forward
 from atp_pipeline.planning.shape import LatentShape, MoEShape
 
@@ -133,6 +134,7 @@ class Layout:
     whole_mlp: bool = False  # the MLP's intermediate gathered over d1 around a module over all of it
     sink_params: int = 0  # per layer: per-head parameters the core reads (gradients summed over d1 and d2)
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
+    act_kernels: Tuple[int, int] = (1, 1)  # the MLP's activation: kernels forward, backward as its code runs them
     head_gates: bool = False  # per-head projections beside q/k/v (an output gate): not in the cost model
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     latent: Optional[LatentShape] = None  # a multi-head latent attention (style hf_mla), if any
@@ -466,6 +468,14 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                     and not any("output=full" in plan.get(n, "") for n in by_parent[parent]):
                 plan[f"{parent}.{child}"] = "hf_scalars(axis=d1)"
                 layout.scalar_params = layout.scalar_params or sum(p.numel() for p in params)
+    for parent, members in by_parent.items():  # the dense MLP's activation, as its code runs it
+        if any(rest[n] in ROW_KINDS for n in members) and not any(parent.startswith(b + ".") for b in moe_blocks):
+            counts = [pointwise_kernels(sub) for child, sub in _first(names, parent).named_children()
+                      if f"{parent}.{child}" not in plan and not _is_linear(sub)]
+            fwd, bwd = (sum(c[i] for c in counts if c) for i in (0, 1))
+            if fwd:  # (none: a functional activation in the MLP's forward, priced as one kernel)
+                layout.act_kernels = (fwd, bwd)
+                break
     for full in experts:
         layout.moe = _lay_out_experts(plan, names, full, hidden, kind, module.config, shared_ffn,
                                       module if probe else None)
