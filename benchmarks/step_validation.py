@@ -43,7 +43,7 @@ prices a plan at the same probes' steps timed before it
 times them in launches of their own right before and right after each launch instead — the
 probe after one launch the next one's before — a launch at the mean of the two: a launch's
 own state, which moves its points by 0.13 in log, is then not in its speed (docs/step-time.md
-"Runs 53–55"); ``--probes-in-launch`` gives every row the prediction at the in-launch speed
+"Runs 53–56"); ``--probes-in-launch`` gives every row the prediction at the in-launch speed
 beside whatever ``--retime`` priced it at; every row also carries the prediction at the
 calibration's own speed). The
 other jobs' load on the host while a point was measured (the mean over its launch's kept
