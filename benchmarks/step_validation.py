@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
         return adapter, dense, torch.randint(0, V, (b, s), generator=g), torch.randint(0, V, (b, s), generator=g)
 
     emu_topo = Topology.from_config(spec["emulate"]) if spec["emulate"] else None
-    # the group's points, then (--retime launch) the calibration's probe steps on the same meshes,
+    # the group's points, then (--retime launch, --probes-in-launch) the calibration's probe steps on the same meshes,
     # interleaved with them in every round: (key, step function, the mesh's Comm)
     runners: List[Tuple[str, Any, Any]] = []
     meshes: Dict[Tuple[int, int, bool], Any] = {}
@@ -526,7 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.retime not in RETIME_MODES:
             raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
         in_launch = args.retime == "launch" or args.probes_in_launch
-        on_steps = "--retime steps" if args.retime == "steps" else "--retime launch" if in_launch else ""
+        on_steps = ("--retime steps" if args.retime == "steps" else "--retime launch" if args.retime == "launch"
+                    else "--probes-in-launch" if in_launch else "")
         if on_steps and min(worlds, default=2) < 2:
             raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
                               f"steps run collectives)")
