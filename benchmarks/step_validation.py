@@ -619,15 +619,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         within = HostSpeed.over(inside) if inside else None
         extra: Dict[str, Any] = {} if within is None else {
             "host_speed_in_launch": {**within.to_dict(), "per_launch": [s.to_dict() for s in inside]}}
+        # the profile at the in-launch speed, once a group (--retime launch: the one priced at)
+        at_inside = None if within is None else at if within == priced else calibrated.at_speed(within)
         for d1, d2, c, e in points:
             emulated = (emu, args.slowdown) if e else None
             est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
             # beside it, the same prediction at the calibration's own host speed (not re-timed)
             flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
                                                               calibrated, emulated)
-            if within is not None:  # and at the speed of the probe steps timed inside its launches
-                extra["predicted_at_in_launch_speed_s"] = estimate_step(
-                    sub, shape, (d1, d2), StepSetting(chunks=c), calibrated.at_speed(within), emulated).step_s
+            if at_inside is not None:  # and at the speed of the probe steps timed inside its launches
+                extra["predicted_at_in_launch_speed_s"] = est.step_s if at_inside is at else estimate_step(
+                    sub, shape, (d1, d2), StepSetting(chunks=c), at_inside, emulated).step_s
             key = json.dumps([d1, d2, c, e])
             meas = statistics.median(times[key])
             inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
