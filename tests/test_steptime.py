@@ -487,7 +487,7 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     """Run 16 (issue 27): the residual's CPU form (CpuStep) — the step as the probes' measured step
     against their measured rank CPU per (mesh, chunks) cell (``T = ratio·U + wait``; the wait since
     run 35), of the predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per
-    process and chunk count) — recovers planted values exactly; the calibration keeps whichever form
+    cell since run 57; before, per process and chunk count) — recovers planted values exactly; the calibration keeps whichever form
     predicts better the probe models left out in turn; a profile with it predicts
     ``ratio × (a·cpu + b) + wait`` (the medians of the cells of its chunk count where a cell is not
     calibrated), writes and reads it back (a profile from before run 35: no wait), and re-times its
@@ -500,9 +500,10 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
              (4, (2, 2), 1): 2.4, (4, (4, 1), 1): 2.6}
     wait = {(2, (1, 2), 2): 0.003, (4, (2, 2), 1): 0.002, (4, (4, 1), 1): 0.006}  # the other cells none
     ab = {(2, 1): (1.1, 0.002), (2, 2): (1.05, 0.004), (4, 1): (1.2, 0.001)}
+    own = {(4, (4, 1), 1): (1.3, 0.0)}  # a cell's own line: its mesh's rank CPU apart from the others'
     steps = [(n, mesh, c, m, 0.010 * (1 + m) + 0.004 * (mesh[0] + c)) for (n, mesh, c) in ratio for m in range(4)]
     u_hat = [x[4] for x in steps]
-    u = [ab[n, c][0] * uh + ab[n, c][1] for (n, _, c, _, uh) in steps]
+    u = [own.get((n, mesh, c), ab[n, c])[0] * uh + own.get((n, mesh, c), ab[n, c])[1] for (n, mesh, c, _, uh) in steps]
     wall = [ratio[n, mesh, c] * uu + wait.get((n, mesh, c), 0.0) for (n, mesh, c, _, _), uu in zip(steps, u)]
     args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
     fit = cal.fit_cpu_step(u_hat, u, wall, *args)
@@ -511,11 +512,17 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     assert fit.wait == {2: {"1x2/c1": pytest.approx(0, abs=1e-9), "1x2/c2": pytest.approx(0.003),
                             "2x1/c1": pytest.approx(0, abs=1e-9), "2x1/c2": pytest.approx(0, abs=1e-9)},
                         4: {"2x2/c1": pytest.approx(0.002), "4x1/c1": pytest.approx(0.006)}}
-    assert {(n, c): fit.cpu[n][c] for n, c in ab} == {k: pytest.approx(v, rel=1e-6) for k, v in ab.items()}
+    assert {n: {k: pytest.approx(v, rel=1e-6, abs=1e-9) for k, v in per.items()} for n, per in fit.cpu.items()} == {
+        n: {cp.cell_key(mesh, c): own.get((n, mesh, c), ab[n, c]) for (nn, mesh, c) in ratio if nn == n} for n in (2, 4)}
     assert fit.step(2, (1, 2), 2, 0.05) == pytest.approx(1.5 * (1.05 * 0.05 + 0.004) + 0.003)
-    # a cell not calibrated: the medians of 4's chunks-1 cells (ratio 2.5, wait 4 ms)
-    assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001) + 0.004)
-    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.2 * 0.05 + 0.001) + 0.004)  # the nearest count, chunks
+    assert fit.step(4, (4, 1), 1, 0.05) == pytest.approx(2.6 * 1.3 * 0.05 + 0.006)  # its own line
+    # a cell not calibrated: the medians of 4's chunks-1 cells (ratio 2.5, wait 4 ms, the CPU x1.25 + 0.5 ms)
+    assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)
+    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)  # the nearest count, chunks
+    # a profile from before run 57: one CPU line per process and chunk count, whatever the mesh
+    per_chunks = cp.CpuStep(fit.ratio, {2: {1: (1.1, 0.002), 2: (1.05, 0.004)}, 4: {1: (1.2, 0.001)}}, fit.wait)
+    assert per_chunks.step(4, (4, 1), 1, 0.05) == pytest.approx(2.6 * (1.2 * 0.05 + 0.001) + 0.006)
+    assert per_chunks.line(8, (2, 2), 2) == (1.2, 0.001) and "(chunks 1)" in per_chunks.describe()
     # two steps of a cell: no line through them, the median ratio and no wait
     two = cal.fit_cpu_step(u_hat[:2], u[:2], wall[:2], *(a[:2] for a in args))
     assert two.wait[2]["2x1/c1"] == 0.0 and two.ratio[2]["2x1/c1"] == pytest.approx(1.2)
@@ -549,7 +556,11 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     assert cfg["step_residual"]["form"] == "cpu" and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4)
     assert cfg["step_residual"]["cpu_wait"]["4"]["4x1/c1"] == pytest.approx(6000.0)  # microseconds
     back = cp.ComputeProfile.from_config(cfg).step_residual
-    assert back.form == "cpu" and back.anchored.cpu[4][1] == pytest.approx(ab[4, 1], rel=1e-5)
+    assert back.form == "cpu" and back.anchored.cpu[4]["2x2/c1"] == pytest.approx(ab[4, 1], rel=1e-5)
+    assert cfg["step_residual"]["cpu_fit"]["4"]["4x1/c1"] == pytest.approx([1.3, 0.0], abs=1e-9)  # microseconds
+    old_fit = {p: {c.split("/c")[1]: v for c, v in per.items() if c.startswith("2x")} for p, per in cfg["step_residual"]["cpu_fit"].items()}
+    before = cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_fit": old_fit}})
+    assert before.step_residual.anchored.cpu[2] == {1: pytest.approx(ab[2, 1], rel=1e-5), 2: pytest.approx(ab[2, 2], rel=1e-5)}
     assert back.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(res.cpu_step(4, (2, 2), 1, 0.05), rel=1e-5)
     assert "4x1/c1 x2.60 + 6.00 ms" in back.describe()
     older = {k: v for k, v in cfg["step_residual"].items() if k != "cpu_wait"}  # a profile from before run 35

@@ -133,6 +133,11 @@ def cell_key(mesh: Mesh, chunks: int) -> str:
     return f"{mesh[0]}x{mesh[1]}/c{chunks}"
 
 
+def line_key(key: Any) -> Any:
+    """A ``cpu_fit`` key as read back: a cell's name (``"2x1/c2"``), or a chunk count (a profile before run 57)."""
+    return str(key) if "/" in str(key) else int(key)
+
+
 @dataclass(frozen=True)
 class CpuStep:
     """The step as a multiple of one rank's CPU (docs/step-time.md, run 16): on a host whose
@@ -143,18 +148,23 @@ class CpuStep:
     of runs 12-15 — what the terms' timeline does not reproduce (the waits depend on which
     rank's work the others wait for). So the step is ``ratio[P][cell] × (a·CPU + b) + wait[P][cell]``:
     ``CPU`` the model's predicted CPU of a rank (:attr:`~atp_pipeline.planning.steptime.StepEstimate.cpu_s`:
-    its compute and its collectives' backend CPU), ``a, b`` per process count and chunk count
-    what the probes' measured rank CPU was against that prediction (relative non-negative least
-    squares), ``ratio`` and ``wait`` per cell the probes' measured step against their measured rank
-    CPU, ``T = ratio·U + wait`` (relative non-negative least squares; a profile before run 35: the
-    median of ``T / U``, no wait). The wait (run 35, diagnosis e25): a step's waits do not all grow
-    with its CPU, so the validation models, 2-8x the probes' CPU, ran 3-5 % below the probes' median
-    ratio in every cell over 22 grids. A cell not calibrated takes the median over its process
+    its compute and its collectives' backend CPU), ``a, b`` per process count and cell what the
+    probes' measured rank CPU was against that prediction (relative non-negative least squares;
+    a profile before run 57: per process count and chunk count, every mesh alike), ``ratio`` and
+    ``wait`` per cell the probes' measured step against their measured rank CPU, ``T = ratio·U +
+    wait`` (relative non-negative least squares; a profile before run 35: the median of ``T / U``,
+    no wait). The wait (run 35, diagnosis e25): a step's waits do not all grow with its CPU, so the
+    validation models, 2-8x the probes' CPU, ran 3-5 % below the probes' median ratio in every cell
+    over 22 grids. The CPU line per cell (run 57, diagnosis e45): the validation models' measured
+    rank CPU against the one line of their process and chunk count sat apart by mesh alike in every
+    model (4 processes: 2x2 -0.03 ... -0.11 in log, 4x1 +0.01 ... +0.08, over 17 grids), and the
+    probes' steps show it per cell too. A cell not calibrated takes the medians over its process
     count's cells of its chunk count (else of all its cells); a process count not calibrated the
     nearest one's (ties: the larger)."""
 
     ratio: Mapping[int, Mapping[str, float]]  # processes -> cell_key -> step / rank CPU
-    cpu: Mapping[int, Mapping[int, Tuple[float, float]]]  # processes -> chunks -> (a, b seconds)
+    #: processes -> cell_key -> (a, b seconds); before run 57: processes -> chunks -> (a, b seconds)
+    cpu: Mapping[int, Mapping[Any, Tuple[float, float]]]
     wait: Mapping[int, Mapping[str, float]] = field(default_factory=dict)  # processes -> cell_key -> seconds
 
     def _count(self, processes: int) -> int:
@@ -170,8 +180,23 @@ class CpuStep:
         else:
             same = [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
             g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
-        a, b = _nearest(self.cpu.get(p) or _nearest(self.cpu, p), chunks)
+        a, b = self.line(processes, mesh, chunks)
         return g * (a * cpu_s + b) + w
+
+    def line(self, processes: int, mesh: Mesh, chunks: int) -> Tuple[float, float]:
+        """The rank CPU's line ``(a, b)`` for ``mesh`` at ``chunks`` among ``processes``: its cell's,
+        else the medians over the nearest calibrated count's cells of its chunk count (else of all its
+        cells); a profile before run 57: its process and chunk count's."""
+        p = self._count(processes)
+        lines = self.cpu.get(p) or _nearest(self.cpu, p)
+        per_chunks = {k: v for k, v in lines.items() if isinstance(k, int)}
+        if per_chunks:
+            return _nearest(per_chunks, chunks)
+        key = cell_key(mesh, chunks)
+        if p == processes and key in lines:
+            return lines[key]
+        same = [k for k in lines if k.endswith(f"/c{chunks}")] or list(lines)
+        return statistics.median(lines[k][0] for k in same), statistics.median(lines[k][1] for k in same)
 
     def at_speed(self, overhead: float) -> "CpuStep":
         """The same with the CPU offsets ``b`` and the waits at the host's per-call speed now (:class:`HostSpeed`)."""
@@ -180,7 +205,8 @@ class CpuStep:
 
     def describe(self) -> str:
         def one(p: int) -> str:
-            cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms (chunks {c})" for c, (a, b) in sorted(self.cpu.get(p, {}).items()))
+            cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms ({f'chunks {c}' if isinstance(c, int) else c})"
+                            for c, (a, b) in sorted(self.cpu.get(p, {}).items(), key=lambda kv: str(kv[0])))
             waits = self.wait.get(p, {})
             cells = ", ".join(f"{k} x{v:.2f}" + (f" + {waits[k] * 1e3:.2f} ms" if waits.get(k) else "")
                               for k, v in sorted(self.ratio[p].items()))
@@ -800,7 +826,7 @@ class ComputeProfile:
                 if rd.get("cpu_ratio"):  # run 16: the step from a rank's CPU
                     ratio = {int(p): {str(k): float(v) for k, v in dict(cells).items()}
                              for p, cells in dict(rd["cpu_ratio"]).items()}
-                    fit = {int(p): {int(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
+                    fit = {int(p): {line_key(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
                            for p, per in dict(rd.get("cpu_fit") or {}).items()}
                     wait = {int(p): {str(k): float(v) * 1e-6 for k, v in dict(cells).items()}
                             for p, cells in dict(rd.get("cpu_wait") or {}).items()}  # run 35; before: none
@@ -810,7 +836,7 @@ class ComputeProfile:
                             or not all(p in ratio and k in ratio[p] and v >= 0 and math.isfinite(v)
                                        for p, cells in wait.items() for k, v in cells.items()):
                         raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
-                                          f"> 0, cpu_fit: processes -> chunks -> [factor >= 0, microseconds >= 0] and "
+                                          f"> 0, cpu_fit: processes -> 'd1xd2/cC' (or chunks) -> [factor >= 0, microseconds >= 0] and "
                                           f"cpu_wait: cpu_ratio's cells -> microseconds >= 0, got {ratio}, {fit}, {wait}")
                     anchored = CpuStep(ratio, fit, wait)
                 cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
@@ -884,7 +910,7 @@ class ComputeProfile:
         if sr.anchored is not None:
             out["cpu_ratio"] = {int(p): {k: g(v) for k, v in sorted(cells.items())}
                                 for p, cells in sorted(sr.anchored.ratio.items())}
-            out["cpu_fit"] = {int(p): {int(c): [g(a), g(b * 1e6)] for c, (a, b) in sorted(per.items())}
+            out["cpu_fit"] = {int(p): {c: [g(a), g(b * 1e6)] for c, (a, b) in sorted(per.items(), key=lambda kv: str(kv[0]))}
                               for p, per in sorted(sr.anchored.cpu.items())}
             if sr.anchored.wait:
                 out["cpu_wait"] = {int(p): {k: g(w * 1e6) for k, w in sorted(cells.items())}

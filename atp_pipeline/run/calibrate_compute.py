@@ -747,15 +747,16 @@ def fit_step_residual(parts: Sequence[Tuple[float, float]], measured: Sequence[f
 def fit_cpu_step(cpu_pred: Sequence[float], cpu_meas: Sequence[float], measured: Sequence[float],
                  processes: Sequence[int], meshes: Sequence[Mesh], chunks: Sequence[int]) -> Optional[CpuStep]:
     """:class:`CpuStep` from the probes' own training steps: per process count and (mesh, chunk
-    count) cell the measured step ``T`` against the measured rank CPU ``U`` as ``T = ratio·U + wait``;
-    per process count and chunk count the measured rank CPU against the predicted ``Û`` as
-    ``U = a·Û + b`` (both :func:`_line`). None without a step whose three times are all measured."""
+    count) cell the measured step ``T`` against the measured rank CPU ``U`` as ``T = ratio·U + wait``,
+    and the measured rank CPU against the predicted ``Û`` as ``U = a·Û + b`` (both :func:`_line`;
+    the CPU's line per cell since run 57, diagnosis e45). None without a step whose three times are
+    all measured."""
     steps: Dict[int, Dict[str, List[Tuple[float, float]]]] = {}
-    cpu: Dict[int, Dict[int, List[Tuple[float, float]]]] = {}
+    cpu: Dict[int, Dict[str, List[Tuple[float, float]]]] = {}
     for u_hat, u, t, n, mesh, k in zip(cpu_pred, cpu_meas, measured, processes, meshes, chunks):
         if u_hat > 0 and u > 0 and t > 0:
             steps.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append((u, t))
-            cpu.setdefault(int(n), {}).setdefault(int(k), []).append((u_hat, u))
+            cpu.setdefault(int(n), {}).setdefault(cell_key(mesh, k), []).append((u_hat, u))
     if not steps:
         return None
     cells = {n: {c: _line(pts) for c, pts in sorted(per.items())} for n, per in sorted(steps.items())}
