@@ -171,16 +171,20 @@ class CpuStep:
     def _count(self, processes: int) -> int:
         return min(self.ratio, key=lambda n: (abs(n - processes), -n))
 
+    def _cells(self, cells: Mapping[str, Any], processes: int, mesh: Mesh, chunks: int) -> List[str]:
+        """The cells of ``cells`` (one count's) a cell is priced from: itself where calibrated on
+        ``processes`` itself, else its count's cells of its chunk count (else all its cells)."""
+        key = cell_key(mesh, chunks)
+        if self._count(processes) == processes and key in cells:
+            return [key]
+        return [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
+
     def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> float:
         """The step of a rank whose predicted CPU is ``cpu_s`` on ``mesh`` at ``chunks`` among ``processes``."""
         p = self._count(processes)
-        key = cell_key(mesh, chunks)
         cells, waits = self.ratio[p], self.wait.get(p, {})
-        if p == processes and key in cells:
-            g, w = cells[key], waits.get(key, 0.0)
-        else:
-            same = [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
-            g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
+        same = self._cells(cells, processes, mesh, chunks)
+        g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
         a, b = self.line(processes, mesh, chunks)
         return g * (a * cpu_s + b) + w
 
@@ -193,10 +197,7 @@ class CpuStep:
         per_chunks = {k: v for k, v in lines.items() if isinstance(k, int)}
         if per_chunks:
             return _nearest(per_chunks, chunks)
-        key = cell_key(mesh, chunks)
-        if p == processes and key in lines:
-            return lines[key]
-        same = [k for k in lines if k.endswith(f"/c{chunks}")] or list(lines)
+        same = self._cells(lines, processes, mesh, chunks)
         return statistics.median(lines[k][0] for k in same), statistics.median(lines[k][1] for k in same)
 
     def at_speed(self, overhead: float) -> "CpuStep":
