@@ -526,8 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.retime not in RETIME_MODES:
             raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
         in_launch = args.retime == "launch" or args.probes_in_launch
-        on_steps = ("--retime steps" if args.retime == "steps" else "--retime launch" if args.retime == "launch"
-                    else "--probes-in-launch" if in_launch else "")
+        in_launch_flag = "--retime launch" if args.retime == "launch" else "--probes-in-launch"
+        on_steps = "--retime steps" if args.retime == "steps" else in_launch_flag if in_launch else ""
         if on_steps and min(worlds, default=2) < 2:
             raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
                               f"steps run collectives)")
@@ -539,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
         off = sorted(w for w, ps in probes_at.items() if ps.processes != w)
         if off:
-            raise ConfigError(f"step_validation: {'--retime launch' if args.retime == 'launch' else '--probes-in-launch'}: "
+            raise ConfigError(f"step_validation: {in_launch_flag}: "
                               f"--worlds {args.worlds}: the calibration recorded no probe steps on {off} processes "
                               f"(only on {sorted({ps.processes for ps in probes_at.values()})})")
         only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
