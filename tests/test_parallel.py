@@ -99,6 +99,16 @@ def test_training_optimizer_on_local_shards_is_adamw_bit_for_bit(figure9):
     assert o["refusal"] is not None and "exp_avg is laid out (Replicate(), Replicate())" in o["refusal"], o
 
 
+def test_last_dimension_gather_and_split_are_exact_conjugates(figure9):
+    """A gathered head's logits and a family's norm on the gathered hidden move by rows of their
+    last dimension (no transposing copy): the blocks side by side, the gradient's own block back,
+    one all-gather of the whole tensor each way."""
+    o = figure9["last_dim"]
+    assert o["exact"] and o["contiguous"], o
+    for n, calls in zip((2, 4), o["calls"]):
+        assert calls == {"all_gather/d1": (2, 2 * 3 * 5 * 4 * n)}, calls
+
+
 def test_bad_meshes_fail_clearly(figure9):
     assert figure9["errors"] == [
         "ATPLinear(9, 16, first='column'): in_features=9 is not divisible by d2=2",

@@ -145,6 +145,33 @@ def _local_shard_adamw(mesh: Any, world: int) -> Dict[str, Any]:
     return out
 
 
+def _last_dim_conjugates(mesh: Any) -> Dict[str, Any]:
+    """``gather_last`` / ``split_last`` (mappings.GatherLast / SplitLast) on d1 of a (2, 2) mesh and
+    of a (4, 1) one: the gather is the blocks side by side (contiguous; backward this rank's block of
+    the gradient), the split its conjugate; one all-gather each, of the whole tensor's elements."""
+    from atp_pipeline.parallel.mappings import gather_last, split_last
+
+    out: Dict[str, Any] = {"exact": True, "contiguous": True, "calls": []}
+    for m in (mesh, init_mesh((4, 1))):
+        comm = comm_for(m)
+        n, r = comm.size("d1"), comm.rank("d1")
+        full = torch.randn(3, 5, 4 * n, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        grad = torch.randn(3, 5, 4 * n, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+        mine = full[..., 4 * r:4 * (r + 1)].clone().requires_grad_()
+        comm.stats.reset()
+        whole = gather_last(mine, comm, "d1")
+        whole.backward(grad)
+        own = full.clone().requires_grad_()
+        part = split_last(own, comm, "d1")
+        part.backward(grad[..., 4 * r:4 * (r + 1)])
+        out["exact"] &= bool(torch.equal(whole, full) and torch.equal(mine.grad, grad[..., 4 * r:4 * (r + 1)])
+                             and torch.equal(part, full[..., 4 * r:4 * (r + 1)]) and torch.equal(own.grad, grad))
+        out["contiguous"] &= whole.is_contiguous() and part.is_contiguous()
+        out["calls"].append({f"{kind}/{axis}": (c.calls, c.elements)
+                             for (kind, axis), c in comm.stats.totals.items()})
+    return out
+
+
 def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
     """Figure 9's usage, the native comparator's loss, emulation accounting, bad meshes."""
     res: Dict[str, Any] = {}
@@ -196,6 +223,7 @@ def figure9_and_comparators(rank: int, world: int) -> Dict[str, Any]:
             "spans_cover_model": all(c.span_s >= c.emulated_s * (1 - 1e-9) for c in counters)})
 
     res["optim"] = _local_shard_adamw(atp.fc1.weight.device_mesh, world)  # the (d1, d2) mesh
+    res["last_dim"] = _last_dim_conjugates(mesh)
 
     # Bad meshes: a clear error naming the sizes.
     errors = []

@@ -34,8 +34,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import sharded_parameter
-from atp_pipeline.parallel.mappings import (all_reduce_sum, copy_to_axis, gather_dim0, grad_contiguous,
-                                           reduce_from_axis, scatter_dim0, vocab_parallel_cross_entropy)
+from atp_pipeline.parallel import mappings
+from atp_pipeline.parallel.mappings import (all_reduce_sum, copy_to_axis, grad_contiguous, reduce_from_axis,
+                                           vocab_parallel_cross_entropy)
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 FULL, SPLIT = "full", "split"
@@ -45,13 +46,13 @@ def split_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
     """This rank's block of the last dimension of a replicated ``x`` (gradient: all-gather),
     contiguous: a user's module reducing over it (a float32 norm) sums in the same order as
     on one process."""
-    return scatter_dim0(grad_contiguous(x).movedim(-1, 0), comm, axis).movedim(0, -1).contiguous()
+    return mappings.split_last(grad_contiguous(x), comm, axis).contiguous()
 
 
 def gather_last(x: torch.Tensor, comm, axis: str) -> torch.Tensor:
     """All-gather the blocks of the last dimension over ``axis`` (gradient: keep own block),
     contiguous like the tensor one process would hold."""
-    return gather_dim0(grad_contiguous(x).movedim(-1, 0).contiguous(), comm, axis).movedim(0, -1).contiguous()
+    return mappings.gather_last(grad_contiguous(x), comm, axis).contiguous()
 
 
 class ParallelLayerNorm(nn.Module):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, comm_for
-from atp_pipeline.parallel.mappings import gather_dim0, linear_all_reduce, scatter_dim0
+from atp_pipeline.parallel.mappings import gather_last, linear_all_reduce, split_last
 from atp_pipeline.parallel.mesh import device_of, full_tensor, shard_seed, tp_coordinate, tp_mesh
 
 COLUMN, ROW = "column", "row"
@@ -246,13 +246,13 @@ class ATPLinear(nn.Module):
         """``x``: features split over the input axis (or full, unless ``input_is_parallel``);
         returns features split over the output axis (or full, with ``gather_output``)."""
         if not self.input_is_parallel:
-            x = scatter_dim0(x.movedim(-1, 0), self.comm, self.in_axis).movedim(0, -1)
+            x = split_last(x, self.comm, self.in_axis)
         y = linear_all_reduce(x, self.weight.to_local(), self.comm, self.in_axis, self.out_axis,
                               shared=self.shared_input)
         if self.bias is not None:
             y = y + self.bias.to_local()
         if self.gather_output:
-            y = gather_dim0(y.movedim(-1, 0).contiguous(), self.comm, self.out_axis).movedim(0, -1)
+            y = gather_last(y, self.comm, self.out_axis)
         return y
 
     def extra_repr(self) -> str:

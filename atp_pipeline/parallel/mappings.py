@@ -23,6 +23,8 @@ them. A dimension of size 1 makes an operator a no-op.
   ``copy_to_tensor_model_parallel_region``), e.g. the key/value heads a rank's query heads read.
 * :class:`ScatterDim0` / :class:`GatherDim0` — the scatter before and the gather after the
   attention core (§3.2.1): split / all-gather along dim 0, conjugate in backward.
+* :class:`SplitLast` / :class:`GatherLast` — the same along the last dimension (features: a
+  gathered head's logits, a family's norm on the gathered hidden), without transposing it.
 * :class:`VocabParallelCrossEntropy` — cross-entropy over logits whose vocabulary is split
   across d1: max and sum-exp reduced over d1, no communication in backward.
 * :class:`VocabSplitLinear` — an LM head whose logits stay split over d1 (vocabulary) and d2
@@ -197,6 +199,51 @@ class GatherDim0(torch.autograd.Function):
         return g.chunk(comm.size(ctx.axis), dim=0)[comm.rank(ctx.axis)].contiguous(), None, None
 
 
+def _blocks_joined(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dimension (rank order): each block sent as
+    one contiguous buffer, the gathered ``[n, ..., f]`` interleaved into ``[..., n·f]`` by one copy
+    of rows."""
+    blocks, _ = comm.all_gather(x.unsqueeze(0), axis)
+    return blocks.movedim(0, -2).flatten(-2)
+
+
+def _own_block(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """This rank's block of the last dimension of ``x``, contiguous."""
+    return x.unflatten(-1, (comm.size(axis), -1)).select(-2, comm.rank(axis)).contiguous()
+
+
+class GatherLast(torch.autograd.Function):
+    """Forward: all-gather the blocks of the last dimension. Backward: keep this rank's block.
+
+    Along dim 0 after ``movedim(-1, 0)`` (:class:`GatherDim0`) the tensor is transposed into a
+    contiguous ``[f, ...]`` before the gather and read back transposed after it: a gathered
+    head's ``[tokens, vocab]`` logits took 2.7 ms of copies forward and 0.5 backward of a 21 ms
+    rank CPU step (``probe_llama_b48`` on 2x1, docs/step-time.md "Runs 59-60"); rows of ``f`` move here."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        return _blocks_joined(x, comm, axis)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return _own_block(g, ctx.comm, ctx.axis), None, None
+
+
+class SplitLast(torch.autograd.Function):
+    """Forward: keep this rank's block of the last dimension. Backward: all-gather the blocks
+    (:class:`GatherLast`'s conjugate)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        return _own_block(x, comm, axis)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return _blocks_joined(g.contiguous(), ctx.comm, ctx.axis), None, None
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of ``logits [N, V/d]`` (this rank's vocab block ``[lo, hi)``)."""
 
@@ -358,6 +405,14 @@ def scatter_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
 
 def gather_dim0(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return x if comm.size(axis) == 1 else GatherDim0.apply(x, comm, axis)
+
+
+def gather_last(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else GatherLast.apply(x, comm, axis)
+
+
+def split_last(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return x if comm.size(axis) == 1 else SplitLast.apply(x, comm, axis)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,

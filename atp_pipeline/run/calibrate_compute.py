@@ -123,6 +123,12 @@ PROBES: Dict[str, Tuple[str, ...]] = {
 # predicted the same validation rows 0.72-1.15x apart.
 PROBES["probe_gpt_s_b48"] = (*PROBES["probe_gpt_s"][:-1], "model.batch_size=48")
 PROBES["probe_llama_b48"] = (*PROBES["probe_llama"][:-1], "model.batch_size=48")
+# And the GPT-2 family's at 8x the batch (run 59): on 2 processes the rank CPU over its predicted
+# time grew with the tokens a kernel runs on in both transformers families (the 2x1 cell's validation
+# models x1.39-1.43, `probe_llama_b48` x1.52, the batch-6 probes x1.09-1.25), and with one such probe
+# the CPU's line of that cell leant on it alone; run 59's own grids refitted without it: worst 42.7 and
+# 46.8 % against 39.4 and 43.5 % (docs/step-time.md, "Runs 59-60").
+PROBES["probe_gpt2_b48"] = (*PROBES["probe_gpt2"][:-1], "model.batch_size=48")
 
 
 # ------------------------------------------------------------------------ what is measured
