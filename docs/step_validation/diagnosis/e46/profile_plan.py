@@ -1,8 +1,14 @@
-"""Where a collective-free probe plan's CPU goes: torch.profiler self CPU by op, rank 0, vs the program's kernels priced."""
+"""Where a collective-free probe plan's CPU goes: torch.profiler self CPU by ATen op, rank 0.
+
+    profile_plan.py PROBES WORLD MESHES [--shapes]   e.g. probe_llama_b48,probe_gpt_s_b48 2 2x1
+--shapes: the copies, fills and elementwise ops by input shape instead."""
 import sys, json, collections, time
 from pathlib import Path as _P
 sys.path.insert(0, str(_P(__file__).resolve().parents[4]))
 from pathlib import Path
+
+SHAPES = '--shapes' in sys.argv
+
 
 def worker(rank, world, plans, models):
     import torch
@@ -17,11 +23,14 @@ def worker(rank, world, plans, models):
         c0 = time.process_time()
         for _ in range(20): fn()
         cpu = (time.process_time() - c0) / 20
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=SHAPES) as prof:
             for _ in range(10): fn()
         tab = {}
-        for e in prof.key_averages():
-            tab[e.key] = (e.count / 10, e.self_cpu_time_total / 10 / 1e6)
+        for e in prof.key_averages(group_by_input_shape=SHAPES):
+            if not SHAPES:
+                tab[e.key] = (e.count / 10, e.self_cpu_time_total / 10 / 1e6)
+            elif e.key in ('aten::copy_', 'aten::fill_', 'aten::clone', 'aten::cat', 'aten::mul', 'aten::add'):
+                tab[e.key + ' ' + str(e.input_shapes)[:90]] = (e.count / 10, e.self_cpu_time_total / 10 / 1e6)
         out[str(plan)] = {'cpu': cpu, 'ops': tab}
     return out
 
@@ -33,7 +42,7 @@ def main():
     built = compose_models(probe_entries(names), Path('conf'))
     plans = [(i, d1, d2, 1) for i in range(len(names)) for d1, d2 in meshes]
     res = spawn(worker, world, plans, [sp for _, sp in built])[0]
-    json.dump(res, open(str(Path(__file__).with_name(f'profile_plan_{world}proc.json')), 'w'))
+    json.dump(res, open(str(Path(__file__).with_name(f'profile_{"shapes" if SHAPES else "plan"}_{world}proc.json')), 'w'))
     for plan, r in res.items():
         ops = sorted(r['ops'].items(), key=lambda kv: -kv[1][1])
         tot = sum(t for _, (_, t) in ops)
