@@ -241,7 +241,7 @@ class SplitLast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return _blocks_joined(g.contiguous(), ctx.comm, ctx.axis), None, None
+        return _blocks_joined(g, ctx.comm, ctx.axis), None, None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
