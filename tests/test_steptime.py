@@ -10,6 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -178,11 +179,68 @@ def test_compute_calibration_round_trip_is_named_in_predictions(tmp_path):
     assert plan.summary_row()["compute_profile"] == "fake4"
 
 
-def test_an_attention_core_is_priced_by_its_score_elements_not_its_flops():
-    """On a CPU an attention core's time is its loops over the ``s × s`` scores, not its FLOPs (run 50,
-    diagnosis e42: calibrations' cores with head size 32 ran 0.51-1.65x those with head size 8 of the same
-    ``b, a, s``, their FLOPs 4x): a calibration fits its cores per score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the
-    YAML) and interpolates its points in them, whatever the head size; an older profile's fit per FLOP keeps its unit."""
+def test_an_attention_core_is_priced_on_the_grid_of_cores_head_size_included():
+    """The calibration's cores lie on a full grid of ``(b·a, s, d)`` (:attr:`Kernel.grid`): a core
+    is priced multilinear in the logs between the grid's nearest values, beyond it along the outermost
+    cell. On a CPU the head size changes the time per score element both ways (one process: ``d`` 8
+    ran 1.4x ``d`` 16, ``d`` 64 2.6x, diagnosis e47): a made-up device with such a per-score price is
+    priced within 2 % off the grid, and two cores of the same score count apart by their head sizes."""
+    from atp_pipeline.run.calibrate_compute import sweep_kernels
+
+    per_score = {8: 6e-9, 16: 4e-9, 32: 5e-9, 64: 8e-9, 128: 15e-9}
+
+    def took(c):  # 2 us + a per-score price of the head size (log-linear between the listed ones)
+        b, a, s, d = c
+        return 2e-6 + math.exp(np.interp(math.log(d), [math.log(x) for x in per_score],
+                                          [math.log(x) for x in per_score.values()])) * b * a * s * s
+    sweep = [k.dims for k in sweep_kernels() if k.kind == kn.ATTN_BWD]
+    prof = cp.ComputeProfile("p", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS},
+                             points={(kn.ATTN_BWD, c): took(c) for c in sweep})
+    assert set(prof.kernel_grids()) == {kn.ATTN_BWD}
+    for off in [(12, 4, 140, 16), (4, 4, 228, 8), (6, 2, 92, 12), (16, 8, 200, 48)]:
+        assert prof.seconds(kn.Kernel(kn.ATTN_BWD, off)) == pytest.approx(took(off), rel=0.02), off
+    beyond = (2, 8, 512, 96)  # past the sequences the sweep ran: along the grid's outermost cell
+    assert prof.seconds(kn.Kernel(kn.ATTN_BWD, beyond)) == pytest.approx(took(beyond), rel=0.02)
+    same_scores = [prof.seconds(kn.Kernel(kn.ATTN_BWD, (12, 4, 140, d))) for d in (8, 16)]
+    assert same_scores[0] / same_scores[1] == pytest.approx(1.5, rel=0.02)
+    back = cp.ComputeProfile.from_config(prof.to_config())
+    assert back.seconds(kn.Kernel(kn.ATTN_BWD, beyond)) == pytest.approx(prof.seconds(kn.Kernel(kn.ATTN_BWD, beyond)), rel=1e-4)
+
+
+def test_a_models_own_loss_is_its_own_kernel_and_older_profiles_price_it_as_before():
+    """A head whose logits the model's own loss reads whole (tied, gathered, run whole) runs that
+    loss as one forward and one backward kernel over ``[tokens, vocab]`` (kinds ``loss_fwd`` /
+    ``loss_bwd``, swept since run 61); a profile calibrated before prices each as the pointwise
+    passes it priced then (three, two), framework cost included, so the committed run 60 grid's rows
+    are predicted from their calibration exactly as they were."""
+    from benchmarks import step_validation as sv
+
+    for shape, mesh in ((LLAMA, (2, 1)), (TIED_OPT, (1, 2))):
+        prog, _ = sp.build_program(shape, mesh, shape.batch_size, 1)
+        T, V = shape.batch_size * shape.seq_len, shape.vocab_size
+        assert [it[1] for it in prog.post_fwd if it[0] == "k" and it[1].kind.startswith("loss")] == [kn.Kernel(kn.LOSS_FWD, (T, V))]
+        assert [it[1] for it in prog.post_bwd if it[0] == "k" and it[1].kind.startswith("loss")] == [kn.Kernel(kn.LOSS_BWD, (T, V))]
+    prog, _ = sp.build_program(GPT, (2, 1), GPT.batch_size, 1)  # vocab-parallel: its own split loss, pointwise
+    assert not [it for it in sp.all_items(prog) if it[0] == "k" and it[1].kind.startswith("loss")]
+    root = CONF.parent
+    old_path = root / "docs/step_validation/local_gc1.yaml"
+    old = cp.profile_of(sv.load_calibrated(str(old_path), "", CONF)[0])
+    assert kn.LOSS_FWD not in old.fits and kn.LOSS_BWD not in old.fits
+    k, pw = kn.Kernel(kn.LOSS_BWD, (1680, 256)), kn.Kernel(kn.POINTWISE, (1680 * 256,))
+    assert old.seconds(k) == 2 * old.seconds(pw) and old.step_kernel_seconds(k) == 2 * old.step_kernel_seconds(pw)
+    rows = json.loads((root / "docs/step_validation/gc_a.json").read_text())["rows"]
+    group = [r for r in rows if r["model"] in ("llama_tiny", "gpt2_tiny") and r["batch"] == 12]
+    out, _ = sv.repredict(group, {}, str(old_path), "unused", CONF)
+    assert len(out) == 20
+    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in group], rel=1e-9)
+
+
+def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_flops():
+    """Where a profile's cores are no grid of three values an axis (the sweeps before run 61, quick
+    sweeps), a core is priced by its score elements (run 50, diagnosis e42: calibrations' cores with head size 32 ran
+    0.51-1.65x those with head size 8 of the same ``b, a, s``, their FLOPs 4x): the cores are fitted per
+    score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the YAML) and interpolated in them,
+    whatever the head size; an older profile's fit per FLOP keeps its unit."""
     from atp_pipeline.run.calibrate_compute import fit_kind
 
     def took(c):  # a made-up device: 20 us + 4 ns per score element, whatever the head size
@@ -194,6 +252,7 @@ def test_an_attention_core_is_priced_by_its_score_elements_not_its_flops():
     assert not fit_kind([kn.Kernel(kn.GEMM, (m, 8, 8)) for m in (8, 64)], [1e-6, 2e-6]).per_size
     prof = cp.ComputeProfile("p", "test", {**{k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS}, kn.ATTN_FWD: fit},
                              points={(kn.ATTN_FWD, c): took(c) for c in sweep})
+    assert prof.kernel_grids() == {}
     inside = (4, 4, 64, 16)  # a head size the sweep never ran, between two of its score counts
     assert prof.seconds(kn.Kernel(kn.ATTN_FWD, inside)) == pytest.approx(took(inside), rel=0.03)
     beyond = (16, 4, 120, 8)  # past the sweep: the fit per score element

@@ -4,14 +4,15 @@ read from a topology's ``device.compute`` or derived from its spec."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD,
-                                        NORM_FWD, OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, COMPOSED, GEMM, KINDS, LOSS_BWD, LOSS_FWD,
+                                        NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE, Kernel)
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -126,6 +127,27 @@ def _by_size(values: Mapping[int, float], size: int) -> float:
 def _nearest(values: Mapping[int, Any], key: int) -> Any:
     """``values`` at the calibrated key nearest ``key`` (ties: the larger key's)."""
     return values[min(values, key=lambda n: (abs(n - key), -n))]
+
+
+def grid_seconds(axes: Sequence[Sequence[int]], values: Mapping[Tuple[int, ...], float], at: Sequence[int]) -> float:
+    """A kernel's time from a full grid of measured ones (``values``: coordinates on ``axes`` ->
+    seconds): multilinear in log(coordinate)-log(time) between the grid's nearest values on every
+    axis, and beyond the grid's ends along its outermost cell (the last measured slopes)."""
+    corners: List[List[Tuple[int, float]]] = []
+    for axis, x in zip(axes, at):
+        if len(axis) == 1:
+            corners.append([(axis[0], 1.0)])
+            continue
+        j = min(max(sum(1 for v in axis if v <= x) - 1, 0), len(axis) - 2)
+        lo, hi = axis[j], axis[j + 1]
+        a = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        corners.append([(lo, 1.0 - a), (hi, a)])
+    log_t = 0.0
+    for combo in itertools.product(*corners):
+        w = math.prod(c[1] for c in combo)
+        if w:
+            log_t += w * math.log(values[tuple(c[0] for c in combo)])
+    return math.exp(log_t)
 
 
 def cell_key(mesh: Mesh, chunks: int) -> str:
@@ -622,6 +644,9 @@ class ComputeProfile:
     def step_kernel_seconds(self, k: Kernel) -> float:
         """A kernel's time in a step: the kernel's time with the runtime's framework cost
         around it (:class:`Framework`; the optimizer is calibrated as the runtime runs it, whole)."""
+        if k.kind not in self.fits and k.kind in COMPOSED:  # a profile from before the kind: as its passes
+            kind, passes = COMPOSED[k.kind]
+            return passes * self.step_kernel_seconds(Kernel(kind, (int(k.work),)))
         t = self.seconds(k)
         if self.framework is None or k.kind == OPTIMIZER:
             return t
@@ -687,18 +712,27 @@ class ComputeProfile:
         return "; ".join(parts)
 
     def seconds(self, k: Kernel) -> float:
-        """A kernel's time: the measured point of its shape; else, between measured points of
-        its kind, interpolated in log(size)-log(time) from the nearest below and above (a
-        sweep of shapes, not the plans' own; :attr:`Kernel.size`: the work, an attention core's
-        score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`)."""
+        """A kernel's time: the measured point of its shape; else an attention core on the
+        calibration's full grid of cores (:func:`grid_seconds`, :attr:`Kernel.grid`); else, between
+        measured points of its kind, interpolated in log(size)-log(time) from the nearest below and
+        above (a sweep of shapes, not the plans' own; :attr:`Kernel.size`: the work, an attention
+        core's score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`). A kind
+        the profile was calibrated before (:data:`~atp_pipeline.planning.kernels.COMPOSED`): the
+        passes it was priced as then."""
         hit = self.points.get((k.kind, tuple(k.dims)))
         if hit is not None:
             return hit
+        if k.kind not in self.fits and k.kind in COMPOSED:  # a profile from before the kind: as its passes
+            kind, passes = COMPOSED[k.kind]
+            return passes * self.seconds(Kernel(kind, (int(k.work),)))
         fit = self.fits.get(k.kind)
         if fit is None:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
         if k.kind == OPTIMIZER:
             return fit.alpha_s + k.dims[0] * fit.per_tensor_s + fit.units(k) * fit.per_unit_s
+        grid = self.kernel_grids().get(k.kind)
+        if grid is not None and k.grid is not None:
+            return grid_seconds(*grid, k.grid)
         curve = self._curves().get(k.kind)
         size = k.size
         if curve and size > 0 and curve[0][0] <= size <= curve[-1][0]:
@@ -710,6 +744,28 @@ class ComputeProfile:
                     a = (w - math.log(w0)) / (math.log(w1) - math.log(w0))
                     return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
         return fit.alpha_s + fit.units(k) * fit.per_unit_s
+
+    def kernel_grids(self) -> Dict[str, Tuple[Tuple[Tuple[int, ...], ...], Dict[Tuple[int, ...], float]]]:
+        """Per kind with grid coordinates (:attr:`Kernel.grid`: the attention cores), the measured
+        points as a full grid of at least three values on every axis: the axes' values and
+        ``coordinates -> seconds`` (equal coordinates: the median). A kind whose points leave a cell
+        empty or an axis at two values (the sweeps before run 61: head sizes 8 and 32, two
+        sequences, where the head size's effect runs both ways) is priced by its size curve."""
+        cached = self.__dict__.get("_grid_cache")
+        if cached is None:
+            by: Dict[str, Dict[Tuple[int, ...], List[float]]] = {}
+            for (kind, dims), t in self.points.items():
+                g = Kernel(kind, dims).grid
+                if g is not None:
+                    by.setdefault(kind, {}).setdefault(g, []).append(t)
+            cached = {}
+            for kind, d in by.items():
+                values = {g: sorted(ts)[len(ts) // 2] for g, ts in d.items()}
+                axes = tuple(tuple(sorted({g[i] for g in values})) for i in range(len(next(iter(values)))))
+                if math.prod(len(a) for a in axes) == len(values) and min(len(a) for a in axes) >= 3:
+                    cached[kind] = (axes, values)
+            object.__setattr__(self, "_grid_cache", cached)
+        return cached
 
     def _curves(self) -> Dict[str, List[Tuple[float, float]]]:
         """Per kind, the measured ``(size, seconds)`` points sorted by :attr:`Kernel.size` (equal size: the median)."""
@@ -744,7 +800,7 @@ class ComputeProfile:
                         math.isfinite(x) for x in (fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
                     raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
                 fits[kind] = fit
-            missing = [k for k in KINDS if k not in fits]
+            missing = [k for k in KINDS if k not in fits and k not in COMPOSED]
             if missing:
                 raise ConfigError(f"{where}.fits: missing kernel kinds {', '.join(missing)}")
             points = {}
@@ -938,7 +994,8 @@ class ComputeProfile:
         gemm = KindFit(launch + f0 / (0.7 * peak_flops), 1 / (0.7 * peak_flops))
         elem = KindFit(launch, 6.0 / mem)
         fits = {GEMM: gemm, ATTN_FWD: gemm, ATTN_BWD: gemm, NORM_FWD: elem, NORM_BWD: elem,
-                POINTWISE: elem, OPTIMIZER: KindFit(0.0, 16.0 / mem, launch)}
+                POINTWISE: elem, OPTIMIZER: KindFit(0.0, 16.0 / mem, launch),
+                LOSS_FWD: KindFit(launch, 3 * elem.per_unit_s), LOSS_BWD: KindFit(launch, 2 * elem.per_unit_s)}
         return cls(name=f"spec:{device.get('name', 'device')}",
                    source=f"datasheet {peak:g} TFLOP/s x efficiency curve 0.7*F/(F+2 GFLOP) (assumed, not measured)",
                    fits=fits, processes=1, peak_flops=peak_flops)

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 Mesh = Tuple[int, int]
 
 
 GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER = (
     "gemm", "attention_fwd", "attention_bwd", "norm_fwd", "norm_bwd", "pointwise", "optimizer")
-KINDS = (GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER)
+LOSS_FWD, LOSS_BWD = "loss_fwd", "loss_bwd"
+KINDS = (GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER, LOSS_FWD, LOSS_BWD)
+# Kinds a profile calibrated before they were swept lacks, and what it prices one as: ``(kind,
+# passes)``, the kernels the step program wrote for it then. A model's own cross-entropy over its
+# whole logits was five pointwise passes over ``[tokens, vocab]`` (three forward, two backward)
+# where it ran ~5 forward and ~7 backward (its exponentials and a fresh gradient buffer; one
+# process, ``[2304, 256]``: diagnosis e47) — the loss kinds since run 61.
+COMPOSED: Dict[str, Tuple[str, int]] = {LOSS_FWD: (POINTWISE, 3), LOSS_BWD: (POINTWISE, 2)}
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One local kernel: ``gemm`` dims ``(M, K, N)`` (``[M,K] @ [K,N]``); attention
     ``(batch, heads, seq, head_dim)``; norms, pointwise ``(elements,)``; optimizer
-    ``(tensors, elements)``."""
+    ``(tensors, elements)``; a model's own loss over its whole logits ``(tokens, vocab)``."""
 
     kind: str
     dims: Tuple[int, ...]
@@ -25,13 +32,15 @@ class Kernel:
     @property
     def work(self) -> float:
         """FLOPs (GEMM: ``2MKN``; attention forward ``4·b·a·s²·d``, backward twice that),
-        else elements."""
+        else elements (a loss: its logits, ``tokens·vocab``)."""
         if self.kind == GEMM:
             m, k, n = self.dims
             return 2.0 * m * k * n
         if self.kind in (ATTN_FWD, ATTN_BWD):
             b, a, s, d = self.dims
             return (4.0 if self.kind == ATTN_FWD else 8.0) * b * a * s * s * d
+        if self.kind in (LOSS_FWD, LOSS_BWD):
+            return float(self.dims[0] * self.dims[1])
         return float(self.dims[-1])
 
     @property
@@ -47,3 +56,17 @@ class Kernel:
             b, a, s, _ = self.dims
             return float(b * a * s * s)
         return self.work
+
+    @property
+    def grid(self) -> Optional[Tuple[int, int, int]]:
+        """Where an attention core sits on the calibration's grid of cores: ``(b·a, s, d)``, the
+        independent cores, the sequence and the head size (None for the other kinds, priced by
+        :attr:`size` alone). The head size is a coordinate of its own: on a CPU the core's loops
+        over the scores cost per score what the head size makes them, not in proportion to it —
+        one process, ``b·a`` 16: ``d`` 8 ran 1.4x the time of ``d`` 16 at every sequence 64-256
+        and ``d`` 64 2.6x (docs/step_validation/diagnosis/e47/README.md), where :attr:`size`
+        prices them alike."""
+        if self.kind in (ATTN_FWD, ATTN_BWD):
+            b, a, s, d = self.dims
+            return (b * a, s, d)
+        return None

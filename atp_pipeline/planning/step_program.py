@@ -10,7 +10,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from atp_pipeline.config.schema import CostModel
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.cost import CommTerm, comm_terms
-from atp_pipeline.planning.kernels import ATTN_BWD, ATTN_FWD, GEMM, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE, Kernel
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, LOSS_BWD, LOSS_FWD, NORM_BWD, NORM_FWD, OPTIMIZER,
+                                          POINTWISE, Kernel)
 from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_placement
 
 Mesh = Tuple[int, int]
@@ -239,12 +240,12 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     if shape.head_layout == "tied":
         post_fwd += [_k(GEMM, T, hs, V), *_c("sync", tm("head", "fwd"))]
         head_bwd = [_k(GEMM, T, V, hs), _k(GEMM, V, T, hs)]
-        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2
+        loss_fwd, loss_bwd = [_k(LOSS_FWD, T, V)], [_k(LOSS_BWD, T, V)]
     elif shape.head_layout == "gathered":
         Vl = V // d1
         post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd", 0)), *_c("sync", tm("head", "fwd", 1))]
         head_bwd = [_k(POINTWISE, T * Vl), *_linear_bwd(T, hs, Vl, tm("head", "bwd"))]
-        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2  # the model's own loss
+        loss_fwd, loss_bwd = [_k(LOSS_FWD, T, V)], [_k(LOSS_BWD, T, V)]  # the model's own loss
     elif shape.head_layout == "vocab_split":  # logits [T/d2, V/d1] (parallel.vocab), the loss on the blocks
         Vl, Tl = V // d1, -(-T // d2)
         post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd"))]
@@ -257,7 +258,7 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     elif shape.head_layout == "whole":  # run whole on the hidden gathered over d2, the model's own loss
         post_fwd += [*_c("sync", tm("head", "fwd")), _k(GEMM, T, h, V)]
         head_bwd = [_k(GEMM, T, V, h), _k(GEMM, V, T, h)]
-        loss_fwd, loss_bwd = [_k(POINTWISE, T * V)] * 3, [_k(POINTWISE, T * V)] * 2
+        loss_fwd, loss_bwd = [_k(LOSS_FWD, T, V)], [_k(LOSS_BWD, T, V)]
     else:  # vocab_parallel: max and sums of the split logits over d1
         Vl = V // d1
         post_fwd += [_k(GEMM, T, hs, Vl), *_c("sync", tm("head", "fwd"))]

@@ -81,8 +81,8 @@ from atp_pipeline.planning.compute_profile import (STEPS_GROUP, CollectiveCPU, C
                                                    HostSpeed, KindFit, Mesh, Probe, StepResidual, SyncFit, cell_key,
                                                    parse_step_label, shape_key, step_label, steps_count,
                                                    steps_speed)
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE,
-                                           Kernel)
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, KINDS, LOSS_BWD, LOSS_FWD, NORM_BWD, NORM_FWD,
+                                           OPTIMIZER, POINTWISE, Kernel)
 from atp_pipeline.planning.step_program import all_items, build_program
 
 CONF = Path("conf")
@@ -137,16 +137,17 @@ def sweep_kernels(quick: bool = False) -> List[Kernel]:
     grid of token counts and widths in both orientations (a forward/input-gradient GEMM has
     the tokens outside, a weight gradient inside), attention over batch x heads x sequence x
     head size, norms and elementwise kernels over element counts, the optimizer over tensor
-    counts x elements. ``quick``: a coarser grid (tests)."""
+    counts x elements, a model's own loss over tokens x vocabulary. ``quick``: a coarser grid (tests)."""
     tokens = (32, 256, 2048) if quick else (32, 128, 512, 2048)
     widths = (16, 128) if quick else (16, 64, 256)
     outs = (16, 256) if quick else (16, 64, 256, 1024)
     gemm = {(m, k, n) for m in tokens for k in widths for n in outs}
     gemm |= {(k, m, n) for m in tokens for k in widths for n in outs if m >= 256}  # weight gradients
     gemm.add(SYNC_GEMM.dims)
-    attn = [(b, a, s, d) for b in (2, 8) for a in (1, 4) for s in (32, 128) for d in (8, 32)]
-    if quick:
-        attn = [(2, 1, 32, 8), (8, 4, 128, 32)]
+    # attention cores on a full grid of (b·a, s, d) (:attr:`Kernel.grid`; priced multilinear in its
+    # logs): independent cores 4-64, sequences 32-256, head sizes 8-128
+    attn = [(b, 4, s, d) for b in ((1, 4) if quick else (1, 4, 16)) for s in ((32, 128) if quick else (32, 64, 128, 256))
+            for d in ((8, 32) if quick else (8, 16, 32, 64, 128))]
     elems = (1024, 16384, 262144) if quick else (1024, 8192, 65536, 524288)
     opt = ([(8, 20000), (32, 200000)] if quick else
            [(8, 20000), (32, 20000), (8, 400000), (32, 400000), (64, 100000)])
@@ -154,6 +155,8 @@ def sweep_kernels(quick: bool = False) -> List[Kernel]:
     out += [Kernel(kind, d) for kind in (ATTN_FWD, ATTN_BWD) for d in attn]
     out += [Kernel(kind, (n,)) for kind in (NORM_FWD, NORM_BWD, POINTWISE) for n in elems]
     out += [Kernel(OPTIMIZER, d) for d in opt]
+    logits = ([(256, 256), (2048, 256)] if quick else [(64, 256), (256, 256), (2048, 256), (256, 2048), (2048, 2048)])
+    out += [Kernel(kind, d) for kind in (LOSS_FWD, LOSS_BWD) for d in logits]
     return out
 
 
@@ -248,6 +251,14 @@ def _runner(k: Kernel, rank: int, world: int) -> Any:
         n = k.dims[0]
         x, y = rnd(n).requires_grad_(), rnd(n)
         return lambda: x + y
+    if k.kind in (LOSS_FWD, LOSS_BWD):  # a model's own loss (transformers': mean cross-entropy, -100 ignored)
+        n, vocab = k.dims
+        logits = rnd(n, vocab).requires_grad_()
+        targets = torch.randint(0, vocab, (n,), generator=g)
+        if k.kind == LOSS_FWD:
+            return lambda: F.cross_entropy(logits, targets, ignore_index=-100)
+        loss = F.cross_entropy(logits, targets, ignore_index=-100)
+        return lambda: torch.autograd.grad(loss, logits, retain_graph=True)
     if k.kind == OPTIMIZER:  # as training runs it: foreach AdamW on DTensors' shards of a (d1, d2) mesh
         from torch.distributed.tensor import DTensor, Shard
 
@@ -1274,9 +1285,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def print_profile(profile: ComputeProfile) -> None:
     """The fitted terms, one line each."""
+    grids = profile.kernel_grids()
     for kind, f in profile.fits.items():
+        grid = grids.get(kind)
         print(f"  {kind:<14} alpha {f.alpha_s * 1e6:8.1f} us  {f.per_unit_s * 1e9:9.4f} ns/unit"
-              + (f"  {f.per_tensor_s * 1e6:.1f} us/tensor" if f.per_tensor_s else ""))
+              + (f"  {f.per_tensor_s * 1e6:.1f} us/tensor" if f.per_tensor_s else "")
+              + (f"  (priced on its grid of {len(grid[1])} measured cores, "
+                 f"{' x '.join(str(len(a)) for a in grid[0])})" if grid else ""))
     print(f"  peak GEMM throughput {profile.peak_flops / 1e9:.2f} GFLOP/s per process")
     print(f"  {profile.describe(profile.processes)}")
     if profile.contention:
