@@ -434,6 +434,32 @@ def test_more_ranks_than_cores_run_at_a_cores_speed_bounded_by_every_ranks_cpu()
     assert cp.CollectiveCPU({2: 0.2, 4: 0.6}).share(8) == pytest.approx(0.6)
 
 
+def test_the_terms_form_runs_on_where_the_hosts_cpu_bound_takes_over():
+    """Diagnosis e48: the step residual's terms form scales the step's compute and exposed parts by
+    its two factors; where every rank's CPU over the cores overtook the timeline, the compute was
+    the kernels at the shared speed (x processes / cores) and a step jumped (x1.58 for `small` at
+    batch 12, sequence 148 on 2x2, host speed 1.10 -> 1.16). The host-bound compute is the timeline's
+    plus the kernels' share of the CPU beyond it: the step runs on through the boundary."""
+    ab = {"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+          "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]}
+    four = Topology.from_config(ab)
+    sr = cp.StepResidual({4: {1: 2.5}}, {4: {1: 0.8}})
+    steps, bound = [], []
+    for us in np.geomspace(20.0, 2000.0, 241):  # the kernels from collective-bound to CPU-bound
+        prof = cp.ComputeProfile("p", "test", _flat(us).fits, processes=4, cores=2, kernel_time="cpu",
+                                 contention={1: 0.5, 2: 0.5, 4: 1.0}, collective_cpu=cp.CollectiveCPU({2: 0.25, 4: 0.25}),
+                                 step_residual=sr)
+        est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
+        fc, fe = prof.residual_factors(4, 1)
+        assert est.step_s == pytest.approx(fc * est.compute_s + fe * est.exposed_comm_s)
+        assert 0 < est.compute_s <= est.cpu_s * 2.0 + 1e-12
+        steps.append(est.step_s)
+        bound.append(est.host_bound)
+    assert not bound[0] and bound[-1]  # the boundary is inside the sweep
+    ratios = [b / a for a, b in zip(steps, steps[1:])]
+    assert max(ratios) < 1.025 and min(ratios) > 1.0  # a step of x1.02 in the kernels: no jump, monotone
+
+
 def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_cores_evenly():
     """Kernels priced at a rank's CPU time (``kernel_time: cpu``): on the rank's timeline at that
     time whatever the process count (no contention factor), the step no less than every rank's
@@ -451,7 +477,7 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
     assert est.timeline_s == pytest.approx(ref.step_s) and ref.compute_s == pytest.approx(est.cpu_s - 0.25 * (
         est.timeline_s - ref.compute_s))
     assert est.host_bound and est.step_s == pytest.approx(2.0 * est.cpu_s) and est.compute_s == pytest.approx(
-        2.0 * ref.compute_s)
+        ref.compute_s + (2.0 * est.cpu_s - est.timeline_s) * ref.compute_s / est.cpu_s)  # + its share beyond the timeline
     assert prof.host_factor(4) == 2.0 and prof.host_factor(2) == 1.0 and prof.timeline_factor(4) == 1.0
     assert "at a rank's CPU time" in est.calibration and "a rank's kernels at their CPU time" in est.calibration
     two = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
@@ -994,7 +1020,10 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
                                  "alpha_beta": ab})
     base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
     twice = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))
-    assert twice.compute_s == pytest.approx(2 * base.compute_s) and twice.cpu_s == pytest.approx(2 * base.cpu_s)
+    assert twice.cpu_s == pytest.approx(2 * base.cpu_s)
+    two = [st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), p)  # a core each: the compute itself
+           for p in (prof, prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))]
+    assert not two[0].host_bound and two[1].compute_s == pytest.approx(2 * two[0].compute_s)
     assert "host speed re-timed now: the reference probe ran x2.000 (kernels) and x2.000" in twice.calibration
     back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
     assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in recorded.items()}
