@@ -16,7 +16,7 @@ KINDS = (GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER, LOS
 # passes)``, the kernels the step program wrote for it then. A model's own cross-entropy over its
 # whole logits was five pointwise passes over ``[tokens, vocab]`` (three forward, two backward)
 # where it ran ~5 forward and ~7 backward (its exponentials and a fresh gradient buffer; one
-# process, ``[2304, 256]``: diagnosis e47) — the loss kinds since run 61.
+# process, ``[2304, 256]``: diagnosis e47) — the loss kinds since run 62.
 COMPOSED: Dict[str, Tuple[str, int]] = {LOSS_FWD: (POINTWISE, 3), LOSS_BWD: (POINTWISE, 2)}
 
 

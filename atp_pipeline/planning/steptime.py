@@ -71,7 +71,8 @@ program on a timeline and adds it up.
 The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
 clock, a wait moves it to the collective's end; on an oversubscribed host the step is the
 larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then the
-timeline's plus the kernels' share of the CPU beyond it, continuous where the bound takes over). Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
+timeline's plus the kernels' share of the CPU beyond it, continuous where the bound takes over).
+Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
 what the probe models' own steps took beyond the terms' sum at the calibration, per process
 count and chunk count a factor on the compute and one on the exposed communication) scales that
 step's two parts — or, where the calibration chose that form on probe models left out of the fit
@@ -333,8 +334,8 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
             # its compute: the timeline's and the kernels' share of the CPU beyond the timeline
             # (``tl.compute / cpu``), so that the compute / exposed split the step residual's terms
             # form scales runs on where the bound takes over (diagnosis e48: as the kernels at the
-            # shared speed, ``tl.compute x host``, a step jumped x1.58 at the boundary); every rank's
-            # CPU kernels alone (no collective): the kernels at the shared speed as before
+            # shared speed, ``tl.compute x host``, a step jumped x1.58 at the boundary); a step of
+            # kernels alone (``cpu == tl.compute == tl.now``): ``tl.compute x host`` as before
             compute = tl.compute + (cores_s - tl.now) * (tl.compute / cpu if cpu > 0 else 0.0)
             path, host_bound = cores_s, True
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
