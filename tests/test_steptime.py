@@ -210,7 +210,7 @@ def test_an_attention_core_is_priced_on_the_grid_of_cores_head_size_included():
 def test_a_models_own_loss_is_its_own_kernel_and_older_profiles_price_it_as_before():
     """A head whose logits the model's own loss reads whole (tied, gathered, run whole) runs that
     loss as one forward and one backward kernel over ``[tokens, vocab]`` (kinds ``loss_fwd`` /
-    ``loss_bwd``, swept since run 61); a profile calibrated before prices each as the pointwise
+    ``loss_bwd``, swept since run 62); a profile calibrated before prices each as the pointwise
     passes it priced then (three, two), framework cost included, so the committed run 60 grid's rows
     are predicted from their calibration exactly as they were."""
     from benchmarks import step_validation as sv

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, COMPOSED, GEMM, KINDS, LOSS_BWD, LOSS_FWD,
-                                        NORM_BWD, NORM_FWD, OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, COMPOSED, GEMM, KINDS, NORM_BWD, NORM_FWD,
+                                        OPTIMIZER, POINTWISE, Kernel)
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
@@ -644,9 +644,9 @@ class ComputeProfile:
     def step_kernel_seconds(self, k: Kernel) -> float:
         """A kernel's time in a step: the kernel's time with the runtime's framework cost
         around it (:class:`Framework`; the optimizer is calibrated as the runtime runs it, whole)."""
-        if k.kind not in self.fits and k.kind in COMPOSED:  # a profile from before the kind: as its passes
-            kind, passes = COMPOSED[k.kind]
-            return passes * self.step_kernel_seconds(Kernel(kind, (int(k.work),)))
+        passes = self._as_passes(k)
+        if passes is not None:
+            return passes[1] * self.step_kernel_seconds(passes[0])
         t = self.seconds(k)
         if self.framework is None or k.kind == OPTIMIZER:
             return t
@@ -722,9 +722,9 @@ class ComputeProfile:
         hit = self.points.get((k.kind, tuple(k.dims)))
         if hit is not None:
             return hit
-        if k.kind not in self.fits and k.kind in COMPOSED:  # a profile from before the kind: as its passes
-            kind, passes = COMPOSED[k.kind]
-            return passes * self.seconds(Kernel(kind, (int(k.work),)))
+        passes = self._as_passes(k)
+        if passes is not None:
+            return passes[1] * self.seconds(passes[0])
         fit = self.fits.get(k.kind)
         if fit is None:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
@@ -744,6 +744,14 @@ class ComputeProfile:
                     a = (w - math.log(w0)) / (math.log(w1) - math.log(w0))
                     return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
         return fit.alpha_s + fit.units(k) * fit.per_unit_s
+
+    def _as_passes(self, k: Kernel) -> Optional[Tuple[Kernel, int]]:
+        """A kernel of a kind this profile was calibrated before (:data:`~atp_pipeline.planning.kernels.COMPOSED`):
+        the kernel it was priced as then and how many of it; None for a kind the profile has."""
+        if k.kind in self.fits or k.kind not in COMPOSED:
+            return None
+        kind, passes = COMPOSED[k.kind]
+        return Kernel(kind, (int(k.work),)), passes
 
     def kernel_grids(self) -> Dict[str, Tuple[Tuple[Tuple[int, ...], ...], Dict[Tuple[int, ...], float]]]:
         """Per kind with grid coordinates (:attr:`Kernel.grid`: the attention cores), the measured
@@ -995,7 +1003,7 @@ class ComputeProfile:
         elem = KindFit(launch, 6.0 / mem)
         fits = {GEMM: gemm, ATTN_FWD: gemm, ATTN_BWD: gemm, NORM_FWD: elem, NORM_BWD: elem,
                 POINTWISE: elem, OPTIMIZER: KindFit(0.0, 16.0 / mem, launch),
-                LOSS_FWD: KindFit(launch, 3 * elem.per_unit_s), LOSS_BWD: KindFit(launch, 2 * elem.per_unit_s)}
+                **{k: KindFit(launch, passes * elem.per_unit_s) for k, (_, passes) in COMPOSED.items()}}
         return cls(name=f"spec:{device.get('name', 'device')}",
                    source=f"datasheet {peak:g} TFLOP/s x efficiency curve 0.7*F/(F+2 GFLOP) (assumed, not measured)",
                    fits=fits, processes=1, peak_flops=peak_flops)
