@@ -355,6 +355,8 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
                 hidden not in ((n_out,) if style in ROW_KINDS else (n_in,)):
             continue  # outside the blocks, not beside the hidden as declared: a module around it may run whole
         kinds[full] = style
+    if not experts:  # experts the declaration does not name: read off the modules (their class's flags)
+        experts = _experts_shown(names, blocks, lists)
     if not kinds:  # nothing declared, or only embeddings: read the blocks' linears off the modules
         declared = {}
         layout.source = "modules"
@@ -630,6 +632,16 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
                     ffn=int(m.down_proj.shape[1 if m.is_transposed else 2]),  # an expert's intermediate
                     gated=bool(m.has_gate), shared_ffn=shared_ffn, gathered=gathered, split_outputs=split_outputs,
                     partial_width=partial_width)
+
+
+def _experts_shown(names: Mapping[str, nn.Module], blocks: List[str], lists: Tuple[str, ...]) -> List[str]:
+    """Patterns of the modules inside the repeated blocks that carry transformers' experts
+    declaration (``use_experts_implementation``'s flags on the class), where the config's
+    ``base_model_tp_plan`` names none (transformers 5.25 dropped Qwen2-MoE's ``moe_tp_experts``)."""
+    from atp_pipeline.models.hf.experts import FLAGS
+
+    return sorted({pattern(n, lists) for n, m in names.items()
+                   if any(n.startswith(b + ".") for b in blocks) and all(hasattr(m, f) for f in FLAGS)})
 
 
 def _writes_hidden(root: Optional[nn.Module], unit: str, hidden: int) -> bool:
