@@ -37,6 +37,19 @@ LONGEST_FIRST = ["test_docs_commands.py", "test_training.py", "test_hf_models.py
                  "test_sbp_exec.py", "test_overlap.py", "test_cli.py", "test_parallel.py"]
 
 
+def pytest_report_header(config) -> str:
+    """The versions this run resolved (a fresh machine resolves the newest pyproject allows)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+    names = ("torch", "transformers", "lightning", "pytorch-lightning", "hydra-core")
+    return "atp-pipeline resolved: " + ", ".join(f"{n} {v(n)}" for n in names)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """One xdist group per test module (its module-scoped launches run once, on one worker),

@@ -55,8 +55,10 @@ from atp_pipeline.planning.shape import LatentShape, MoEShape
 
 # transformers' declared styles -> ATP's (column-first / row-first); ``*_gather_output`` /
 # ``*_split_input``: the code around reads the whole output
-COLUMN_KINDS = ("colwise", "colwise_gather_output", "packed_colwise")
-ROW_KINDS = ("rowwise", "rowwise_split_input", "packed_rowwise")
+# (``unit_colwise``/``unit_rowwise``: q/k/v split by whole heads, heads repeated where fewer than
+# ranks — what ATP's attention layout does with every head count: column-/row-first as well)
+COLUMN_KINDS = ("colwise", "colwise_gather_output", "packed_colwise", "unit_colwise")
+ROW_KINDS = ("rowwise", "rowwise_split_input", "packed_rowwise", "unit_rowwise")
 WHOLE_KINDS = ("colwise_gather_output", "rowwise_split_input")
 PER_HEAD = "replicated_with_grad_allreduce"
 LOCAL = "local_params"
