@@ -185,7 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--fused", action="store_true",
-                   help="also time the hand-scheduled fused GPT block (benchmarks/fused_block.py) on each mesh and chunks")
+                   help="also time the hand-scheduled fused GPT block (benchmarks/fused_block.py) "
+                        "on each mesh and chunks")
     p.add_argument("--family", default="gpt", choices=("gpt", "llama"),
                    help="the built-in GPT of --model's size, or a transformers Llama of the same size")
     p.add_argument("--world", type=int, default=4)
