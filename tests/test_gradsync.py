@@ -1,4 +1,4 @@
-"""Gradient-sync estimates per aggregation mode (issue 8 item 7): exact numbers.
+"""Gradient-sync estimates per aggregation mode: exact numbers.
 
 Flat topology: 8 hosts behind one switch, 10 GB/s each, so B′ = 10 GB/s and β = 1e-10 s/B.
 E = 6,200 fp32 elements per worker = 100 ATP packets of 62 lanes (319 wire bytes each).
