@@ -1,6 +1,6 @@
 """Data-parallel and FSDP runs against the single-process run of the same global batches.
 
-    python -m benchmarks.dp_exactness --steps 50 --out docs/data_parallel
+    python -m benchmarks.dp_exactness --steps 50      # writes outputs/benchmarks/dp_exactness/
 
 Each case trains with ``train.py``'s own pipeline (compose -> resolve -> fit, real gloo
 processes and Lightning); its logged losses are compared, step by step, with the
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] = ()) -> Dict[str, Any]:
     ap.add_argument("--fsdp-models", default="tiny,llama_tiny,gpt2_tiny", help="'' for none")
     ap.add_argument("--fsdp-steps", type=int, default=20)
     ap.add_argument("--bmv2", action="store_true", help="also aggregation.switch_impl=bmv2 at dp=2 (root, P4 tools)")
-    ap.add_argument("--out", default="docs/data_parallel")
+    ap.add_argument("--out", default="outputs/benchmarks/dp_exactness")
     args = ap.parse_args(list(argv) or None)
     register_schemas()
     register_mesh_source()

@@ -1,8 +1,7 @@
-"""The retired fused GPT block (ATP's ``ParallelBlock`` before one runtime laid out every
-model), kept only as a comparator for ``benchmarks.tp_step --fused``: the same math and
-collectives as the GPT's style plan, hand-scheduled as a wavefront over seven stages per
-chunk with the collectives left in flight through explicit handles (§4.1), as it ran until
-commit d4f246f (``atp_pipeline/models/gpt/parallel.py``). Not part of the package."""
+"""A hand-scheduled fused GPT block, a comparator for ``benchmarks.tp_step --fused``: the same
+math and collectives as the GPT's style plan, scheduled as a wavefront over seven stages per
+chunk with the collectives left in flight through explicit handles (ATP paper §4.1). Not part
+of the package: the package lays out every model through its style plan."""
 
 from __future__ import annotations
 
@@ -153,7 +152,7 @@ class _FusedStyle(ParallelStyle):
 
 
 def fused_gpt(model: GPT, mesh: DeviceMesh, chunks: int = 1) -> GPT:
-    """A copy of ``model`` laid out with the retired fused blocks (same embeddings, final norm,
+    """A copy of ``model`` laid out with the hand-scheduled fused blocks (same embeddings, final norm,
     head and loss as the style plan)."""
     plan: Dict[str, ParallelStyle] = {
         "wte": EmbeddingStyle(output="split"), "wpe": EmbeddingStyle(output="split"), "blocks.*": _FusedStyle(chunks),

@@ -1,5 +1,5 @@
 """One GPU, mesh 1x1: a ~1B-parameter Hugging Face Llama trained under ATP's layout against
-plain ``transformers`` (issue 14's GPU figure).
+plain ``transformers``.
 
     python -m benchmarks.hf_gpu                       # Llama-3.2-1B shape, bf16, batch 4 x 2048
     python -m benchmarks.hf_gpu --steps 10 --lightning
@@ -150,7 +150,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     ap.add_argument("--lightning", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the same code path without a GPU (for checking the benchmark, not a figure)")
-    ap.add_argument("--out", default="outputs/benchmarks")
+    ap.add_argument("--out", default="outputs/benchmarks/hf_gpu")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.hf_gpu: needs a CUDA GPU (torch.cuda.is_available() is False); "

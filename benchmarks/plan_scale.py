@@ -5,7 +5,7 @@
 Plans model M4 on one-level switched topologies (every device on one switch) and on
 two-level clusters of 8-GPU nodes, from 1,024 to 65,536 devices, and reports the median
 wall time of ``make_plan`` over repeats (all candidates costed, the selection made). The
-issue's bar: a 65,536-device one-level topology plans in under one second.
+bar it is held to: a 65,536-device one-level topology plans in under one second.
 """
 
 from __future__ import annotations

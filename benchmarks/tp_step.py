@@ -123,7 +123,7 @@ def worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, An
             comm = comm_for(mesh, TopologyEmulator(topo, (d1, d2), spec["slowdown"]) if topo else None)
             runners[f"atp {d1}x{d2} chunks={chunks}"] = (model, comm, (d1, d2), chunks)
             loss_of[f"atp {d1}x{d2} chunks={chunks}"] = adapter.lm_loss
-            if spec.get("fused") and spec["family"] == "gpt":  # the retired fused block, same mesh and chunks
+            if spec.get("fused") and spec["family"] == "gpt":  # the hand-scheduled fused block, same mesh and chunks
                 from benchmarks.fused_block import fused_gpt
 
                 mesh = init_mesh((d1, d2))
@@ -185,7 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--fused", action="store_true",
-                   help="also time the retired fused GPT block (benchmarks/fused_block.py) on each mesh and chunks")
+                   help="also time the hand-scheduled fused GPT block (benchmarks/fused_block.py) "
+                        "on each mesh and chunks")
     p.add_argument("--family", default="gpt", choices=("gpt", "llama"),
                    help="the built-in GPT of --model's size, or a transformers Llama of the same size")
     p.add_argument("--world", type=int, default=4)

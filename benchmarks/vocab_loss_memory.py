@@ -1,7 +1,7 @@
 """Memory of the logits on a rank: transformers' whole-vocabulary head and loss against the
 vocabulary-split head and loss (:mod:`atp_pipeline.parallel.vocab`), measured on CPU.
 
-    python -m benchmarks.vocab_loss_memory --out docs/vocab_loss
+    python -m benchmarks.vocab_loss_memory           # writes outputs/benchmarks/vocab_loss_memory/
 
 An LM head ``[V, h]`` (no bias) and the causal-LM loss on ``batch x seq`` tokens, forward and
 backward, from a given final hidden state (the blocks before it are the same in every layout):
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--out", default="docs/vocab_loss")
+    ap.add_argument("--out", default="outputs/benchmarks/vocab_loss_memory")
     a = ap.parse_args()
 
     from atp_pipeline.launch import spawn

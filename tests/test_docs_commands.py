@@ -393,7 +393,7 @@ def _docs_commands(t: str) -> Tuple[str, str]:
 def _dp_exactness(t: str) -> Tuple[str, str]:
     t = re.sub(r"(?<!\S)--bmv2(?!\S)", "", t)
     for flag, v in (("--steps", "2"), ("--dtypes", "fp32"), ("--cases", "'dp2 ring'"), ("--fsdp-models", "tiny"),
-                    ("--fsdp-steps", "2"), ("--out", f"{TMP}/outputs/dp_exactness")):
+                    ("--fsdp-steps", "2"), ("--out", f"{TMP}/outputs/benchmarks/dp_exactness")):
         t = set_opt(t, flag, v)
     return " ".join(t.split()), ("2 float32 steps: one data-parallel case (with its resume) and FSDP on the tiny "
                                  "GPT; no BMv2 (tests/test_live_aggregation.py trains through BMv2)")
@@ -493,7 +493,7 @@ def _hf_gpu(t: str) -> Tuple[str, str]:
     for flag, v in (("--layers", "1"), ("--batch", "1"), ("--seq", "128"), ("--warmup", "1"),
                     ("--repeats", "2"), ("--steps", "2")):
         t = set_opt(t, flag, v)
-    return _out(t, "benchmarks"), "1 layer, batch 1 x 128, 2 repeats"
+    return _out(t, "benchmarks/hf_gpu"), "1 layer, batch 1 x 128, 2 repeats"
 
 
 def _plan_scale(t: str) -> Tuple[str, str]:
@@ -515,7 +515,7 @@ def _hf_coverage(t: str) -> Tuple[str, str]:
 def _vocab_loss_memory(t: str) -> Tuple[str, str]:
     for flag, v in (("--vocab", "512"), ("--seq", "32"), ("--batch", "2")):
         t = set_opt(t, flag, v)
-    return set_opt(t, "--out", f"{TMP}/outputs/benchmarks/vocab_loss"), "a 512-word vocabulary, 2 x 32 tokens"
+    return set_opt(t, "--out", f"{TMP}/outputs/benchmarks/vocab_loss_memory"), "a 512-word vocabulary, 2 x 32 tokens"
 
 
 def _builders(t: str) -> Tuple[str, str]:

@@ -4,8 +4,9 @@ In-process and instant: the documents of :func:`tests.test_docs_commands.doc_fil
 (``README.md``, ``docs/**/*.md``, ``p4/README.md``). A Markdown link ``[text](target)`` outside
 code must name an existing file or directory (relative to the document), and its ``#anchor``
 a heading of the target (GitHub's slugs). A code span that names a repository file by its path
-(``atp_pipeline/planning/steptime.py``, ``models/hf/layout.py``, ``docs/step_validation/steps.json``)
-must name one that exists, relative to the repository, the package or the document.
+(``atp_pipeline/planning/steptime.py``, ``models/hf/layout.py``, ``tests/data/local_cpu.yaml``)
+must name one that exists, relative to the repository, the package or the document. ``docs/``
+holds documentation only: pages, the figures they show and small result files they cite.
 """
 
 from __future__ import annotations
@@ -115,6 +116,24 @@ def test_every_source_path_the_docs_name_exists():
     checked, bad = missing_paths(doc_files())
     assert checked >= 50, f"only {checked} paths found: the extraction is broken"
     assert not bad, "\n".join(bad)
+
+
+#: what docs/ may hold: pages, the figures they show, small result files (JSON/CSV) they cite
+DOCS_SUFFIXES = {".md", ".png", ".json", ".csv"}
+DOCS_MAX_BYTES = 5 * 2**20
+DOCS_MAX_FILE_BYTES = 2**20
+
+
+def test_docs_hold_documentation_only():
+    """Research data (logs, scripts, patches, per-run directories) lives outside the tree; experiments
+    write to ``outputs/``."""
+    files = [f for f in (ROOT / "docs").rglob("*") if f.is_file()]
+    odd = [str(f.relative_to(ROOT)) for f in files if f.suffix not in DOCS_SUFFIXES]
+    assert not odd, f"not documentation ({', '.join(sorted(DOCS_SUFFIXES))}): {odd}"
+    big = [f"{f.relative_to(ROOT)} ({f.stat().st_size} B)" for f in files if f.stat().st_size > DOCS_MAX_FILE_BYTES]
+    assert not big, f"files over {DOCS_MAX_FILE_BYTES} B in docs/: {big}"
+    total = sum(f.stat().st_size for f in files)
+    assert total <= DOCS_MAX_BYTES, f"docs/ holds {total} B, over {DOCS_MAX_BYTES}"
 
 
 def test_slugs_follow_github():
