@@ -27,3 +27,19 @@ def test_head_unit_styles_map_to_column_and_row_first():
     # transformers' unit_colwise / unit_rowwise: q/k/v split by whole heads (repeated where fewer
     # heads than ranks), which is what ATP's attention layout does with every head count
     assert "unit_colwise" in COLUMN_KINDS and "unit_rowwise" in ROW_KINDS
+
+
+def test_a_block_using_its_routing_weights_beside_the_experts_runs_whole():
+    """LongCat-Flash's block adds its "zero" experts' share (hidden x routing weight) beside the
+    experts module: laid out expert by expert, that share's gradient to the router would be
+    partial over d2 (silently wrong), so the block runs whole; Qwen2-MoE's routes only through
+    its experts and is laid out expert by expert."""
+    from atp_pipeline.models.hf.routing import routing_only_to_experts
+    from benchmarks.hf_coverage import build as build_type
+
+    longcat = build_type("longcat_flash")
+    assert routing_only_to_experts(longcat, "model.layers.1.mlp.experts") is False
+    plan = derive(longcat).plan
+    assert not any(s.startswith("hf_experts") for s in plan.values()), plan
+    assert plan["model.layers.*.mlp"].startswith("gathered"), plan
+    assert routing_only_to_experts(build("qwen2_moe"), "model.layers.1.mlp.experts") is True

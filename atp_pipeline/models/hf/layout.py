@@ -358,7 +358,7 @@ def _derive(module: nn.Module, family: Any, probe: bool, run_whole: Mapping[str,
             continue  # outside the blocks, not beside the hidden as declared: a module around it may run whole
         kinds[full] = style
     if not experts:  # experts the declaration does not name: read off the modules (their class's flags)
-        experts = _experts_shown(names, blocks, lists)
+        experts = _experts_shown(names, blocks, lists, module if probe else None)
     if not kinds:  # nothing declared, or only embeddings: read the blocks' linears off the modules
         declared = {}
         layout.source = "modules"
@@ -636,14 +636,21 @@ def _lay_out_experts(plan: Dict[str, str], names: Mapping[str, nn.Module], full:
                     partial_width=partial_width)
 
 
-def _experts_shown(names: Mapping[str, nn.Module], blocks: List[str], lists: Tuple[str, ...]) -> List[str]:
+def _experts_shown(names: Mapping[str, nn.Module], blocks: List[str], lists: Tuple[str, ...],
+                   root: Optional[nn.Module] = None) -> List[str]:
     """Patterns of the modules inside the repeated blocks that carry transformers' experts
     declaration (``use_experts_implementation``'s flags on the class), where the config's
-    ``base_model_tp_plan`` names none (transformers 5.25 dropped Qwen2-MoE's ``moe_tp_experts``)."""
+    ``base_model_tp_plan`` names none (transformers 5.25 dropped Qwen2-MoE's ``moe_tp_experts``).
+    With ``root`` (a model that runs here), a block whose code uses the routing weights outside
+    its experts module (:func:`~.routing.routing_only_to_experts`) is left to run whole."""
     from atp_pipeline.models.hf.experts import FLAGS
+    from atp_pipeline.models.hf.routing import routing_only_to_experts
 
-    return sorted({pattern(n, lists) for n, m in names.items()
-                   if any(n.startswith(b + ".") for b in blocks) and all(hasattr(m, f) for f in FLAGS)})
+    found: Dict[str, str] = {}
+    for n, m in names.items():
+        if any(n.startswith(b + ".") for b in blocks) and all(hasattr(m, f) for f in FLAGS):
+            found.setdefault(pattern(n, lists), n)
+    return sorted(p for p, n in found.items() if root is None or routing_only_to_experts(root, n) is not False)
 
 
 def _writes_hidden(root: Optional[nn.Module], unit: str, hidden: int) -> bool:
