@@ -74,7 +74,7 @@ def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int
     float32 ``x`` is computed in float32: exact when the scale is a power of two.
 
     ``dtype``: the integer type returned (int32 in any byte order: the live worker asks for
-    the wire's, so converting and byte-swapping are one pass, issue 28); ``scratch``: a float
+    the wire's, so converting and byte-swapping are one pass); ``scratch``: a float
     array of ``x``'s shape and type to compute in instead of a new one."""
     lim = lane_limit(n_workers)
     x = np.asarray(x)

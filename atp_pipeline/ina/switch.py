@@ -464,7 +464,7 @@ def process_batch(st: SwitchState, pkts: Sequence[Packet]) -> List[Tuple[Packet,
     what :func:`process` returns for them one at a time (tested equal: outputs, registers and
     counters; ``tests/ina/test_switch.py``). Every decision is :func:`process`'s, packet by packet;
     the lane work is collected in a :class:`LanePlan` and done at the end in a few array
-    operations (the live emulator's batch, issue 28)."""
+    operations (the live emulator's batch)."""
     plan = LanePlan()
     outs = [process(st, p, plan)[1] for p in pkts]
     plan.run(st)
