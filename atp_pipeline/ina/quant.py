@@ -27,7 +27,6 @@ headroom scheme keeps every aggregation path exact at the cost of ``log2(W)`` bi
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
