@@ -1,4 +1,4 @@
-"""The live ATP backend (issue 6): real processes, real UDP packets, real Lightning runs.
+"""The live ATP backend: real processes, real UDP packets, real Lightning runs.
 
 * the DDP communication hook on 4 gloo processes: the mean equals the exact float64 mean
   to the quantization bound, is identical on every rank, and is bit-identical under 2%
@@ -9,7 +9,7 @@
 * two training runs sharing one switch process (two tenants);
 * a worker killed mid-run: the others fail naming it, nothing is left running, the shared
   switch holds no aggregator;
-* ``aggregation.switch_impl=bmv2`` (issue 16): the gradients summed by the compiled v1model
+* ``aggregation.switch_impl=bmv2``: the gradients summed by the compiled v1model
   program on BMv2 — the same final loss as ring, the switch's own counters show the
   sequences it completed, and nothing is left behind, also when the run is killed; bad
   values are one line before anything starts. Skipped with the reason without the P4
@@ -105,7 +105,7 @@ def test_ddp_hook_exact_and_bit_identical_under_loss():
 
 
 def _modes_worker(rank: int, world: int) -> Dict[str, Any]:
-    """SwitchML under 2% loss and two-level ATP clean and under 2% loss (issue 28), on 4 ranks:
+    """SwitchML under 2% loss and two-level ATP clean and under 2% loss, on 4 ranks:
     each rank's last-round integers, summed over the ranks by gloo, against the integers the
     protocol returned; the float results; the switches' counters; the roles' pids and ports;
     for SwitchML also the loss-free result of the protocol core run in one process on every
@@ -188,7 +188,7 @@ def _udp_ports() -> set:
 
 
 def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
-    """Must-show (issue 28): ``aggregation=switchml`` (over UDP and with the shared-memory
+    """Must-show: ``aggregation=switchml`` (over UDP and with the shared-memory
     transport, whose results must be the UDP run's bits and whose segments must be unlinked)
     and ``aggregation=atp racks=2`` on 4
     ranks — the aggregated integers equal the exact sums of every rank's integers, results
@@ -445,7 +445,7 @@ def test_strategy_in_plain_lightning_code_one_job_per_tensor_parallel_coordinate
     assert set(_live_role_pids()) <= before  # the roles rank 0 started are gone
 
 
-# -- issue 16: the P4 program on BMv2 as the live switch ------------------------------------------
+# -- the P4 program on BMv2 as the live switch ------------------------------------------
 BMV2 = ["aggregation=atp", "aggregation.switch_impl=bmv2"]
 # ~200 packets per step: BMv2 forwards a few thousand frames per second on this machine
 SMALL = ["model.hidden=16", "model.heads=2", "model.layers=1"]
@@ -617,7 +617,7 @@ def test_bmv2_switch_bad_values_are_one_line(compose_cfg, monkeypatch):
 
 
 def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
-    """Issue 28: racks that do not divide the workers, knobs of one mode given to another,
+    """Racks that do not divide the workers, knobs of one mode given to another,
     ``switch_impl=bmv2`` with a mode or a topology that has no program: one line each."""
     def err(*overrides: str, dp: int = 4) -> str:
         with pytest.raises(ConfigError) as e:

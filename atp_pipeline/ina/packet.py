@@ -167,7 +167,7 @@ class PacketFormat:
         self.payload_k = int(payload_k)
         self.bitmap_bits = int(bitmap_bits)
         #: decode payloads as read-only big-endian views of the received bytes (no copy, no
-        #: byte swap; the live roles and workers, issue 28) instead of native int32 copies
+        #: byte swap; the live roles and workers) instead of native int32 copies
         self.views = bool(views)
         self.fields: Tuple[Field, ...] = atp_fields(bitmap_bits)
         self.header_bits = sum(f.bits for f in self.fields)
@@ -248,7 +248,7 @@ class PacketFormat:
 
 def _compile_codec(spec: List[Tuple[str, int, int]], header_bytes: int) -> Tuple[Any, Any]:
     """Header encoder and decoder generated from the field table (one Python expression each
-    instead of a loop over fields: the live roles encode and decode every packet, issue 28).
+    instead of a loop over fields: the live roles encode and decode every packet).
 
     The encoder returns the header bytes, or ``None`` when a field does not fit its width
     (the caller names it); the decoder returns a :class:`Packet` with every header field set."""

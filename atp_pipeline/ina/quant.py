@@ -27,7 +27,6 @@ headroom scheme keeps every aggregation path exact at the cost of ``log2(W)`` bi
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
@@ -74,7 +73,7 @@ def quantize_mask(x: np.ndarray, scale: Union[float, np.ndarray], n_workers: int
     float32 ``x`` is computed in float32: exact when the scale is a power of two.
 
     ``dtype``: the integer type returned (int32 in any byte order: the live worker asks for
-    the wire's, so converting and byte-swapping are one pass, issue 28); ``scratch``: a float
+    the wire's, so converting and byte-swapping are one pass); ``scratch``: a float
     array of ``x``'s shape and type to compute in instead of a new one."""
     lim = lane_limit(n_workers)
     x = np.asarray(x)

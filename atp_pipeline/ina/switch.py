@@ -262,40 +262,64 @@ def process(st: SwitchState, p: Packet, plan: Optional["LanePlan"] = None) -> Tu
 
     ``plan`` (:func:`process_batch`): the packet's lane work — the int32 adds, copies and reads of
     aggregator rows — is recorded there instead of done now (the returned packets' payloads are
-    filled when the batch's plan runs); every decision is taken here, packet by packet, either way."""
+    filled when the batch's plan runs); every decision is taken here, packet by packet, either way.
+
+    The steps, each a function of its own: the job table (a miss is counted and dropped), the
+    hash of ⟨job, seq⟩, then a parameter packet's ② and watermark (:func:`_parameter`) or a
+    gradient's level, header checks, stale and collision tests (:func:`_gradient`), and at its
+    aggregator a merge (①④⑤⑥, :func:`_merge`), a retransmission's flush (⑦ :func:`_flush_level1`,
+    ⑧⑨⑩ :func:`_flush_resend`) or an allocation (:func:`_allocate`)."""
     S = st.stats
     job = p.job
     if job not in st.jobs:  # classifier/job table miss: not an ATP job known here
         S.unknown_job += 1
         return st, ()
-    n = st.n
-    seq = p.seq
-    pkey = job << 32 | seq
+    pkey = job << 32 | p.seq
     h = st.hmemo.get(pkey)
     if h is None:  # = agg_hash(job, seq)
-        h = _hash_miss(st, job, seq, pkey)
+        h = _hash_miss(st, job, p.seq, pkey)
     if p.is_param:
-        S.param += 1
-        ps = p.ps_index
-        wkey = job << 2 | ps
-        old = st.watermark.get(wkey, 0)
-        if n:
-            i = agg_slot(h, n)
-            # ② parameter packet: deallocate the matching aggregator, then multicast
-            if st.key[i] == pkey:
-                _free(st, i)
-                S.dealloc_param += 1
-        w = p.watermark
-        if w > old:
-            st.watermark[wkey] = w
-            if n and (old < seq or w > seq + 1):  # (crossing only its own seq: done by ②)
-                # the watermark crossed [old, w): aggregators of this ⟨job, shard⟩ left there
-                # (late duplicates allocated after their sequence's parameter packet) are stale
-                for i in _swept(st, job, ps, old, w):
-                    _free(st, i)
-                    S.stale_reclaimed += 1
-        return st, (p,)
+        return st, _parameter(st, p, h, pkey)
+    return st, _gradient(st, p, h, pkey, plan)
 
+
+def _parameter(st: SwitchState, p: Packet, h: int, pkey: int) -> Tuple[Packet, ...]:
+    """② A parameter packet: deallocate the matching aggregator, learn the shard's watermark
+    (freeing the aggregators of the sequences it crosses, :func:`_swept`), then multicast."""
+    S = st.stats
+    S.param += 1
+    n, job, seq, ps = st.n, p.job, p.seq, p.ps_index
+    wkey = job << 2 | ps
+    old = st.watermark.get(wkey, 0)
+    if n:
+        i = agg_slot(h, n)
+        if st.key[i] == pkey:
+            _free(st, i)
+            S.dealloc_param += 1
+    w = p.watermark
+    if w > old:
+        st.watermark[wkey] = w
+        if n and (old < seq or w > seq + 1):  # (crossing only its own seq: done by ②)
+            # the watermark crossed [old, w): aggregators of this ⟨job, shard⟩ left there
+            # (late duplicates allocated after their sequence's parameter packet) are stale
+            for i in _swept(st, job, ps, old, w):
+                _free(st, i)
+                S.stale_reclaimed += 1
+    return (p,)
+
+
+def _bad_header(st: SwitchState, p: Packet, e: int, fan_in: int, bm: int) -> bool:
+    """Header sanity (as :func:`validate_gradient`) for the level about to be touched: a packet
+    arriving at an aggregation level carries exactly one child, within that level's fan-in."""
+    bits = st.bitmap_bits
+    return bool(fan_in > bits or bm == 0 or bm >> fan_in or bm & (bm - 1) or p.fan_in1 > bits or (
+        e and (p.fan_in0 == 0 or p.fan_in0 > bits or p.bitmap0 == 0 or p.bitmap0 >> p.fan_in0)))
+
+
+def _gradient(st: SwitchState, p: Packet, h: int, pkey: int, plan: Optional["LanePlan"]) -> Tuple[Packet, ...]:
+    """A gradient packet: ③ its level's fan-in and bitmap, the header checks, the stale and
+    no-aggregator tests, then what its aggregator (``agg_slot(h, n)``) holds decides."""
+    S = st.stats
     e = p.edge  # ③ the edge-switch identifier selects this level's fan-in and bitmap
     if e == 0:
         fan_in, bm = p.fan_in0, p.bitmap0
@@ -304,115 +328,135 @@ def process(st: SwitchState, p: Packet, plan: Optional["LanePlan"] = None) -> Tu
     if fan_in == 0:  # this packet has no aggregation service at this level: plain forward
         if validate_gradient(p, st.bitmap_bits) is not None:
             S.malformed += 1
-            return st, ()
+            return ()
         S.no_service += 1
-        return st, (p,)
-    # header sanity (as validate_gradient) for the level about to be touched; a packet
-    # arriving at an aggregation level carries exactly one child
-    bits = st.bitmap_bits
-    if fan_in > bits or bm == 0 or bm >> fan_in or bm & (bm - 1) or p.fan_in1 > bits or (
-            e and (p.fan_in0 == 0 or p.fan_in0 > bits or p.bitmap0 == 0 or p.bitmap0 >> p.fan_in0)):
+        return (p,)
+    if _bad_header(st, p, e, fan_in, bm):
         S.malformed += 1
-        return st, ()
-    wm = st.watermark
-    if seq < wm.get(job << 2 | p.ps_index, 0):  # already complete: never allocate
+        return ()
+    if p.seq < st.watermark.get(p.job << 2 | p.ps_index, 0):  # already complete: never allocate
         S.stale_forward += 1
         p.resend = 1
         p.edge = e ^ 1
-        return st, (p,)
+        return (p,)
+    n = st.n
     if n == 0:
         S.collision += 1
         p.resend = p.collision = 1
         p.edge = e ^ 1
-        return st, (p,)
+        return (p,)
     i = agg_slot(h, n)
     p.agg_index = h
     k = st.key[i]
     if k == pkey:
         if not p.resend:
-            # ① matched: aggregate into this aggregator (fan-in and bitmap chosen at ③)
-            bmap = st.bitmap
-            have = bmap[i]
-            if have & bm:  # ④ already aggregated and not a retransmission: drop
-                S.dup_dropped += 1
-                return st, ()
-            if plan is None:
-                row = st.rows[i]
-                np.add(row, p.payload, row)
-            else:
-                plan.add(i, p.payload)
-            bmap[i] = have | bm
-            counts = st.count
-            cnt = counts[i] = counts[i] + 1  # ⑤ redundant popcount
-            if p.ecn or p.overflow:
-                st.flags[i] |= p.ecn | (p.overflow << 1)
-            S.merged += 1
-            if cnt < fan_in:  # ⑥ not complete: the packet is consumed
-                return st, ()
-            return st, (_complete(st, i, p, e, plan),)
+            return _merge(st, i, p, e, fan_in, bm, plan)
         if e == 1:
-            # ⑦ second level: forward the retransmission directly; flush what this
-            # aggregator holds in a clone, then ⑩ deallocate
-            c = p.copy()
-            if plan is None:
-                c.payload = st.rows[i].copy()
-            else:
-                plan.read(i, c)
-            c.bitmap1 = st.bitmap[i]
-            c.agg1 = 1
-            c.ecn |= st.flags[i] & FLAG_ECN
-            c.overflow |= (st.flags[i] & FLAG_OVF) >> 1
-            c.edge = 0
-            p.edge = 0
-            _free(st, i)
-            S.l1_flush += 1
-            return st, (c, p)
-        # first level: ④ merge if this worker is new (⑧: already merged), ⑨ copy the
-        # aggregator's value and bitmap into the packet, send upstream, ⑩ deallocate
-        if not st.bitmap[i] & bm:
-            if plan is None:
-                row = st.rows[i]
-                np.add(row, p.payload, row)
-            else:
-                plan.add(i, p.payload)
-            st.bitmap[i] |= bm
-            st.count[i] += 1
-            st.flags[i] |= p.ecn | (p.overflow << 1)
-            S.resend_merged += 1
-        if plan is None:
-            p.payload = st.rows[i].copy()
-        else:
-            plan.read(i, p)
-        p.bitmap0 = st.bitmap[i]
-        p.ecn |= st.flags[i] & FLAG_ECN
-        p.overflow |= (st.flags[i] & FLAG_OVF) >> 1
-        p.edge = 1
-        _free(st, i)
-        S.resend_flush += 1
-        return st, (p,)
+            return _flush_level1(st, i, p, plan)
+        return _flush_resend(st, i, p, bm, plan)
     if p.resend:  # no aggregator of ours: straight upstream, never allocate
         if k >= 0:
             p.collision = 1
         p.edge = e ^ 1
         S.resend_forward += 1
-        return st, (p,)
+        return (p,)
     if k < 0:
-        # allocation: claim the free aggregator with ⟨job, seq⟩, value and bitmap
-        _claim(st, i, job, seq, p.ps_index, bm)
-        st.flags[i] = p.ecn | (p.overflow << 1)
-        if plan is None:
-            st.rows[i][:] = p.payload
-        else:
-            plan.set(i, p.payload)
-        S.alloc += 1
-        if fan_in > 1:
-            return st, ()
-        return st, (_complete(st, i, p, e, plan),)
+        return _allocate(st, i, p, e, fan_in, bm, plan)
     # ① occupied by another ⟨job, seq⟩: upstream untouched, resend set, level flipped
     p.resend = p.collision = 1
     p.edge = e ^ 1
     S.collision += 1
-    return st, (p,)
+    return (p,)
+
+
+def _merge(st: SwitchState, i: int, p: Packet, e: int, fan_in: int, bm: int,
+           plan: Optional["LanePlan"]) -> Tuple[Packet, ...]:
+    """① matched, a first transmission: aggregate into aggregator ``i`` (fan-in and bitmap chosen
+    at ③) unless its bit is already there (④ duplicate: dropped); ⑥ complete: send upstream."""
+    S = st.stats
+    bmap = st.bitmap
+    have = bmap[i]
+    if have & bm:  # ④ already aggregated and not a retransmission: drop
+        S.dup_dropped += 1
+        return ()
+    if plan is None:
+        row = st.rows[i]
+        np.add(row, p.payload, row)
+    else:
+        plan.add(i, p.payload)
+    bmap[i] = have | bm
+    counts = st.count
+    cnt = counts[i] = counts[i] + 1  # ⑤ redundant popcount
+    if p.ecn or p.overflow:
+        st.flags[i] |= p.ecn | (p.overflow << 1)
+    S.merged += 1
+    if cnt < fan_in:  # ⑥ not complete: the packet is consumed
+        return ()
+    return (_complete(st, i, p, e, plan),)
+
+
+def _flush_level1(st: SwitchState, i: int, p: Packet, plan: Optional["LanePlan"]) -> Tuple[Packet, ...]:
+    """⑦ A retransmission at the second level: forward it directly; flush what aggregator ``i``
+    holds in a clone, then ⑩ deallocate."""
+    S = st.stats
+    c = p.copy()
+    if plan is None:
+        c.payload = st.rows[i].copy()
+    else:
+        plan.read(i, c)
+    c.bitmap1 = st.bitmap[i]
+    c.agg1 = 1
+    c.ecn |= st.flags[i] & FLAG_ECN
+    c.overflow |= (st.flags[i] & FLAG_OVF) >> 1
+    c.edge = 0
+    p.edge = 0
+    _free(st, i)
+    S.l1_flush += 1
+    return (c, p)
+
+
+def _flush_resend(st: SwitchState, i: int, p: Packet, bm: int, plan: Optional["LanePlan"]) -> Tuple[Packet, ...]:
+    """A retransmission at the first level: ④ merge if this worker is new (⑧: already merged),
+    ⑨ copy aggregator ``i``'s value and bitmap into the packet, send upstream, ⑩ deallocate."""
+    S = st.stats
+    if not st.bitmap[i] & bm:
+        if plan is None:
+            row = st.rows[i]
+            np.add(row, p.payload, row)
+        else:
+            plan.add(i, p.payload)
+        st.bitmap[i] |= bm
+        st.count[i] += 1
+        st.flags[i] |= p.ecn | (p.overflow << 1)
+        S.resend_merged += 1
+    if plan is None:
+        p.payload = st.rows[i].copy()
+    else:
+        plan.read(i, p)
+    p.bitmap0 = st.bitmap[i]
+    p.ecn |= st.flags[i] & FLAG_ECN
+    p.overflow |= (st.flags[i] & FLAG_OVF) >> 1
+    p.edge = 1
+    _free(st, i)
+    S.resend_flush += 1
+    return (p,)
+
+
+def _allocate(st: SwitchState, i: int, p: Packet, e: int, fan_in: int, bm: int,
+              plan: Optional["LanePlan"]) -> Tuple[Packet, ...]:
+    """Allocation: claim the free aggregator ``i`` with ⟨job, seq⟩, value and bitmap (⑥ at once
+    for a fan-in of 1)."""
+    S = st.stats
+    _claim(st, i, p.job, p.seq, p.ps_index, bm)
+    st.flags[i] = p.ecn | (p.overflow << 1)
+    if plan is None:
+        st.rows[i][:] = p.payload
+    else:
+        plan.set(i, p.payload)
+    S.alloc += 1
+    if fan_in > 1:
+        return ()
+    return (_complete(st, i, p, e, plan),)
 
 
 def process_batch(st: SwitchState, pkts: Sequence[Packet]) -> List[Tuple[Packet, ...]]:
@@ -420,7 +464,7 @@ def process_batch(st: SwitchState, pkts: Sequence[Packet]) -> List[Tuple[Packet,
     what :func:`process` returns for them one at a time (tested equal: outputs, registers and
     counters; ``tests/ina/test_switch.py``). Every decision is :func:`process`'s, packet by packet;
     the lane work is collected in a :class:`LanePlan` and done at the end in a few array
-    operations (the live emulator's batch, issue 28)."""
+    operations (the live emulator's batch)."""
     plan = LanePlan()
     outs = [process(st, p, plan)[1] for p in pkts]
     plan.run(st)
@@ -522,6 +566,12 @@ def _complete(st: SwitchState, i: int, p: Packet, e: int, plan: Optional["LanePl
     st.stats.complete += 1
     st.job_complete[p.job] = st.job_complete.get(p.job, 0) + 1
     return p
+
+
+#: :func:`process` and the steps it calls: one switch function, whose every line the P4 trace
+#: corpus covers (``tests/p4/test_traces.py``)
+PROCESS_STEPS = (process, _parameter, _gradient, _bad_header, _merge, _flush_level1, _flush_resend, _allocate,
+                 _complete)
 
 
 def process_bytes(st: SwitchState, fmt: PacketFormat, buf: bytes) -> Tuple[SwitchState, Tuple[Packet, ...]]:

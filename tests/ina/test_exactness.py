@@ -1,4 +1,4 @@
-"""Must-show: exact aggregation under loss, duplication and reordering (issue 5).
+"""Must-show: exact aggregation under loss, duplication and reordering.
 
 Property: for 1–4 tenant jobs of 2–32 workers each, random placements over a multi-rack
 fabric, random tensor sizes, aggregator pools from one slot upward, single- or two-level

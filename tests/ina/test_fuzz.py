@@ -1,4 +1,4 @@
-"""Must-show: bad input is dropped and counted, never crashes a role (issue 5).
+"""Must-show: bad input is dropped and counted, never crashes a role.
 
 Truncated, oversized, random and bit-flipped buffers, and well-formed packets of unknown
 jobs, are fed to the switch, the parameter server and a worker through their byte entry

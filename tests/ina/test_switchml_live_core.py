@@ -1,4 +1,4 @@
-"""SwitchML's protocol core as the live backend runs it (issue 28), in one process.
+"""SwitchML's protocol core as the live backend runs it, in one process.
 
 * the switch function is one object for simulator and live role;
 * per-packet shared exponents: under loss (per-slot timeouts, shadow copies) every chunk's
@@ -16,6 +16,8 @@ from typing import List, Tuple
 import numpy as np
 
 from atp_pipeline.ina import switchml as core
+from atp_pipeline.ina.switchml import batch as sml_batch, float_worker as sml_float, lanes as sml_lanes
+from atp_pipeline.ina.switchml import switch as sml_switch
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, Outbox
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.sim import switchml as sim
@@ -155,12 +157,12 @@ def _state(js: SMLSwitchJob) -> tuple:
 
 
 def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
-    """``SMLSwitch.batch`` decides large batches with array operations (issue 28, pass 4) and
+    """``SMLSwitch.batch`` decides large batches with array operations and
     falls back to its per-packet loop where one packet's decision depends on another's, and sums
     in two threads (the live role's): on random batches — retransmissions, stale versions, duplicates, exponent-only and lane
     packets, unknown slots and workers, UDP payloads and shared lanes — the results, the state
     and the registers equal those of the same packets sent one at a time."""
-    monkeypatch.setattr(core, "ARRAY_MIN", 2)
+    monkeypatch.setattr(sml_switch, "ARRAY_MIN", 2)
     rng = np.random.default_rng(11)
     W, pool, k = 3, 4, 8
     lanes = [rng.integers(-1000, 1000, size=(2, pool, k), dtype=np.int32) for _ in range(W)]
@@ -168,11 +170,11 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
     for sw in (ref, arr):
         sw.jobs[1] = SMLSwitchJob(1, W, pool, k, -1, list(range(W)), lanes=lanes)
     arr.threads = 2  # (the live role's: the sums in two halves at once, here from 2 register rows up)
-    monkeypatch.setattr(core, "SUM_SPLIT_MIN", 2 * k)
+    monkeypatch.setattr(sml_lanes, "SUM_SPLIT_MIN", 2 * k)
     fast = 0
     for step in range(400):
         # the array form reads the registers whole (small partitions) or only the slot-versions touched
-        monkeypatch.setattr(core, "WHOLE_STATE", 0 if step % 4 == 1 else 8)
+        monkeypatch.setattr(sml_batch, "WHOLE_STATE", 0 if step % 4 == 1 else 8)
         m = int(rng.integers(2, 24))
         if step % 2:  # a realistic batch: one version per slot, each worker once, a few retransmissions
             v = int(rng.integers(0, 2))
@@ -211,11 +213,11 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
 
 def test_worker_array_form_equals_the_per_packet_form(monkeypatch):
     """``SMLFloatWorker.on_headers`` (the engine's shared-memory path: headers in and out as
-    arrays, issue 28 pass 4) against ``on_datagrams`` (packet by packet) on twin workers fed
+    arrays) against ``on_datagrams`` (packet by packet) on twin workers fed
     the same batches of a run with 15% loss, per-slot timeouts and duplicated results: the same
     packets to send, the same protocol state, the same lanes quantized and the same results,
     bit for bit."""
-    monkeypatch.setattr(core, "WORKER_ARRAY_MIN", 2)
+    monkeypatch.setattr(sml_float, "WORKER_ARRAY_MIN", 2)
     rng = np.random.default_rng(7)
     W, pool, k = 3, 4, 16
     fmt = SMLFormat(k, shm=True)
@@ -280,7 +282,7 @@ def test_worker_array_form_equals_the_per_packet_form(monkeypatch):
 
 def test_switch_role_gathers_every_workers_datagrams_before_deciding(monkeypatch):
     """The SwitchML switch role (``nodes.SMLSwitchNode``) decides a batch once every worker of the
-    job has sent (issue 28, pass 6: one decision a round instead of one per worker's datagram), and
+    job has sent (one decision a round instead of one per worker's datagram), and
     at its deadline with what it has when a worker sends nothing (lost packets, a resend): over real
     UDP sockets in one process, the batch handed to the switch function holds every worker's
     datagram, also one sent after the role woke, and deciding it completes every slot at once."""
@@ -372,8 +374,8 @@ if __name__ == "__main__":
 
 def test_attached_segments_leave_the_resource_tracker_alone(tmp_path):
     """Processes sharing one resource tracker attach and drop one segment, its owner unlinks it: no
-    ``KeyError`` traceback from ``resource_tracker.py``, no leak warning (issue 28, pass 7: every
-    live run printed them — the ranks attach the switch's registers)."""
+    ``KeyError`` traceback from ``resource_tracker.py``, no leak warning (the ranks
+    of every live run attach the switch's registers)."""
     import subprocess
     import sys
 
@@ -385,8 +387,8 @@ def test_attached_segments_leave_the_resource_tracker_alone(tmp_path):
 
 
 def test_blocking_all_reduce_runs_inline_only_when_nothing_is_queued():
-    """``Engine.all_reduce`` runs the sync in the caller's thread when nothing is queued (issue 28,
-    pass 7: two thread wake-ups a sync fewer); behind queued requests it waits its turn — requests
+    """``Engine.all_reduce`` runs the sync in the caller's thread when nothing is queued
+    (two thread wake-ups a sync fewer); behind queued requests it waits its turn — requests
     run one at a time, in order — and a failed job stays failed on either path."""
     import queue
     import threading
@@ -434,7 +436,7 @@ def test_blocking_all_reduce_runs_inline_only_when_nothing_is_queued():
 
 
 def test_spin_drain_returns_what_arrives_and_gives_up_in_time():
-    """A receiver with cores to spare busy-polls before blocking (issue 28, pass 7): ``spin_drain``
+    """A receiver with cores to spare busy-polls before blocking: ``spin_drain``
     returns a datagram that arrives while it spins, [] once its time is up; hosts with fewer than two
     cores per process of a sync never spin."""
     import socket
@@ -459,6 +461,6 @@ def test_spin_drain_returns_what_arrives_and_gives_up_in_time():
 
     cores = len(os.sched_getaffinity(0))
     assert frames.spin_budget(cores // 2 + 1) == 0.0 and frames.spin_budget(max(1, cores // 2)) == frames.SPIN_S
-    # the switch role's summing threads (pass 8): 2 only with a core for every process of the sync and one more
+    # the switch role's summing threads: 2 only with a core for every process of the sync and one more
     assert frames.cores() == cores
     assert frames.sum_threads(cores) == 1 and frames.sum_threads(max(1, cores - 1)) == (2 if cores >= 2 else 1)

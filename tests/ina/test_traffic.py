@@ -1,4 +1,4 @@
-"""Must-show: traffic reduction (issue 5) — 1/W with aggregators, all of it without, and
+"""Must-show: traffic reduction — 1/W with aggregators, all of it without, and
 two-level aggregation of 1,024 workers in 32 racks with 32-bit bitmaps per level."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Both P4 programs compile with the shipped toolchain (issue 16): ``p4c-bm2-ss`` on the v1model
+"""Both P4 programs compile with the shipped toolchain: ``p4c-bm2-ss`` on the v1model
 program, ``p4test`` on the TNA program for Tofino 1 and 2; exit 0 and no warning. Skipped,
 with the reason, where the toolchain is missing."""
 

@@ -1,4 +1,4 @@
-"""The ATP control plane (issue 7): entries computed from the Hydra configs, named as in the P4."""
+"""The ATP control plane: entries computed from the Hydra configs, named as in the P4."""
 
 import re
 from pathlib import Path

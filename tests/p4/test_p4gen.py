@@ -1,4 +1,4 @@
-"""The generated P4 header matches the Python packet codec field for field (issue 7)."""
+"""The generated P4 header matches the Python packet codec field for field."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""BMv2 ``simple_switch`` in a namespace of its own (issue 16): frames in and out through its
+"""BMv2 ``simple_switch`` in a namespace of its own: frames in and out through its
 nanomsg port interface, and nothing left behind — after ``close`` and after its owner is
 killed with SIGKILL (the switch dies with it, the kernel frees the namespace)."""
 

@@ -1,4 +1,4 @@
-"""The trace corpus covers every branch of the switch function, and replays exactly (issue 7)."""
+"""The trace corpus covers every branch of the switch function, and replays exactly."""
 
 import dis
 import sys
@@ -26,7 +26,7 @@ def _lines(code):
 
 
 def test_replay_matches_and_covers_every_branch(records):
-    codes = {switch.process.__code__, switch._complete.__code__}
+    codes = {f.__code__ for f in switch.PROCESS_STEPS}  # process and every step it calls
     hit = set()
 
     def tracer(frame, event, arg):
@@ -51,13 +51,12 @@ def test_replay_matches_and_covers_every_branch(records):
     assert len(batched) == len(replayed)
     for rec, out in batched:
         assert out == rec["out"], f"batched: {rec['scenario']} step {rec['step']}"
-    # line coverage of the whole function body (every branch of process and _complete)
+    # line coverage of the whole switch function (every branch of process and of its steps)
     missing = {(c.co_name, ln) for c in codes for ln in _lines(c) if (c, ln) not in hit}
     assert not missing, f"lines of switch.process not covered by the corpus: {sorted(missing)}"
     # the named Figure 4 branches, by their counters in the source
-    src = switch.process.__code__
     import inspect
-    lines, start = inspect.getsourcelines(switch.process)
+    sources = [(f.__code__, *inspect.getsourcelines(f)) for f in switch.PROCESS_STEPS]
     named = {
         "allocation": "S.alloc += 1", "hit/aggregate": "S.merged += 1", "collision": "p.resend = p.collision = 1",
         "duplicate": "S.dup_dropped += 1", "parameter/deallocation": "S.dealloc_param += 1",
@@ -65,8 +64,8 @@ def test_replay_matches_and_covers_every_branch(records):
         "resend forward": "S.resend_forward += 1", "stale reclaim": "S.stale_reclaimed += 1",
     }
     for branch, marker in named.items():
-        lns = [start + i for i, t in enumerate(lines) if marker in t]
-        assert lns and all((src, ln) in hit for ln in lns), branch
+        lns = [(src, start + i) for src, lines, start in sources for i, t in enumerate(lines) if marker in t]
+        assert lns and all(x in hit for x in lns), branch
     assert any((switch._complete.__code__, ln) in hit for ln in _lines(switch._complete.__code__)), "completion"
 
 

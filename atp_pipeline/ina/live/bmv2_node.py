@@ -1,4 +1,4 @@
-"""The live switch on BMv2: the compiled v1model program sums the training gradients (issue 16).
+"""The live switch on BMv2: the compiled v1model program sums the training gradients.
 
 :class:`BMv2SwitchNode` is the ``switch`` role of :mod:`.nodes` with ``--impl bmv2``. It has
 the emulator's control operations (``add_job``, ``remove_job``, ``aggregator``, ``stats``)
@@ -339,7 +339,7 @@ class BMv2SwitchNode(Role):
         return {(j, s): got[(j << 2) | s] for j, s in pairs}
 
     def op_aggregator(self, job: int, seq: int) -> Optional[int]:
-        """The level bitmap held for ⟨job, seq⟩ (diagnosis of a stalled job), or None."""
+        """The level bitmap held for ⟨job, seq⟩ (to name the workers a stalled job waits for), or None."""
         i = agg_slot(agg_hash(job, seq), self.n)
         got = parse_register(self._cli([f"register_read {cp.INGRESS}.agg_key {i}"]))
         if got.get(i) != (1 << 48 | job << 32 | seq):

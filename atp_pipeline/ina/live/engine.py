@@ -10,7 +10,7 @@ buffer sizes (DDP's buckets, or one flat bucket per step), so sequence numbers a
 
 Quantization (§5.4, :mod:`atp_pipeline.ina.quant`): all workers of a job must use the same
 scale. It is derived from data every worker already shares — the previous result for the
-same buffer size — never from local values. Each packet has its own scale (issue 28: one
+same buffer size — never from local values. Each packet has its own scale (one
 scale for a whole flat gradient left the small gradients of some layers a few quanta, and
 Adam amplifies that noise): ``s_p = safe_scale(bound_p, W)`` with ``bound_p = 16·max|Σ_p|``
 over packet ``p``'s lanes, the largest over the last :data:`BOUND_MEMORY` rounds of that
@@ -150,11 +150,10 @@ class Engine:
         return fut
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """:meth:`all_reduce_async` and wait. When nothing is queued the sync runs in the caller's
-        thread (issue 28, pass 7): handing it to the engine thread and the result back cost two
-        thread wake-ups a sync — 0.4–0.9 ms of a 4.4 ms `tiny` sync on the 2-core host
-        (``docs/ina_live/pass7/profile/``). Same code, same order: the engine thread's requests and
-        an inline one never overlap (``_busy``), and one is inline only when none is queued."""
+        """:meth:`all_reduce_async` and wait. When nothing is queued the sync runs in the caller's thread:
+        handing it to the engine thread and the result back costs two thread wake-ups a sync (0.4–0.9 ms of
+        a 4.4 ms `tiny` sync on a 2-core host). Same code, same order: the engine thread's requests and an
+        inline one never overlap (``_busy``), and one is inline only when none is queued."""
         inline = False
         if tensor.is_contiguous() and tensor.device.type == "cpu":
             with self._mu:
@@ -272,7 +271,7 @@ class Engine:
     def _padded(self, n: int, npk: int, dtype: Any) -> Tuple[np.ndarray, np.ndarray]:
         """The padded ``(packets, K)`` buffer and the quantization scratch of buffers of ``n``
         values (kept per size: DDP syncs the same bucket sizes every step; a fresh array per
-        round cost its page faults and zeroing, issue 28). Only the first ``n`` values of the
+        round costs its page faults and zeroing). Only the first ``n`` values of the
         buffer are ever written, so its padding stays 0."""
         key = (n, np.dtype(dtype).str)
         got = self._pads.pop(key, None)
@@ -388,7 +387,7 @@ class SMLEngine(Engine):
         if self.cfg.shm is not None:  # the shared-memory transport (:mod:`.shm`)
             lanes, results = (lanes_of(s, self.cfg.pool, self.fmt.payload_k) for s in self.cfg.shm)
         # over UDP every chunk in flight is a datagram queued at the switch: the workers' windows
-        # together stay within its receive buffer (issue 28: 64 slots of 64 KiB from each of 4
+        # together stay within its receive buffer (64 slots of 64 KiB from each of 4
         # workers overflowed it, and SwitchML recovers a drop by a timeout only)
         window = None if lanes is not None else max(1, UDP_INFLIGHT_BYTES // self.fmt.atp_bytes)
         w = SMLFloatWorker(self.job, self.wid, self.n_workers, self.cfg.pool, self.fmt.payload_k,
@@ -411,9 +410,9 @@ class SMLEngine(Engine):
         return x
 
     def _receive(self, bufs: List[bytes], now: float) -> List[Any]:
-        if self.fmt.shm:  # headers in, headers out: the array form (issue 28, pass 4)
+        if self.fmt.shm:  # headers in, headers out: the array form
             return self.worker.on_headers(bufs, now)  # type: ignore[return-value]
-        return self.worker.on_datagrams(bufs, now)  # the whole batch at once (issue 28)
+        return self.worker.on_datagrams(bufs, now)  # the whole batch at once
 
     def _send(self, pkts: Any) -> None:
         if not len(pkts):

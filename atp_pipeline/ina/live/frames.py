@@ -1,4 +1,4 @@
-"""Several protocol packets per UDP datagram: the live path's batching (issue 28).
+"""Several protocol packets per UDP datagram: the live path's batching.
 
 On hardware every ATP (or SwitchML) packet is one Ethernet frame. On loopback each datagram
 costs a system call and a wake-up of the receiving process, far more than the packet's
@@ -50,7 +50,7 @@ SPIN_S = 0.002
 
 
 def spin_budget(processes: int) -> float:
-    """Seconds a receiver may busy-poll its socket before blocking in ``poll`` (issue 28, pass 7):
+    """Seconds a receiver may busy-poll its socket before blocking in ``poll``:
     :data:`SPIN_S` where this process may run on at least two cores per process taking part in a
     sync (``processes``: workers and roles), else 0. A blocked receiver pays a wake-up per
     datagram — on the critical path of every round trip —, and a spinning one takes a core:
@@ -70,9 +70,8 @@ def cores() -> int:
 def sum_threads(processes: int) -> int:
     """Threads the SwitchML switch role sums its lanes in (:attr:`~atp_pipeline.ina.switchml.SMLSwitch.threads`):
     2 where the host has a core for every process taking part in a sync (``processes``: workers and
-    roles) and one more, else 1 (issue 28, pass 8). On the 2-core host, where a sync's five processes
-    already share the cores, the second thread only added CPU: the switch role used 0.3-0.7 ms more a
-    sync with it (``small``, 4 pairs, ``docs/ina_live/pass8/profile/threads.txt``)."""
+    roles) and one more, else 1. Where a sync's processes already share the cores, a second thread
+    only adds CPU (the switch role used 0.3-0.7 ms more a sync with it on a 2-core host)."""
     return 2 if cores() >= processes + 1 else 1
 
 
@@ -94,8 +93,8 @@ def keep_freed_memory() -> bool:
     """Keep freed buffers in this process's heap (glibc): a live role receives, copies and
     joins tens of 64 KiB datagrams per batch, and with glibc's defaults memory freed at the
     top of the heap goes back to the kernel and the next buffer faults its pages in again
-    (``perf`` of the switch role at 16,000 values a packet: page faults 7% of its cycles,
-    issue 28). Allocations below 32 MiB come from the heap and up to 256 MiB of free heap is
+    (``perf`` of the switch role at 16,000 values a packet: page faults 7% of its cycles).
+    Allocations below 32 MiB come from the heap and up to 256 MiB of free heap is
     kept. Whether glibc accepted it (no-op elsewhere)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -74,7 +74,7 @@ class SwitchNode(Role):
                  seed: int = 0, ecn_threshold: Optional[int] = None, **kw: Any) -> None:
         super().__init__(fmt, **kw)
         self.faults(loss, duplicate, seed)
-        if ecn_threshold is None:  # an eighth of the receive buffer the kernel granted (issue 28: a fixed
+        if ecn_threshold is None:  # an eighth of the receive buffer the kernel granted (a fixed
             # 256 KiB is four 64 KiB datagrams, so one window of each of 4 workers was marked nearly
             # every round and at 2,048 values a packet held the windows at their 16-packet minimum)
             ecn_threshold = max(256 << 10, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 8)
@@ -87,8 +87,8 @@ class SwitchNode(Role):
 
     def handle_batch(self, got: List[Tuple[bytes, Addr]]) -> None:
         """Everything drained, through the switch function at once (:func:`process_batch`: the
-        decisions packet by packet, the lane work of the whole batch in a few array operations;
-        issue 28), then forwarded. The receive buffer's occupancy (ECN) is read once a batch."""
+        decisions packet by packet, the lane work of the whole batch in a few array operations),
+        then forwarded. The receive buffer's occupancy (ECN) is read once a batch."""
         self.backlog = meminfo(self.sock)[0]
         fmt, copies, jp = self.fmt, self.copies, self.job_packets
         pkts: List[Any] = []
@@ -111,7 +111,7 @@ class SwitchNode(Role):
         for p, raw, out in zip(pkts, raws, process_batch(self.state, pkts)):
             for q in out:
                 # a parameter packet leaves as it came (② only frees an aggregator): its
-                # received bytes are forwarded, not encoded again (issue 28)
+                # received bytes are forwarded, not encoded again
                 forward(q, raw if q is p and p.is_param else None)
 
     def forward(self, p: Any, raw: Optional[bytes] = None) -> None:
@@ -152,7 +152,7 @@ class SwitchNode(Role):
         return freed
 
     def op_aggregator(self, job: int, seq: int) -> Optional[int]:
-        """The level bitmap held for ⟨job, seq⟩ (diagnosis of a stalled job), or None."""
+        """The level bitmap held for ⟨job, seq⟩ (to name the workers a stalled job waits for), or None."""
         st = self.state
         if not st.n:
             return None
@@ -178,11 +178,9 @@ class SwitchNode(Role):
 
 
 #: how long the SwitchML switch role waits, from its first drained datagram, for the other workers of a
-#: job before it decides a batch (:meth:`SMLSwitchNode.gather`; issue 28, pass 6). 0: it takes what is
-#: queued by then and does not wait — waiting up to 2 ms cut the batches from ~6 to ~2.5 a sync but made
-#: small's sync slower (harness, 2,048 values a packet: 28-33 ms against 20-22 ms for the tree before,
-#: docs/ina_live/pass6/profile/ab_gather.txt): the decisions and sums then all wait for the last worker
-#: instead of overlapping the others' quantization
+#: job before it decides a batch (:meth:`SMLSwitchNode.gather`). 0: it takes what is queued by then and
+#: does not wait — waiting cuts the batches a sync but puts the decisions and sums after the last worker's
+#: packets instead of overlapping the others' quantization, which makes a sync slower on a loaded host
 GATHER_S = 0.0
 
 
@@ -216,16 +214,15 @@ class SMLSwitchNode(Role):
         self.shm.clear()
 
     def gather(self, got: List[Tuple[bytes, Addr]]) -> List[Tuple[bytes, Addr]]:
-        """Wait (at most :data:`GATHER_S` from now, sleeping in ``select``) until every worker of each
-        job the drained datagrams name has sent one, then the whole lot is one batch (issue 28, pass
-        6). A worker packs its packets of a round into datagrams of its own, so the first header of
-        each datagram names its job and worker. Without this the role woke for about one worker's
-        datagram at a time: ~6 batches a sync, each deciding one worker's packets (below the array
-        form's :data:`~atp_pipeline.ina.switchml.ARRAY_MIN`) and each paying the role's per-batch
-        costs. Only when packets are decided changes: the switch function is the same over any
-        batching (tests/ina/test_switchml_live_core.py), loss and retransmissions included — a
-        round where some worker sends nothing (its packets lost, or a resend after a timeout) is
-        decided at the deadline."""
+        """Wait (at most :data:`GATHER_S` from now, sleeping in ``select``) until every worker of each job
+        the drained datagrams name has sent one, then the whole lot is one batch. A worker packs its packets
+        of a round into datagrams of its own, so the first header of each datagram names its job and worker.
+        Without this the role woke for about one worker's datagram at a time: ~6 batches a sync, each
+        deciding one worker's packets (below the array form's
+        :data:`~atp_pipeline.ina.switchml.switch.ARRAY_MIN`) and each paying the role's per-batch costs.
+        Only when packets are decided changes: the switch function is the same over any batching
+        (tests/ina/test_switchml_live_core.py), loss and retransmissions included — a round where some
+        worker sends nothing (its packets lost, or a resend after a timeout) is decided at the deadline."""
         jobs = self.sml.jobs
         seen: Dict[int, int] = {}
         deadline = 0.0
@@ -333,9 +330,9 @@ class SMLSwitchNode(Role):
         return job
 
     def _spin_for_routes(self) -> None:
-        """The data-plane loop's busy-poll budget for the jobs installed (issue 28, pass 7;
-        :func:`~.frames.spin_budget` over this role and every worker of its jobs; none without a job),
-        and the threads that sum the lanes (:func:`~.frames.sum_threads`, pass 8: the lane sums in two
+        """The data-plane loop's busy-poll budget for the jobs installed
+        (:func:`~.frames.spin_budget` over this role and every worker of its jobs; none without a job),
+        and the threads that sum the lanes (:func:`~.frames.sum_threads`: the lane sums in two
         halves at once where a core is free for it)."""
         workers = sum(len(r) for r in self.routes.values())
         self.spin_s = spin_budget(1 + workers) if workers else 0.0
@@ -459,7 +456,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--control-port", type=int, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
     ap.add_argument("--protocol", choices=("atp", "switchml"), default="atp",
-                    help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml.py)")
+                    help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml/)")
     ap.add_argument("--transport", choices=("udp", "shm"), default="udp",
                     help="switch --protocol switchml: lanes in the datagrams (udp) or in shared memory (shm)")
     ap.add_argument("--impl", choices=("python", "bmv2"), default="python",

@@ -1,8 +1,8 @@
-"""The shared-memory transport of the live SwitchML path (``aggregation.transport=shm``, issue 28).
+"""The shared-memory transport of the live SwitchML path (``aggregation.transport=shm``).
 
 On one host, every byte a datagram carries is copied twice by the kernel (into the socket,
 out of it), and the switch role sends each result once per worker: a sync moves 16 times the
-gradient through loopback for 4 workers, against ring's 12 (``docs/ina.md``). With this
+gradient through loopback for 4 workers, against ring's 12. With this
 transport the packets still travel as UDP datagrams between the processes — the same
 headers, the same protocol, loss and retransmission — but a packet's lanes stay in shared
 memory:
@@ -25,7 +25,7 @@ resource tracker exactly once: its owner's (registered at creation, unregistered
 unlink). An attaching process never registers it (:func:`attach`): Python < 3.13 registers
 attached segments too, and processes started from one parent share one tracker, so the ranks
 attaching the switch's registers and dropping them again made the tracker unregister a name
-twice — a ``KeyError`` traceback from ``resource_tracker.py`` on every run (issue 28, pass 7).
+twice — a ``KeyError`` traceback from ``resource_tracker.py`` on every run.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class ATPSync:
         # §5.4's window grows by one MTU per ACK in slow start: one packet on hardware, where a
         # packet fills at most an MTU; a live packet may be one 64 KiB loopback datagram, so its
         # window grows by at least a packet per ACK too (1,500 bytes made a window of 8 KiB packets
-        # take dozens of round trips to open, and a 68-packet sync several windows: issue 28)
+        # take dozens of round trips to open, and a 68-packet sync several windows)
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
                             worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6, mtu=max(1500, fmt.wire_bytes)),
                             pool=cfg.pool, shm=(lanes[0], attach(jbox[1])) if lanes else None)

@@ -1,4 +1,4 @@
-"""Replay the ATP trace corpus on BMv2 and compare frame by frame and counter by counter (issue 16).
+"""Replay the ATP trace corpus on BMv2 and compare frame by frame and counter by counter.
 
 The trace corpus (``p4/traces/atp.jsonl``, :mod:`atp_pipeline.ina.p4.traces`) holds input
 frames and the frames the Python switch function (:func:`atp_pipeline.ina.switch.process`, via

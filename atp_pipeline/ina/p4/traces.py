@@ -1,4 +1,4 @@
-"""Packet-trace corpus of the ATP switch function, for P4 replay (issue 7, §5.3 Figure 4).
+"""Packet-trace corpus of the ATP switch function, for P4 replay (§5.3 Figure 4).
 
 Crafted packet sequences drive :func:`atp_pipeline.ina.switch.process` through every
 branch of Figure 4 (allocation, ① hit / collision, ② deallocation on parameter packets,

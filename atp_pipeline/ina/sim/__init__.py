@@ -1,4 +1,4 @@
-"""Packet-level discrete-event simulation of ATP on a multi-rack fabric (issue 5, item 5–6).
+"""Packet-level discrete-event simulation of ATP on a multi-rack fabric.
 
 * :mod:`.engine` — the event engines (SimPy adapter and the lean heap engine; measured),
 * :mod:`.fabric` — hosts, ToRs, the core switch, links with queues, ECN, loss, duplication,
