@@ -215,7 +215,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
 
     A rank that raises or dies (e.g. killed) is reported with the others' errors: after the
     first failure the remaining ranks get ``failure_grace`` seconds to finish or fail on
-    their own (so their own diagnosis is reported) before they are terminated.
+    their own (so their own error is reported) before they are terminated.
 
     The rendezvous port is one the kernel had free a moment before; a process starting
     beside this one (another launch, or a client connection given it as its ephemeral

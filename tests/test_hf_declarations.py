@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="pip install transformers")
 
-from atp_pipeline.models.hf.layout import COLUMN_KINDS, ROW_KINDS, declared_plan, derive  # noqa: E402
+from atp_pipeline.models.hf.declared import COLUMN_KINDS, ROW_KINDS, declared_plan  # noqa: E402
+from atp_pipeline.models.hf.layout import derive  # noqa: E402
 
 from .hf_workers import build  # noqa: E402
 

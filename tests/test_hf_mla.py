@@ -52,16 +52,17 @@ def test_the_latent_attention_is_read_off_the_modules(deepseek):
 
 def test_what_the_latent_layout_cannot_place_is_refused_in_one_line(deepseek):
     from atp_pipeline.models.hf import mla
-    from atp_pipeline.models.hf.layout import _capture, _cut, _run, calls_interface
+    from atp_pipeline.models.hf.linears import cut_features
+    from atp_pipeline.models.hf.probe import calls_interface, capture, run_eval
 
     att = deepseek.model.layers[0].self_attn
     rows = ["o_proj"]
     spec = mla.read_latent(att, 64, 8, rows, "attention")
-    got = _capture(deepseek, ATT)
-    assert mla.latent_infeasibility(*got, spec, _run, _cut, calls_interface) is None
+    got = capture(deepseek, ATT)
+    assert mla.latent_infeasibility(*got, spec, run_eval, cut_features, calls_interface) is None
     # features every head shares that are not the trailing ones the layout sums: the probe sees it
     wrong = dataclasses.replace(spec, shared_width=2)
-    assert "trailing" in mla.latent_infeasibility(*got, wrong, _run, _cut, calls_interface)
+    assert "trailing" in mla.latent_infeasibility(*got, wrong, run_eval, cut_features, calls_interface)
     # a further per-head projection (a gate) beside queries, keys/values and the output
     gated = nn.Module()
     for n, m in att.named_children():

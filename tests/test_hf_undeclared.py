@@ -31,7 +31,7 @@ def test_alibi_biases_are_sliced_per_rank_not_refused():
 
 
 def test_slice_heads_takes_the_heads_of_a_batch_major_bias():
-    from atp_pipeline.models.hf.layout import slice_heads
+    from atp_pipeline.models.hf.probe import slice_heads
 
     batch, heads = 3, 4
     t = torch.arange(batch * heads * 5, dtype=torch.float64).view(batch * heads, 1, 5)
@@ -69,7 +69,7 @@ def test_what_the_modules_show_cannot_be_split_is_refused_in_one_line(kind, why)
 
 
 def test_a_linear_subclass_is_laid_out_only_when_its_forward_is_shown_plain():
-    from atp_pipeline.models.hf.layout import register_plain_linears
+    from atp_pipeline.models.hf.linears import register_plain_linears
     from atp_pipeline.parallel.linear import linear_kinds
 
     class Plain(nn.Linear):  # Falcon's FalconLinear: x @ W^T + b written out
@@ -138,7 +138,7 @@ def test_an_encoder_style_decoder_runs_its_attention_and_head_module_whole():
 
 
 def test_the_fallback_finds_the_block_child_a_refusal_names():
-    from atp_pipeline.models.hf.layout import pattern
+    from atp_pipeline.models.hf.declared import pattern
     from atp_pipeline.models.hf.whole import uncovered_units, unit_of
 
     class Block(nn.Module):

@@ -54,7 +54,7 @@ def sync_gradients(params: Iterable[torch.nn.Parameter], sync: GradSync) -> None
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         sync.all_reduce_mean_(flat)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(synced.view_as(g))

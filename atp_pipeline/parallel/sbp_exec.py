@@ -1,4 +1,4 @@
-"""Execute an SBP layout (AutoDDL §4.2–§4.4) with PyTorch DTensor: issue 8, item 5.
+"""Execute an SBP layout (AutoDDL §4.2–§4.4) with PyTorch DTensor.
 
 The layout (:class:`~atp_pipeline.planning.sbp.layout.SBPLayout`: one
 :class:`~atp_pipeline.planning.sbp.space.Strategy` per layer key), the one device mesh that

@@ -35,7 +35,10 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
-from atp_pipeline.models.hf.layout import NORM, AttentionSpec, Layout, derive, register_conv1d
+from atp_pipeline.models.hf.declared import NORM
+from atp_pipeline.models.hf.layout import derive
+from atp_pipeline.models.hf.linears import register_conv1d
+from atp_pipeline.models.hf.spec import AttentionSpec, Layout
 from atp_pipeline.models.hf.whole import is_unit, whole_fields
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units

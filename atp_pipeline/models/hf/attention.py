@@ -107,7 +107,7 @@ class _BiasSlice:
         self.names, self.heads, self.index = names, heads, torch.arange(rank * block, (rank + 1) * block)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        from atp_pipeline.models.hf.layout import slice_heads
+        from atp_pipeline.models.hf.probe import slice_heads
 
         return args, {k: slice_heads(v, self.heads, self.index) if k in self.names and v is not None else v
                       for k, v in kwargs.items()}

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of a sharded model (issue 14: real weights).
+"""Hugging Face checkpoints in and out of a sharded model (real weights).
 
 * :func:`safetensors_reader` — a reader of a local HF checkpoint directory (``config.json``
   plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``): tensors by the

@@ -11,7 +11,7 @@ its parameters' gradients complete on every rank. transformers' own tensor paral
 likewise leaves the modules its plan does not name replicated.
 
 The rule is read off the modules, for any family: the refused module's block child, shown on a
-forward (:func:`~atp_pipeline.models.hf.layout._capture`) to take tensors over the hidden
+forward (:func:`~atp_pipeline.models.hf.probe.capture`) to take tensors over the hidden
 state (every one is gathered) and to return the hidden state (a tensor, or a tuple's first
 element; nothing else over the hidden). What cannot run whole keeps its refusal, one line:
 a module outside the blocks, a block child whose input or output is not the hidden state
