@@ -1,4 +1,4 @@
-"""A user's own LightningModules under ``Trainer(strategy="atp")`` (issue 13): an MLP with
+"""A user's own LightningModules under ``Trainer(strategy="atp")``: an MLP with
 no plan, with a column/row plan on every 2D mesh of 4 processes (both Lightning packages),
 Megatron's split boundaries, user blocks that only look like the GPT's, the DataLoader
 order with one replica, and a meta-device model materialized as shards.
