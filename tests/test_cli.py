@@ -32,6 +32,9 @@ BAD_INPUT = [
     (["+USERCONF", "topology=skewed"], "error: topology 'skewed': level 'gpu' (levels[0]): p2p_GBps is a "
                                        "3x3 matrix but count is 4 (need 4x4)"),
     (["topology=ic1", "mesh=3x3"], "error: mesh 3x3 needs 9 devices but topology 'ic1' has 8"),
+    # a count <= 0: one line right after composition, before any rank starts
+    (["trainer.max_steps=-5"], "error: trainer.max_steps=-5 must be >= 1"),
+    (["stage=plan", "model.batch_size=0"], "error: model.batch_size=0 must be >= 1"),
     # a config transformers' own validation rejects (huggingface_hub's strict dataclasses)
     (["model=llama_tiny", "model.hf.num_attention_heads=6"],
      "error: model 'llama_tiny': transformers rejects model.hf.hidden_size=64, model.hf.num_attention_heads=6: "
@@ -111,7 +114,7 @@ finally:
 @pytest.mark.parametrize("planner", ["atp", "sbp"])
 def test_stage_plan_imports_no_training_module(tmp_path, planner):
     """``stage=plan`` is resolve -> report: the fit and worker modules, the launcher and
-    Lightning are never imported (issue 13)."""
+    Lightning are never imported."""
     import subprocess
     import sys
 

@@ -9,7 +9,9 @@ import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from atp_pipeline.cli import describe_composition, describe_missing
-from atp_pipeline.config.schema import MeshStrategy
+from atp_pipeline.config.schema import (AggregationConfig, Config, MeshStrategy, ModelConfig, OverlapConfig,
+                                        TrainerConfig, typed)
+from atp_pipeline.errors import ConfigError
 from atp_pipeline.topology.builders import switched, torus2d
 from atp_pipeline.topology.model import Topology
 
@@ -87,6 +89,49 @@ def test_wrong_type_or_enum_fails_at_compose(compose_cfg, override, key):
     with pytest.raises(ConfigCompositionException) as exc:
         compose_cfg(override)
     assert describe_composition(exc.value).startswith(key)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("trainer.max_steps=-5", "trainer.max_steps=-5 must be >= 1"),
+    ("trainer.max_steps=0", "trainer.max_steps=0 must be >= 1"),
+    ("trainer.devices=0", "trainer.devices=0 must be >= 1"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 must be >= 1"),
+    ("trainer.checkpoint_every_n_steps=-1", "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
+    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s=0.0 must be > 0"),
+    ("model.batch_size=0", "model.batch_size=0 must be >= 1"),
+    ("model.seq_len=-64", "model.seq_len=-64 must be >= 1"),
+    ("model.layers=0", "model.layers=0 must be >= 1"),
+    ("mesh.dp=0", "mesh.dp=0 must be >= 1"),
+    ("mesh.d2=-2", "mesh.d2=-2 must be >= 1"),
+    ("overlap.chunks=0", "overlap.chunks=0 must be >= 1"),
+    ("aggregation.payload_k=0", "aggregation.payload_k=0 must be >= 1"),
+    ("aggregation.racks=0", "aggregation.racks=0 must be >= 1"),
+    ("aggregation.n_ps=-1", "aggregation.n_ps=-1 must be >= 0"),
+    ("aggregation.loss=1.0", "aggregation.loss=1.0 must be in [0, 1)"),
+    ("aggregation.rto_s=0", "aggregation.rto_s=0.0 must be > 0"),
+    ("planner.sbp.budget_s=0", "planner.sbp.budget_s=0.0 must be > 0"),
+    ("calibration.passes=0", "calibration.passes=0 must be >= 1"),
+])
+def test_non_positive_counts_fail_at_compose_in_one_line_naming_the_key(compose_cfg, override, line):
+    """Right after composition (``train.py`` calls :func:`typed` before anything starts)."""
+    with pytest.raises(ConfigError) as exc:
+        typed(compose_cfg(override))
+    assert str(exc.value) == line
+
+
+def test_the_composed_config_types_into_the_schema_dataclasses(compose_cfg):
+    cfg = typed(compose_cfg("model=llama_tiny", "mesh=2x2", "overlap=chunk2"))
+    assert isinstance(cfg, Config) and isinstance(cfg.trainer, TrainerConfig)
+    assert isinstance(cfg.model, ModelConfig) and cfg.model.hidden == 64  # interpolated from model.hf
+    assert (cfg.mesh.d1, cfg.mesh.d2, cfg.overlap.chunks) == (2, 2, 2)
+    assert cfg.paths.output_dir == "${hydra:runtime.output_dir}"  # Hydra's runtime: unset under compose
+    for model in MODELS:  # every shipped model, hf_pretrained's unset shape (0: read from the checkpoint) too
+        assert typed(compose_cfg(f"model={model}")).model.name == model
+    # the same checks where a user builds a group in code (e.g. ATPStrategy(aggregation={...}))
+    with pytest.raises(ConfigError, match=r"^overlap.chunks=-1 must be >= 1$"):
+        OverlapConfig(chunks=-1)
+    with pytest.raises(ConfigError, match=r"^aggregation.payload_k=0 must be >= 1$"):
+        AggregationConfig(payload_k=0)
 
 
 def _user_dir(tmp_path: Path, name: str, body: dict) -> Path:

@@ -116,13 +116,14 @@ def test_2x2_matches_single_process_resumes_exactly_and_dp_replicas_stay_identic
 def test_four_run_sweep_leaves_one_sweep_dir(tmp_path):
     sweep = tmp_path / "sweep"
     out = run_train(["-m", "mesh=2x1,1x2", "overlap=chunk1,chunk2", "trainer.devices=2", *FAST,
-                     "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=0", f"hydra.sweep.dir={sweep}"],
-                    cwd=tmp_path, timeout=900)
+                     "trainer.max_steps=4", "trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=0",
+                     f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [p for p in sweep.iterdir() if p.is_dir()]
     assert len(runs) == 4
     for run in runs:
         assert (run / "metrics.csv").exists() and (run / "plan.json").exists()
+        assert [r["step"] for r in read_metrics(run / "metrics.csv") if "loss" in r] == [1, 3]  # every 2nd step
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     assert len(rows) == 4
     assert {(r["selected"], r["chunks"]) for r in rows} == {

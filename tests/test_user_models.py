@@ -1,4 +1,4 @@
-"""A user's own LightningModules under ``Trainer(strategy="atp")`` (issue 13): an MLP with
+"""A user's own LightningModules under ``Trainer(strategy="atp")``: an MLP with
 no plan, with a column/row plan on every 2D mesh of 4 processes (both Lightning packages),
 Megatron's split boundaries, user blocks that only look like the GPT's, the DataLoader
 order with one replica, and a meta-device model materialized as shards.
@@ -141,3 +141,26 @@ def test_import_is_light_and_registers_in_both_lightning_packages():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "atp_pipeline.lightning.pl"
+
+
+def test_strategy_arguments_are_checked_by_the_config_schema_and_resolve():
+    """``ATPStrategy``'s arguments are the config keys of ``train.py``, refused by the same
+    checks (the schema's own, then :mod:`atp_pipeline.run.resolve`'s), in one line naming the key."""
+    from atp_pipeline.config.schema import AggregationMode, MeshConfig, MeshStrategy
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.lightning.pl import ATPStrategy
+    from atp_pipeline.run.resolve import unplanned_mesh
+
+    with pytest.raises(ConfigError, match=r"^overlap.chunks=0 must be >= 1$"):
+        ATPStrategy(chunks=0)
+    with pytest.raises(ConfigError, match=r"^aggregation.payload_k=0 must be >= 1$"):
+        ATPStrategy(aggregation={"mode": "atp", "payload_k": 0})
+    with pytest.raises(ConfigError, match=r"^mesh.dp=0 must be >= 1$"):
+        ATPStrategy(mesh=(2, 1), dp=0)._mesh_config()
+    fixed = MeshConfig(strategy=MeshStrategy.fixed, d1=2, d2=1)
+    assert unplanned_mesh(fixed, AggregationMode.ring, 4, shardable=True) == (2, 2, 1)
+    with pytest.raises(ConfigError, match=r"^mesh 2x1 with mesh.dp=1 needs 2 devices, not 3$"):
+        unplanned_mesh(fixed, AggregationMode.ring, 3, shardable=True)
+    assert unplanned_mesh(MeshConfig(), AggregationMode.ring, 4, shardable=False) == (4, 1, 1)
+    assert unplanned_mesh(MeshConfig(), AggregationMode.ring, 4, shardable=True) == (1, 4, 1)
+    assert unplanned_mesh(MeshConfig(), AggregationMode.atp, 4, shardable=True) == (4, 1, 1)  # as resolve_dp

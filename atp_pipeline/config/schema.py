@@ -5,19 +5,49 @@ list, so *every* option of every group — including a user's own topology file 
 ``hydra.searchpath`` — merges into a typed node: a misspelled key, a wrong type or an
 invalid enum value fails at compose time, naming the key.
 
-The schemas are the single description of the options; semantic checks that types cannot
-express (a matrix of the right size, a mesh that fits the world) run once, when the run
-is resolved (:mod:`atp_pipeline.run.resolve`). Importing this module does not import
-Hydra: :func:`register_schemas` (called by ``train.py``) does.
+The schemas are the single description of the options. Each group checks its own values
+when it is instantiated (``__post_init__``): a count that must be positive, a probability in
+[0, 1), a duration > 0 — one :class:`~atp_pipeline.errors.ConfigError` line naming the key.
+OmegaConf merges overrides into the typed nodes without instantiating them, so
+:func:`typed` (called by ``train.py`` right after composition, and by
+:func:`atp_pipeline.run.resolve.resolve`) instantiates every group, running those checks
+before anything else happens. Checks that relate several groups (a mesh that fits the
+world, chunks that divide the batch) run once, when the run is resolved
+(:mod:`atp_pipeline.run.resolve`). Importing this module does not import Hydra:
+:func:`register_schemas` (called by ``train.py``) does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from atp_pipeline.errors import ConfigError, describe_omegaconf
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def at_least(obj: Any, group: str, low: float, *keys: str) -> None:
+    """Each of ``keys`` of ``obj`` (a number, or ``None`` where the field is optional) is
+    ``>= low``; else one line naming ``<group>.<key>``."""
+    for key in keys:
+        value = getattr(obj, key)
+        if _number(value) and value < low:
+            raise ConfigError(f"{group}.{key}={value} must be >= {low:g}")
+
+
+def above(obj: Any, group: str, low: float, *keys: str) -> None:
+    """Each of ``keys`` of ``obj`` is ``> low`` (durations, budgets)."""
+    for key in keys:
+        value = getattr(obj, key)
+        if _number(value) and not value > low:
+            raise ConfigError(f"{group}.{key}={value} must be > {low:g}")
 
 
 class Routing(str, Enum):
@@ -82,7 +112,7 @@ class Transport(str, Enum):
 class Stage(str, Enum):
     plan = "plan"  # compose -> plan -> report (no process is started)
     fit = "fit"  # compose -> plan -> build -> fit -> report
-    calibrate = "calibrate"  # measure this host for the topology: collectives, kernels, framework cost (issue 27)
+    calibrate = "calibrate"  # measure this host for the topology: collectives, kernels, framework cost
 
 
 class DataSource(str, Enum):
@@ -91,7 +121,7 @@ class DataSource(str, Enum):
 
 
 class Objective(str, Enum):
-    """What ATP's mesh search minimizes (issue 15)."""
+    """What ATP's mesh search minimizes."""
 
     step = "step"  # the predicted step time: compute + exposed communication (planning/steptime.py)
     comm = "comm"  # the communication time of Eq. 2-4 alone (the paper's Eq. 4 selection)
@@ -211,6 +241,11 @@ class ModelConfig:
     # rank (what generation and code reading ``outputs.logits`` need)
     vocab_parallel_loss: bool = False
 
+    def __post_init__(self) -> None:
+        at_least(self, "model", 1, "seq_len", "batch_size", "ffn_mult")
+        # family "hf" reads its shape from model.hf / model.pretrained: 0 there means "read it"
+        at_least(self, "model", 0 if self.family == "hf" else 1, "hidden", "heads", "layers", "vocab_size")
+
 
 class SBPMethod(str, Enum):
     """Search algorithms of the SBP planner (AutoDDL §4.6)."""
@@ -235,6 +270,11 @@ class SBPConfig:
     max_split_dims: int = 3
     alpha_us: float = 5.0
 
+    def __post_init__(self) -> None:
+        above(self, "planner.sbp", 0, "budget_s")
+        at_least(self, "planner.sbp", 1, "max_split_dims")
+        at_least(self, "planner.sbp", 0, "alpha_us")
+
 
 @dataclass
 class MeshConfig:
@@ -252,12 +292,18 @@ class MeshConfig:
     dp: Optional[int] = None
     fsdp: bool = False
 
+    def __post_init__(self) -> None:
+        at_least(self, "mesh", 1, "d1", "d2", "dp")
+
 
 @dataclass
 class OverlapConfig:
     """Chunk-based overlap (ATP §4.1): the batch is split into ``chunks`` pieces per block."""
 
     chunks: int = 1
+
+    def __post_init__(self) -> None:
+        at_least(self, "overlap", 1, "chunks")
 
 
 @dataclass
@@ -300,6 +346,16 @@ class AggregationConfig:
     pool: int = 64  # switchml: slots of the job's static partition (2 versions each)
     transport: Transport = Transport.udp  # switchml: lanes in the datagrams, or in shared memory (one host)
 
+    def __post_init__(self) -> None:
+        # n_ps=0 starts a switch alone (one that several runs share); a run needs 1..4 (resolve)
+        at_least(self, "aggregation", 1, "payload_k", "racks", "pool")
+        at_least(self, "aggregation", 0, "aggregators", "n_ps")
+        above(self, "aggregation", 0, "stall_timeout_s", "rto_s")
+        for key in ("loss", "duplicate"):
+            value = getattr(self, key)
+            if _number(value) and not 0.0 <= value < 1.0:
+                raise ConfigError(f"aggregation.{key}={value} must be in [0, 1)")
+
 
 @dataclass
 class PlannerConfig:
@@ -332,13 +388,18 @@ class TrainerConfig:
     max_steps: int = 150
     lr: float = 3e-3
     weight_decay: float = 0.0
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 1  # a row of metrics.csv (loss, step time, bytes) every n steps
     checkpoint_every_n_steps: int = 0  # 0: only the last step
     progress_bar: bool = True
     export: bool = True  # at the end, the model in its family's own format (HF: <run>/hf), if it has one
     # a collective of the process group that makes no progress this long fails the rank (torch's
     # default); a failing rank closes its connections, so its peers fail at once after it
     collective_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
+        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay")
+        above(self, "trainer", 0, "collective_timeout_s")
 
 
 @dataclass
@@ -360,14 +421,17 @@ class CalibrationConfig:
 
     dir: str = "outputs/calibration/profiles"
     use: bool = True
-    passes: int = 5  # interleaved timed passes per measurement (median; 3 until run 10)
+    passes: int = 5  # interleaved timed passes per measurement (median)
     quick: bool = False  # a coarse sweep, one probe (a smoke run: tests)
     # price predictions at the host's speed now: the probes' whole steps the calibration recorded
-    # timed again (~15 s; a calibration from before run 45: its kernel reference probe), reused for
-    # ``retime_s`` seconds (``<dir>/<topology>_speed.json``); false: at the calibration's speed
-    # (the plan's notes say which)
+    # timed again (~15 s), reused for ``retime_s`` seconds (``<dir>/<topology>_speed.json``);
+    # false: at the calibration's speed (the plan's notes say which)
     retime: bool = True
     retime_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        at_least(self, "calibration", 1, "passes")
+        at_least(self, "calibration", 0, "retime_s")
 
 
 @dataclass
@@ -385,6 +449,26 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+
+def typed(cfg: Any) -> Config:
+    """The composed config as its schema dataclasses: every group instantiated
+    (``OmegaConf.to_object``), which runs each group's checks; a bad value is one
+    :class:`ConfigError` line. ``paths`` keeps its composed values unresolved: its run
+    directory interpolates Hydra's runtime, which the compose API does not set."""
+    if isinstance(cfg, Config):
+        return cfg
+    values: Dict[str, Any] = {}
+    try:
+        for f in fields(Config):
+            node = cfg[f.name]
+            if f.name == "paths":
+                values[f.name] = PathsConfig(**OmegaConf.to_container(node, resolve=False))  # type: ignore[arg-type]
+            else:
+                values[f.name] = OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_omegaconf(exc)) from None
+    return Config(**values)
 
 
 SCHEMA_NAME = "atp_schema"

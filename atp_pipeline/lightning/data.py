@@ -66,7 +66,7 @@ class RunSampler(DistributedSampler):
     It is a ``DistributedSampler`` because it already gives each replica its share: Lightning
     (both packages) leaves a loader's ``DistributedSampler`` alone, where it would wrap any
     other sampler in a shuffling ``DistributedSamplerWrapper`` that splits the replica's
-    share again (../shared/NOTES.md) — each replica would see 1/dp of its share, reshuffled,
+    share again — each replica would see 1/dp of its share, reshuffled,
     and the run would end its "epoch" dp times early."""
 
     def __init__(self, first_batch: int, batches: int, batch: int, replicas: int = 1, rank: int = 0) -> None:

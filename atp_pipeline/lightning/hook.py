@@ -2,7 +2,7 @@
 
 Lightning resolves ``Trainer(strategy="atp")`` from a registry filled at import time, one
 registry per package (``pytorch_lightning`` and ``lightning.pytorch`` are separate class
-hierarchies; ../shared/NOTES.md). :func:`install` registers ``"atp"`` in the packages
+hierarchies, with no entry points for strategies). :func:`install` registers ``"atp"`` in the packages
 already imported and adds a post-import hook (a ``sys.meta_path`` finder that wraps the
 package's loader) that registers it when one is imported later — so
 ``import atp_pipeline`` stays light and the order of imports does not matter.

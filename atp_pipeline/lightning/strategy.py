@@ -1,12 +1,17 @@
 """``ATPStrategy``: Lightning's strategy ``"atp"`` — realizes a plan on real processes.
 
 It only orchestrates (Lightning's ``ModelParallelStrategy`` is its base, for process
-groups and sharded ``torch.distributed.checkpoint`` checkpoints):
+groups and sharded ``torch.distributed.checkpoint`` checkpoints); every decision and check
+is :mod:`atp_pipeline.run.resolve`'s:
 
-1. **mesh** (``setup_environment``): ``(dp, d1, d2)`` from ``mesh`` — a fixed ``(d1, d2)``,
-   ``"megatron"``, a plan result (:class:`~atp_pipeline.planning.interface.PlanResult`:
-   ATP's mesh or an SBP plan), or ``"auto"``: ATP's planner run on the model's shape, which
-   the model's family adapter (:mod:`atp_pipeline.models.adapter`) gives;
+1. **mesh** (``setup_environment``): ``(dp, d1, d2)`` as resolve decided it for a run of
+   ``train.py`` (:meth:`~ATPStrategyMixin.for_run`); in a user's own ``Trainer``, resolved
+   from ``mesh`` through the same functions — a fixed ``(d1, d2)``, ``"megatron"``,
+   ``"auto"`` (ATP's planner) or ``"sbp"`` planned on the model's shape, which the model's
+   family adapter (:mod:`atp_pipeline.models.adapter`) gives
+   (:func:`~atp_pipeline.run.resolve.plan_devices`), a model no adapter knows laid out by
+   :func:`~atp_pipeline.run.resolve.unplanned_mesh`, or a plan result
+   (:class:`~atp_pipeline.planning.interface.PlanResult`: ATP's mesh or an SBP plan);
 2. **layout** (``setup``, after ``configure_model``): the plan's styles
    (:mod:`atp_pipeline.parallel.styles`) replace the modules they name — the user's
    ``plan``, else the ``parallel_plan`` attribute of the LightningModule, else each known
@@ -23,15 +28,15 @@ groups and sharded ``torch.distributed.checkpoint`` checkpoints):
 With no plan and no adapter, the model stays whole: replicated over the tensor-parallel
 ranks, data parallel over the rest (``mesh="auto"`` then uses every device for data
 parallelism), and the strategy says so in one line. Data: with one data-parallel replica
-a user's DataLoader keeps its single-device order (Lightning would inject a shuffling
-``DistributedSampler``, ../shared/NOTES.md); a shuffling loader gets a sampler seeded alike
-on every rank; with ``dp > 1`` Lightning's DDP behaviour applies (a ``DistributedSampler``
-the loader already has — the data modules' ``RunSampler`` — is kept, sized by
-:attr:`distributed_sampler_kwargs`: the replica's rank on the ``dp`` axis).
+a user's DataLoader keeps its single-device order (under any distributed strategy Lightning
+would inject a shuffling ``DistributedSampler``); a shuffling loader gets a sampler seeded
+alike on every rank; with ``dp > 1`` Lightning's DDP behaviour applies (a
+``DistributedSampler`` the loader already has — the data modules' ``RunSampler`` — is kept,
+sized by :attr:`distributed_sampler_kwargs`: the replica's rank on the ``dp`` axis).
 
-Pitfalls handled (../shared/NOTES.md): ``pytorch_lightning`` and ``lightning.pytorch`` are
-separate hierarchies — this mixin is joined with each in :mod:`.flavor`; the stock DDP
-strategy registers communication hooks only on CUDA — the sync here runs on CPU and GPU.
+Pitfalls handled: ``pytorch_lightning`` and ``lightning.pytorch`` are separate class
+hierarchies — this mixin is joined with each in :mod:`.flavor`; the stock DDP strategy
+registers communication hooks only on CUDA — the sync here runs on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, MeshConfig, MeshStrategy,
-                                        PlannerConfig)
+                                        OverlapConfig, PlannerConfig, PlannerKind)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
@@ -75,21 +80,27 @@ def _is_sbp(spec: Any) -> bool:
 class ATPStrategyMixin:
     """Adaptive tensor parallelism on a (dp, d1, d2) mesh.
 
+    The arguments are the config keys of ``train.py`` (and checked as they are, by their
+    schema and :mod:`atp_pipeline.run.resolve`; errors name those keys):
+
     Args:
-        mesh: ``(d1, d2)`` (or ``"2x2"``), ``"megatron"`` for ``(N/dp, 1)``, ``"auto"``
-            (default: the ATP planner's choice for the model's shape on ``topology``, this
-            host's ``local`` topology when none is given), ``"sbp"`` (the SBP planner), or a
-            plan result (``MeshPlan``, ``SBPPlan``) / an ``SBPLayout``.
-        dp: data-parallel size, or ``"auto"`` (whatever the world leaves over the mesh).
-        chunks: chunk-based overlap inside each transformer block (§4.1).
+        mesh: ``(d1, d2)`` (or ``"2x2"``; ``mesh.d1``/``mesh.d2``), ``"megatron"`` for
+            ``(N/dp, 1)``, ``"auto"`` (default: the ATP planner's choice for the model's shape
+            on ``topology``, this host's ``local`` topology when none is given), ``"sbp"`` (the
+            SBP planner), or a plan result (``MeshPlan``, ``SBPPlan``) / an ``SBPLayout``.
+        dp: data-parallel size (``mesh.dp``), or ``"auto"``
+            (:func:`~atp_pipeline.run.resolve.resolve_dp`).
+        chunks: chunk-based overlap inside each transformer block (§4.1; ``overlap.chunks``).
         plan: module-name pattern -> style (names or :class:`ParallelStyle` objects);
             default: the module's ``parallel_plan`` attribute, else its families' plans.
         topology: a topology config (dict/DictConfig) for ``mesh="auto"``/``"sbp"``.
-        aggregation: ``"ring"``, ``"atp"``, ``"ps"``, or an ``AggregationConfig`` (mapping).
+        aggregation: ``"ring"``, ``"atp"``, ``"ps"``, ``"switchml"``, or an
+            ``AggregationConfig`` (or a mapping of its fields).
         services: the running ATP roles (``Services.to_dict()``); default: start them.
         fsdp: shard parameters, gradients and optimizer state over the data-parallel
             replicas with FSDP2, composed with the (d1, d2) tensor parallelism
-            (:mod:`atp_pipeline.parallel.fsdp`); needs dp > 1 and ``aggregation="ring"``.
+            (:mod:`atp_pipeline.parallel.fsdp`; ``mesh.fsdp``); needs dp > 1 and
+            ``aggregation="ring"``.
     """
 
     strategy_name = "atp"
@@ -105,21 +116,29 @@ class ATPStrategyMixin:
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.aggregation_config = aggregation_config(aggregation)
-        if chunks < 1:
-            raise ConfigError(f"strategy 'atp': chunks must be >= 1, got {chunks}")
-        self._mesh_spec, self._dp_spec, self._chunks = parse_mesh(mesh), dp, chunks
+        self._chunks = OverlapConfig(chunks=chunks).chunks
+        self._mesh_spec, self._dp_spec = parse_mesh(mesh), dp
         self._plan, self._topology = plan, topology
         self.aggregation = self.aggregation_config.mode.value
         self._services, self._sync, self._failed = services, None, False
-        if fsdp and self.aggregation_config.mode != AggregationMode.ring:
-            raise ConfigError(f"strategy 'atp': fsdp=True reduce-scatters gradients with torch.distributed; "
-                              f"aggregation '{self.aggregation}' all-reduces whole buckets in the network and "
-                              f"has no reduce-scatter: use aggregation='ring' with fsdp")
         self.fsdp = bool(fsdp)
+        self._decided: Optional[Mesh3] = None  # the mesh a resolved run brings (for_run)
         self._training = False  # set up and fitting: a failure now may leave peers in a collective
         self.mesh_shape: Optional[Mesh3] = None
         self.applied_plan: Dict[str, str] = {}
         self.notes: List[str] = []
+
+    @classmethod
+    def for_run(cls, spec: Any) -> Any:
+        """The strategy of a resolved run (:class:`~atp_pipeline.run.resolve.RunSpec`, what
+        ``train.py``'s workers get): its mesh, plan, chunks, aggregation, FSDP and collective
+        timeout as resolve decided and checked them."""
+        c = spec.config
+        strategy = cls(mesh=spec.plan, dp=spec.dp, chunks=c.overlap.chunks, plan=c.model.parallel_plan,
+                       aggregation=c.aggregation, services=spec.services, fsdp=c.mesh.fsdp,
+                       timeout=timedelta(seconds=c.trainer.collective_timeout_s))
+        strategy._decided = spec.mesh
+        return strategy
 
     # ------------------------------------------------------------------ mesh
     def _say(self, line: str) -> None:
@@ -134,91 +153,91 @@ class ATPStrategyMixin:
     def _user_plan(self) -> Optional[Mapping[str, Any]]:
         return self._plan or getattr(self.lightning_module, "parallel_plan", None)  # type: ignore[attr-defined]
 
-    def _resolve_mesh(self, world: int) -> Mesh3:
+    def _mesh_config(self) -> Tuple[MeshConfig, PlannerConfig]:
+        """The constructor's ``mesh``/``dp`` as the config groups resolve reads."""
         spec, dp = self._mesh_spec, self._dp_spec
-        if spec == "sbp" or _is_sbp(spec):
-            return self._sbp_mesh(world)
+        dp = None if dp == "auto" else int(dp)
+        if spec == "sbp":
+            return MeshConfig(dp=dp), PlannerConfig(name=PlannerKind.sbp)
         if hasattr(spec, "mesh_shape") and getattr(spec, "kind", None) == "atp":
             spec = tuple(spec.mesh_shape)
         if isinstance(spec, tuple):
             d1, d2 = (int(x) for x in spec)
-            if dp == "auto":
-                if world % (d1 * d2):
-                    raise ConfigError(f"strategy 'atp': mesh {d1}x{d2} does not divide the {world} processes")
-                dp = world // (d1 * d2)
-            if int(dp) * d1 * d2 != world:
-                raise ConfigError(f"strategy 'atp': dp x d1 x d2 = {dp} x {d1} x {d2} is not the {world} processes")
-            return int(dp), d1, d2
-        if spec not in ("auto", "megatron", None):
-            raise ConfigError(f"strategy 'atp': mesh must be (d1, d2), 'd1xd2', 'megatron', 'auto', 'sbp' or a "
-                              f"plan, got {spec!r}")
-        families = self._families()
-        if spec in ("auto", None) and dp == "auto" and not families and not self._user_plan():
-            self._say(f"no parallel plan and no model adapter for {type(self.lightning_module).__name__}: "  # type: ignore[attr-defined]
-                      f"nothing to shard, so its {world} processes run data parallel")
-            return world, 1, 1
-        dp = 1 if dp == "auto" else int(dp)
-        if dp < 1 or world % dp:
-            raise ConfigError(f"strategy 'atp': dp={dp} does not divide the {world} processes")
-        tp = world // dp
-        if spec == "megatron":
-            return dp, tp, 1
-        if not families:
-            self._say(f"mesh 'auto': no model adapter knows {type(self.lightning_module).__name__}, so the planner "  # type: ignore[attr-defined]
-                      f"cannot cost it; using Megatron's ({tp}, 1) (give mesh=(d1, d2) to choose)")
-            return dp, tp, 1
-        return (dp, *self._planned_mesh(tp, families))
+            return MeshConfig(strategy=MeshStrategy.fixed, d1=d1, d2=d2, dp=dp), PlannerConfig()
+        if spec in ("auto", "megatron", None):
+            return MeshConfig(strategy=MeshStrategy(spec or "auto"), dp=dp), PlannerConfig()
+        raise ConfigError(f"strategy 'atp': mesh must be (d1, d2), 'd1xd2', 'megatron', 'auto', 'sbp' or a "
+                          f"plan, got {spec!r}")
 
-    def _local_topology(self, devices: int) -> Any:
+    def _resolve_mesh(self, world: int) -> Mesh3:
+        """The ``(dp, d1, d2)`` of the ``world`` processes, through :mod:`atp_pipeline.run.resolve`."""
+        from atp_pipeline.run import resolve as rs
+
+        if self._decided is not None:
+            if self._decided[0] * self._decided[1] * self._decided[2] != world:
+                raise ConfigError(f"strategy 'atp': the run was resolved for mesh dp x d1 x d2 = "
+                                  f"{' x '.join(map(str, self._decided))}, not the {world} processes")
+            return self._decided
+        mode = self.aggregation_config.mode
+        if _is_sbp(self._mesh_spec):  # a given SBP plan
+            layout = getattr(self._mesh_spec, "layout", self._mesh_spec)
+            dp = 1 if self._dp_spec == "auto" else int(self._dp_spec)
+            if self.fsdp:
+                rs.check_fsdp(dp, PlannerKind.sbp, mode)
+            rs.check_sbp(dp, self._chunks)
+            if layout.devices != world:
+                raise ConfigError(f"strategy 'atp': the SBP plan is for {layout.devices} devices, not the {world} "
+                                  f"processes")
+            return 1, world, 1
+        mesh, planner = self._mesh_config()
+        families = self._families()
+        if not families:  # no shape to plan with
+            if planner.name == PlannerKind.sbp:
+                raise ConfigError("strategy 'atp': mesh='sbp' plans a model of a known family; else pass an SBP plan")
+            dims = rs.unplanned_mesh(mesh, mode, world, shardable=bool(self._user_plan()))
+            self._say_unplanned(dims, mesh)
+        else:
+            planned = rs.plan_devices(self._local_topology(), world, self._shape(families, planner), mesh, planner,
+                                      self._chunks, mode, self.fsdp)
+            if planned.plan.kind == "sbp":
+                self._mesh_spec = planned.plan
+            dims = planned.mesh
+        if self.fsdp and not families:
+            rs.check_fsdp(dims[0], PlannerKind.atp, mode)
+        rs.check_aggregation(self.aggregation_config, dims[0])
+        return dims
+
+    def _say_unplanned(self, dims: Mesh3, mesh: MeshConfig) -> None:
+        name = type(self.lightning_module).__name__  # type: ignore[attr-defined]
+        if dims[1] * dims[2] == 1 and not self._user_plan():
+            self._say(f"no parallel plan and no model adapter for {name}: nothing to shard, so its {dims[0]} "
+                      f"processes run data parallel")
+        elif mesh.strategy == MeshStrategy.auto:
+            self._say(f"mesh 'auto': no model adapter knows {name}, so the planner cannot cost it; using "
+                      f"Megatron's ({dims[1]}, 1) (give mesh=(d1, d2) to choose)")
+
+    def _local_topology(self) -> Any:
+        """The ``topology`` given, else this host's processes behind one switch (``local``)."""
         from atp_pipeline.topology.builders import switched
         from atp_pipeline.topology.model import Topology
 
         if self._topology is not None:
-            topo = Topology.from_config(self._topology)
-            return topo if topo.world_size == devices else topo.restrict(devices)
-        return Topology.from_config(switched(devices, 1.0, name="local", unit="process"))
+            return Topology.from_config(self._topology)
+        world = self.world_size  # type: ignore[attr-defined]
+        return Topology.from_config(switched(world, 1.0, name="local", unit="process"))
 
     def _batch_size(self) -> Optional[int]:
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         return getattr(getattr(trainer, "datamodule", None), "batch_size", None)
 
-    def _planned_mesh(self, tp: int, families: List[Tuple[str, Any, torch.nn.Module]]) -> Tuple[int, int]:
-        from atp_pipeline.planning.search import make_plan
-
-        name, adapter, module = families[0]
-        shape = adapter.shape(module).with_step(batch_size=self._batch_size())
-        plan = make_plan(self._local_topology(tp), shape, MeshConfig(strategy=MeshStrategy.auto), PlannerConfig())
-        return plan.selected
-
-    def _sbp_mesh(self, world: int) -> Mesh3:
-        """SBP plans split rows themselves: every rank loads the whole batch, so the
-        bookkeeping mesh is ``(1, world, 1)``."""
-        if self.fsdp:
-            raise ConfigError("strategy 'atp': fsdp=True shards over the data-parallel dimension, which an SBP plan "
-                              "lays out per layer itself; use a (d1, d2) mesh with dp > 1")
-        if self._dp_spec not in ("auto", 1) or self._chunks != 1:
-            raise ConfigError("strategy 'atp': an SBP plan includes data parallelism and has no chunk overlap; "
-                              "leave dp='auto' and chunks=1")
-        if self._mesh_spec == "sbp":
-            self._mesh_spec = self._planned_sbp(world)
-        layout = getattr(self._mesh_spec, "layout", self._mesh_spec)
-        if layout.devices != world:
-            raise ConfigError(f"strategy 'atp': the SBP plan is for {layout.devices} devices, not the {world} "
-                              f"processes")
-        return 1, world, 1
-
-    def _planned_sbp(self, world: int) -> Any:
-        from atp_pipeline.config.schema import SBPConfig
-        from atp_pipeline.planning.sbp.report import plan_sbp
-
-        families = self._families()
-        batch = self._batch_size()
-        if not families or not batch:
-            raise ConfigError("strategy 'atp': mesh='sbp' plans a model of a known family and needs the global "
-                              "batch size from the datamodule (batch_size); else pass an SBP plan")
+    def _shape(self, families: List[Tuple[str, Any, torch.nn.Module]], planner: PlannerConfig) -> Any:
+        """The first family's model shape, with the datamodule's global batch size."""
         _, adapter, module = families[0]
-        shape = adapter.shape(module).with_step(batch_size=int(batch))
-        return plan_sbp(self._local_topology(world), shape, SBPConfig(), devices=world)
+        batch = self._batch_size()
+        if planner.name == PlannerKind.sbp and not batch:
+            raise ConfigError("strategy 'atp': mesh='sbp' needs the global batch size from the datamodule "
+                              "(batch_size); else pass an SBP plan")
+        return adapter.shape(module).with_step(batch_size=batch)
 
     def setup_environment(self) -> None:
         self._setup_distributed()  # type: ignore[attr-defined]

@@ -67,8 +67,9 @@ def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
     if lead:
         report_plan(spec, out)
         dp, d1, d2 = spec.mesh
-        print(f"fit: {spec.devices} processes, mesh dp x d1 x d2 = {dp} x {d1} x {d2}, chunks={spec.chunks}, "
-              f"{spec.trainer.max_steps} steps -> {out}")
+        print(f"fit: {spec.devices} processes, mesh dp x d1 x d2 = {dp} x {d1} x {d2}, "
+              f"chunks={spec.config.overlap.chunks}, "
+              f"{spec.config.trainer.max_steps} steps -> {out}")
     extra: Dict[str, Any] = {}
     if torchrun:  # e.g. one process per GPU on every node: run in place
         world = int(os.environ["WORLD_SIZE"])
@@ -83,11 +84,11 @@ def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
         if spec.live_aggregation:
             from atp_pipeline.ina.live.services import Services
 
-            services = Services.start(spec.aggregation)
+            services = Services.start(spec.config.aggregation)
             spec = dataclasses.replace(spec, services=services.to_dict())
         try:
             results = spawn(fit_worker, spec.devices, spec, str(out), init=False,
-                            timeout=max(600.0, 10.0 * spec.trainer.max_steps))
+                            timeout=max(600.0, 10.0 * spec.config.trainer.max_steps))
         finally:
             if services is not None:
                 extra["aggregation_roles"] = _role_report(services)

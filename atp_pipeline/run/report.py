@@ -41,9 +41,9 @@ def packet_geometry(payload_k: int) -> gradsync.PacketGeometry:
 def gradsync_estimate(spec: RunSpec) -> Optional[gradsync.GradSyncReport]:
     """The data-parallel gradient sync of the planned step under every aggregation mode."""
     buckets = spec.plan.grad_buckets(spec.dp)  # type: ignore[attr-defined]
-    mode = spec.aggregation.mode.value
-    return gradsync.estimate(spec.occupied, buckets, spec.shape.bytes_per_element, configured=mode,
-                             packets=packet_geometry(spec.aggregation.payload_k),
+    agg = spec.config.aggregation
+    return gradsync.estimate(spec.occupied, buckets, spec.shape.bytes_per_element, configured=agg.mode.value,
+                             packets=packet_geometry(agg.payload_k),
                              tp_comm_s=spec.plan.tp_comm_s)  # type: ignore[attr-defined]
 
 
@@ -51,11 +51,11 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     """Print and write the plan report (with the model's shape and, for an ATP plan, the
     per-device memory estimate); the summary row."""
     gs = gradsync_estimate(spec)
-    mem = spec.memory
-    extra_plan = None if mem is None else {"memory_per_device": {**mem.to_dict(), "fsdp": spec.fsdp}}
+    mem, fsdp = spec.memory, spec.config.mesh.fsdp
+    extra_plan = None if mem is None else {"memory_per_device": {**mem.to_dict(), "fsdp": fsdp}}
     if extra_plan is not None and spec.memory_unsharded is not None:  # the same run without FSDP, beside it
         extra_plan["memory_per_device_without_fsdp"] = spec.memory_unsharded.to_dict()
-    paths, row = write_report(spec.plan, out, plot=spec.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
+    paths, row = write_report(spec.plan, out, plot=spec.config.planner.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
     s = spec.shape
     print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
           f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "
@@ -64,7 +64,7 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
              else ""))
     if mem is not None:
         print(f"memory per device on {'x'.join(map(str, spec.plan.mesh_shape))} (dp={spec.dp}"
-              f"{', FSDP' if spec.fsdp else ''}): "
+              f"{', FSDP' if fsdp else ''}): "
               f"~{human_bytes(mem.total_bytes)} = weights+grads {human_bytes(mem.weights_grads_bytes)} + optimizer "
               f"{human_bytes(mem.optimizer_bytes)} + activations {human_bytes(mem.activation_bytes)}; "
               f"logits and loss {human_bytes(mem.logits_bytes)} besides")
@@ -103,8 +103,9 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
     losses = [r["loss"] for r in rows if "loss" in r]
     steps = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     dp, d1, d2 = spec.mesh
+    chunks, fsdp = spec.config.overlap.chunks, spec.config.mesh.fsdp
     plot_loss(rows, out / "loss.png", f"{spec.shape.name} on {spec.topology.name}: mesh {d1}x{d2}, dp {dp}, "
-                                      f"chunks {spec.chunks}")
+                                      f"chunks {chunks}")
 
     last = next((r for r in reversed(rows) if "param_bytes" in r), {})  # rank 0's state, last step
 
@@ -114,7 +115,7 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
 
     row = {
         "topology": spec.topology.name, "model": spec.shape.name, "world_size": spec.devices, "dp": spec.dp,
-        "planner": spec.plan.kind, "selected": spec.plan.label, "chunks": spec.chunks,
+        "planner": spec.plan.kind, "selected": spec.plan.label, "chunks": chunks,
         "steps": first["global_step"], "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "loss_drop": (1 - losses[-1] / losses[0]) if losses and losses[0] else None,
@@ -122,11 +123,11 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
         "tflops_per_device": med("tflops_per_device"),
         **{f"comm_{a}_bytes": med(f"comm_{a}_bytes") for a in ("dp", "d1", "d2")},
         **{f"comm_{a}_wait_s": med(f"comm_{a}_wait_s") for a in ("dp", "d1", "d2")},
-        "aggregation": spec.aggregation.mode.value,
+        "aggregation": spec.config.aggregation.mode.value,
         **{k: med(k) for k in ("atp_sync_s", "atp_gbps", "atp_in_switch_frac", "atp_fallback_frac",
                                "atp_retransmits", "atp_window_pkts") if any(k in r for r in steps)},
         "predicted_t_comm_s": spec.plan.predicted_comm_s, "atp_linears": first["atp_linears"],
-        "fsdp": spec.fsdp, **{k: last.get(k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
+        "fsdp": fsdp, **{k: last.get(k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
         **spec.job, **extra,
     }
     (out / "summary.json").write_text(json.dumps(row, indent=2) + "\n")
@@ -138,7 +139,7 @@ def report_fit(spec: RunSpec, out: Path, first: Dict[str, Any], extra: Dict[str,
           f"{row['tokens_per_s'] or math.nan:.0f} tokens/s; wrote {out}")
     if last:
         state = last["param_bytes"] + last["grad_bytes"] + last["optimizer_bytes"]
-        print(f"rank 0 holds {human_bytes(state)} of training state{' (FSDP-sharded)' if spec.fsdp else ''}: "
+        print(f"rank 0 holds {human_bytes(state)} of training state{' (FSDP-sharded)' if fsdp else ''}: "
               f"parameters {human_bytes(last['param_bytes'])} + gradients {human_bytes(last['grad_bytes'])} + "
               f"optimizer {human_bytes(last['optimizer_bytes'])}")
     return row

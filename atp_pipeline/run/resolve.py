@@ -1,13 +1,20 @@
-"""Resolve: the composed config -> one typed :class:`RunSpec`, with every input check.
+"""Resolve: the composed config -> one :class:`RunSpec`, with every input check.
 
 The run's flow is one-way: compose (Hydra) -> **resolve** -> plan -> build -> fit ->
-report. Resolving happens once, in the parent, before any process starts: the topology
-and its restriction to the devices used, the data-parallel size, the model family's
-adapter and the model's shape, the plan (one planner interface: ATP's mesh or SBP's
-per-layer strategies), the parallel plan's patterns against the model's modules (on the
-meta device), the per-device memory, the accelerator, the aggregation backend's knobs and
-the checkpoint to resume. Each failure is one :class:`~atp_pipeline.errors.ConfigError`
-line. Workers receive the :class:`RunSpec` itself.
+report. Resolving happens once, in the parent, before any process starts: each group's
+own values (:func:`~atp_pipeline.config.schema.typed`), the topology and its restriction
+to the devices used, the data-parallel size, the model family's adapter and the model's
+shape, the plan (one planner interface: ATP's mesh or SBP's per-layer strategies), the
+parallel plan's patterns against the model's modules (on the meta device), the per-device
+memory, the accelerator, the aggregation backend's knobs and the checkpoint to resume. Each
+failure is one :class:`~atp_pipeline.errors.ConfigError` line. Workers receive the
+:class:`RunSpec` itself: the config as its schema dataclasses and what was decided from it.
+
+The decisions that need no composed config — the data-parallel size (:func:`resolve_dp`),
+the plan on a number of devices (:func:`plan_devices`), the mesh of a model no planner can
+cost (:func:`unplanned_mesh`), the aggregation backend's knobs (:func:`check_aggregation`)
+— take the schema's groups, so strategy ``"atp"`` in a user's own ``Trainer`` resolves
+through the same functions.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, DataSource, MeshStrategy, PlannerKind,
-                                        Stage, SwitchImpl)
+from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, Config, DataSource, MeshStrategy,
+                                        PlannerKind, Stage, SwitchImpl, typed)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
@@ -31,57 +38,51 @@ from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.topology.model import Topology
 
 
-@dataclass(frozen=True)
-class TrainerSpec:
-    accelerator: str = "cpu"
-    max_steps: int = 150
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    checkpoint_every_n_steps: int = 0
-    progress_bar: bool = True
-    export: bool = True
-    collective_timeout_s: float = 1800.0
+Mesh3 = Tuple[int, int, int]
+
+
+def mesh_of(plan: PlanResult, dp: int, devices: int) -> Mesh3:
+    """``(dp, d1, d2)`` of a plan; an SBP plan keeps its own mesh, the strategy's is ``(1, N, 1)``."""
+    if plan.kind == "sbp":
+        return 1, devices, 1
+    d1, d2 = plan.mesh_shape
+    return dp, d1, d2
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a run needs, resolved and checked (workers receive this object)."""
+    """A resolved run: the composed config as its schema dataclasses (``config``) and what
+    resolve decided from it. Workers receive this object."""
 
-    stage: str
+    config: Config
     topology: Topology  # as configured
     occupied: Topology  # restricted to the devices used
     devices: int
     dp: int
-    family: str
-    model_config: Dict[str, Any]  # the model group, plain (the adapter builds from it)
     shape: ModelShape  # with the step's batch and dtype
     plan: PlanResult
-    parallel_plan: Optional[Dict[str, str]]  # overrides the family's plan
-    chunks: int
-    aggregation: AggregationConfig
-    trainer: TrainerSpec
-    data_source: str
-    seed: int
-    resume: Optional[str]
-    plot: bool = True
     memory: Optional[MemoryEstimate] = None  # per device, ATP plans (planning/memory.py)
-    fsdp: bool = False  # parameters, gradients, optimizer state sharded over dp (FSDP2)
-    memory_unsharded: Optional[MemoryEstimate] = None  # with fsdp: the same run without it
+    memory_unsharded: Optional[MemoryEstimate] = None  # with mesh.fsdp: the same run without it
     services: Optional[Dict[str, Any]] = None  # the live roles, once started
     job: Dict[str, Any] = field(default_factory=dict)
 
     @property
-    def mesh(self) -> Tuple[int, int, int]:
-        """``(dp, d1, d2)``; an SBP plan keeps its own mesh, the strategy's is ``(1, N, 1)``."""
-        if self.plan.kind == "sbp":
-            return 1, self.devices, 1
-        d1, d2 = self.plan.mesh_shape
-        return self.dp, d1, d2
+    def stage(self) -> str:
+        return Stage(self.config.stage).value
+
+    @property
+    def mesh(self) -> Mesh3:
+        return mesh_of(self.plan, self.dp, self.devices)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether parameters, gradients and optimizer state are sharded over dp (``mesh.fsdp``)."""
+        return self.config.mesh.fsdp
 
     @property
     def live_aggregation(self) -> bool:
         """Whether gradients go through the live in-network aggregation backend."""
-        return self.aggregation.mode in LIVE_MODES and self.dp > 1
+        return self.config.aggregation.mode in LIVE_MODES and self.dp > 1
 
     @property
     def precision(self) -> str:
@@ -91,25 +92,35 @@ class RunSpec:
         return "32-true"
 
 
-def resolve_dp(cfg: DictConfig, devices: int) -> int:
-    """``mesh.dp``, or for ``dp: null``: the devices a fixed d1 x d2 mesh leaves over; else
-    every device when gradients go through the aggregation backend (atp/ps), 1 for ring."""
-    if cfg.mesh.dp is not None:
-        return int(cfg.mesh.dp)
-    if cfg.mesh.strategy == MeshStrategy.fixed and cfg.mesh.d1 and cfg.mesh.d2:
-        tp = int(cfg.mesh.d1) * int(cfg.mesh.d2)
+def _mode(mode: Any) -> AggregationMode:
+    return AggregationMode(getattr(mode, "value", mode))
+
+
+def resolve_dp(mesh: Any, mode: Any, devices: int) -> int:
+    """``mesh.dp`` (a :class:`~atp_pipeline.config.schema.MeshConfig`), or for ``dp: null``: the
+    devices a fixed d1 x d2 mesh leaves over; else every device when gradients go through the
+    aggregation backend (``mode`` atp/ps/switchml), 1 for ring."""
+    if mesh.dp is not None:
+        return int(mesh.dp)
+    if mesh.strategy == MeshStrategy.fixed and mesh.d1 and mesh.d2:
+        tp = int(mesh.d1) * int(mesh.d2)
         return devices // tp if devices % tp == 0 else 1  # 1: the planner names the mismatch
-    return devices if cfg.aggregation.mode in LIVE_MODES else 1
+    return devices if _mode(mode) in LIVE_MODES else 1
 
 
-def needed_devices(cfg: DictConfig) -> Optional[int]:
+def check_dp(dp: int, devices: int) -> None:
+    if dp < 1 or devices % dp:
+        raise ConfigError(f"mesh.dp={dp} does not divide trainer.devices={devices}")
+
+
+def needed_devices(cfg: Any) -> Optional[int]:
     """The devices a fixed mesh with a given data-parallel size occupies (dp x d1 x d2), when
     ``trainer.devices`` is not set: ``mesh=1x1 mesh.dp=2`` runs on 2 of the topology's
     devices, the sub-topology they occupy, as ``mesh=2x1 mesh.dp=1`` does."""
-    m = cfg.mesh
-    if m.dp is None or m.strategy != MeshStrategy.fixed or not m.d1 or not m.d2:
+    mesh = cfg.mesh
+    if mesh.dp is None or mesh.strategy != MeshStrategy.fixed or not mesh.d1 or not mesh.d2:
         return None
-    return int(m.dp) * int(m.d1) * int(m.d2)
+    return int(mesh.dp) * int(mesh.d1) * int(mesh.d2)
 
 
 #: the modes whose gradients go through the live in-network aggregation backend (ina/live)
@@ -120,12 +131,13 @@ MODE_KNOBS = {"racks": (AggregationMode.atp,), "aggregators": (AggregationMode.a
               "duplicate": (AggregationMode.atp, AggregationMode.ps), "switch": (AggregationMode.atp, AggregationMode.ps)}
 
 
-def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
-    """Validate ``aggregation`` for a run."""
-    mode = AggregationMode(agg.mode)
-    cfg = OmegaConf.to_object(agg)
+def check_aggregation(agg: Any, dp: int) -> AggregationConfig:
+    """Validate ``aggregation`` (an :class:`AggregationConfig` or its DictConfig, whose own
+    values its schema checked) for ``dp`` data-parallel workers."""
+    cfg = agg if isinstance(agg, AggregationConfig) else OmegaConf.to_object(agg)
     assert isinstance(cfg, AggregationConfig)
-    if agg.switch_impl == SwitchImpl.bmv2 and mode != AggregationMode.atp:
+    mode = _mode(cfg.mode)
+    if cfg.switch_impl == SwitchImpl.bmv2 and mode != AggregationMode.atp:
         if mode == AggregationMode.switchml:
             raise ConfigError("aggregation.switch_impl=bmv2 runs the ATP program; SwitchML has no v1model program "
                               "(its slot pool runs on the emulator only; what a port needs: docs/ina.md, "
@@ -138,46 +150,39 @@ def check_aggregation(agg: DictConfig, dp: int) -> AggregationConfig:
             value = getattr(getattr(cfg, key), "value", getattr(cfg, key))  # an enum by its value
             raise ConfigError(f"aggregation.{key}={value} applies to aggregation="
                               f"{'/'.join(m.value for m in modes)}, not {mode.value}")
-    if cfg.racks < 1 or dp % cfg.racks:
+    if dp % cfg.racks:
         raise ConfigError(f"aggregation.racks={cfg.racks} must divide the {dp} data-parallel workers (mesh.dp): "
                           f"every rack has as many workers")
-    if mode == AggregationMode.switchml and cfg.pool < 1:
-        raise ConfigError(f"aggregation.pool={cfg.pool} must be >= 1 (SwitchML slots)")
     if mode == AggregationMode.ring or dp == 1:
         return cfg
     from atp_pipeline.ina.live.engine import MAX_DATAGRAM
 
     limit = (MAX_DATAGRAM - PacketFormat(1).header_bytes) // 4
-    if not 1 <= agg.payload_k <= limit:
-        raise ConfigError(f"aggregation.payload_k={agg.payload_k} must be 1..{limit} (one UDP datagram)")
-    for key in ("loss", "duplicate"):
-        if not 0.0 <= agg[key] < 1.0:
-            raise ConfigError(f"aggregation.{key}={agg[key]} must be in [0, 1)")
-    if agg.aggregators < 0 or agg.aggregators & (agg.aggregators - 1):
-        raise ConfigError(f"aggregation.aggregators={agg.aggregators} must be 0 or a power of two "
+    if not 1 <= cfg.payload_k <= limit:
+        raise ConfigError(f"aggregation.payload_k={cfg.payload_k} must be 1..{limit} (one UDP datagram)")
+    if cfg.aggregators & (cfg.aggregators - 1):
+        raise ConfigError(f"aggregation.aggregators={cfg.aggregators} must be 0 or a power of two "
                           f"(the switch indexes aggregators with a hash bit mask, as P4 targets do)")
-    if not 1 <= agg.n_ps <= 4:
-        raise ConfigError(f"aggregation.n_ps={agg.n_ps} must be 1..4 (2-bit PS index)")
+    if not 1 <= cfg.n_ps <= 4:
+        raise ConfigError(f"aggregation.n_ps={cfg.n_ps} must be 1..4 (2-bit PS index)")
     bits = PacketFormat().bitmap_bits
     if mode == AggregationMode.switchml and dp > 255:
         raise ConfigError(f"mesh.dp={dp} exceeds SwitchML's 8-bit worker id")
     elif mode != AggregationMode.switchml and (dp // cfg.racks > bits or cfg.racks > bits):
         raise ConfigError(f"mesh.dp={dp} exceeds the {bits}-bit worker bitmap of one ATP job "
-                          + (f"(single-level aggregation; two levels: aggregation.racks)" if cfg.racks == 1 else
+                          + ("(single-level aggregation; two levels: aggregation.racks)" if cfg.racks == 1 else
                              f"level ({cfg.racks} racks of {dp // cfg.racks})"))
-    if agg.stall_timeout_s <= 0 or agg.rto_s <= 0:
-        raise ConfigError("aggregation.stall_timeout_s and aggregation.rto_s must be > 0")
-    if agg.switch is not None:
+    if cfg.switch is not None:
         from atp_pipeline.ina.live.rpc import parse_addr
 
         try:
-            parse_addr(agg.switch)
+            parse_addr(cfg.switch)
         except ValueError as e:
             raise ConfigError(f"aggregation.switch: {e}") from None
-        if agg.loss or agg.duplicate:
+        if cfg.loss or cfg.duplicate:
             raise ConfigError("aggregation.loss/duplicate are set when the switch is started; a shared "
                               "switch (aggregation.switch) keeps its own")
-    if agg.switch_impl == SwitchImpl.bmv2:
+    if cfg.switch_impl == SwitchImpl.bmv2:
         check_bmv2_switch(cfg)
     return cfg
 
@@ -213,29 +218,36 @@ def check_bmv2_switch(cfg: AggregationConfig) -> None:
                           "(set aggregation.p4_program to p4/v1model/atp.p4 of a checkout)")
 
 
-def check_fsdp(cfg: DictConfig, dp: int, planner: str) -> None:
+def check_fsdp(dp: int, planner: PlannerKind, mode: Any) -> None:
     """``mesh.fsdp=true``: what sharded data parallelism needs, each in one line."""
-    if planner == "sbp":
+    if planner == PlannerKind.sbp:
         raise ConfigError("mesh.fsdp=true shards over the data-parallel dimension, which planner=sbp lays out per "
                           "layer itself: use planner=atp")
     if dp < 2:
         raise ConfigError(f"mesh.fsdp=true shards over data-parallel replicas, but mesh.dp={dp}: set mesh.dp > 1 "
                           f"(the world is dp x d1 x d2)")
-    mode = AggregationMode(cfg.aggregation.mode)
+    mode = _mode(mode)
     if mode != AggregationMode.ring:
         raise ConfigError(f"mesh.fsdp=true reduce-scatters gradients with torch.distributed; aggregation={mode.value} "
                           f"all-reduces whole buckets in the network and has no reduce-scatter: use "
                           f"aggregation=ring with mesh.fsdp=true")
 
 
-def model_shape(cfg: DictConfig) -> ModelShape:
+def check_sbp(dp: int, chunks: int) -> None:
+    """An SBP plan lays out data parallelism per layer itself and has no chunk overlap."""
+    if dp != 1 or chunks != 1:
+        raise ConfigError(f"planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1 (got {dp}), "
+                          f"aggregation=ring and overlap=chunk1 (got chunks={chunks})")
+
+
+def model_shape(cfg: Any) -> ModelShape:
     """The model's shape from its family's adapter, checked (sizes, chunks)."""
     m = cfg.model
     try:
         shape = get_adapter(m.family).shape_from_config(m)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if m.get("vocab_parallel_loss", False) and shape.head_layout != "vocab_split":
+    if m.vocab_parallel_loss and shape.head_layout != "vocab_split":
         raise ConfigError(f"model.vocab_parallel_loss=true: family '{m.family}' lays out its head "
                           f"'{shape.head_layout}', not split by vocabulary over d1 x d2 (family 'hf' does)")
     chunks = cfg.overlap.chunks
@@ -266,8 +278,12 @@ class Planned:
     dp: int
     plan: PlanResult
 
+    @property
+    def mesh(self) -> Mesh3:
+        return mesh_of(self.plan, self.dp, self.devices)
 
-def resolve_plan(cfg: DictConfig) -> Planned:
+
+def resolve_plan(cfg: Config) -> Planned:
     """Shape, devices, dp and the plan (on the devices of one data-parallel replica)."""
     shape = model_shape(cfg)
     from atp_pipeline.run.calibration import with_calibration
@@ -278,21 +294,33 @@ def resolve_plan(cfg: DictConfig) -> Planned:
         asked = (f"trainer.devices={devices}" if cfg.trainer.devices else
                  f"mesh {cfg.mesh.d1}x{cfg.mesh.d2} with mesh.dp={cfg.mesh.dp} needs {devices} devices")
         raise ConfigError(f"{asked} but topology '{topo.name}' has only {topo.world_size} devices")
-    dp = resolve_dp(cfg, devices)
-    if dp < 1 or devices % dp:
-        raise ConfigError(f"mesh.dp={dp} does not divide trainer.devices={devices}")
+    return plan_devices(topo, devices, shape, cfg.mesh, cfg.planner, cfg.overlap.chunks, cfg.aggregation.mode,
+                        cfg.mesh.fsdp)
+
+
+def plan_from_config(cfg: Any) -> PlanResult:
+    """The plan of a composed config (``stage=plan``'s table), without the fit checks."""
+    return resolve_plan(typed(cfg)).plan
+
+
+def plan_devices(topo: Topology, devices: int, shape: ModelShape, mesh: Any, planner: Any, chunks: int,
+                 mode: Any, fsdp: bool) -> Planned:
+    """The plan of ``shape`` on the first ``devices`` devices of ``topo``: the data-parallel
+    size (:func:`resolve_dp`), what FSDP and SBP need of it, and the planner's choice on the
+    devices of one replica. ``mesh``, ``planner``: the schema's groups (or their DictConfigs);
+    ``mode``: the aggregation mode. ``stage=plan``, ``stage=fit`` and strategy ``"atp"`` alike."""
+    dp = resolve_dp(mesh, mode, devices)
+    check_dp(dp, devices)
     occupied = topo.restrict(devices)
-    kind = PlannerKind(cfg.planner.name)
-    if cfg.mesh.fsdp:
-        check_fsdp(cfg, dp, kind.value)
-    if kind == PlannerKind.sbp and (dp != 1 or cfg.overlap.chunks != 1):
-        raise ConfigError(f"planner=sbp plans data parallelism per layer itself: it needs mesh.dp=1 (got {dp}), "
-                          f"aggregation=ring and overlap=chunk1 (got chunks={cfg.overlap.chunks})")
+    kind = PlannerKind(getattr(planner.name, "value", planner.name))
+    if fsdp:
+        check_fsdp(dp, kind, mode)
+    if kind == PlannerKind.sbp:
+        check_sbp(dp, chunks)
     from atp_pipeline.planning.steptime import StepSetting
 
-    setting = StepSetting(chunks=int(cfg.overlap.chunks), dp=dp, aggregation=AggregationMode(cfg.aggregation.mode).value,
-                          world=occupied, fsdp=bool(cfg.mesh.fsdp))
-    result = plan(occupied.restrict(devices // dp), shape, cfg.planner, cfg.mesh, setting)
+    setting = StepSetting(chunks=int(chunks), dp=dp, aggregation=_mode(mode).value, world=occupied, fsdp=bool(fsdp))
+    result = plan(occupied.restrict(devices // dp), shape, planner, mesh, setting)
     notes = list(result.notes)
     chosen = result.candidate(result.selected) if result.kind == "atp" else None  # type: ignore[attr-defined]
     if chosen is not None and chosen.infeasible:  # only with planner.require_divisible=false
@@ -304,20 +332,33 @@ def resolve_plan(cfg: DictConfig) -> Planned:
     return Planned(shape, topo, occupied, devices, dp, result.with_notes(notes))
 
 
-def plan_from_config(cfg: DictConfig) -> PlanResult:
-    """The plan of a composed config (``stage=plan``'s table), without the fit checks."""
-    return resolve_plan(cfg).plan
+def unplanned_mesh(mesh: Any, mode: Any, devices: int, shardable: bool) -> Mesh3:
+    """``(dp, d1, d2)`` of a model no planner can cost (no family adapter gives its shape): a
+    fixed mesh as given, else Megatron's ``(devices / dp, 1)``; a model with nothing to shard
+    (``shardable`` false: no parallel plan either) runs data parallel on every device unless
+    the mesh or ``dp`` is given."""
+    if not shardable and mesh.strategy == MeshStrategy.auto and mesh.dp is None:
+        return devices, 1, 1
+    dp = resolve_dp(mesh, mode, devices)
+    check_dp(dp, devices)
+    if mesh.strategy != MeshStrategy.fixed:
+        return dp, devices // dp, 1
+    d1, d2 = int(mesh.d1), int(mesh.d2)
+    if dp * d1 * d2 != devices:
+        raise ConfigError(f"mesh {d1}x{d2} with mesh.dp={dp} needs {dp * d1 * d2} devices, not {devices}")
+    return dp, d1, d2
 
 
-def resolve(cfg: DictConfig) -> RunSpec:
-    """Every check that can fail, before any process starts; the typed run."""
+def resolve(cfg: Any) -> RunSpec:
+    """Every check that can fail, before any process starts; the resolved run. ``cfg``: the
+    composed config (or its :class:`~atp_pipeline.config.schema.Config`)."""
+    cfg = typed(cfg)
     planned = resolve_plan(cfg)
-    shape, topo, occupied, devices, dp, result = (planned.shape, planned.topology, planned.occupied,
-                                                  planned.devices, planned.dp, planned.plan)
+    shape, topo, devices, dp, result = planned.shape, planned.topology, planned.devices, planned.dp, planned.plan
     fitting = cfg.stage == Stage.fit
-    aggregation = check_aggregation(cfg.aggregation, dp) if fitting else OmegaConf.to_object(cfg.aggregation)
-    adapter = get_adapter(cfg.model.family)
-    fsdp = bool(cfg.mesh.fsdp)  # checked in resolve_plan
+    if fitting:
+        check_aggregation(cfg.aggregation, dp)
+    fsdp = cfg.mesh.fsdp  # checked in resolve_plan
     if result.kind == "atp":
         d1, d2 = result.mesh_shape
         why = layout_infeasibility(shape, d1, d2)
@@ -335,23 +376,8 @@ def resolve(cfg: DictConfig) -> RunSpec:
     if cfg.data.source == DataSource.corpus and shape.vocab_size < 256:
         raise ConfigError(f"data.source=corpus is byte-level and needs model.vocab_size >= 256, got "
                           f"{shape.vocab_size}")
-    user_plan = dict(cfg.model.parallel_plan) if cfg.model.parallel_plan is not None else None
-    if fitting or user_plan:  # the plan's patterns name real modules (stage=plan: only a user's plan)
-        from atp_pipeline.parallel.apply import match_plan
-
-        from atp_pipeline.models.meta import outline_device
-
-        with outline_device():  # a user's plan may name any block; the family's is per block
-            model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
-        match_plan(model, user_plan or adapter.parallel_plan(model))
-        if result.kind == "sbp":
-            adapter.sbp_linears(model)  # the family's SBP layer chain (one line if it has none)
-        if fsdp:  # what FSDP2 cannot shard, named before any process starts
-            from atp_pipeline.parallel.fsdp import fsdp_infeasibility
-
-            why = fsdp_infeasibility(model)
-            if why:
-                raise ConfigError(f"mesh.fsdp=true: model '{shape.name}': {why}")
+    if fitting or cfg.model.parallel_plan:  # the plan's patterns name real modules (stage=plan: only a user's plan)
+        check_layout(cfg, result.kind)
     capacity = topo.device.get("memory_GB")
     mem = per_device_memory(shape, (d1, d2), dp, fsdp) if result.kind == "atp" else None  # sbp: its own limit
     unsharded = per_device_memory(shape, (d1, d2), dp) if mem is not None and fsdp else None
@@ -359,27 +385,44 @@ def resolve(cfg: DictConfig) -> RunSpec:
         why = memory_infeasibility(shape, (d1, d2), dp, fsdp, capacity, f"'{topo.name}' devices")
         if why:
             raise ConfigError(why)
-    accel = str(cfg.trainer.accelerator)
+    if fitting:
+        check_accelerator(cfg.trainer.accelerator, topo, devices)
+    if cfg.resume and not Path(cfg.resume).exists():
+        raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
+    return RunSpec(config=cfg, topology=topo, occupied=planned.occupied, devices=devices, dp=dp, shape=shape,
+                   plan=result, memory=mem, memory_unsharded=unsharded, job=_job_info())
+
+
+def check_layout(cfg: Config, planner: str) -> None:
+    """The parallel plan's patterns (the user's ``model.parallel_plan``, else the family's)
+    name real modules of the model, built on the meta device; with an SBP plan the family has
+    its SBP layer chain, with ``mesh.fsdp`` FSDP2 can shard the model."""
+    from atp_pipeline.models.meta import outline_device
+    from atp_pipeline.parallel.apply import match_plan
+
+    adapter = get_adapter(cfg.model.family)
+    user_plan = cfg.model.parallel_plan
+    with outline_device():  # a user's plan may name any block; the family's is per block
+        model = adapter.build(cfg.model) if user_plan else adapter.build_outline(cfg.model)
+    match_plan(model, dict(user_plan) if user_plan else adapter.parallel_plan(model))
+    if planner == "sbp":
+        adapter.sbp_linears(model)  # the family's SBP layer chain (one line if it has none)
+    if cfg.mesh.fsdp:  # what FSDP2 cannot shard, named before any process starts
+        from atp_pipeline.parallel.fsdp import fsdp_infeasibility
+
+        why = fsdp_infeasibility(model)
+        if why:
+            raise ConfigError(f"mesh.fsdp=true: model '{cfg.model.name}': {why}")
+
+
+def check_accelerator(accel: str, topo: Topology, devices: int) -> None:
+    """``trainer.accelerator`` against the topology's devices and this host's GPUs."""
     device_name = str(topo.device.get("name") or "unknown")
-    if fitting and accel == "cpu" and device_name not in ("cpu", "unknown"):
+    if accel == "cpu" and device_name not in ("cpu", "unknown"):
         raise ConfigError(f"topology '{topo.name}' describes {device_name} devices but trainer.accelerator=cpu; "
                           f"set trainer.accelerator=gpu to train on them, or stage=plan to only plan")
-    if fitting and accel in ("gpu", "cuda") and not os.environ.get("TORCHELASTIC_RUN_ID"):
+    if accel in ("gpu", "cuda") and not os.environ.get("TORCHELASTIC_RUN_ID"):
         local = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if local < devices:
             raise ConfigError(f"trainer.accelerator={accel} with {devices} processes needs {devices} GPUs on "
                               f"this host, found {local} (several nodes: launch with torchrun)")
-    if cfg.resume and not Path(cfg.resume).exists():
-        raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
-    t = cfg.trainer
-    if not t.collective_timeout_s > 0:
-        raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
-    return RunSpec(
-        stage=Stage(cfg.stage).value, topology=topo, occupied=occupied, devices=devices, dp=dp,
-        family=str(cfg.model.family), model_config=OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-        shape=shape, plan=result, parallel_plan=user_plan, chunks=int(cfg.overlap.chunks),
-        aggregation=aggregation, trainer=TrainerSpec(accel, int(t.max_steps), float(t.lr), float(t.weight_decay),
-                                                     int(t.checkpoint_every_n_steps), bool(t.progress_bar),
-                                                     bool(t.export), float(t.collective_timeout_s)),
-        data_source=DataSource(cfg.data.source).value, seed=int(cfg.seed), resume=cfg.resume,
-        plot=bool(cfg.planner.plot), memory=mem, fsdp=fsdp, memory_unsharded=unsharded, job=_job_info())

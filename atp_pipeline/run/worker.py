@@ -1,6 +1,7 @@
 """Build -> fit, in one worker process: a Lightning ``Trainer`` with ``ATPStrategy`` realizing
 the resolved :class:`~atp_pipeline.run.resolve.RunSpec` (the model from its family's
-adapter, the data module, per-step metrics, sharded checkpoints)."""
+adapter, the data module, per-step metrics every ``trainer.log_every_n_steps``, sharded
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import hashlib
 import importlib.util
 import logging
 import warnings
-from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, List
 
 import torch
@@ -82,18 +81,14 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
     quiet_lightning()
 
     out = Path(out_dir)
+    c, t = spec.config, spec.config.trainer
     dtype = torch.float64 if spec.shape.dtype == "fp64" else torch.float32
-    adapter = get_adapter(spec.family)
-    cfg = SimpleNamespace(**spec.model_config)
-    module = LMModule(lambda: adapter.build(cfg), lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
-                      seed=spec.seed, loss=adapter.lm_loss).to(dtype)
-    data = TokenDataModule(spec.data_source, spec.shape.seq_len, spec.shape.batch_size, spec.shape.vocab_size,
-                           seed=spec.seed)
-    mesh = spec.plan if spec.plan.kind == "sbp" else tuple(spec.plan.mesh_shape)
-    strategy = ATPStrategy(mesh=mesh, dp=spec.dp if spec.plan.kind == "atp" else "auto", chunks=spec.chunks,
-                           plan=spec.parallel_plan, aggregation=spec.aggregation, services=spec.services, fsdp=spec.fsdp,
-                           timeout=timedelta(seconds=spec.trainer.collective_timeout_s))
-    t = spec.trainer
+    adapter = get_adapter(c.model.family)
+    module = LMModule(lambda: adapter.build(c.model), lr=t.lr, weight_decay=t.weight_decay, seed=c.seed,
+                      loss=adapter.lm_loss).to(dtype)
+    data = TokenDataModule(c.data.source.value, spec.shape.seq_len, spec.shape.batch_size, spec.shape.vocab_size,
+                           seed=c.seed)
+    strategy = ATPStrategy.for_run(spec)
     every = t.checkpoint_every_n_steps or t.max_steps
     ckpt = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", save_last=True,
                            every_n_train_steps=every, save_top_k=-1, auto_insert_metric_name=False)
@@ -104,11 +99,11 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
 
         loggers.append(TensorBoardLogger(save_dir=str(out), name="", version="tensorboard"))
     trainer = pl.Trainer(strategy=strategy, accelerator=t.accelerator, devices=world, num_nodes=1,
-                         max_steps=t.max_steps, logger=loggers, log_every_n_steps=1,
+                         max_steps=t.max_steps, logger=loggers, log_every_n_steps=t.log_every_n_steps,
                          callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt]
                          + ([progress_bar()] if t.progress_bar else []),
                          enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision)
-    trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
+    trainer.fit(module, datamodule=data, ckpt_path=c.resume)
     exported = adapter.export(module.model, str(out / "hf")) if t.export else None
     coord = strategy.device_mesh.get_coordinate()
     return {"rank": rank, "coord": list(coord) if coord else None, "global_step": trainer.global_step,
