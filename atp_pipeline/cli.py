@@ -23,7 +23,7 @@ from hydra.errors import (
 )
 from omegaconf.errors import OmegaConfBaseException
 
-from atp_pipeline.errors import ConfigError, first_line, describe_omegaconf
+from atp_pipeline.errors import ConfigError, describe_omegaconf, first_line
 
 EXIT_BAD_INPUT = 2
 

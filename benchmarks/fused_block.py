@@ -19,8 +19,14 @@ from atp_pipeline.parallel.comm import Comm, Handle, comm_for
 from atp_pipeline.parallel.layers import ParallelLayerNorm
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear
 from atp_pipeline.parallel.mappings import scatter_dim0
-from atp_pipeline.parallel.styles import ColumnFirst, EmbeddingStyle, LayerNormStyle, ParallelStyle, StyleContext, \
-    VocabLoss
+from atp_pipeline.parallel.styles import (
+    ColumnFirst,
+    EmbeddingStyle,
+    LayerNormStyle,
+    ParallelStyle,
+    StyleContext,
+    VocabLoss,
+)
 
 
 class _AsyncLinear(torch.autograd.Function):

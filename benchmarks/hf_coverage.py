@@ -351,10 +351,9 @@ def export_round_trip(model: torch.nn.Module, dense: torch.nn.Module) -> str:
 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from atp_pipeline.models.hf.weights import export_pretrained
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one table row per type, not a bar per checkpoint written and read
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode, ModelConfig, Transport
-from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.launch import spawn
+from atp_pipeline.models.gpt import GPT, GPTConfig
 from benchmarks.tp_step import CONF, load_model
 
 

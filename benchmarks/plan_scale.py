@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from atp_pipeline.config.schema import DType, MeshConfig, ModelConfig, PlannerConfig
-from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import make_plan
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.builders import nodes, switched
 from atp_pipeline.topology.model import Topology
 

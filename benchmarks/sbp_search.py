@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from atp_pipeline.planning.sbp import (METHODS, AlphaBeta, MemoryModel, compile_problem, transformer,
-                                       mlp, search)
+from atp_pipeline.planning.sbp import METHODS, AlphaBeta, MemoryModel, compile_problem, mlp, search, transformer
 
 FIG8_DIMS = (32768, 16384, 4096, 2048, 512)
 FIG8_BATCH = 4096

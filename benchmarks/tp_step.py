@@ -33,19 +33,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from omegaconf import OmegaConf
+from torch import nn
 
 from atp_pipeline.config.schema import CostModel, ModelConfig, TopologyConfig
-from atp_pipeline.models.gpt import GPT, GPTConfig
-from atp_pipeline.models.adapter import find_adapters, prefixed
-from atp_pipeline.parallel.apply import apply_plan
-from atp_pipeline.parallel import comm_for, init_mesh
-from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.launch import spawn
+from atp_pipeline.models.adapter import find_adapters, prefixed
+from atp_pipeline.models.gpt import GPT, GPTConfig
 from atp_pipeline.models.gpt.native import data_parallel, native_tensor_parallel
-from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.parallel import comm_for, init_mesh
+from atp_pipeline.parallel.apply import apply_plan
+from atp_pipeline.parallel.emulation import TopologyEmulator
 from atp_pipeline.planning.search import candidate_meshes, evaluate
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.model import Topology
 
 CONF = Path("conf")  # the repository's config tree, relative to the current directory

@@ -18,9 +18,8 @@ def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
     ``llama_tiny`` with 2 key/value heads), non-trivial norm weights and biases."""
     from omegaconf import OmegaConf
 
-    from atp_pipeline.models.adapter import get_adapter
-
     from atp_pipeline.config.schema import ModelConfig
+    from atp_pipeline.models.adapter import get_adapter
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / f"{name.replace('_kv2', '')}.yaml"))
     if name.endswith("_kv2"):
@@ -75,8 +74,8 @@ def fan_in_with_an_unused_reader(mesh_shape: Tuple[int, int]) -> float:
     par = {n: style.apply(n, copy.deepcopy(m), _ctx(mesh)) for n, m in dense.items()}
     for m in par.values():  # the same tensor object reaches every reader: the input split once
         m.input_is_parallel = True
-    from atp_pipeline.parallel.layers import gather_last, split_last
     from atp_pipeline.parallel.comm import comm_for
+    from atp_pipeline.parallel.layers import gather_last, split_last
 
     comm = comm_for(mesh)
     x2 = x.detach().clone().requires_grad_(True)

@@ -9,8 +9,15 @@ import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from atp_pipeline.cli import describe_composition, describe_missing
-from atp_pipeline.config.schema import (AggregationConfig, Config, MeshStrategy, ModelConfig, OverlapConfig,
-                                        TrainerConfig, typed)
+from atp_pipeline.config.schema import (
+    AggregationConfig,
+    Config,
+    MeshStrategy,
+    ModelConfig,
+    OverlapConfig,
+    TrainerConfig,
+    typed,
+)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.topology.builders import switched, torus2d
 from atp_pipeline.topology.model import Topology

@@ -53,9 +53,11 @@ def test_dropout_streams_on_cuda():
     (gloo where they share one): equal masks where a region is replicated, independent ones
     where it is split, the keep rate within bounds, the caller's CUDA generator untouched."""
     from .dropout_workers import TOY_MESHES, toy_cases
-    from .test_dropout import (test_each_region_draws_equal_masks_where_replicated_and_independent_ones_where_split as
-                               masks_follow_regions, test_the_callers_generator_is_left_as_it_was as caller_untouched,
-                               within, P_TOY)
+    from .test_dropout import P_TOY, within
+    from .test_dropout import (
+        test_each_region_draws_equal_masks_where_replicated_and_independent_ones_where_split as masks_follow_regions,
+    )
+    from .test_dropout import test_the_callers_generator_is_left_as_it_was as caller_untouched
 
     backend = "nccl" if GPUS >= 4 else "gloo"
     ranks = spawn(toy_cases, 4, "cuda", backend=backend, timeout=600)

@@ -10,7 +10,6 @@ import pytest
 
 pytest.importorskip("transformers", reason="pip install transformers")
 
-import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from atp_pipeline.errors import ConfigError  # noqa: E402

@@ -130,8 +130,8 @@ def test_lightning_trains_hf_models_with_no_plan():
     families outside the named ones, laid out from what transformers declares (Qwen3, Phi-3,
     Granite; 10 steps) reproduce the single-process float32 losses within 1e-5, under both
     Lightning packages."""
-    from atp_pipeline.planning.search import make_plan
     from atp_pipeline.config.schema import MeshConfig, MeshStrategy, PlannerConfig
+    from atp_pipeline.planning.search import make_plan
 
     from .hf_workers import BATCH, lightning_case, reference_losses
 

@@ -21,8 +21,8 @@ pytest.importorskip("transformers", reason="pip install transformers")
 
 
 def _plan(kind: str):
-    from benchmarks.hf_coverage import build
     from atp_pipeline.models.hf.adapter import ADAPTER
+    from benchmarks.hf_coverage import build
 
     return ADAPTER.parallel_plan(build(kind))
 

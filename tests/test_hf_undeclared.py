@@ -14,8 +14,8 @@ from atp_pipeline.errors import ConfigError  # noqa: E402
 
 
 def _plan(kind: str):
-    from benchmarks.hf_coverage import build
     from atp_pipeline.models.hf.adapter import ADAPTER
+    from benchmarks.hf_coverage import build
 
     model = build(kind)
     return ADAPTER.parallel_plan(model)
@@ -96,8 +96,8 @@ def test_an_attention_with_own_parameters_read_outside_the_core_runs_whole():
     """DiffLlama's lambda_q1 ... (one value per head_dim, mixed in its own code): the layout
     cannot split the attention, so it runs whole on the gathered hidden (its keyword input
     gathered), and the layout says so, naming why."""
-    from benchmarks.hf_coverage import build
     from atp_pipeline.models.hf.layout import derive
+    from benchmarks.hf_coverage import build
 
     layout = derive(build("diffllama"))
     assert layout.plan["model.layers.*.self_attn"] == "gathered(input=split, output=split, inputs=hidden_states)"
@@ -109,10 +109,10 @@ def test_a_mixer_the_layout_cannot_split_runs_whole_and_the_plan_says_so():
     """Jamba's Mamba mixer (x_proj reads neither the hidden nor writes it) and its routed
     feed-forward block run whole, replicated; the shape counts their gathers, drops the
     attention and dense MLP terms of the layers without them, and the plan's notes name them."""
-    from benchmarks.hf_coverage import build
     from atp_pipeline.config.schema import MeshConfig, PlannerConfig
     from atp_pipeline.models.hf.adapter import ADAPTER
     from atp_pipeline.planning.search import make_plan
+    from benchmarks.hf_coverage import build
     from tests.test_planner import _ic6
 
     model = build("jamba")
@@ -187,8 +187,8 @@ def test_an_activation_with_learned_scalars_runs_on_the_split_intermediate():
 def test_a_per_head_output_gate_is_split_like_the_queries():
     """AFMoE's attention gates its output per head feature (gate_proj, heads x head dim): a
     fourth projection of the hidden, column-first like q (shown to run on blocks of heads)."""
-    from benchmarks.hf_coverage import build
     from atp_pipeline.models.hf.layout import derive
+    from benchmarks.hf_coverage import build
 
     att = derive(build("afmoe")).plan["model.layers.*.self_attn"]
     assert "extra=gate_proj" in att and "whole" not in att, att
@@ -203,9 +203,9 @@ def test_an_attention_the_declaration_leaves_out_is_read_off_its_modules():
 
 def _probed_shape(kind: str):
     """The shape read off ``kind``'s tiny model with the layout its forward shows (as laid out)."""
-    from benchmarks.hf_coverage import build
     from atp_pipeline.models.hf.adapter import family_of, shape_of_model
     from atp_pipeline.models.hf.layout import derive
+    from benchmarks.hf_coverage import build
 
     model = build(kind)
     return shape_of_model(model, layout=derive(model, family_of(model.config)))

@@ -14,10 +14,10 @@ from typing import Any, Dict, List
 import pytest
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.launch import spawn
 from atp_pipeline.models.gpt import GPT
 from atp_pipeline.models.gpt.adapter import GPTAdapter
 from atp_pipeline.models.gpt.parallel import check_mesh_fits
-from atp_pipeline.launch import spawn
 from atp_pipeline.planning.cost import predicted_elements, runtime_terms
 
 from . import workers

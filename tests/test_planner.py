@@ -18,11 +18,12 @@ from atp_pipeline.config.schema import (
     Routing,
 )
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.run.resolve import model_shape as model_summary, plan_from_config
 from atp_pipeline.planning.bandwidth import dimension_bandwidth, rabenseifner
 from atp_pipeline.planning.cost import eq2_terms
-from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.search import candidate_meshes, evaluate, make_plan
+from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.run.resolve import model_shape as model_summary
+from atp_pipeline.run.resolve import plan_from_config
 from atp_pipeline.topology.builders import ring_matrix, switched, torus2d
 from atp_pipeline.topology.model import Topology
 

@@ -13,9 +13,20 @@ import numpy as np
 import pytest
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.sbp import (METHODS, AlphaBeta, Collective, LinkLevel, MatmulLayer,
-                                       MemoryModel, Strategy, compile_problem, transformer, mlp, search,
-                                       strategies)
+from atp_pipeline.planning.sbp import (
+    METHODS,
+    AlphaBeta,
+    Collective,
+    LinkLevel,
+    MatmulLayer,
+    MemoryModel,
+    Strategy,
+    compile_problem,
+    mlp,
+    search,
+    strategies,
+    transformer,
+)
 from atp_pipeline.planning.sbp.space import factorizations
 from atp_pipeline.topology.builders import nodes
 from atp_pipeline.topology.model import Topology

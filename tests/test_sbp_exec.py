@@ -27,10 +27,10 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.launch import spawn
-from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, Strategy, compile_problem, mlp, search
 from atp_pipeline.planning.sbp.chain import chain_keys, model_chain
 from atp_pipeline.planning.sbp.layout import SBPLayout, check_chain_layout, plan_mesh_shape
+from atp_pipeline.planning.shape import ModelShape
 
 from .conftest import run_train
 

@@ -75,9 +75,9 @@ def test_whole_logits_are_refused_in_one_line(runs):
 
 
 def test_install_refuses_a_head_that_is_not_split():
-    from .hf_workers import build
-
     from atp_pipeline.parallel.vocab import install_vocab_parallel_loss
+
+    from .hf_workers import build
 
     with pytest.raises(ConfigError) as err:
         install_vocab_parallel_loss(build("llama"), None)  # type: ignore[arg-type]

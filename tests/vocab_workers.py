@@ -79,11 +79,11 @@ def exactness(rank: int, world: int, meshes: List[Tuple[int, int]]) -> Dict[str,
     transformers' loss (float64), the logits' shape on this rank, the counted collectives of
     the first case (to compare with the cost model), and transformers' own float32-upcast loss."""
     from atp_pipeline.models.adapter import find_adapters, prefixed
+    from atp_pipeline.models.hf.adapter import vocab_parallel_loss
     from atp_pipeline.parallel.apply import apply_plan
     from atp_pipeline.parallel.comm import comm_for
     from atp_pipeline.parallel.dense import dense_tensors
     from atp_pipeline.parallel.mesh import init_mesh
-    from atp_pipeline.models.hf.adapter import vocab_parallel_loss
     from atp_pipeline.parallel.vocab import VocabParallelCausalLMLoss
 
     ref_loss = transformers_loss64()

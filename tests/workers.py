@@ -9,20 +9,20 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atp_pipeline.config.schema import CostModel, DType, ModelConfig
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt import GPT, GPTConfig
+from atp_pipeline.models.gpt.native import native_tensor_parallel
 from atp_pipeline.models.gpt.parallel import parallelize_gpt
 from atp_pipeline.parallel import ATPLinear, comm_for, init_mesh
-from atp_pipeline.parallel.mesh import full_tensor
 from atp_pipeline.parallel.emulation import TopologyEmulator
-from atp_pipeline.models.gpt.native import native_tensor_parallel
-from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.parallel.mesh import full_tensor
 from atp_pipeline.planning.search import evaluate
+from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.topology.builders import nodes
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=8, layers=2)

@@ -34,10 +34,10 @@ from typing import Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
+from atp_pipeline.ina.counters import Counters
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.packet import ATP_APP_TYPE, DecodeError, Packet, PacketFormat, validate_gradient
 from atp_pipeline.ina.quant import INT32_MAX
-from atp_pipeline.ina.counters import Counters
 
 
 class Update(Protocol):

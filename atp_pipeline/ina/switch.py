@@ -82,8 +82,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from atp_pipeline.ina.packet import DEFAULT_BITMAP_BITS, DecodeError, Packet, PacketFormat, validate_gradient
 from atp_pipeline.ina.counters import Counters
+from atp_pipeline.ina.packet import DEFAULT_BITMAP_BITS, DecodeError, Packet, PacketFormat, validate_gradient
 
 FLAG_ECN = 1
 FLAG_OVF = 2

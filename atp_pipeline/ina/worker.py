@@ -54,10 +54,10 @@ from typing import Deque, List, Optional, Tuple, Union
 
 import numpy as np
 
+from atp_pipeline.ina.counters import Counters
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.packet import ATP_APP_TYPE, DecodeError, Packet, PacketFormat
 from atp_pipeline.ina.quant import quantize_mask
-from atp_pipeline.ina.counters import Counters
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-
 AXES = ("dp", "d1", "d2")
 
 

@@ -47,15 +47,22 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, MeshConfig, MeshStrategy,
-                                        OverlapConfig, PlannerConfig, PlannerKind)
+from atp_pipeline.config.schema import (
+    AggregationConfig,
+    AggregationMode,
+    MeshConfig,
+    MeshStrategy,
+    OverlapConfig,
+    PlannerConfig,
+    PlannerKind,
+)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
-from atp_pipeline.parallel.grad_sync import GradSync, RingSync, sync_gradients
 from atp_pipeline.parallel.dense import load_dense
 from atp_pipeline.parallel.fsdp import is_sharded, shard_data_parallel
+from atp_pipeline.parallel.grad_sync import GradSync, RingSync, sync_gradients
 from atp_pipeline.parallel.materialize import broadcast_replicated, has_meta, materialize
 from atp_pipeline.parallel.mesh import Axis, init_mesh
 from atp_pipeline.planning.interface import PlanResult

@@ -22,8 +22,16 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel import rng
 from atp_pipeline.parallel.layers import FULL
 from atp_pipeline.parallel.overlap import chunk_blocks
-from atp_pipeline.parallel.styles import (AttentionHeads, ColumnFirst, ParallelStyle, StyleContext,
-                                          StyleSpec, Tied, VocabLoss, parse_style)
+from atp_pipeline.parallel.styles import (
+    AttentionHeads,
+    ColumnFirst,
+    ParallelStyle,
+    StyleContext,
+    StyleSpec,
+    Tied,
+    VocabLoss,
+    parse_style,
+)
 
 
 def match_plan(root: nn.Module, plan: Mapping[str, StyleSpec], check: bool = True) -> Dict[str, ParallelStyle]:

@@ -34,6 +34,7 @@ from atp_pipeline.parallel.comm import Comm
 from atp_pipeline.parallel.mappings import copy_to_axis, gather_dim0, scatter_dim0
 from atp_pipeline.planning.shape import KV_GATHERED, KV_SCATTER, kv_layout
 
+
 @dataclass
 class HeadSharding:
     """The heads of one attention module on ``comm``'s (d1, d2) mesh."""

@@ -32,11 +32,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from atp_pipeline.parallel import mappings
 from atp_pipeline.parallel.comm import comm_for
 from atp_pipeline.parallel.linear import sharded_parameter
-from atp_pipeline.parallel import mappings
-from atp_pipeline.parallel.mappings import (all_reduce_sum, copy_to_axis, grad_contiguous, reduce_from_axis,
-                                           vocab_parallel_cross_entropy)
+from atp_pipeline.parallel.mappings import (
+    all_reduce_sum,
+    copy_to_axis,
+    grad_contiguous,
+    reduce_from_axis,
+    vocab_parallel_cross_entropy,
+)
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 FULL, SPLIT = "full", "split"

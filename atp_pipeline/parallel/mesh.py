@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from atp_pipeline.errors import ConfigError
 
 
-
 class Axis(str, Enum):
     """The named dimensions of ATP's mesh: data parallel, then the 2D tensor-parallel (d1, d2)."""
 

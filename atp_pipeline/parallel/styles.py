@@ -76,8 +76,15 @@ from torch.distributed.tensor import Replicate, Shard
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.attention import HeadSharding
 from atp_pipeline.parallel.comm import comm_for
-from atp_pipeline.parallel.layers import (FULL, SPLIT, run_gathered, ParallelEmbedding, ParallelLayerNorm,
-                                         TiedHead, VocabParallelLoss)
+from atp_pipeline.parallel.layers import (
+    FULL,
+    SPLIT,
+    ParallelEmbedding,
+    ParallelLayerNorm,
+    TiedHead,
+    VocabParallelLoss,
+    run_gathered,
+)
 from atp_pipeline.parallel.linear import COLUMN, ROW, ATPLinear, linear_kinds, sharded_parameter
 from atp_pipeline.parallel.rng import LOCAL, REPLICATED, fork_module
 from atp_pipeline.parallel.vocab import VocabSplitEmbedding, VocabSplitHead

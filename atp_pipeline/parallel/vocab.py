@@ -45,8 +45,7 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.parallel.comm import Comm, comm_for
 from atp_pipeline.parallel.layers import FULL, SPLIT, ParallelEmbedding, gather_last, split_last
 from atp_pipeline.parallel.linear import as_linear, sharded_parameter
-from atp_pipeline.parallel.mappings import (VocabParallelCrossEntropy, reduce_from_axis, token_rows,
-                                           vocab_split_linear)
+from atp_pipeline.parallel.mappings import VocabParallelCrossEntropy, reduce_from_axis, token_rows, vocab_split_linear
 from atp_pipeline.parallel.mesh import Axis, shard_seed, tp_coordinate
 
 VOCAB_SPLIT = [Shard(0), Shard(1)]  # a [V, h] table: vocabulary over d1, hidden over d2

@@ -17,12 +17,12 @@ from rich.table import Table
 
 from atp_pipeline.config.schema import CostModel, MeshStrategy, Objective
 from atp_pipeline.planning.bandwidth import DimBandwidth
+from atp_pipeline.planning.compute_profile import ComputeProfile
 from atp_pipeline.planning.cost import TermCost
 from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.gradsync import GradBucket, dp_bucket
 from atp_pipeline.planning.memory import per_device_memory
 from atp_pipeline.planning.shape import ModelShape
-from atp_pipeline.planning.compute_profile import ComputeProfile
 from atp_pipeline.planning.steptime import StepEstimate, StepSetting
 from atp_pipeline.topology.model import Topology
 

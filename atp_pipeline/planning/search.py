@@ -13,19 +13,16 @@ may be selected; ties go to the larger ``d1`` (closer to Megatron-LM).
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
-from typing import Any
+from typing import Any, List, Optional, Tuple
 
 from atp_pipeline.config.schema import CostModel, MeshStrategy, Objective
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.bandwidth import DimBandwidth, dimension_bandwidth
-from atp_pipeline.planning.cost import TermCost, comm_terms, step_comm_time
-from atp_pipeline.planning.shape import ModelShape
-from atp_pipeline.planning.shape import layout_infeasibility
+from atp_pipeline.planning.bandwidth import dimension_bandwidth
+from atp_pipeline.planning.compute_profile import ComputeProfile, profile_of
+from atp_pipeline.planning.cost import comm_terms, step_comm_time
 from atp_pipeline.planning.memory import memory_infeasibility, per_device_memory
 from atp_pipeline.planning.mesh_plan import Candidate, Mesh, MeshPlan
-from atp_pipeline.planning.compute_profile import ComputeProfile, profile_of
+from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.planning.steptime import StepEstimate, StepSetting, estimate_step
 from atp_pipeline.topology.model import Topology
 

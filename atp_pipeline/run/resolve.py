@@ -27,8 +27,17 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
-from atp_pipeline.config.schema import (AggregationConfig, AggregationMode, Config, DataSource, MeshStrategy,
-                                        PlannerKind, Stage, SwitchImpl, typed)
+from atp_pipeline.config.schema import (
+    AggregationConfig,
+    AggregationMode,
+    Config,
+    DataSource,
+    MeshStrategy,
+    PlannerKind,
+    Stage,
+    SwitchImpl,
+    typed,
+)
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
@@ -36,7 +45,6 @@ from atp_pipeline.planning.interface import PlanResult, plan
 from atp_pipeline.planning.memory import MemoryEstimate, memory_infeasibility, per_device_memory
 from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.topology.model import Topology
-
 
 Mesh3 = Tuple[int, int, int]
 

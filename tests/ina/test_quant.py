@@ -9,8 +9,15 @@ from hypothesis import strategies as st
 from atp_pipeline.ina.job import racks_layout
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
-from atp_pipeline.ina.quant import (INT32_MAX, aggregate_error_bound, dequantize, lane_limit, quantize,
-                                    quantize_mask, safe_scale)
+from atp_pipeline.ina.quant import (
+    INT32_MAX,
+    aggregate_error_bound,
+    dequantize,
+    lane_limit,
+    quantize,
+    quantize_mask,
+    safe_scale,
+)
 from atp_pipeline.ina.switch import SwitchState, process
 from atp_pipeline.ina.worker import Worker
 

@@ -16,12 +16,14 @@ from typing import List, Tuple
 import numpy as np
 
 from atp_pipeline.ina import switchml as core
-from atp_pipeline.ina.switchml import batch as sml_batch, float_worker as sml_float, lanes as sml_lanes
-from atp_pipeline.ina.switchml import switch as sml_switch
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, Outbox
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.sim import switchml as sim
 from atp_pipeline.ina.switchml import EXP_BIAS, SMLFloatWorker, SMLFormat, SMLSwitch, SMLSwitchJob
+from atp_pipeline.ina.switchml import batch as sml_batch
+from atp_pipeline.ina.switchml import float_worker as sml_float
+from atp_pipeline.ina.switchml import lanes as sml_lanes
+from atp_pipeline.ina.switchml import switch as sml_switch
 
 
 def _run(xs: List[np.ndarray], pool: int, k: int, loss: float, seed: int, rounds: int = 2, shm: bool = False

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-from pytest import approx
-
 import numpy as np
+from pytest import approx
 
 from atp_pipeline.ina.job import racks_layout
 from atp_pipeline.ina.packet import PacketFormat

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from atp_pipeline.ina import switch
-from atp_pipeline.ina.packet import DecodeError
 from atp_pipeline.ina.p4 import traces
+from atp_pipeline.ina.packet import DecodeError
 
 from . import TRACE_FILE
 

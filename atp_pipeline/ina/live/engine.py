@@ -44,8 +44,16 @@ import numpy as np
 import torch
 
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.live.frames import (MAX_DATAGRAM, datagrams, drain, keep_freed_memory, poller_for, spin_budget,
-                                          spin_drain, wait_readable)
+from atp_pipeline.ina.live.frames import (
+    MAX_DATAGRAM,
+    datagrams,
+    drain,
+    keep_freed_memory,
+    poller_for,
+    spin_budget,
+    spin_drain,
+    wait_readable,
+)
 from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
 from atp_pipeline.ina.live.shm import lanes_of, release
 from atp_pipeline.ina.packet import PacketFormat

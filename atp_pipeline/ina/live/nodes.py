@@ -57,13 +57,22 @@ import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget, sum_threads
-from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.role import Role, meminfo
+from atp_pipeline.ina.live.rpc import Addr
 from atp_pipeline.ina.live.shm import SharedLanes
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
+from atp_pipeline.ina.switch import (
+    SwitchState,
+    agg_hash,
+    agg_slot,
+    allocated,
+    ecn_mark,
+    live_aggregators,
+    process_batch,
+)
 from atp_pipeline.ina.switchml import SMLFormat, SMLPacket, SMLSwitch, SMLSwitchJob
-from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, allocated, ecn_mark, live_aggregators, process_batch
+
 
 class SwitchNode(Role):
     """The emulated programmable switch: :func:`process` (over batches: :func:`process_batch`) plus per-job routes."""

@@ -23,11 +23,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
-from atp_pipeline.ina.live.rpc import AggregationError, call
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
-from atp_pipeline.ina.live.services import Services, add_job, remove_job
+from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.role import udp_socket
+from atp_pipeline.ina.live.rpc import AggregationError, call
+from atp_pipeline.ina.live.services import Services, add_job, remove_job
 from atp_pipeline.ina.live.shm import attach, create_lanes, release
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.switchml import SMLFormat

@@ -54,8 +54,7 @@ from omegaconf.errors import OmegaConfBaseException
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode
 from atp_pipeline.errors import ConfigError, describe_omegaconf
 from atp_pipeline.ina.job import JobLayout
-from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.ina.packet import ATP_UDP_PORT
+from atp_pipeline.ina.packet import ATP_UDP_PORT, PacketFormat
 
 # Names in p4/v1model/atp.p4 (tests/p4/test_control_plane.py parses the source and fails on drift).
 INGRESS = "AtpIngress"

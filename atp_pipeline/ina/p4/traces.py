@@ -35,8 +35,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.ina.p4.codegen import N_AGGREGATORS
-from atp_pipeline.ina.packet import ATP_UDP_PORT
-from atp_pipeline.ina.packet import DecodeError, PacketFormat
+from atp_pipeline.ina.packet import ATP_UDP_PORT, DecodeError, PacketFormat
 from atp_pipeline.ina.switch import SwitchState, agg_hash, agg_slot, ecn_mark, process_batch, process_bytes
 
 DEFAULT_TRACE_FILE = Path("p4") / "traces" / "atp.jsonl"  # CLI default, relative to the current directory

@@ -67,6 +67,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Deque, List, Tuple
 
+
 def _call(fn: Callable[..., Any], args: tuple) -> None:
     fn(*args)
 

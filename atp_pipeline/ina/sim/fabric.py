@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from heapq import heappush
 from dataclasses import dataclass
+from heapq import heappush
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from atp_pipeline.ina.packet import Packet

@@ -28,8 +28,15 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.quant import lane_limit
 from atp_pipeline.ina.sim.fabric import Fabric, JobDemux, mcast_addr
 from atp_pipeline.ina.sim.rounds import RoundJob
-from atp_pipeline.ina.switchml import (SML_FIELDS, SML_HEADER_BYTES, SMLPacket, SMLSwitch, SMLSwitchJob,  # noqa: F401
-                                       SMLWorker, SMLWorkerStats)
+from atp_pipeline.ina.switchml import (  # noqa: F401
+    SML_FIELDS,
+    SML_HEADER_BYTES,
+    SMLPacket,
+    SMLSwitch,
+    SMLSwitchJob,
+    SMLWorker,
+    SMLWorkerStats,
+)
 
 
 @dataclass

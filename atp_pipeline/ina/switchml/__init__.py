@@ -31,8 +31,18 @@ counted again), so the live backend injects loss only.
 from atp_pipeline.ina.packet import DecodeError
 from atp_pipeline.ina.switchml.float_worker import SMLFloatWorker
 from atp_pipeline.ina.switchml.switch import Result, SMLSwitch, SMLSwitchJob
-from atp_pipeline.ina.switchml.wire import (EXP_BIAS, EXP_MAX, EXP_MIN, MAX_ITEMS, SHM_FLAG, SML_FIELDS,
-                                            SML_HEADER_BYTES, WIRE_HEADER, SMLFormat, SMLPacket)
+from atp_pipeline.ina.switchml.wire import (
+                                            EXP_BIAS,
+                                            EXP_MAX,
+                                            EXP_MIN,
+                                            MAX_ITEMS,
+                                            SHM_FLAG,
+                                            SML_FIELDS,
+                                            SML_HEADER_BYTES,
+                                            WIRE_HEADER,
+                                            SMLFormat,
+                                            SMLPacket,
+)
 from atp_pipeline.ina.switchml.worker import SMLWorker, SMLWorkerStats
 
 __all__ = ["DecodeError", "EXP_BIAS", "EXP_MAX", "EXP_MIN", "MAX_ITEMS", "Result", "SHM_FLAG", "SML_FIELDS",

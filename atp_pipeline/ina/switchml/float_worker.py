@@ -21,8 +21,18 @@ import numpy as np
 from atp_pipeline.ina.packet import DecodeError
 from atp_pipeline.ina.quant import lane_limit
 from atp_pipeline.ina.switchml.ranges import run_of, runs
-from atp_pipeline.ina.switchml.wire import (EXP_BIAS, EXP_MAX, EXP_MIN, IN_SHM, MAX_ITEMS, NO_LANES, SHM_FLAG,
-                                            WIRE_HEADER, SMLFormat, SMLPacket)
+from atp_pipeline.ina.switchml.wire import (
+    EXP_BIAS,
+    EXP_MAX,
+    EXP_MIN,
+    IN_SHM,
+    MAX_ITEMS,
+    NO_LANES,
+    SHM_FLAG,
+    WIRE_HEADER,
+    SMLFormat,
+    SMLPacket,
+)
 from atp_pipeline.ina.switchml.worker import SMLWorker
 
 #: values a worker scales and rounds per step (256 KiB of float32: in L2; smaller blocks cost more numpy

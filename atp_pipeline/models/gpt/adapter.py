@@ -8,8 +8,8 @@ from torch import nn
 
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
 from atp_pipeline.models.gpt.model import GPT, GPTConfig
-from atp_pipeline.models.gpt.sbp import sbp_linears
 from atp_pipeline.models.gpt.parallel import gpt_plan
+from atp_pipeline.models.gpt.sbp import sbp_linears
 from atp_pipeline.planning.shape import ModelShape
 
 

@@ -33,8 +33,15 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.gpt.model import GPT, MLP, Attention, AttentionCore, Block
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import comm_for
-from atp_pipeline.parallel.styles import (AttentionHeads, ColumnFirst, EmbeddingStyle, LayerNormStyle, ParallelStyle,
-                                          RowFirst, VocabLoss)
+from atp_pipeline.parallel.styles import (
+    AttentionHeads,
+    ColumnFirst,
+    EmbeddingStyle,
+    LayerNormStyle,
+    ParallelStyle,
+    RowFirst,
+    VocabLoss,
+)
 
 
 def check_mesh_fits(heads: int, hidden: int, vocab: int, ffn_mult: int, d1: int, d2: int, what: str = "model") -> None:

@@ -39,14 +39,13 @@ from atp_pipeline.models.hf.declared import NORM
 from atp_pipeline.models.hf.layout import derive
 from atp_pipeline.models.hf.linears import register_conv1d
 from atp_pipeline.models.hf.spec import AttentionSpec, Layout
+from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
 from atp_pipeline.models.hf.whole import is_unit, whole_fields
 from atp_pipeline.parallel.apply import match_plan
 from atp_pipeline.parallel.fsdp import block_units
-from atp_pipeline.models.hf.weights import export_pretrained, safetensors_reader
 from atp_pipeline.parallel.materialize import parameters_on_meta
 from atp_pipeline.parallel.vocab import VocabParallelCausalLMLoss
 from atp_pipeline.planning.shape import ModelShape
-
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,30 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.hf import mla
-from atp_pipeline.models.hf.declared import (ATTENTION, COLUMN_KINDS, ROW_KINDS, WHOLE_KINDS, Linears, Scope,
-                                             attention_modules, first, pattern)
+from atp_pipeline.models.hf.declared import (
+    ATTENTION,
+    COLUMN_KINDS,
+    ROW_KINDS,
+    WHOLE_KINDS,
+    Linears,
+    Scope,
+    attention_modules,
+    first,
+    pattern,
+)
 from atp_pipeline.models.hf.linears import cut_features, is_linear
-from atp_pipeline.models.hf.probe import (calls_interface, capture, head_biases, probe_fused, read_by_core,
-                                          run_eval, runs_on_head_blocks)
+from atp_pipeline.models.hf.probe import (
+    calls_interface,
+    capture,
+    head_biases,
+    probe_fused,
+    read_by_core,
+    run_eval,
+    runs_on_head_blocks,
+)
 from atp_pipeline.models.hf.spec import AttentionSpec, Layout
 from atp_pipeline.models.hf.whole import is_unit
 from atp_pipeline.parallel.linear import as_linear
-
 
 ROLE = {"q": re.compile(r"(^|_)(q|query)(_|$)|^wq$", re.IGNORECASE),
         "k": re.compile(r"(^|_)(k|key)(_|$)|^wk$", re.IGNORECASE),

@@ -46,9 +46,22 @@ from torch import nn
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.models.hf.attention_spec import lay_out_attentions
-from atp_pipeline.models.hf.declared import (BY_HAND, LOCAL, NORM, PER_HEAD, Linears, Scope, attention_modules,
-                                             declared_plan, first, head_counts, inspect_linears, pattern,
-                                             read_declared, text_config)
+from atp_pipeline.models.hf.declared import (
+    BY_HAND,
+    LOCAL,
+    NORM,
+    PER_HEAD,
+    Linears,
+    Scope,
+    attention_modules,
+    declared_plan,
+    first,
+    head_counts,
+    inspect_linears,
+    pattern,
+    read_declared,
+    text_config,
+)
 from atp_pipeline.models.hf.linears import register_conv1d, register_plain_linears
 from atp_pipeline.models.hf.mlp import experts_shown, lay_out_experts, lay_out_mlps, whole_between
 from atp_pipeline.models.hf.spec import Layout
