@@ -115,7 +115,8 @@ def _shrink(config: Any, cover: bool = False) -> None:
         d.update({k: 16 for k in ("mamba_d_state", "mamba_chunk_size") if isinstance(d.get(k), int)})
         if isinstance(d.get("mamba_d_ssm"), int):  # the expanded width, where a config gives it
             d["mamba_d_ssm"] = d["mamba_expand"] * TINY["hidden"]
-    for heads, size, expand in (("num_heads", "head_dim", "expand"), ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
+    for heads, size, expand in (("num_heads", "head_dim", "expand"),
+                                ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
         if all(isinstance(d.get(k), int) for k in (heads, size, expand)) and \
                 any(k in d for k in ("state_size", "mamba_d_state")):  # a Mamba-2 mixer's heads, as above
             d[size] = d[expand] * TINY["hidden"] // d[heads]
@@ -333,8 +334,10 @@ def check_type(model_type: str, meshes: Tuple[Tuple[int, int], ...] = MESHES) ->
                     "missing": missing[:3], "counted": counted, "local_params": sum(local.values())}
         worst[f"{d1}x{d2}"] = mesh_row
         if missing or not (loss_rel <= tol and grad_rel <= tol):
-            return {**row, "result": "wrong", "reason": f"{d1}x{d2}: loss {loss_rel:.1e}, grad {grad_rel:.1e} "
-                                                        f"({mesh_row['worst']}){' missing ' + str(missing[:3]) if missing else ''}",
+            return {**row, "result": "wrong",
+                    "reason": f"{d1}x{d2}: loss {loss_rel:.1e}, grad {grad_rel:.1e} "
+                              f"({mesh_row['worst']})"
+                              f"{' missing ' + str(missing[:3]) if missing else ''}",
                     "meshes": worst}
     return {**row, "result": "exact", "tolerance": tol, "meshes": worst,
             "max_rel": max(max(m["loss_rel"], m["grad_rel"]) for m in worst.values()),

@@ -386,7 +386,8 @@ def cc_on_off(forward: float = 0.5, workers: int = 8, rounds: int = 6, model: st
         res = run(_rack(), [spec], setup=lambda fab: pin_aggregators(fab, forward))
         j = res.jobs[0]
         ps_link = res.link(f"tor0->h{workers}")
-        rows.append(dict(cc=cc, recovery=recovery, rto_us=rto * 1e6, forwarding_rate=res.forwarding_rate(), gbps_per_worker=j.throughput_gbps(skip=1),
+        rows.append(dict(cc=cc, recovery=recovery, rto_us=rto * 1e6, forwarding_rate=res.forwarding_rate(),
+                         gbps_per_worker=j.throughput_gbps(skip=1),
                          iters_per_s=j.iterations_per_s(), exact=bool(j.finished and j.mismatches == 0),
                          ps_link_drops=ps_link.drops, retransmits=j.worker_stats()["retransmits"],
                          timeouts=j.worker_stats()["timeouts"],
@@ -441,7 +442,8 @@ def background(workers: int = 6, rounds: int = 12, bin_s: float = 20e-6, flows: 
 
     spec = AtpJobSpec(job=1, worker_hosts=list(range(workers)), ps_hosts=[workers], rounds=rounds,
                       timeline_bin=bin_s, tensor_elems=62 * 2048, compute_time=0.0)
-    bgs = [BulkFlowSpec(flow=i, src=workers + 1 + i, dst=0, start=bg_start, stop=bg_stop, bin=bin_s) for i in range(flows)]
+    bgs = [BulkFlowSpec(flow=i, src=workers + 1 + i, dst=0, start=bg_start, stop=bg_stop, bin=bin_s)
+           for i in range(flows)]
     res = run(_rack(), [spec], background=bgs)
     j = res.jobs[0]
     end = j.t_finish

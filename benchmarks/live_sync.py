@@ -176,7 +176,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"world": a.world, "model": a.model, "params": n, "gradient_bytes": 4 * n, "steps": a.steps,
-           "repeats": a.repeats, "pool": pools if len(pools) > 1 else pools[0], "command": "python -m benchmarks.live_sync " + " ".join(
+           "repeats": a.repeats, "pool": pools if len(pools) > 1 else pools[0],
+           "command": "python -m benchmarks.live_sync " + " ".join(
                argv if argv is not None else __import__("sys").argv[1:]), "rows": table}
     (out / "live_sync.json").write_text(json.dumps(doc, indent=2) + "\n")
     with (out / "live_sync.csv").open("w", newline="") as f:

@@ -222,7 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     native = next((r["step_s_median"] for r in rows if r["impl"] == "native-tp"), None)
     for r in rows:
         if r["impl"] == "atp" and topo is not None:
-            r["predicted_t_comm_s"] = evaluate(topo, summary, tuple(r["mesh"]), CostModel.runtime).t_comm_s * args.slowdown
+            r["predicted_t_comm_s"] = (evaluate(topo, summary, tuple(r["mesh"]), CostModel.runtime).t_comm_s
+                                       * args.slowdown)
         if native:
             r["ratio_to_native_tp"] = r["step_s_median"] / native
         twin = next((f for f in rows if f["impl"] == "fused" and f["mesh"] == r["mesh"] and f["chunks"] == r["chunks"]),
@@ -232,8 +233,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.model}{'' if args.family == 'gpt' else '_' + args.family}_b{mcfg.batch_size}_w{args.world}" + (f"_emu-{args.emulate}-x{args.slowdown:g}" if topo else "")
-    meta = {"model": args.model, "family": args.family, "batch": mcfg.batch_size, "world": args.world, "emulated": topo is not None,
+    tag = (f"{args.model}{'' if args.family == 'gpt' else '_' + args.family}_b{mcfg.batch_size}_w{args.world}"
+           + (f"_emu-{args.emulate}-x{args.slowdown:g}" if topo else ""))
+    meta = {"model": args.model, "family": args.family, "batch": mcfg.batch_size, "world": args.world,
+            "emulated": topo is not None,
             "topology": args.emulate, "slowdown": args.slowdown if topo else None,
             "torch": torch.__version__, "wall_s": time.perf_counter() - t0}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=list) + "\n")

@@ -159,7 +159,8 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
             grads = dense_tensors(model, grad=True)
             floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
             err = {n: _rel(grads[n], ref_grads[n], floor) for n in ref_grads if n in grads}
-            out.append({"family": family, "mesh": (d1, d2), "chunks": chunks, "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
+            out.append({"family": family, "mesh": (d1, d2), "chunks": chunks,
+                        "loss_rel": abs(loss.item() - ref.item()) / abs(ref.item()),
                         "grad_rel": max(err.values()), "worst": max(err, key=err.get),
                         "same_params": sorted(grads) == sorted(ref_grads), "applied": len(applied),
                         "counted": {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()},

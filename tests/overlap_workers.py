@@ -103,7 +103,8 @@ def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tupl
     from atp_pipeline.parallel.mesh import init_mesh
 
     data = _data()
-    out: List[Dict[str, Any]] = [{"model": "fan_in_unused_reader", "mesh": m, "grad_rel": fan_in_with_an_unused_reader(m)}
+    out: List[Dict[str, Any]] = [{"model": "fan_in_unused_reader", "mesh": m,
+                                  "grad_rel": fan_in_with_an_unused_reader(m)}
                                  for m in meshes + [(4, 1)]]
     for name in models:
         dense64 = _model(name, torch.float64)

@@ -155,7 +155,8 @@ def test_fsdp_memory_estimate_divides_the_state_over_dp(compose_cfg):
     assert resolve(compose_cfg(*big, "mesh.fsdp=true")).memory.total_bytes < 80e9
     # and the mesh search's feasibility: no mesh of the replica's 4 devices fits without it
     auto = ("stage=plan", "topology=ic4", "model=m4", "model.layers=24", "mesh.dp=4", "planner.plot=false")
-    with pytest.raises(ConfigError, match="no 2D mesh of 4 devices can run model 'm4'; the least memory: model 'm4' needs ~"):
+    with pytest.raises(ConfigError,
+                       match="no 2D mesh of 4 devices can run model 'm4'; the least memory: model 'm4' needs ~"):
         resolve(compose_cfg(*auto))
     plan = resolve(compose_cfg(*auto, "mesh.fsdp=true")).plan
     assert all(c.infeasible is None for c in plan.candidates), [c.infeasible for c in plan.candidates]

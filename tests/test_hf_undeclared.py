@@ -53,7 +53,8 @@ def test_a_norm_over_the_whole_intermediate_runs_whole_between_gathered_linears(
     (a sub-norm over all heads before o_proj) is read whole."""
     plan = _plan("bitnet")
     assert plan["model.layers.*.mlp.ffn_sub_norm"] == "gathered"
-    assert "output=full" in plan["model.layers.*.mlp.gate_proj"] and "input=full" in plan["model.layers.*.mlp.down_proj"]
+    assert "output=full" in plan["model.layers.*.mlp.gate_proj"]
+    assert "input=full" in plan["model.layers.*.mlp.down_proj"]
     assert "whole=true" in plan["model.layers.*.self_attn"]
 
 

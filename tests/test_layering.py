@@ -240,7 +240,8 @@ _BAD = load_sources({  # a synthetic package that breaks every rule (and has all
     "atp_pipeline/planning/__init__.py": "from ..parallel import mesh\n",
     "atp_pipeline/planning/cost.py": "if TYPE_CHECKING:\n    import torch.distributed as dist\n"
                                      "def f():\n    importlib.import_module('atp_pipeline.models.gpt')\n",
-    "atp_pipeline/parallel/mesh.py": "from atp_pipeline import planning\nimport pytorch_lightning\nimport hydra.utils\n",
+    "atp_pipeline/parallel/mesh.py": "from atp_pipeline import planning\nimport pytorch_lightning\n"
+                                     "import hydra.utils\n",
     "atp_pipeline/parallel/x.py": 'def f(n_gpt: int):\n    """A GPT docstring is fine."""\n    return "GPT-2"\n',
     "atp_pipeline/parallel/gpt.py": "",
     "atp_pipeline/config/schema.py": "import hydra\ndef register():\n    from hydra.core import config_store\n",

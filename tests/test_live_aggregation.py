@@ -226,7 +226,8 @@ def test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing():
     for key in bmv2:  # both levels run the compiled program: its own counters (job_complete per level)
         st, m = r0[key + "_stats"], r0[key + "_metrics"]
         assert len(r0[key + "_simple_switch"]) == 3  # the ⑦ flush clone session at the second level only
-        assert [int(s) for s in st["switch"]["clone_sessions"]] == [1] and all(not r["clone_sessions"] for r in st["racks"])
+        assert [int(s) for s in st["switch"]["clone_sessions"]] == [1]
+        assert all(not r["clone_sessions"] for r in st["racks"])
         assert {j["level"] for j in st["switch"]["jobs"].values()} == {2}
         assert all(s["switch"]["malformed"] == s["switch"]["unknown_job"] == 0 for s in [st["switch"], *st["racks"]])
         assert min(m["atp_level1_frac"], m["atp_level2_frac"]) > (0.3 if "lossy" in key else 0.8), (key, m)
@@ -429,7 +430,8 @@ def test_strategy_in_plain_lightning_code_one_job_per_tensor_parallel_coordinate
         trainer.fit(module, datamodule=TokenDataModule("corpus", cfg.seq_len, batch_size=8))
         import sys
         sys.stdout.write(f"RESULT rank={trainer.global_rank} mesh={strategy.mesh_shape} jobs={strategy.atp_jobs} "
-                         f"freed={strategy.atp_freed_at_teardown} loss={float(trainer.callback_metrics['loss']):.6f}\\n")
+                         f"freed={strategy.atp_freed_at_teardown} "
+                         f"loss={float(trainer.callback_metrics['loss']):.6f}\\n")
         sys.stdout.flush()  # one write per rank: the ranks share the pipe
     """))
     before = set(_live_role_pids())
@@ -627,11 +629,14 @@ def test_mode_knobs_and_racks_bad_values_are_one_line(compose_cfg):
 
     assert err("aggregation=atp", "aggregation.racks=3").startswith(
         "aggregation.racks=3 must divide the 4 data-parallel workers")
-    assert err("aggregation=switchml", "aggregation.racks=2") == "aggregation.racks=2 applies to aggregation=atp, not switchml"
+    assert err("aggregation=switchml", "aggregation.racks=2") == (
+        "aggregation.racks=2 applies to aggregation=atp, not switchml")
     assert err("aggregation=ps", "aggregation.racks=2") == "aggregation.racks=2 applies to aggregation=atp, not ps"
     assert err("aggregation=ring", "aggregation.racks=2", dp=1).endswith("not ring")
-    assert err("aggregation=atp", "aggregation.pool=128") == "aggregation.pool=128 applies to aggregation=switchml, not atp"
-    assert err("aggregation=atp", "aggregation.transport=shm") == "aggregation.transport=shm applies to aggregation=switchml, not atp"
+    assert err("aggregation=atp", "aggregation.pool=128") == (
+        "aggregation.pool=128 applies to aggregation=switchml, not atp")
+    assert err("aggregation=atp", "aggregation.transport=shm") == (
+        "aggregation.transport=shm applies to aggregation=switchml, not atp")
     for knob in ("aggregation.aggregators=1024", "aggregation.n_ps=2", "aggregation.duplicate=0.01",
                  "aggregation.switch=127.0.0.1:1"):
         assert err("aggregation=switchml", knob).endswith("not switchml"), knob

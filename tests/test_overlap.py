@@ -3,8 +3,8 @@ built-in GPT), ``llama_tiny`` (4 key/value heads), ``llama_tiny`` with 2 key/val
 ``gpt2_tiny`` (Conv1D, fused q|k|v, tied head), each laid out by its adapter's plan with its
 blocks run in 2 and 4 chunks on 2x2 and 1x4 (4 gloo processes, one launch): one float64
 step's every gradient within 1e-9 of one process (relative to the gradient's magnitude), and
-at 4 chunks (one sample a chunk) 20 float32 SGD losses within 1e-5. Unit tests of the wavefront: results, turn order, errors,
-and the chunked backward."""
+at 4 chunks (one sample a chunk) 20 float32 SGD losses within 1e-5. Unit tests of the
+wavefront: results, turn order, errors, and the chunked backward."""
 
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ def test_fsdp_default_collectives_the_counted_ones_subclass():
     from torch.distributed.fsdp import FSDPModule
 
     assert callable(getattr(FSDPModule, "set_custom_all_gather", None)) and \
-        callable(getattr(FSDPModule, "set_custom_reduce_scatter", None)), f"{api}: FSDP2's custom-collective seam is gone"
+        callable(getattr(FSDPModule, "set_custom_reduce_scatter", None)), \
+        f"{api}: FSDP2's custom-collective seam is gone"
 
 
 def test_module_parameters_dict_holds_what_forward_reads():

@@ -311,7 +311,8 @@ def test_direct_edge_skips_the_row_layout() -> None:
     assert pair.cost[i1, j1] == pytest.approx(2 * ab.cost(Collective.all_reduce, 4, 32 * 16 * 4, 1))
     # data parallel then column: through rows (fc1's output side + fc2's input side)
     i2, j2 = pr.vars[0].strategies.index(dp), pr.vars[1].strategies.index(col)
-    rows = sum(t[4] * ab.cost(t[0], t[1], t[3], t[2]) for t in row_out_terms(fc1, dp, 4, 4) + row_in_terms(fc2, col, 4, 4))
+    rows = sum(t[4] * ab.cost(t[0], t[1], t[3], t[2])
+               for t in row_out_terms(fc1, dp, 4, 4) + row_in_terms(fc2, col, 4, 4))
     assert pair.cost[i2, j2] == pytest.approx(rows) and rows > 0
     # 3-D that lines up: fc1 (m stride 2, n stride 1) -> fc2 (n stride 2, m stride 1): all-reduce over fc1's n
     s3, t3 = Strategy(1, 2, 2, ("b", "m", "n")), Strategy(1, 2, 2, ("b", "n", "m"))

@@ -64,14 +64,14 @@ def test_world_size_and_unit_sizes():
 def test_restrict_to_occupied_sub_topology():
     ic4 = Topology.from_config(nodes(4, 4, 25, 200, 600, name="ic4"))
     one_node = ic4.restrict(4)
-    assert [(l.name, l.count) for l in one_node.levels] == [("gpu", 4)]
+    assert [(lvl.name, lvl.count) for lvl in one_node.levels] == [("gpu", 4)]
     assert "first 4 of 16 devices (one 'node')" in one_node.note
     two_nodes = ic4.restrict(8)
-    assert [(l.name, l.count) for l in two_nodes.levels] == [("node", 2), ("gpu", 4)]
+    assert [(lvl.name, lvl.count) for lvl in two_nodes.levels] == [("node", 2), ("gpu", 4)]
     single = ic4.restrict(1)
-    assert single.world_size == 1 and [(l.name, l.count) for l in single.levels] == [("gpu", 1)]
+    assert single.world_size == 1 and [(lvl.name, lvl.count) for lvl in single.levels] == [("gpu", 1)]
     pair = ic4.restrict(2)
-    assert [(l.name, l.count) for l in pair.levels] == [("gpu", 2)]
+    assert [(lvl.name, lvl.count) for lvl in pair.levels] == [("gpu", 2)]
     torus = Topology.from_config(torus2d(4, 4, 25)).restrict(8)
     assert torus.levels[0].p2p.tolist() == [[0, 100], [100, 0]]  # sliced matrix
     with pytest.raises(ConfigError, match="6 devices do not fill whole 'node' units"):

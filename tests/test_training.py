@@ -44,7 +44,7 @@ def test_fewer_devices_plan_on_the_occupied_sub_topology(compose_cfg):
         resolve(cfg)
     cfg = compose_cfg("topology=ic4", "trainer.devices=4", "stage=plan")
     plan = resolve(cfg).plan
-    assert plan.world_size == 4 and [(l.name, l.count) for l in plan.topology.levels] == [("gpu", 4)]
+    assert plan.world_size == 4 and [(lvl.name, lvl.count) for lvl in plan.topology.levels] == [("gpu", 4)]
     assert plan.notes[0] == "4 of 16 devices of 'ic4' are used: planned and run on that sub-topology"
     assert "sub-topology of 'ic4': the first 4 of 16 devices (one 'node')" in plan.to_dict()["notes"]
 
@@ -134,12 +134,15 @@ def test_four_run_sweep_leaves_one_sweep_dir(tmp_path):
 
 BAD_TRAINING_INPUT = [
     (["mesh=3x1"], "error: mesh 3x1 needs 3 devices but topology 'local' has 4"),
-    (["model.heads=2", "model.hidden=64", "mesh=4x1"], "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
+    (["model.heads=2", "model.hidden=64", "mesh=4x1"],
+     "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
     (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
-    (["topology=ic4", "model=m4", "model.layers=96"], "error: no 2D mesh of 16 devices can run model 'm4'; the least memory: model 'm4' needs ~"),
+    (["topology=ic4", "model=m4", "model.layers=96"],
+     "error: no 2D mesh of 16 devices can run model 'm4'; the least memory: model 'm4' needs ~"),
     (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
-    (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"], "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
+    (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"],
+     "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),
 ]
 #: the cases that run as ``python train.py`` (the others resolve in this process: the same

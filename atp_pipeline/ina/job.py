@@ -42,7 +42,8 @@ class JobLayout:
         if max(len(g) for g in self.groups) > self.bitmap_bits:
             raise ConfigError(f"job {self.job}: a group exceeds the {self.bitmap_bits}-bit bitmap")
         if self.two_level and len(self.groups) > self.bitmap_bits:
-            raise ConfigError(f"job {self.job}: {len(self.groups)} groups exceed the {self.bitmap_bits}-bit level-1 bitmap")
+            raise ConfigError(f"job {self.job}: {len(self.groups)} groups exceed the "
+                              f"{self.bitmap_bits}-bit level-1 bitmap")
         if not 1 <= self.n_ps <= 4:
             raise ConfigError(f"job {self.job}: n_ps={self.n_ps} must be 1..4 (2-bit ps_index)")
         if self.group_start_edge is None:

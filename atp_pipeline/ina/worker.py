@@ -106,7 +106,8 @@ class Worker:
                      1 << layout.child0[worker_id], 1 << g, layout.group_start_edge[g])
         self.stats = WorkerStats()
         c = self.cfg
-        self.wnd = float(c.initial_window_pkts * self.pkt_bytes) if c.cc else float(c.fixed_window_pkts * self.pkt_bytes)
+        self.wnd = (float(c.initial_window_pkts * self.pkt_bytes) if c.cc
+                    else float(c.fixed_window_pkts * self.pkt_bytes))
         self.ssthresh = c.ssthresh
         self._cc, self._mtu, self._max_wnd = c.cc, c.mtu, c.max_window_bytes
         self._job, self._rto, self._dupthresh = layout.job, c.rto, c.dupack_threshold

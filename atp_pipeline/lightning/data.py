@@ -110,7 +110,8 @@ class TokenDataMixin:
             raise ConfigError(f"global batch {self.batch_size} does not split over {replicas} data-parallel replicas")
         trainer = self.trainer
         step = trainer.global_step if trainer else 0
-        steps = max(step + 1, trainer.max_steps if trainer and trainer.max_steps > 0 else 10_000)  # one "epoch" = the run
+        # one "epoch" = the run
+        steps = max(step + 1, trainer.max_steps if trainer and trainer.max_steps > 0 else 10_000)
         length = steps * self.batch_size
         if self.source == "corpus":
             ds: Dataset = CorpusWindows(self.path, self.seq_len, self.seed, 0, length)

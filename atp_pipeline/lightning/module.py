@@ -1,8 +1,8 @@
 """``LMModule``: a LightningModule for any causal LM (no parallelism here).
 
 ``model(idx, targets)`` must return the mean cross-entropy (a tensor, or an output object
-with ``.loss``), unless ``loss`` says how to call it (a model family's ``lm_loss``). The model is given built, or as a factory
-called under ``seed`` so every rank builds the same initial weights.
+with ``.loss``), unless ``loss`` says how to call it (a model family's ``lm_loss``). The model
+is given built, or as a factory called under ``seed`` so every rank builds the same initial weights.
 """
 
 from __future__ import annotations

@@ -290,7 +290,8 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             ax2.bar(labels, expo, bottom=comp, color=colors)
             for i, c in enumerate(plan.candidates):
                 if c.step is not None:
-                    txt = f"{c.step.tokens_per_s:,.0f} tok/s" + ("" if c.step.mfu is None else f"\n{c.step.mfu:.0%} MFU")
+                    txt = (f"{c.step.tokens_per_s:,.0f} tok/s"
+                           + ("" if c.step.mfu is None else f"\n{c.step.mfu:.0%} MFU"))
                     ax2.text(i, comp[i] + expo[i], txt, ha="center", va="bottom", fontsize=6)
             ax2.set_xlabel("DeviceMesh(d1, d2)")
             ax2.set_ylabel("predicted step (ms)")

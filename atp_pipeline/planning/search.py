@@ -47,8 +47,9 @@ def candidate_meshes(n: int) -> List[Mesh]:
 def mesh_infeasibility(model: ModelShape, mesh: Mesh, topo: Optional[Topology] = None,
                        setting: Optional[StepSetting] = None) -> Optional[str]:
     """Why the runtime cannot run ``model`` on ``mesh`` (None if it can): ATP's layout must
-    split it (:func:`~atp_pipeline.planning.shape.layout_infeasibility`), and with ``topo``'s device memory known, the per-device estimate of
-    ``setting``'s dp replicas (sharded by FSDP when it says so) must fit it."""
+    split it (:func:`~atp_pipeline.planning.shape.layout_infeasibility`), and with ``topo``'s
+    device memory known, the per-device estimate of ``setting``'s dp replicas (sharded by FSDP
+    when it says so) must fit it."""
     why = layout_infeasibility(model, *mesh)
     if why or topo is None:
         return why

@@ -81,7 +81,8 @@ class LatentShape:
         the shared features), the per-head expansions, the output projection."""
         q, kv = heads * self.qk_head_dim, heads * (self.qk_head_dim - self.shared + self.v_head_dim)
         queries = self.q_latent * (hidden + q) if self.q_latent else hidden * q
-        return queries + hidden * (self.kv_latent + self.shared) + self.kv_latent * kv + heads * self.v_head_dim * hidden
+        return (queries + hidden * (self.kv_latent + self.shared) + self.kv_latent * kv
+                + heads * self.v_head_dim * hidden)
 
     def whole_weights(self, hidden: int) -> int:
         """Of :meth:`weights`, the projections of the hidden into the latents: run whole, on
@@ -170,7 +171,8 @@ class ModelShape:
         if self.mlp_layout not in ("split", "whole"):
             raise ValueError(f"model '{self.name}': mlp_layout must be split or whole, got {self.mlp_layout!r}")
         if self.norm_layout not in NORM_LAYOUTS:
-            raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
+            raise ValueError(f"model '{self.name}': norm_layout must be one of {NORM_LAYOUTS}, "
+                             f"got {self.norm_layout!r}")
         if self.head_layout not in HEAD_LAYOUTS or (self.head_layout not in ("vocab_split", "whole")
                                                      and (self.head_layout == "tied") != self.tied_embeddings):
             raise ValueError(f"model '{self.name}': head_layout must be one of {HEAD_LAYOUTS} ('tied' exactly when "
@@ -247,7 +249,8 @@ class ModelShape:
         the hidden (:attr:`latent_whole_weights`)."""
         routed = self.moe.layers if self.moe is not None else 0
         unsplit_mlps = max(self.layers - routed - self.dense_mlp_layers, 0)
-        return (self.layers * self.weights_per_layer - (self.layers - self.split_attention_layers) * self.attention_weights
+        return (self.layers * self.weights_per_layer
+                - (self.layers - self.split_attention_layers) * self.attention_weights
                 - unsplit_mlps * self.ffn_matrices * self.hidden * self.ffn - self.latent_whole_weights)
 
     @property
@@ -352,12 +355,14 @@ def layout_infeasibility(shape: ModelShape, d1: int, d2: int) -> Optional[str]:
         return (f"{shape.heads} heads of model '{shape.name}' do not split over d1*d2 = "
                 f"{d1}x{d2} = {d1 * d2} devices")
     if shape.hidden % d2 or shape.hidden % d1 or shape.ffn % d1:
-        return f"hidden {shape.hidden} (FFN {shape.ffn}) of model '{shape.name}' does not split over d1={d1} and d2={d2}"
+        return (f"hidden {shape.hidden} (FFN {shape.ffn}) of model '{shape.name}' does not split over "
+                f"d1={d1} and d2={d2}")
     if shape.moe is not None and shape.moe.ffn % d1:
         return f"experts' intermediate {shape.moe.ffn} of model '{shape.name}' does not split over d1={d1}"
     if shape.kv_heads % d1 and d1 % shape.kv_heads:
         return (f"{shape.kv_heads} key/value heads of model '{shape.name}' neither split over nor "
                 f"replicate evenly across d1={d1}")
     if shape.vocab_size % d1 and shape.head_layout != "tied":
-        return f"vocabulary {shape.vocab_size} of model '{shape.name}' is not divisible by d1={d1} (vocab-parallel head)"
+        return (f"vocabulary {shape.vocab_size} of model '{shape.name}' is not divisible by d1={d1} "
+                "(vocab-parallel head)")
     return None

@@ -71,7 +71,8 @@ def wait_quiet(max_s: float = 60.0, threshold: float = QUIET_CORES, window_s: fl
             return load
 
 
-def quiet_rounds(wanted: int, retries: int, run_round, threshold: float = QUIET_CORES) -> Tuple[List[object], List[float]]:
+def quiet_rounds(wanted: int, retries: int, run_round,
+                 threshold: float = QUIET_CORES) -> Tuple[List[object], List[float]]:
     """Run ``run_round()`` (every rank, collectively) until ``wanted`` rounds had at most
     ``threshold`` cores of foreign load or ``wanted + retries`` rounds ran (the least loaded
     are then kept); returns the kept rounds' results and their foreign loads."""

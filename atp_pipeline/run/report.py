@@ -55,7 +55,8 @@ def report_plan(spec: RunSpec, out: Path, extra: Optional[Dict[str, Any]] = None
     extra_plan = None if mem is None else {"memory_per_device": {**mem.to_dict(), "fsdp": fsdp}}
     if extra_plan is not None and spec.memory_unsharded is not None:  # the same run without FSDP, beside it
         extra_plan["memory_per_device_without_fsdp"] = spec.memory_unsharded.to_dict()
-    paths, row = write_report(spec.plan, out, plot=spec.config.planner.plot, gradsync=gs, extra_summary=extra, extra_plan=extra_plan)
+    paths, row = write_report(spec.plan, out, plot=spec.config.planner.plot, gradsync=gs, extra_summary=extra,
+                              extra_plan=extra_plan)
     s = spec.shape
     print(f"model shape read: h={s.hidden}, heads={s.heads} (kv {s.kv_heads}, head dim {s.head_dim}), "
           f"FFN {s.ffn}{' gated' if s.gated else ''}, {s.norm}, vocab {s.vocab_size}, L={s.layers}, "

@@ -135,8 +135,10 @@ def needed_devices(cfg: Any) -> Optional[int]:
 LIVE_MODES = (AggregationMode.atp, AggregationMode.ps, AggregationMode.switchml)
 #: knobs that only one group of modes reads; given to another mode they are refused
 MODE_KNOBS = {"racks": (AggregationMode.atp,), "aggregators": (AggregationMode.atp,),
-              "pool": (AggregationMode.switchml,), "transport": (AggregationMode.switchml,), "n_ps": (AggregationMode.atp, AggregationMode.ps),
-              "duplicate": (AggregationMode.atp, AggregationMode.ps), "switch": (AggregationMode.atp, AggregationMode.ps)}
+              "pool": (AggregationMode.switchml,), "transport": (AggregationMode.switchml,),
+              "n_ps": (AggregationMode.atp, AggregationMode.ps),
+              "duplicate": (AggregationMode.atp, AggregationMode.ps),
+              "switch": (AggregationMode.atp, AggregationMode.ps)}
 
 
 def check_aggregation(agg: Any, dp: int) -> AggregationConfig:

@@ -41,7 +41,8 @@ def quiet_lightning() -> None:
     Lightning's own use of ``LeafSpec`` (``pytorch_lightning/utilities/_pytree.py``). Our
     warnings and Lightning's other messages stay."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"(pytorch_lightning|lightning\.pytorch)\.utilities\._pytree")
+                            category=FutureWarning,
+                            module=r"(pytorch_lightning|lightning\.pytorch)\.utilities\._pytree")
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
                  "lightning_fabric.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         log = logging.getLogger(name)

@@ -33,8 +33,10 @@ def operations(plan: Dict[str, Any], switch: str) -> List[str]:
     """Human-readable list of what will be installed on ``switch`` (also the dry-run output)."""
     sw = next((s for s in plan["switches"] if s["name"] == switch), None)
     if sw is None:
-        raise SystemExit(f"error: no switch '{switch}' in the plan (have: {', '.join(s['name'] for s in plan['switches'])})")
-    ops = [f"table {t['control']}.{t['table']} {t['match']} -> {t['control']}.{t['action']}{t['params']}" for t in sw["tables"]]
+        raise SystemExit(f"error: no switch '{switch}' in the plan "
+                         f"(have: {', '.join(s['name'] for s in plan['switches'])})")
+    ops = [f"table {t['control']}.{t['table']} {t['match']} -> {t['control']}.{t['action']}{t['params']}"
+           for t in sw["tables"]]
     ops += [f"multicast group {m['group']} (job {m['job']}) ports {m['ports']}" for m in sw["multicast"]]
     ops += [f"clone session {c['session']} -> port {c['port']} ({c['why']})" for c in sw["clone_sessions"]]
     ops += [f"register_write {r['control']}.{r['register']} {r['index']} {r['value']}" for r in sw["registers"]]
@@ -67,7 +69,8 @@ def install(plan: Dict[str, Any], switch: str, args: argparse.Namespace) -> None
             sh.CloneSessionEntry(c["session"]).add(c["port"], 0).insert()
     finally:
         sh.teardown()
-    cmds = "".join(f"register_write {r['control']}.{r['register']} {r['index']} {r['value']}\n" for r in sw["registers"])
+    cmds = "".join(f"register_write {r['control']}.{r['register']} {r['index']} {r['value']}\n"
+                   for r in sw["registers"])
     r = subprocess.run(["simple_switch_CLI", "--thrift-port", str(args.thrift_port)], input=cmds,
                        capture_output=True, text=True)
     if r.returncode != 0 or "Error" in r.stdout:

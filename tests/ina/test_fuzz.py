@@ -61,7 +61,8 @@ def _feed(sw, ps, wk, buf):
 
 def _counts(sw, ps, wk):
     P, W = ps.stats, wk.stats
-    return (sw.stats.packets(), P.gradients + P.unknown_job + P.malformed, W.acks + W.dup_acks + W.unknown_job + W.malformed)
+    return (sw.stats.packets(), P.gradients + P.unknown_job + P.malformed,
+            W.acks + W.dup_acks + W.unknown_job + W.malformed)
 
 
 mutations = st.one_of(
@@ -70,7 +71,8 @@ mutations = st.one_of(
         lambda t: ("truncated", VALID[t[0]][: t[1]])),
     st.tuples(st.sampled_from(range(len(VALID))), st.binary(min_size=1, max_size=64)).map(
         lambda t: ("oversized", VALID[t[0]] + t[1])),
-    st.tuples(st.sampled_from(range(len(VALID))), st.lists(st.integers(0, FMT.atp_bytes * 8 - 1), min_size=1, max_size=8)).map(
+    st.tuples(st.sampled_from(range(len(VALID))),
+              st.lists(st.integers(0, FMT.atp_bytes * 8 - 1), min_size=1, max_size=8)).map(
         lambda t: ("bitflip", bytes(_flip(VALID[t[0]], t[1])))),
 )
 

@@ -60,8 +60,10 @@ def test_group_aggregates_and_partial_flushes_combine():
 def test_partial_overlap_is_dropped_and_later_resolved():
     L = racks_layout(1, [3], worker_hosts=[1, 2, 3], ps_hosts=[20], mcast_addr=MC)
     s = ps(L)
-    mk = lambda bm, v: FMT.packet(job=1, worker_id=0, fan_in0=3, bitmap0=bm, bitmap1=1,
-                                  payload=np.full(K, v, dtype=np.int32))
+    def mk(bm, v):
+        return FMT.packet(job=1, worker_id=0, fan_in0=3, bitmap0=bm, bitmap1=1,
+                          payload=np.full(K, v, dtype=np.int32))
+
     s.on_packet(mk(0b011, 3))
     assert s.on_packet(mk(0b110, 5)) == [] and s.stats.overlaps == 1
     out = s.on_packet(mk(0b100, 4))

@@ -161,9 +161,10 @@ def _state(js: SMLSwitchJob) -> tuple:
 def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
     """``SMLSwitch.batch`` decides large batches with array operations and
     falls back to its per-packet loop where one packet's decision depends on another's, and sums
-    in two threads (the live role's): on random batches — retransmissions, stale versions, duplicates, exponent-only and lane
-    packets, unknown slots and workers, UDP payloads and shared lanes — the results, the state
-    and the registers equal those of the same packets sent one at a time."""
+    in two threads (the live role's): on random batches — retransmissions, stale versions,
+    duplicates, exponent-only and lane packets, unknown slots and workers, UDP payloads and
+    shared lanes — the results, the state and the registers equal those of the same packets
+    sent one at a time."""
     monkeypatch.setattr(sml_switch, "ARRAY_MIN", 2)
     rng = np.random.default_rng(11)
     W, pool, k = 3, 4, 8
@@ -182,10 +183,11 @@ def test_switch_array_form_equals_the_per_packet_form(monkeypatch):
             v = int(rng.integers(0, 2))
             cells = [(s, w) for s in range(pool) for w in range(W)]
             pick = rng.permutation(len(cells))[:m]
-            f = dict(job=[1] * len(pick), slot=[cells[i][0] for i in pick], ver=[v] * len(pick), is_result=[0] * len(pick),
-                     worker=[cells[i][1] for i in pick])
+            f = dict(job=[1] * len(pick), slot=[cells[i][0] for i in pick], ver=[v] * len(pick),
+                     is_result=[0] * len(pick), worker=[cells[i][1] for i in pick])
         else:
-            f = dict(job=[1 if rng.random() > 0.03 else 2 for _ in range(m)], slot=rng.integers(0, pool + 1, m).tolist(),
+            f = dict(job=[1 if rng.random() > 0.03 else 2 for _ in range(m)],
+                     slot=rng.integers(0, pool + 1, m).tolist(),
                      ver=rng.integers(0, 2, m).tolist(), is_result=(rng.random(m) < 0.03).astype(int).tolist(),
                      worker=rng.integers(0, W + 1, m).tolist())
         n = len(f["job"])

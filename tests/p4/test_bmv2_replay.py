@@ -182,7 +182,8 @@ def test_missing_extra_and_wrong_port_frames(scenarios):
     assert "MISSING" in m[0].describe() and "port stream ended early" in m[0].describe()
     wrong = {PS_PORT: ideal[PS_PORT], br.INJECT_PORT: ideal[UPLINK]}  # multicast left on port 0
     labels = [(x.label, x.port) for x in br.compare(run.checks, wrong).mismatches]
-    assert labels == [("aggregate_complete_dealloc[2]", UPLINK), ("after aggregate_complete_dealloc[2]", br.INJECT_PORT)]
+    assert labels == [("aggregate_complete_dealloc[2]", UPLINK),
+                      ("after aggregate_complete_dealloc[2]", br.INJECT_PORT)]
     extra = {**ideal, PS_PORT: ideal[PS_PORT] * 2}
     m = br.compare(run.checks, extra).mismatches
     assert len(m) == 1 and m[0].port == PS_PORT and "UNEXPECTED" in m[0].describe()

@@ -5,7 +5,8 @@ payload, exactly the bytes of :meth:`PacketFormat.encode`) and a control server
 (:mod:`.rpc`) for job setup/teardown (§5.1) and statistics. The data plane is one thread
 that hands every datagram to the protocol's transport-free role — the switch emulator
 runs :func:`atp_pipeline.ina.switch.process`, the very function the simulator runs and the
-P4 programs mirror, over each drained batch (:func:`~atp_pipeline.ina.switch.process_batch`); the parameter server runs :class:`~atp_pipeline.ina.ps.ParameterServer`
+P4 programs mirror, over each drained batch (:func:`~atp_pipeline.ina.switch.process_batch`);
+the parameter server runs :class:`~atp_pipeline.ina.ps.ParameterServer`
 — and sends what it returns.
 
 Forwarding replaces the fabric of the simulator. The switch keeps, per job, a route

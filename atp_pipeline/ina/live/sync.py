@@ -88,7 +88,8 @@ class ATPSync:
         jbox: List[Any] = [None, None]
         if me == 0:
             try:
-                job = add_job(services, addrs, pool=cfg.pool if sml else 0, shm=[m[2] for m in members] if shm else None)
+                job = add_job(services, addrs, pool=cfg.pool if sml else 0,
+                              shm=[m[2] for m in members] if shm else None)
                 jbox = [job, call(services.switch.control, "shm", what="switch", job=job) if shm else None]
             except AggregationError as e:
                 jbox = [f"error: {e}", None]
@@ -99,7 +100,8 @@ class ATPSync:
         jobs: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(jobs, jbox[0])
         entry = services.entry(me, len(addrs))  # this worker's rack switch (§4.1), or the switch
-        fmt, kind = (SMLFormat(cfg.payload_k, shm=shm), SMLEngine) if sml else (PacketFormat(cfg.payload_k, views=True), Engine)
+        fmt, kind = ((SMLFormat(cfg.payload_k, shm=shm), SMLEngine) if sml
+                     else (PacketFormat(cfg.payload_k, views=True), Engine))
         # §5.4's window grows by one MTU per ACK in slow start: one packet on hardware, where a
         # packet fills at most an MTU; a live packet may be one 64 KiB loopback datagram, so its
         # window grows by at least a packet per ACK too (1,500 bytes made a window of 8 KiB packets

@@ -211,7 +211,8 @@ def forward_ports(frame: bytes, sw: cp.SwitchPlan, extras: Sequence[cp.TableEntr
     if len(frame) >= 34 and frame[12:14] == b"\x08\x00":
         if atp_field(frame, "is_param") == 1:
             job = atp_field(frame, "job")
-            grp = next((t.params["grp"] for t in tables if t.table == cp.T_ATP_JOB and t.match["hdr.atp.job"] == job), None)
+            grp = next((t.params["grp"] for t in tables
+                        if t.table == cp.T_ATP_JOB and t.match["hdr.atp.job"] == job), None)
             if grp is None:
                 return []
             return sorted(p for m in sw.multicast if m.group == grp for p in m.ports)
@@ -271,7 +272,8 @@ def check_cli_output(commands: Sequence[str], output: str) -> None:
         m = _CLI_ERROR.search(ln.strip())
         if m:
             raise ReplayError(f"simple_switch_CLI: {m.group(1).strip()}")
-    for cmd, said in (("table_add", "Entry has been added with handle"), ("mc_node_create", "node was created with handle")):
+    for cmd, said in (("table_add", "Entry has been added with handle"),
+                      ("mc_node_create", "node was created with handle")):
         n = sum(1 for c in commands if c.split()[0] == cmd)
         got = output.count(said)
         if got != n:
@@ -657,7 +659,8 @@ def replay(scenarios: Sequence[Scenario], json_path: Path, workdir: Path, timeou
                 n_steps += res.checked_steps
                 n_frames += res.checked_frames
                 n_counted += counters is not None
-                status = "ok" if not res.mismatches else f"{len(res.mismatches)} MISMATCH(ES), first at {res.mismatches[0].label}"
+                status = ("ok" if not res.mismatches
+                          else f"{len(res.mismatches)} MISMATCH(ES), first at {res.mismatches[0].label}")
                 if stat_diff:
                     status += "; COUNTERS differ: " + ", ".join(stat_diff)
                 print(f"{run.name:<40} {res.checked_steps:3d} steps {res.checked_frames:3d} frames  {status}", file=out)

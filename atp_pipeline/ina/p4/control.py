@@ -221,7 +221,8 @@ def _aggregation(cfg: Any) -> AggregationConfig:
         raise ConfigError(f"aggregation: {describe_omegaconf(exc)}") from None
     mode = typed.mode
     if mode != AggregationMode.atp:
-        raise ConfigError(f"aggregation.mode is '{getattr(mode, 'value', mode)}': the ATP switch control plane needs mode 'atp'")
+        raise ConfigError(f"aggregation.mode is '{getattr(mode, 'value', mode)}': "
+                          "the ATP switch control plane needs mode 'atp'")
     return typed  # type: ignore[return-value]
 
 
@@ -332,15 +333,18 @@ def compute_plan(topology_cfg: Any, aggregation_cfg: Any, jobs: Sequence[Union[J
         for h in hosts:
             port = h.port if h.rack == sw.rack else uplink
             if h.rack == sw.rack:
-                sw.tables.append(TableEntry(T_IPV4_ROUTE, {"hdr.ipv4.dst_addr": f"{h.ipv4}/32"}, A_SET_PORT, {"port": port}))
+                sw.tables.append(TableEntry(T_IPV4_ROUTE, {"hdr.ipv4.dst_addr": f"{h.ipv4}/32"}, A_SET_PORT,
+                                            {"port": port}))
             sw.tables.append(TableEntry(T_L2_FORWARD, {"hdr.ethernet.dst_addr": h.mac}, A_SET_PORT, {"port": port}))
         for r in range(racks):
             if r != sw.rack:
                 prefix = ipaddress.IPv4Network(f"{hosts[r * per_rack].ipv4}/24", strict=False)
-                sw.tables.append(TableEntry(T_IPV4_ROUTE, {"hdr.ipv4.dst_addr": str(prefix)}, A_SET_PORT, {"port": uplink}))
+                sw.tables.append(TableEntry(T_IPV4_ROUTE, {"hdr.ipv4.dst_addr": str(prefix)}, A_SET_PORT,
+                                            {"port": uplink}))
         sw.registers.append(RegisterWrite(R_ECN_THRESHOLD, 0, thr, control=EGRESS))
         ports = [fabric.first_port + i for i in range(per_rack)] + ([uplink] if has_uplink else [])
-        sw.tna_ecn_threshold = [TableEntry(R_ECN_THRESHOLD, {"eg_md.egress_port": p}, TNA_ECN_ACTION, {"t": thr}, control="Eg")
+        sw.tna_ecn_threshold = [TableEntry(R_ECN_THRESHOLD, {"eg_md.egress_port": p}, TNA_ECN_ACTION, {"t": thr},
+                                           control="Eg")
                                 for p in ports]
         sw.tna_mirror_sessions = [CloneSession(ATP_FLUSH_SESSION, TNA_RECIRC_PORT,
                                                "⑦ flush copy to the recirculation port (second pass)")]
@@ -424,7 +428,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--topology", required=True, help="conf/topology/<name>.yaml")
     ap.add_argument("--aggregation", default="conf/aggregation/atp.yaml",
                     help="aggregation config (default conf/aggregation/atp.yaml, relative to the current directory)")
-    ap.add_argument("--jobs", required=True, help="YAML: {fabric: {...}, jobs: [{job, worker_hosts, ps_hosts, two_level}]}")
+    ap.add_argument("--jobs", required=True,
+                    help="YAML: {fabric: {...}, jobs: [{job, worker_hosts, ps_hosts, two_level}]}")
     ap.add_argument("--out", help="write the plan as JSON here (default: stdout)")
     a = ap.parse_args(argv)
     try:

@@ -18,7 +18,8 @@ re-implemented.
 
 What the layout cannot reproduce exactly is refused with one line naming it (undeclared
 mixture-of-experts layouts, a fused q|k|v of unknown layout, a module with parameters no style
-reaches); a multi-head latent attention is laid out by :mod:`atp_pipeline.models.hf.mla`. Dropout draws per-rank masks (:mod:`atp_pipeline.parallel.rng`).
+reaches); a multi-head latent attention is laid out by :mod:`atp_pipeline.models.hf.mla`.
+Dropout draws per-rank masks (:mod:`atp_pipeline.parallel.rng`).
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ class HFExperts(ParallelStyle):
         module.atp_comm = comm
         if self.per_rank:
             if ctx.root is None or "." not in fqn:
-                raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}(per_rank=...)' needs the enclosing block")
+                raise ConfigError(f"parallel plan: '{fqn}': style '{self.name}(per_rank=...)' "
+                                  "needs the enclosing block")
             block = ctx.root.get_submodule(fqn.rpartition(".")[0])
             for attr in self.per_rank:
                 if getattr(block, attr, None) != hidden:
