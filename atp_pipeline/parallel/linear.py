@@ -38,7 +38,7 @@ LinearView = Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]
 
 def register_linear_kind(cls: type, transposed: bool = False) -> None:
     """Let the ``column``/``row`` styles replace modules of type ``cls`` that hold ``weight``
-    (out x in, or in x out if ``transposed``: GPT-2's ``Conv1D``) and ``bias``."""
+    (out x in, or in x out if ``transposed``: transformers' ``Conv1D``) and ``bias``."""
     _LINEAR_KINDS[cls] = transposed
 
 

@@ -401,7 +401,7 @@ def _partial_on_replicas(placements: Sequence[Placement]) -> Tuple[Placement, ..
 
 
 class SBPRowLinear(nn.Module):
-    """A linear (``nn.Linear``, or a registered transposed kind such as GPT-2's ``Conv1D``)
+    """A linear (``nn.Linear``, or a registered transposed kind such as transformers' ``Conv1D``)
     run as the §4.2.2 matmul of its strategy with input and output in the row layout (see
     the module docstring); same parameter names and values as the dense module, the weight
     a DTensor placed ``W = (B:pb, S1:pm, S0:pn)`` on the plan's mesh, the bias replicated."""

@@ -170,7 +170,7 @@ class MeshPlan:
 
 
 def residual_origin(profile: Any, st: Any) -> str:
-    """Where a prediction's step residual comes from, in words (the residual's form, run 16)."""
+    """Where a prediction's step residual comes from, in words (the residual's form)."""
     sr = getattr(profile, "step_residual", None)
     if sr is not None and sr.form == "cpu":
         return (f"the step from a rank's CPU, {fmt_seconds(st.cpu_s)} predicted, as the calibration's probe steps "

@@ -137,7 +137,7 @@ class ModelShape:
     attention_layers: int = -1  # layers whose attention is split (-1: every layer)
     mlp_layers: int = -1  # layers with a split dense MLP (-1: every layer not routed)
     # the MLP's activation as its code runs: elementwise kernels forward, backward (a composite
-    # activation, e.g. GPT-2's tanh GELU written in Python, runs 8 and 11 where a fused one runs 1 and 1)
+    # activation, e.g. a tanh GELU written in Python, takes 8 kernels and 11 where a fused one takes 1 and 1)
     act_kernels: Tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence
 from atp_pipeline.ina.packet import ATP_APP_TYPE, ATP_UDP_PORT, DEFAULT_BITMAP_BITS, DEFAULT_K, PacketFormat
 from atp_pipeline.ina.switch import FLAG_ECN, FLAG_OVF, SwitchStats, check_pool_size
 
-# Aggregators per lane register: 2^15, the power of two nearest the authors' 40,000 (NOTES.md);
+# Aggregators per lane register: 2^15, the power of two nearest the authors' 40,000 (their P4_14 release);
 # a power of two because P4 targets reduce the hash with a mask (switch.agg_slot), not a modulo.
 N_AGGREGATORS = 1 << 15
 STATS = SwitchStats.__slots__  # the v1model ``stats`` counter: one index per switch counter
