@@ -3,8 +3,8 @@
 An activation is one kernel forward and one backward where torch fuses it (``nn.GELU``,
 ``nn.SiLU``), and as many as its formula has operations where a family writes it in Python:
 transformers' ``NewGELUActivation`` (GPT-2's tanh GELU) runs 8 forward and 11 backward on the
-MLP's whole intermediate, each a pass over memory with the framework's per-kernel cost around it
-(docs/step-time.md, "Runs 53–56"). :func:`pointwise_kernels` counts them on a small tensor with a
+MLP's whole intermediate, each a pass over memory with the framework's per-kernel cost around it.
+:func:`pointwise_kernels` counts them on a small tensor with a
 dispatch mode: every ATen call but views and ``detach`` (no kernel) is one.
 """
 
