@@ -1,7 +1,7 @@
-"""Validate the step-time model out of sample: predicted vs measured steps over a grid (issue 27).
+"""Validate the step-time model out of sample: predicted vs measured steps over a grid.
 
     python train.py stage=calibrate                      # the calibration (this host, topology local)
-    python -m benchmarks.step_validation --models llama_tiny,gpt2_tiny,small --variants 8x64,4x128 --worlds 4,2
+    python -m benchmarks.step_validation --models llama_tiny,gpt2_tiny,small --variants 6x204,14x104 --worlds 4,2
 
 Run from the repository root. The calibration is the one ``stage=plan`` would use:
 ``--topology`` (default ``local``) with the file ``stage=calibrate`` wrote for it in
@@ -9,53 +9,31 @@ Run from the repository root. The calibration is the one ``stage=plan`` would us
 a topology that carries its own ``alpha_beta`` and ``device.compute``. This command measures
 steps only; it never calibrates.
 
-**Out of sample by construction.** A point is *in sample* when the calibration ran its
-model (the same shape: :func:`atp_pipeline.planning.compute_profile.shape_key`) or ran any probe at
-its mesh with its batch and sequence length (the profile's ``probes``). Such points are
-refused (exit 2, listed) unless ``--allow-in-sample``, which keeps them flagged
-(``in_sample``) and out of the out-of-sample figures.
+**Out of sample by construction.** A point is *in sample* when the calibration ran its model
+(:func:`atp_pipeline.planning.compute_profile.shape_key`) or ran any probe at its mesh with its
+batch and sequence length. Such points are refused (exit 2, listed) unless ``--allow-in-sample``,
+which keeps them flagged and out of the out-of-sample figures.
 
-**Grid.** Every model of ``--models`` (configs of ``conf/model``) × batch × sequence length of
-``--variants`` (``<batch>x<seq>``) × process count of ``--worlds`` (each on the topology's
-first ``w`` devices, :meth:`~atp_pipeline.topology.model.Topology.restrict`) × every mesh of
-``w`` devices the model can run × chunk count of ``--chunks``; with ``--emulate <topology>``
-each point also on that emulated interconnect (``--slowdown``;
-:mod:`atp_pipeline.parallel.emulation`), reported apart from the real (gloo) points.
+**Grid.** Every model of ``--models`` × ``--variants`` (``<batch>x<seq>``) × process count of
+``--worlds`` (the topology's first ``w`` devices) × every mesh the model can run × ``--chunks``;
+with ``--emulate <topology>`` also on that emulated interconnect, reported apart.
 
-**Measure.** A launch of ``w`` gloo processes per model variant and process count builds
-every point's parallel model from the same dense one (the family's own plan,
-:func:`atp_pipeline.parallel.apply.apply_plan`) with AdamW, as training does; a step is
-forward + backward + optimizer step between two barriers. Every point first runs
-``--warmup`` untimed steps; then ``--repeats`` rounds interleave the points (a rotated
-order each round), each round timing ``--steps`` steps per point. Each group is launched
-``--launches`` times (default 2), once per pass over the grid: one launch's own state moves a
-point by 0.13 in log (sd) against the same launch repeated (docs/step-time.md "Runs 47–49"); a point's
-time is the median of all its timed steps in all its launches (rank 0's clock between barriers).
+**Measure.** A launch of ``w`` gloo processes per model variant and process count builds every
+point's parallel model as training does (the family's own plan, AdamW); a step is forward +
+backward + optimizer step between two barriers, after ``--warmup`` untimed steps, over
+``--repeats`` rounds that interleave the points. Each group is launched ``--launches`` times
+(default 2): one launch's own state moves a point by 0.13 in log. A point's time is the median
+of its steps in all its launches; the other jobs' load while it ran is in its row.
 
-**Predict.** :func:`atp_pipeline.planning.steptime.estimate_step` for the same shape, mesh,
-chunks, processes and interconnect, from the calibration: what ``stage=plan`` predicts, at the
-host's speed (``--retime``: by default the probe models' whole steps the calibration recorded
-on the launch's process count are timed inside every launch, interleaved with its points in
-every round, over the calibrated model's time for them — never this grid's models, meshes or
-batches — and a group is priced at the geometric mean of its launches' speeds, as ``stage=plan``
-prices a plan at the same probes' steps timed before it
-(:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis ``"steps"``); ``--retime steps``
-times them in launches of their own right before and right after each launch instead — the
-probe after one launch the next one's before — a launch at the mean of the two: a launch's
-own state, which moves its points by 0.13 in log, is then not in its speed (docs/step-time.md
-"Runs 53–56"); ``--probes-in-launch`` gives every row the prediction at the in-launch speed
-beside whatever ``--retime`` priced it at; every row also carries the prediction at the
-calibration's own speed). The
-other jobs' load on the host while a point was measured (the mean over its launch's kept
-rounds, :mod:`atp_pipeline.run.hostload`) is in its row (``host_load_cores``).
+**Predict.** :func:`atp_pipeline.planning.steptime.estimate_step`, what ``stage=plan`` predicts,
+at the host's speed (``--retime``; by default the calibration's probe steps timed inside every
+launch, never this grid's models, and a group priced at its launches' geometric mean speed).
+Every row also carries the prediction at the calibration's own speed.
 
-**Report** (``--out``): ``<tag>.json`` (meta: the calibration file, its SHA-256 and date, the
-profile's terms; every point predicted vs measured with the prediction's split and the
-calibration it used; the figures), ``<tag>.csv``, ``<tag>.png`` (scatter, log-log, y = x,
-±10 %). Figures per class (real, emulated; in-sample points apart): median and worst
-relative error, Spearman's ρ per model, and per group (one model variant × process count
-× interconnect: its meshes and chunk counts) whether the predicted best point is the
-measured best.
+**Report** (``--out``, default ``outputs/benchmarks/step_validation``): ``<tag>.json`` (the
+calibration, every point predicted vs measured with the prediction's split, the figures),
+``<tag>.csv``, ``<tag>.png``. Figures per class: median and worst relative error, Spearman's ρ per
+model, and per group whether the predicted best point is the measured best.
 """
 
 from __future__ import annotations
@@ -168,7 +146,7 @@ def load_calibrated(ref: str, calibration_dir: str, conf: Path) -> Tuple[Any, Di
     from types import SimpleNamespace
 
     from atp_pipeline.errors import ConfigError
-    from atp_pipeline.run.calibrate_compute import load_topology_yaml
+    from atp_pipeline.run.compute_measure import load_topology_yaml
     from atp_pipeline.run.calibration import calibration_file, file_digest, with_calibration
     from atp_pipeline.topology.model import Topology
 
@@ -259,7 +237,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def probe_tracking(groups: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """Rows of the diagnosis grids of runs 15 and 45 (``probe_steps``: the probes' steps re-timed before a
+    """Rows that carry ``probe_steps`` (the probes' steps re-timed before a
     launch, measured / predicted): the Pearson correlation over groups of that ratio (``probe_ratio``)
     with the group's own (``bias``); empty without it."""
     pairs = [(g["probe_ratio"], g["bias"]) for g in groups.values() if "probe_ratio" in g]
@@ -358,7 +336,7 @@ def repredict(rows: List[Dict[str, Any]], meta: Dict[str, Any], ref: str, calibr
     of it, and the meta says so (``repredicted``)."""
     from atp_pipeline.planning.compute_profile import profile_of
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run.calibrate_compute import compose_models
+    from atp_pipeline.run.compute_measure import compose_models
 
     topo, calibration = load_calibrated(ref, calibration_dir, conf)
     profile = profile_of(topo)
@@ -459,7 +437,7 @@ def variant_overrides(name: str, batch: int, seq: int, conf: Path) -> List[str]:
     return over
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_validation", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default="local", help="topology (name or YAML path) of the calibration")
     p.add_argument("--calibration-dir", default="outputs/calibration/profiles",
@@ -477,7 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--launches", type=int, default=2,
                    help="launches per model variant and process count, a pass over the grid each; a point's time "
                         "is the median of its steps in all of them (one launch's own state moves a point by 0.13 "
-                        "in log: docs/step-time.md \"Runs 47-49\")")
+                        "in log)")
     p.add_argument("--retime", default="launch", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
                         "recorded on the launch's process count timed inside each launch, interleaved with its "
@@ -502,6 +480,185 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tag", default="steps")
     p.add_argument("--out", default="outputs/benchmarks/step_validation")
     p.add_argument("--conf", type=Path, default=CONF)
+    return p
+
+
+def _prepare(args: argparse.Namespace) -> Any:
+    """The grid to measure and what prices it: the calibration, the process counts, the probe steps
+    timed inside each launch, every group's points; a ConfigError for bad input or in-sample points."""
+    from types import SimpleNamespace
+
+    from atp_pipeline.errors import ConfigError
+    from atp_pipeline.planning.compute_profile import STEPS_GROUP, profile_of
+    from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
+    from atp_pipeline.run.compute_measure import compose_models, load_topology_yaml
+    from atp_pipeline.run.retime import probe_steps
+
+    topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
+    calibrated = profile_of(topo)  # the calibration's own prices (at its host speed)
+    worlds = [int(w) for w in args.worlds.split(",") if w]
+    if any(w < 1 or w > topo.world_size for w in worlds):
+        raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
+                          f"(topology '{topo.name}')")
+    if args.retime not in RETIME_MODES:
+        raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
+    in_launch = args.retime == "launch" or args.probes_in_launch
+    in_launch_flag = "--retime launch" if args.retime == "launch" else "--probes-in-launch"
+    on_steps = "--retime steps" if args.retime == "steps" else in_launch_flag if in_launch else ""
+    if on_steps and min(worlds, default=2) < 2:
+        raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
+                          f"steps run collectives)")
+    if on_steps and not calibrated.reference.get(STEPS_GROUP):
+        raise ConfigError(f"step_validation: {on_steps}: calibration {calibration['file']} recorded no probe "
+                          f"steps: --retime bracket, or calibrate again")
+    # --retime launch / --probes-in-launch: per process count, the probe steps each launch also times
+    # (on its own process count: the calibration must have recorded them there)
+    probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
+    off = sorted(w for w, ps in probes_at.items() if ps.processes != w)
+    if off:
+        raise ConfigError(f"step_validation: {in_launch_flag}: "
+                          f"--worlds {args.worlds}: the calibration recorded no probe steps on {off} processes "
+                          f"(only on {sorted({ps.processes for ps in probes_at.values()})})")
+    only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
+    chunk_list = [int(c) for c in args.chunks.split(",")]
+    names = [m for m in args.models.split(",") if m]
+    variants = parse_variants(args.variants)
+    entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
+    built = compose_models(entries, args.conf)
+    emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
+    if (args.steps < 1 or args.repeats < 1 or args.launches < 1 or args.warmup < 0 or not args.slowdown > 0
+            or not args.quiet_wait >= 0):
+        raise ConfigError("step_validation: --steps, --repeats, --launches >= 1, --warmup >= 0, --slowdown > 0, "
+                          "--quiet-wait >= 0")
+    plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
+    refused: List[str] = []
+    for (label, _), (shape, spec), in zip(entries, built):
+        model = label.split("@")[0]
+        for w in worlds:
+            emu = emu_full.restrict(w) if emu_full is not None else None
+            pts = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
+                   for (d1, d2) in candidate_meshes(w) if not only or (d1, d2) in only
+                   for c in chunk_list
+                   if mesh_infeasibility(shape, (d1, d2)) is None and shape.batch_size % c == 0]
+            for d1, d2, c, e in pts:
+                why = in_sample(calibrated, shape, (d1, d2), w)
+                if why and not args.allow_in_sample:
+                    refused.append(f"{label} {d1}x{d2}/c{c}: {why}")
+            plan.append((model, shape, spec, w, pts))
+    if refused:
+        raise ConfigError(f"step_validation: {len(refused)} points are in the calibration's sample "
+                          f"(--allow-in-sample to measure them flagged): {'; '.join(refused[:4])}"
+                          + (" ..." if len(refused) > 4 else ""))
+    return SimpleNamespace(topo=topo, calibration=calibration, calibrated=calibrated, worlds=worlds,
+                           in_launch=in_launch, probes_at=probes_at, emu_full=emu_full, plan=plan)
+
+
+def _group_rows(args: argparse.Namespace, g: Any, launch: Dict[str, Any], each: List[List[Dict[str, Any]]],
+                priced: Any, around: Sequence[Any] = (), inside: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    """A group's rows from its launches' measurements pooled (``each``: per launch, per rank):
+    every point predicted at the host speed ``priced`` (None: the calibration's own; ``around``:
+    the probes it is the mean of) beside its measurement, and (``inside``: each launch's speed
+    from the probe steps timed in it) at the geometric mean of those; the partial report written
+    (it survives a crash). The group's rows."""
+    from atp_pipeline.planning.compute_profile import HostSpeed
+    from atp_pipeline.planning.steptime import StepSetting, estimate_step
+
+    calibrated, topo, calibration = g.calibrated, g.topo, g.calibration
+    rows: List[Dict[str, Any]] = []
+    shape, w, points, emu = (launch[k] for k in ("shape", "w", "points", "emu"))
+    ranks = merge_launches(each)
+    got = ranks[0]
+    at = calibrated if priced is None else calibrated.at_speed(priced)
+    sub = topo.restrict(w)
+    times, waits = got["times"], got["waits"]
+    variant = f"b{shape.batch_size} s{shape.seq_len}"
+    load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
+    where = "per_launch" if args.retime == "launch" else "bracket"  # what the priced speed is the mean of
+    record = None if priced is None else {**priced.to_dict(), "launches": args.launches,
+                                          **({where: [s.to_dict() for s in around]} if around else {})}
+    within = HostSpeed.over(inside) if inside else None
+    extra: Dict[str, Any] = {} if within is None else {
+        "host_speed_in_launch": {**within.to_dict(), "per_launch": [s.to_dict() for s in inside]}}
+    # the profile at the in-launch speed, once a group (--retime launch: the one priced at)
+    at_inside = None if within is None else at if within == priced else calibrated.at_speed(within)
+    for d1, d2, c, e in points:
+        emulated = (emu, args.slowdown) if e else None
+        est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
+        # beside it, the same prediction at the calibration's own host speed (not re-timed)
+        flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
+                                                          calibrated, emulated)
+        if at_inside is not None:  # and at the speed of the probe steps timed inside its launches
+            extra["predicted_at_in_launch_speed_s"] = est.step_s if at_inside is at else estimate_step(
+                sub, shape, (d1, d2), StepSetting(chunks=c), at_inside, emulated).step_s
+        key = json.dumps([d1, d2, c, e])
+        meas = statistics.median(times[key])
+        inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
+        why = in_sample(calibrated, shape, (d1, d2), w)
+        rows.append({"model": launch["model"], "batch": shape.batch_size, "seq_len": shape.seq_len,
+                     "processes": w, "interconnect": inter,
+                     "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
+                     "in_sample": why, "group": f"{launch['model']} {variant} / {w} proc. / {inter}",
+                     "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
+                     "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
+                     "samples": len(times[key]), "launches": args.launches,
+                     "measured_per_launch_s": [statistics.median(one[0]["times"][key]) for one in each],
+                     "measured_comm_wait_s": statistics.median(waits[key]),
+                     # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
+                     "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
+                     "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
+                     "host_speed": record,
+                     "predicted_at_calibration_speed_s": flat.step_s, **extra,
+                     "calibration": calibration_field(calibration, est)})
+    return rows
+
+
+def _retime_note(args: argparse.Namespace, speeds: List[Dict[str, Any]], calibrated: Any) -> str:
+    """What the predictions were priced at, for the report's meta."""
+    return ("--retime launch: the probes' whole steps the calibration recorded timed inside each launch, "
+            "interleaved with its points in every round, over the calibrated model's time for them, every "
+            "group's points priced at the geometric mean of its launches' speeds (rows: host_speed, per_launch)"
+            if args.retime == "launch" else
+            "--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
+            "process count before it and after it, over the calibrated model's time for them, every group's "
+            "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
+            "(rows: host_speed, its bracket)" if args.retime == "steps" else
+            f"--retime {args.retime}: the calibration's reference probe timed again "
+            + {"bracket": "before each launch and after the last, every launch's points priced at the "
+                          "geometric mean of the speeds of the probes before and after it (rows: host_speed, "
+                          "its bracket)",
+               "group": "before each launch, every prediction priced at the host speed it gave (rows: host_speed)",
+               }.get(args.retime, "before the grid, every prediction priced at the host speed it gave "
+                                  "(rows: host_speed)")
+            if speeds else "not re-timed: predicted at the calibration's host speed"
+            + ("" if calibrated.reference else " (the calibration has no reference probe)"))
+
+
+def _finish_grid(args: argparse.Namespace, argv: Optional[Sequence[str]], g: Any, rows: List[Dict[str, Any]],
+                 speeds: List[Dict[str, Any]], foreign_load: List[Dict[str, Any]], load_start: Any,
+                 wall_s: float) -> None:
+    """The grid's report (figures, files, plot) and its summary lines."""
+    topo, calibration, calibrated, worlds, in_launch = g.topo, g.calibration, g.calibrated, g.worlds, g.in_launch
+    retimed = _retime_note(args, speeds, calibrated)
+    meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
+            "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds,
+                           "probes_in_launch": in_launch},
+            "contention": {str(k): v for k, v in sorted(calibrated.contention.items())},
+            "probes": sorted({p.name for p in calibrated.probes}),
+            "load_average": {"start": load_start, "end": _loadavg()},
+            "foreign_load_cores": foreign_load,  # other jobs' CPU during each kept round (hostload)
+            "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launches": args.launches,
+            "wall_s": wall_s,
+            "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
+    report(rows, meta, Path(args.out), args.tag)
+    print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "
+          f"{calibrated.describe()}")
+    print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
+    print(f"wrote {Path(args.out) / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.rows:
         return resummarize(Path(args.rows), Path(args.out), args.tag,
@@ -509,72 +666,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
-    from atp_pipeline.planning.search import candidate_meshes, mesh_infeasibility
-    from atp_pipeline.planning.compute_profile import STEPS_GROUP, HostSpeed, profile_of
-    from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run.calibrate_compute import (compose_models, load_topology_yaml, probe_steps, retime,
-                                                    retime_steps, utc_now)
+    from atp_pipeline.planning.compute_profile import HostSpeed
+    from atp_pipeline.planning.profile_fit import utc_now
     from atp_pipeline.run.hostload import wait_quiet
+    from atp_pipeline.run.retime import retime, retime_steps
 
     try:
-        topo, calibration = load_calibrated(args.topology, args.calibration_dir, args.conf)
-        calibrated = profile_of(topo)  # the calibration's own prices (at its host speed)
-        worlds = [int(w) for w in args.worlds.split(",") if w]
-        if any(w < 1 or w > topo.world_size for w in worlds):
-            raise ConfigError(f"step_validation: --worlds {args.worlds}: each in 1..{topo.world_size} "
-                              f"(topology '{topo.name}')")
-        if args.retime not in RETIME_MODES:
-            raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
-        in_launch = args.retime == "launch" or args.probes_in_launch
-        in_launch_flag = "--retime launch" if args.retime == "launch" else "--probes-in-launch"
-        on_steps = "--retime steps" if args.retime == "steps" else in_launch_flag if in_launch else ""
-        if on_steps and min(worlds, default=2) < 2:
-            raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
-                              f"steps run collectives)")
-        if on_steps and not calibrated.reference.get(STEPS_GROUP):
-            raise ConfigError(f"step_validation: {on_steps}: calibration {calibration['file']} recorded no probe "
-                              f"steps (calibrated before run 45): --retime bracket, or calibrate again")
-        # --retime launch / --probes-in-launch: per process count, the probe steps each launch also times
-        # (on its own process count: the calibration must have recorded them there)
-        probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
-        off = sorted(w for w, ps in probes_at.items() if ps.processes != w)
-        if off:
-            raise ConfigError(f"step_validation: {in_launch_flag}: "
-                              f"--worlds {args.worlds}: the calibration recorded no probe steps on {off} processes "
-                              f"(only on {sorted({ps.processes for ps in probes_at.values()})})")
-        only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
-        chunk_list = [int(c) for c in args.chunks.split(",")]
-        names = [m for m in args.models.split(",") if m]
-        variants = parse_variants(args.variants)
-        entries = [(f"{n}@{b}x{s}", variant_overrides(n, b, s, args.conf)) for n in names for b, s in variants]
-        built = compose_models(entries, args.conf)
-        emu_full = (topology_from(load_topology_yaml(args.emulate, args.conf)[0]) if args.emulate else None)
-        if (args.steps < 1 or args.repeats < 1 or args.launches < 1 or args.warmup < 0 or not args.slowdown > 0
-                or not args.quiet_wait >= 0):
-            raise ConfigError("step_validation: --steps, --repeats, --launches >= 1, --warmup >= 0, --slowdown > 0, "
-                              "--quiet-wait >= 0")
-        plan: List[Tuple[str, Any, Dict[str, Any], int, List[Tuple[int, int, int, bool]]]] = []
-        refused: List[str] = []
-        for (label, _), (shape, spec), in zip(entries, built):
-            model = label.split("@")[0]
-            for w in worlds:
-                emu = emu_full.restrict(w) if emu_full is not None else None
-                pts = [(d1, d2, c, e) for e in ([False, True] if emu is not None else [False])
-                       for (d1, d2) in candidate_meshes(w) if not only or (d1, d2) in only
-                       for c in chunk_list
-                       if mesh_infeasibility(shape, (d1, d2)) is None and shape.batch_size % c == 0]
-                for d1, d2, c, e in pts:
-                    why = in_sample(calibrated, shape, (d1, d2), w)
-                    if why and not args.allow_in_sample:
-                        refused.append(f"{label} {d1}x{d2}/c{c}: {why}")
-                plan.append((model, shape, spec, w, pts))
-        if refused:
-            raise ConfigError(f"step_validation: {len(refused)} points are in the calibration's sample "
-                              f"(--allow-in-sample to measure them flagged): {'; '.join(refused[:4])}"
-                              + (" ..." if len(refused) > 4 else ""))
+        g = _prepare(args)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_BAD_INPUT
+    topo, calibration, calibrated = g.topo, g.calibration, g.calibrated
+    probes_at, emu_full, plan = g.probes_at, g.emu_full, g.plan
     rows: List[Dict[str, Any]] = []
     foreign_load: List[Dict[str, Any]] = []
     speeds: List[Dict[str, Any]] = []
@@ -600,55 +703,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def finish(launch: Dict[str, Any], each: List[List[Dict[str, Any]]], priced: Any, around: Sequence[Any] = (),
                inside: Sequence[Any] = ()) -> None:
-        """A group's rows from its launches' measurements pooled (``each``: per launch, per rank):
-        every point predicted at the host speed ``priced`` (None: the calibration's own; ``around``:
-        the probes it is the mean of) beside its measurement, and (``inside``: each launch's speed
-        from the probe steps timed in it) at the geometric mean of those; the partial report written
-        (it survives a crash)."""
-        shape, w, points, emu = (launch[k] for k in ("shape", "w", "points", "emu"))
-        ranks = merge_launches(each)
-        got = ranks[0]
-        at = calibrated if priced is None else calibrated.at_speed(priced)
-        sub = topo.restrict(w)
-        times, waits = got["times"], got["waits"]
-        variant = f"b{shape.batch_size} s{shape.seq_len}"
-        load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-        where = "per_launch" if args.retime == "launch" else "bracket"  # what the priced speed is the mean of
-        record = None if priced is None else {**priced.to_dict(), "launches": args.launches,
-                                              **({where: [s.to_dict() for s in around]} if around else {})}
-        within = HostSpeed.over(inside) if inside else None
-        extra: Dict[str, Any] = {} if within is None else {
-            "host_speed_in_launch": {**within.to_dict(), "per_launch": [s.to_dict() for s in inside]}}
-        # the profile at the in-launch speed, once a group (--retime launch: the one priced at)
-        at_inside = None if within is None else at if within == priced else calibrated.at_speed(within)
-        for d1, d2, c, e in points:
-            emulated = (emu, args.slowdown) if e else None
-            est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
-            # beside it, the same prediction at the calibration's own host speed (not re-timed)
-            flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
-                                                              calibrated, emulated)
-            if at_inside is not None:  # and at the speed of the probe steps timed inside its launches
-                extra["predicted_at_in_launch_speed_s"] = est.step_s if at_inside is at else estimate_step(
-                    sub, shape, (d1, d2), StepSetting(chunks=c), at_inside, emulated).step_s
-            key = json.dumps([d1, d2, c, e])
-            meas = statistics.median(times[key])
-            inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
-            why = in_sample(calibrated, shape, (d1, d2), w)
-            rows.append({"model": launch["model"], "batch": shape.batch_size, "seq_len": shape.seq_len,
-                         "processes": w, "interconnect": inter,
-                         "class": ("in-sample " if why else "") + ("emulated" if e else "real"),
-                         "in_sample": why, "group": f"{launch['model']} {variant} / {w} proc. / {inter}",
-                         "mesh": f"{d1}x{d2}", "chunks": c, "point": f"{d1}x{d2}/c{c}",
-                         "measured_s": meas, **prediction_fields(est, meas), "host_load_cores": load,
-                         "samples": len(times[key]), "launches": args.launches,
-                         "measured_per_launch_s": [statistics.median(one[0]["times"][key]) for one in each],
-                         "measured_comm_wait_s": statistics.median(waits[key]),
-                         # per step, the mean over ranks: time blocked in collectives, CPU seconds (all threads)
-                         "measured_rank_wait_s": statistics.mean(statistics.median(g["waits"][key]) for g in ranks),
-                         "measured_rank_cpu_s": statistics.mean(statistics.median(g["cpus"][key]) for g in ranks),
-                         "host_speed": record,
-                         "predicted_at_calibration_speed_s": flat.step_s, **extra,
-                         "calibration": calibration_field(calibration, est)})
+        rows.extend(_group_rows(args, g, launch, each, priced, around, inside))
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
 
     def probe(at: str, processes: int = 0) -> Any:
@@ -717,39 +772,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             settle(launch, speed)
     if pending is not None:
         close(probe("the end (after the last launch)"))
-    retimed = ("--retime launch: the probes' whole steps the calibration recorded timed inside each launch, "
-               "interleaved with its points in every round, over the calibrated model's time for them, every "
-               "group's points priced at the geometric mean of its launches' speeds (rows: host_speed, per_launch)"
-               if args.retime == "launch" else
-               "--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
-               "process count before it and after it, over the calibrated model's time for them, every group's "
-               "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
-               "(rows: host_speed, its bracket)" if args.retime == "steps" else
-               f"--retime {args.retime}: the calibration's reference probe timed again "
-               + {"bracket": "before each launch and after the last, every launch's points priced at the "
-                             "geometric mean of the speeds of the probes before and after it (rows: host_speed, "
-                             "its bracket)",
-                  "group": "before each launch, every prediction priced at the host speed it gave (rows: host_speed)",
-                  }.get(args.retime, "before the grid, every prediction priced at the host speed it gave "
-                                     "(rows: host_speed)")
-               if speeds else "not re-timed: predicted at the calibration's host speed"
-               + ("" if calibrated.reference else " (the calibration has no reference probe)"))
-    meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
-            "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds,
-                           "probes_in_launch": in_launch},
-            "contention": {str(k): v for k, v in sorted(calibrated.contention.items())},
-            "probes": sorted({p.name for p in calibrated.probes}),
-            "load_average": {"start": load_start, "end": _loadavg()},
-            "foreign_load_cores": foreign_load,  # other jobs' CPU during each kept round (hostload)
-            "worlds": worlds, "variants": args.variants, "emulate": args.emulate, "slowdown": args.slowdown,
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launches": args.launches,
-            "wall_s": time.perf_counter() - t0,
-            "command": "python -m benchmarks.step_validation " + " ".join(sys.argv[1:] if argv is None else argv)}
-    report(rows, meta, Path(args.out), args.tag)
-    print(f"calibration: {calibration['file']} (sha256 {calibration['sha256']}, {calibration['date']}): "
-          f"{calibrated.describe()}")
-    print(f"load average (1, 5, 15 min) at start {load_start}, at end {meta['load_average']['end']}")
-    print(f"wrote {Path(args.out) / args.tag}.{{json,csv,png}} ({meta['wall_s']:.0f} s)")
+    _finish_grid(args, argv, g, rows, speeds, foreign_load, load_start, time.perf_counter() - t0)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Calibration of the alpha-beta model (issue 8 item 2, AutoDDL §3.2).
+"""Calibration of the alpha-beta model (AutoDDL §3.2).
 
 The fit is checked exactly on synthetic data; one small real launch (2 gloo processes, a
 few seconds) checks the measurement end to end. Wall-clock quality criteria (held-out
@@ -80,7 +80,7 @@ def test_fit_is_non_negative() -> None:
 
 
 def test_a_collective_without_a_per_byte_cost_takes_the_levels_beta() -> None:
-    """An all-reduce whose times do not grow with the message (run 14 on a loaded loopback:
+    """An all-reduce whose times do not grow with the message (as on a loaded loopback:
     its 1 MiB faster than its 4 KiB on 4 ranks) fits beta = 0; Eq. 3's bandwidth 1/beta would then be infinite
     and the plan's T_comm ~0. It takes the level's shared beta instead, its alpha refitted."""
     truth = AlphaBeta.uniform(alpha=3e-4, beta=2e-9)

@@ -1,4 +1,4 @@
-"""``python train.py stage=calibrate`` (issue 27): one command writes the topology's
+"""``python train.py stage=calibrate``: one command writes the topology's
 calibration, ``stage=plan`` finds it without a flag and predicts steps from it, and the step
 validation refuses points the calibration ran."""
 
@@ -20,7 +20,8 @@ from .conftest import CONF
 def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose_cfg, tmp_path, capsys, monkeypatch):
     """A quick calibration of a 2-process 'local' (its own levels), found by the plan by the
     topology's name; a file for other levels is named and not used. The host's speed is the
-    probes' steps now over the calibrated model's time for them (run 47), exactly."""
+    probes' steps now over the calibrated model's time for them, exactly, timed only when asked
+    (``calibration.retime=true``)."""
     from atp_pipeline.run import run
     from atp_pipeline.run.resolve import plan_from_config
 
@@ -38,14 +39,18 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert {(r["mesh"], r["chunks"]) for r in steps["rows"]} == {("2x1", 1), ("1x2", 1), ("2x1", 2), ("1x2", 2)}
     assert all(r["measured_s"] > 0 and r["measured_cpu_s"] > 0 and r["cpu_s"] > 0 and r["predicted_s"] > 0
                for r in steps["rows"])
-    from atp_pipeline.run.calibrate_compute import REFERENCE, REFERENCE_STEP, reference_label
+    from atp_pipeline.run.retime import REFERENCE, REFERENCE_STEP, reference_label
 
     assert {g: sorted(v) for g, v in prof.reference.items()} == {  # the host's speed at calibration
         "compute": sorted(map(reference_label, REFERENCE["compute"])),
         "overhead": sorted([*map(reference_label, REFERENCE["overhead"]), f"step {REFERENCE_STEP} 2x1/c1"]),
         "steps": sorted(f"probe_gpt_s {m}/c{c} on 2" for m in ("2x1", "1x2") for c in (1, 2))}  # the probe's whole steps
     assert all(v > 0 for v in prof.reference["steps"].values())
-    plan = plan_from_config(compose_cfg(*two, "model=tiny"))  # re-times the probe's steps (stage=plan's default)
+    plain = plan_from_config(compose_cfg(*two, "model=tiny"))  # by default: the calibration's speed, no timing
+    assert plain.objective.value == "step" and plain.profile.speed is None
+    assert any("calibration.retime=true times the host again" in n for n in plain.notes)
+    assert not (tmp_path / "local_speed.json").exists()
+    plan = plan_from_config(compose_cfg(*two, "model=tiny", "calibration.retime=true"))  # re-times the probe's steps
     assert plan.objective.value == "step" and all(c.step is not None for c in plan.candidates)
     assert plan.profile.name == prof.name and plan.profile.speed is not None
     speed = plan.profile.speed
@@ -55,23 +60,24 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert "the probes' whole steps on 2 processes ran x" in speed.describe()
     cached = json.loads((tmp_path / "local_speed.json").read_text())
     assert cached["sha256"] == row["sha256"] and cached["compute"] == speed.compute and cached["basis"] == "steps"
-    again = plan_from_config(compose_cfg(*two, "model=tiny"))  # within calibration.retime_s: the same speed, reused
+    again = plan_from_config(compose_cfg(*two, "model=tiny", "calibration.retime=true"))  # within retime_s: reused
     assert again.profile.speed == speed and any("reused for calibration.retime_s" in n for n in again.notes)
     other = plan_from_config(compose_cfg("topology=local", f"calibration.dir={tmp_path}", "model=tiny"))
     assert other.objective.value == "comm"  # 4 processes: the file is for 2
     assert any("is for levels (('process', 2),)" in n and "not used" in n for n in other.notes)
     off = plan_from_config(compose_cfg(*two, "calibration.use=false", "model=tiny"))
     assert off.objective.value == "comm"
-    from atp_pipeline.run import calibrate_compute as cc
+    from atp_pipeline.planning import profile_fit as pf
+    from atp_pipeline.run import compute_measure as cm, retime as hs
     from atp_pipeline.topology.model import Topology
 
     topo = Topology.from_config(__import__("yaml").safe_load(path.read_text()))
     labels = sorted(prof.reference["steps"])
-    shape = cc.compose_models(cc.probe_entries(["probe_gpt_s"]), cc.CONF)[0][0]
-    model = {label: est.step_s for label, est in zip(labels, cc.probe_step_predictions(
+    shape = cm.compose_models(cm.probe_entries(["probe_gpt_s"]), cm.CONF)[0][0]
+    model = {label: est.step_s for label, est in zip(labels, pf.probe_step_predictions(
         prof, topo, [shape], [(0, *cp.parse_step_label(label)[1], cp.parse_step_label(label)[2]) for label in labels]))}
-    monkeypatch.setattr(cc, "time_probe_steps", lambda probes, n, conf, built: {k: 1.25 * v for k, v in model.items()})
-    assert cc.retime_steps(prof, 4, topo).compute == pytest.approx(1.25)  # 2 recorded: the nearest count
+    monkeypatch.setattr(hs, "time_probe_steps", lambda probes, n, conf, built: {k: 1.25 * v for k, v in model.items()})
+    assert hs.retime_steps(prof, 4, topo).compute == pytest.approx(1.25)  # 2 recorded: the nearest count
     assert model != prof.reference["steps"]  # not the steps' own wall times at calibration
 
 
@@ -107,24 +113,25 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
 
 
 def test_repredict_keeps_the_measurements_and_names_the_new_calibration():
-    """``--rows ... --repredict``: an earlier run's measured rows predicted again from another
-    calibration, flagged; emulated rows are refused. Run 8's rows (one mesh per process) from
-    run 7's calibration (taken in processes holding ~50 meshes): every step predicted longer."""
+    """``--rows ... --repredict``: an earlier run's measured rows predicted again from a
+    calibration (``tests/data``), flagged, their measurements kept and their predictions at the
+    calibration's own speed what they were; emulated rows are refused; a calibration of an older
+    format is refused in one line naming ``stage=calibrate``."""
     from benchmarks import step_validation as sv
 
-    root = CONF.parent
-    rows = json.loads((root / "docs/step_validation/steps_mesh.json").read_text())["rows"]
-    group = [r for r in rows if (r["model"], r["batch"], r["processes"]) == ("small", 6, 2)]
-    old = str(root / "docs/step_validation/local_cpu.yaml")
-    out, meta = sv.repredict(group, {"command": "x"}, old, "unused", CONF)
-    assert len(out) == len(group) == 4
+    data = Path(__file__).resolve().parent / "data"
+    group = json.loads((data / "step_rows.json").read_text())["rows"]
+    cal = str(data / "step_calibration.yaml")
+    digest = sv.load_calibrated(cal, "unused", CONF)[1]["sha256"]
+    out, meta = sv.repredict(group, {"command": "x"}, cal, "unused", CONF)
+    assert len(out) == len(group) == 8
     assert [(r["point"], r["measured_s"]) for r in out] == [(r["point"], r["measured_s"]) for r in group]
-    assert all(r["calibration"].startswith(f"{old} sha256 d56bf43bf682: ") for r in out)
-    assert meta["calibration"]["sha256"] == "d56bf43bf682" and "development check" in meta["repredicted"]
-    assert all(a["predicted_s"] > 1.3 * b["predicted_s"] for a, b in zip(out, group))
+    assert all(r["calibration"].startswith(f"{cal} sha256 {digest}: ") for r in out)
+    assert meta["calibration"]["sha256"] == digest and "development check" in meta["repredicted"]
+    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in group], rel=1e-9)
     assert all(r["rel_error"] == abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in out)
     with pytest.raises(ValueError, match="emulated"):
-        sv.repredict([dict(group[0], interconnect="emulated ic1 x3000")], {}, old, "unused", CONF)
+        sv.repredict([dict(group[0], interconnect="emulated ic1 x3000")], {}, cal, "unused", CONF)
 
 
 def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
@@ -155,8 +162,8 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     """``--retime launch`` (the default) and ``--retime steps`` are refused at one process (their probes
     run collectives) and on a calibration that recorded no probe steps, any other mode is refused, and no launch a group, each in one line
-    (exit 2); the summary's correlation of the groups' re-timed probe ratio (diagnosis rows of runs
-    15 and 45) with their measured/predicted is Pearson's over the groups that have one."""
+    (exit 2); the summary's correlation of the groups' re-timed probe ratio (rows that carry
+    ``probe_steps``) with their measured/predicted is Pearson's over the groups that have one."""
     import statistics
 
     from benchmarks import step_validation as sv
@@ -170,7 +177,7 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, launch, bracket, group, once, off"),
                         (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
                         (["--worlds", "2"], "--retime launch: calibration " + str(tmp_path / "cal4.yaml")
-                         + " recorded no probe steps (calibrated before run 45)"),
+                         + " recorded no probe steps: --retime bracket, or calibrate again"),
                         (["--worlds", "2,1"], "--retime launch: --worlds 2,1: each >= 2"),
                         (["--retime", "off", "--worlds", "2", "--launches", "0"], "--steps, --repeats, --launches >= 1")):
         assert sv.main([*base, *extra]) == 2
@@ -202,7 +209,7 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
 
     from atp_pipeline import launch
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.run import compute_measure as cm, retime as hs
     from atp_pipeline.topology.model import Topology
     from benchmarks import step_validation as sv
 
@@ -221,12 +228,12 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
 
     def run(mode: str, n: int = 1) -> dict:
         probes, step_probes = iter(spoken), iter(steps_spoken)
-        monkeypatch.setattr(calibrate_compute, "retime", lambda profile, conf: next(probes))
+        monkeypatch.setattr(hs, "retime", lambda profile, conf: next(probes))
 
         def retime_steps(profile, processes, topo, conf):
             asked.append(processes)
             return next(step_probes)
-        monkeypatch.setattr(calibrate_compute, "retime_steps", retime_steps)
+        monkeypatch.setattr(hs, "retime_steps", retime_steps)
 
         def spawn(fn, w, spec, timeout):  # every point 10 ms (20 ms in a group's 2nd launch); the worker's layout
             keys = [json.dumps(list(p)) for p in spec["points"]]
@@ -252,7 +259,7 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
         for seq, probes in around.items():
             want = cp.HostSpeed.over([b.until(a) for b, a in zip(probes[::2], probes[1::2])])
             assert want.compute == pytest.approx(math.prod(p.compute for p in probes) ** (1 / len(probes)))
-            shape = calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+            shape = cm.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
                                                      CONF)[0][0]
             for r in by_launch[seq]:
                 hs = r["host_speed"]
@@ -304,7 +311,7 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
     tests/test_docs_commands.py)."""
     from atp_pipeline import launch
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.run import compute_measure as cm, retime as hs
     from atp_pipeline.topology.model import Topology
     from benchmarks import step_validation as sv
 
@@ -318,7 +325,7 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
     write_topology(cfg, tmp_path / "cal4.yaml")
     topo = Topology.from_config(cfg)
     profile = cp.ComputeProfile.from_config(prof.to_config())
-    ps = calibrate_compute.probe_steps(profile, 2, topo)
+    ps = hs.probe_steps(profile, 2, topo)
     assert ps.labels == ("probe_gpt_s 1x2/c2 on 2", "probe_gpt_s 2x1/c1 on 2") and ps.processes == 2
     factor = {16: 1.3, 24: 0.8}  # the probe steps ran x1.3 / x0.8 the model's time in the launches of seq 16 / 24
     seen = []
@@ -333,7 +340,7 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
                "foreign": [0.0]}
         return [got] * w
     monkeypatch.setattr(launch, "spawn", spawn)
-    monkeypatch.setattr(calibrate_compute, "retime_steps", lambda *a: pytest.fail("a probe launch"))
+    monkeypatch.setattr(hs, "retime_steps", lambda *a: pytest.fail("a probe launch"))
 
     def run(*extra: str) -> dict:
         seen.clear()
@@ -346,7 +353,7 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
         return json.loads((out / "t.json").read_text())
 
     def shape(seq: int):
-        return calibrate_compute.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
+        return cm.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
                                                 CONF)[0][0]
 
     got = run("--retime", "launch", "--launches", "2")

@@ -444,27 +444,19 @@ def _calibrate_compute(t: str) -> Tuple[str, str]:
 
 
 def _step_validation(t: str) -> Tuple[str, str]:
-    if get_opt(t, "--topology") == "docs/step_validation/local.yaml" and get_opt(t, "--calibration-dir") is None:
-        # against the committed calibration: the committed run's rows are its measurements, and the
-        # measuring form runs for docs/step-time.md's command; here its summary of those rows
-        t = f"python -m benchmarks.step_validation --rows docs/step_validation/steps.json " \
-            f"--out {TMP}/outputs/benchmarks/step_validation_rows --tag steps"
-        return t, ("the committed run against that calibration (docs/step_validation/steps.json) re-summarized, "
-                   "nothing measured (docs/step-time.md's command runs the measuring form)")
     t = set_opt(set_opt(set_opt(t, "--models", "gpt2_tiny"), "--variants", "2x32"), "--worlds", "2")
     t = set_opt(set_opt(set_opt(set_opt(t, "--chunks", "1"), "--steps", "1"), "--warmup", "0"), "--repeats", "1")
     t = set_opt(t, "--launches", "1")
-    t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/step_validation")  # never over the committed run in docs/
-    # a committed calibration (stage=calibrate is planned here): a YAML that carries its own
-    # calibration makes --calibration-dir moot, and the tag only names the output files, so the
-    # documented runs against different calibration runs share one cheap form (run once); run 46's
-    # records the probes' steps the default --retime launch times inside the launch (--retime steps:
-    # in launches of their own around it)
-    t = set_opt(drop_opt(t, "--calibration-dir"), "--topology", "docs/step_validation/local_st1.yaml")
+    t = set_opt(t, "--out", f"{TMP}/outputs/benchmarks/step_validation")
+    # the tests' golden calibration (stage=calibrate is planned here): a YAML that carries its own
+    # calibration makes --calibration-dir moot, and the tag only names the output files, so every
+    # documented run shares one cheap form (run once); it records the probes' steps that the default
+    # --retime launch times inside the launch
+    t = set_opt(drop_opt(t, "--calibration-dir"), "--topology", "tests/data/step_calibration.yaml")
     t = set_opt(set_opt(t, "--tag", "steps"), "--quiet-wait", "0")  # the suite's other worker never lets the host go quiet
     return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, one launch, "
-               "from the committed calibration docs/step_validation/local_st1.yaml (the probes' steps timed again "
-               "inside the launch, or with --retime steps before and after it), no wait for a quiet host")
+               "from the tests' calibration tests/data/step_calibration.yaml (the probes' steps timed again inside "
+               "the launch), no wait for a quiet host")
 
 
 def _sbp_calibration(t: str) -> Tuple[str, str]:

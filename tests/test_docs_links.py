@@ -4,7 +4,7 @@ In-process and instant: the documents of :func:`tests.test_docs_commands.doc_fil
 (``README.md``, ``docs/**/*.md``, ``p4/README.md``). A Markdown link ``[text](target)`` outside
 code must name an existing file or directory (relative to the document), and its ``#anchor``
 a heading of the target (GitHub's slugs). A code span that names a repository file by its path
-(``atp_pipeline/planning/steptime.py``, ``models/hf/layout.py``, ``tests/data/local_cpu.yaml``)
+(``atp_pipeline/planning/steptime.py``, ``models/hf/layout.py``, ``tests/data/step_calibration.yaml``)
 must name one that exists, relative to the repository, the package or the document. ``docs/``
 holds documentation only: pages, the figures they show and small result files they cite.
 """

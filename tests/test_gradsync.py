@@ -124,7 +124,7 @@ def test_packet_geometry_defaults_are_the_protocols() -> None:
 
 
 def test_a_calibrated_topology_plans_a_mesh_of_one_device(compose_cfg, tmp_path) -> None:
-    """After ``stage=calibrate`` (here: a calibration of ``local``, ``tests/data/local_cpu.yaml``), ``mesh=1x1
+    """After ``stage=calibrate`` (here: a calibration of ``local`` from tests/data), ``mesh=1x1
     mesh.dp=4`` plans: its tensor-parallel group is one device, no collective to time with the
     fitted alpha-beta, and it does not stop with 'a single device has no collectives'."""
     import shutil
@@ -133,9 +133,9 @@ def test_a_calibrated_topology_plans_a_mesh_of_one_device(compose_cfg, tmp_path)
 
     profiles = tmp_path / "profiles"
     profiles.mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "data" / "local_cpu.yaml",
-                profiles / "local.yaml")
-    cfg = compose_cfg("stage=plan", "mesh=1x1", "mesh.dp=4", "planner.plot=false", f"calibration.dir={profiles}")
+    shutil.copy(Path(__file__).resolve().parent / "data" / "step_calibration.yaml", profiles / "local.yaml")
+    cfg = compose_cfg("stage=plan", "mesh=1x1", "mesh.dp=4", "planner.plot=false", f"calibration.dir={profiles}",
+                      "calibration.stale_days=0")  # another host's calibration: priced as it is, not re-timed
     run(cfg, output_dir=tmp_path / "run")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["selected"] == [1, 1] and plan["gradient_sync"]["buckets"][0]["workers"] == 4

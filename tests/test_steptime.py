@@ -1,4 +1,4 @@
-"""The step-time model (issue 15): its collectives are the runtime cost model's, its overlap
+"""The step-time model: its collectives are the runtime cost model's, its overlap
 is the runtime's, objective=comm keeps today's selections, calibration round trip, report."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 import pytest
+import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
 
@@ -25,6 +26,7 @@ from atp_pipeline.topology.model import Topology
 
 from .conftest import CONF, run_train
 
+DATA = Path(__file__).resolve().parent / "data"
 GPT = ModelShape(name="gpt", hidden=64, heads=8, layers=2, seq_len=16, vocab_size=256, ffn=256, batch_size=4)
 LLAMA = ModelShape(name="llama", hidden=64, heads=8, kv_heads=2, layers=2, seq_len=16, vocab_size=256, ffn=96,
                    gated=True, norm="rmsnorm", bias=False, position="rotary", norm_layout="gathered",
@@ -138,7 +140,8 @@ def test_objective_comm_reproduces_todays_selections_on_every_preset():
 
 def _calibrated_topology(tmp_path: Path) -> Path:
     from atp_pipeline.planning.alphabeta_fit import write_topology
-    from atp_pipeline.run.calibrate_compute import make_profile, sweep_kernels
+    from atp_pipeline.planning.profile_fit import make_profile
+    from atp_pipeline.run.compute_measure import sweep_kernels
 
     kernels = sweep_kernels()
     # a made-up device: 1 us per call plus 1 ns per unit of work (optimizer: 3 us per tensor)
@@ -183,9 +186,9 @@ def test_an_attention_core_is_priced_on_the_grid_of_cores_head_size_included():
     """The calibration's cores lie on a full grid of ``(b·a, s, d)`` (:attr:`Kernel.grid`): a core
     is priced multilinear in the logs between the grid's nearest values, beyond it along the outermost
     cell. On a CPU the head size changes the time per score element both ways (one process: ``d`` 8
-    ran 1.4x ``d`` 16, ``d`` 64 2.6x, diagnosis e47): a made-up device with such a per-score price is
+    ran 1.4x ``d`` 16, ``d`` 64 2.6x): a made-up device with such a per-score price is
     priced within 2 % off the grid, and two cores of the same score count apart by their head sizes."""
-    from atp_pipeline.run.calibrate_compute import sweep_kernels
+    from atp_pipeline.run.compute_measure import sweep_kernels
 
     per_score = {8: 6e-9, 16: 4e-9, 32: 5e-9, 64: 8e-9, 128: 15e-9}
 
@@ -207,12 +210,12 @@ def test_an_attention_core_is_priced_on_the_grid_of_cores_head_size_included():
     assert back.seconds(kn.Kernel(kn.ATTN_BWD, beyond)) == pytest.approx(prof.seconds(kn.Kernel(kn.ATTN_BWD, beyond)), rel=1e-4)
 
 
-def test_a_models_own_loss_is_its_own_kernel_and_older_profiles_price_it_as_before():
+def test_a_models_own_loss_is_its_own_kernel_and_committed_rows_are_predicted_as_they_were():
     """A head whose logits the model's own loss reads whole (tied, gathered, run whole) runs that
     loss as one forward and one backward kernel over ``[tokens, vocab]`` (kinds ``loss_fwd`` /
-    ``loss_bwd``, swept since run 62); a profile calibrated before prices each as the pointwise
-    passes it priced then (three, two), framework cost included, so the committed run 60 grid's rows
-    are predicted from their calibration exactly as they were."""
+    ``loss_bwd``); a profile without those kinds is of an older format, refused in one line naming
+    ``stage=calibrate``; rows a validation grid predicted from a calibration (``tests/data``) are
+    predicted from it again exactly as they were."""
     from benchmarks import step_validation as sv
 
     for shape, mesh in ((LLAMA, (2, 1)), (TIED_OPT, (1, 2))):
@@ -222,26 +225,27 @@ def test_a_models_own_loss_is_its_own_kernel_and_older_profiles_price_it_as_befo
         assert [it[1] for it in prog.post_bwd if it[0] == "k" and it[1].kind.startswith("loss")] == [kn.Kernel(kn.LOSS_BWD, (T, V))]
     prog, _ = sp.build_program(GPT, (2, 1), GPT.batch_size, 1)  # vocab-parallel: its own split loss, pointwise
     assert not [it for it in sp.all_items(prog) if it[0] == "k" and it[1].kind.startswith("loss")]
-    root = CONF.parent
-    old_path = root / "docs/step_validation/local_gc1.yaml"
-    old = cp.profile_of(sv.load_calibrated(str(old_path), "", CONF)[0])
-    assert kn.LOSS_FWD not in old.fits and kn.LOSS_BWD not in old.fits
-    k, pw = kn.Kernel(kn.LOSS_BWD, (1680, 256)), kn.Kernel(kn.POINTWISE, (1680 * 256,))
-    assert old.seconds(k) == 2 * old.seconds(pw) and old.step_kernel_seconds(k) == 2 * old.step_kernel_seconds(pw)
-    rows = json.loads((root / "docs/step_validation/gc_a.json").read_text())["rows"]
-    group = [r for r in rows if r["model"] in ("llama_tiny", "gpt2_tiny") and r["batch"] == 12]
-    out, _ = sv.repredict(group, {}, str(old_path), "unused", CONF)
-    assert len(out) == 20
-    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in group], rel=1e-9)
+    cal = DATA / "step_calibration.yaml"
+    data = yaml.safe_load(cal.read_text())
+    for kind in (kn.LOSS_FWD, kn.LOSS_BWD):
+        del data["device"]["compute"]["fits"][kind]
+    with pytest.raises(ConfigError, match=r"^topology 'local': device\.compute: a compute profile of an older format "
+                                          r"\(no fit for kernel kind\(s\) loss_fwd, loss_bwd\) \(calibrate again: "
+                                          r"python train\.py stage=calibrate\)$"):
+        cp.profile_of(Topology.from_config(data))
+    rows = json.loads((DATA / "step_rows.json").read_text())["rows"]
+    out, _ = sv.repredict(rows, {}, str(cal), "unused", CONF)
+    assert len(out) == 8
+    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in rows], rel=1e-9)
 
 
 def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_flops():
-    """Where a profile's cores are no grid of three values an axis (the sweeps before run 61, quick
-    sweeps), a core is priced by its score elements (run 50, diagnosis e42: calibrations' cores with head size 32 ran
+    """Where a profile's cores are no grid of three values an axis (quick sweeps), a core is priced
+    by its score elements (calibrations' cores with head size 32 ran
     0.51-1.65x those with head size 8 of the same ``b, a, s``, their FLOPs 4x): the cores are fitted per
     score element ``b·a·s²`` (:attr:`Kernel.size`, ``per_size`` in the YAML) and interpolated in them,
     whatever the head size; an older profile's fit per FLOP keeps its unit."""
-    from atp_pipeline.run.calibrate_compute import fit_kind
+    from atp_pipeline.planning.profile_fit import fit_kind
 
     def took(c):  # a made-up device: 20 us + 4 ns per score element, whatever the head size
         b, a, s, _ = c
@@ -260,7 +264,7 @@ def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_fl
     back = cp.ComputeProfile.from_config(prof.to_config())
     assert back.fits[kn.ATTN_FWD].per_size and back.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond))
     older = prof.to_config()
-    del older["fits"][kn.ATTN_FWD]["per_size"]  # a profile calibrated before run 50: its ns_per_unit is per FLOP
+    del older["fits"][kn.ATTN_FWD]["per_size"]  # a fit without per_size: its ns_per_unit is per FLOP
     k = kn.Kernel(kn.ATTN_FWD, beyond)
     assert cp.ComputeProfile.from_config(older).seconds(k) == pytest.approx(20e-6 + 4e-9 * k.work, rel=1e-6)
 
@@ -302,11 +306,11 @@ def test_bad_values_are_one_clear_line(tmp_path, capsys):
             "name": "t", "levels": [{"name": "p", "count": 2, "p2p_GBps": 1, "group_GBps": 1}],
             "device": {"compute": {"name": "x", "fits": {k: {"alpha_us": -1 if k == "gemm" else 1,
                                                              "ns_per_unit": 1} for k in kn.KINDS}}}}))
-    with pytest.raises(ConfigError, match="missing kernel kinds"):
+    with pytest.raises(ConfigError, match=r"older format \(no fit for kernel kind\(s\) attention_fwd, "):
         cp.ComputeProfile.from_config({"name": "x", "fits": {"gemm": {"alpha_us": 1, "ns_per_unit": 1}}})
-    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.run import calibrate_compute as ccmd
 
-    assert calibrate_compute.main(["--world", "4", "--topology", "nosuch"]) == 2
+    assert ccmd.main(["--world", "4", "--topology", "nosuch"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: calibrate_compute: --topology nosuch: no such topology")
     out = run_train(["stage=plan", "planner.objective=fast", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
@@ -435,7 +439,7 @@ def test_more_ranks_than_cores_run_at_a_cores_speed_bounded_by_every_ranks_cpu()
 
 
 def test_the_terms_form_runs_on_where_the_hosts_cpu_bound_takes_over():
-    """Diagnosis e48: the step residual's terms form scales the step's compute and exposed parts by
+    """The step residual's terms form scales the step's compute and exposed parts by
     its two factors; where every rank's CPU over the cores overtook the timeline, the compute was
     the kernels at the shared speed (x processes / cores) and a step jumped (x1.58 for `small` at
     batch 12, sequence 148 on 2x2, host speed 1.10 -> 1.16). The host-bound compute is the timeline's
@@ -499,15 +503,13 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
 
 
 def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_from_the_probes_own_steps():
-    """Runs 12-14 (issue 27): the profile's StepResidual (fitted over the probes' own training steps
+    """The profile's StepResidual (fitted over the probes' own training steps
     against their prediction, per process count and chunk count) scales the compute and the exposed
     communication the terms add up to, at the run's counts (the nearest calibrated ones elsewhere);
-    compute and exposed stay the terms', the difference is ``residual_s``. Run 12's one ``factor``
-    and run 13's one pair per process count are read for every chunk count; a stage=calibrate profile
-    without a residual is read as before, noted."""
-    import yaml
+    compute and exposed stay the terms', the difference is ``residual_s``. A residual of an older
+    format (one factor for both parts, or one pair per process count) is refused in one line."""
 
-    from atp_pipeline.run import calibrate_compute as cal
+    from atp_pipeline.planning import profile_fit as pf
 
     four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                                  "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
@@ -536,22 +538,26 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
     cfg = json.loads(json.dumps(res.to_config()))
     assert cfg["step_residual"]["exposed"] == {"2": {"1": 0.75, "2": 1.0}, "4": {"1": 1.125, "2": 0.5}}
     assert cp.ComputeProfile.from_config(cfg).step_residual == sr
-    run12 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.354, 2: 1.339}}}).step_residual
-    assert run12.at(4, 2) == (1.354, 1.354) and run12.at(2, 1) == (1.339, 1.339)
-    run13 = cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: 1.7}, "exposed": {4: 1.0}}}).step_residual
-    assert run13.at(4, 1) == run13.at(4, 2) == (1.7, 1.0)
+    # residuals of an older format (one factor for both parts; one per process count): refused in one line
+    for older in ({"factor": {4: 1.354, 2: 1.339}}, {"compute": {4: 1.7}, "exposed": {4: 1.0}}):
+        with pytest.raises(ConfigError, match=r"^device\.compute: a compute profile of an older format \(step_residual "
+                                              r"without factors per chunk count\) \(calibrate again: python train\.py "
+                                              r"stage=calibrate\)$"):
+            cp.ComputeProfile.from_config({**cfg, "step_residual": older})
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed: the same processes >= 1"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: 1.0}, "exposed": {2: 1.0}}})
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: {1: 1.0}}, "exposed": {2: {1: 1.0}}}})
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: float("nan")}}})
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: {1: float("nan")}}, "exposed": {4: {1: 1.0}}}})
     with pytest.raises(ConfigError, match=r"step_residual: unknown key\(s\) offset"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {"factor": {4: 1.2}, "offset": 1}})
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "offset": 1}})
     assert res.at_speed(cp.HostSpeed(2.0, 2.0)).step_residual == sr  # ratios: the host's speed leaves them
-    # a stage=calibrate profile from before the term (run 10's): read as before, the note says so
-    root = Path(__file__).resolve().parents[1]
-    old = cp.ComputeProfile.from_config(yaml.safe_load((root / "docs/step_validation/local_speed.yaml").read_text())
-                                        ["device"]["compute"])
-    assert old.step_residual is None and old.residual_factors(4, 2) == (1.0, 1.0) and cp.NO_RESIDUAL_NOTE in old.describe(4)
+    # a profile of an older format (no loss kinds swept): refused in one line naming stage=calibrate
+    lossless = {**cfg, "fits": {k: v for k, v in cfg["fits"].items() if not k.startswith("loss")}}
+    with pytest.raises(ConfigError, match=r"^device\.compute: a compute profile of an older format \(no fit for kernel "
+                                          r"kind\(s\) loss_fwd, loss_bwd\) \(calibrate again: python train\.py "
+                                          r"stage=calibrate\)$"):
+        cp.ComputeProfile.from_config(lossless)
+    assert res.residual_factors(4, 2) == (2.0, 0.5) and _flat(1.0).residual_factors(4, 2) == (1.0, 1.0)
     assert "step residual" not in _flat(1.0).describe()  # no note for a profile that is not a calibration's
     # the fit recovers planted factors per process and chunk count (exactly: the probes' steps are T = a·C + b·E)
     parts = [(0.010, 0.030), (0.020, 0.010), (0.050, 0.050), (0.030, 0.090), (0.040, 0.004), (0.080, 0.030),
@@ -560,26 +566,25 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
     chunks = [1, 1, 1, 2, 2, 2, 2]
     planted = {(4, 1): (1.3, 0.8), (2, 2): (1.2, 1.4), (4, 2): (1.1, 1.1)}
     measured = [planted[n, k][0] * c + planted[n, k][1] * e for (c, e), n, k in zip(parts, counts, chunks)]
-    fit = cal.fit_step_residual(parts, measured, counts, chunks)
+    fit = pf.fit_step_residual(parts, measured, counts, chunks)
     assert [fit.at(n, k) for n, k in planted] == [pytest.approx(ab) for ab in planted.values()]
     assert {n: sorted(v) for n, v in fit.compute.items()} == {2: [2], 4: [1, 2]} and fit.steps == {2: 3, 4: 4}
-    two = cal.fit_step_residual(parts[:2], [0.05, 0.0375], [4, 4])  # too few steps to tell the parts apart: one factor
+    two = pf.fit_step_residual(parts[:2], [0.05, 0.0375], [4, 4])  # too few steps to tell the parts apart: one factor
     assert two.at(4, 1) == pytest.approx((1.25, 1.25))
-    assert cal.fit_step_residual([], [], []) is None and cal.residual_counts(4) == [2, 4] and cal.residual_counts(2) == [2]
+    assert pf.fit_step_residual([], [], []) is None and pf.residual_counts(4) == [2, 4] and pf.residual_counts(2) == [2]
 
 
 def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe_models_left_out():
-    """Run 16 (issue 27): the residual's CPU form (CpuStep) — the step as the probes' measured step
-    against their measured rank CPU per (mesh, chunks) cell (``T = ratio·U + wait``; the wait since
-    run 35), of the predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per
-    cell since run 57; before, per process and chunk count) — recovers planted values exactly; the calibration keeps whichever form
+    """The residual's CPU form (CpuStep) — the step as the probes' measured step
+    against their measured rank CPU per (mesh, chunks) cell (``T = ratio·U + wait``), of the
+    predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per cell) — recovers planted values exactly; the calibration keeps whichever form
     predicts better the probe models left out in turn; a profile with it predicts
     ``ratio × (a·cpu + b) + wait`` (the medians of the cells of its chunk count where a cell is not
-    calibrated), writes and reads it back (a profile from before run 35: no wait), and re-times its
+    calibrated), writes and reads it back (without waits: none), and re-times its
     CPU offset and its waits with the host."""
     import math
 
-    from atp_pipeline.run import calibrate_compute as cal
+    from atp_pipeline.planning import profile_fit as pf
 
     ratio = {(2, (2, 1), 1): 1.2, (2, (1, 2), 1): 1.4, (2, (2, 1), 2): 1.3, (2, (1, 2), 2): 1.5,
              (4, (2, 2), 1): 2.4, (4, (4, 1), 1): 2.6}
@@ -591,7 +596,7 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     u = [own.get((n, mesh, c), ab[n, c])[0] * uh + own.get((n, mesh, c), ab[n, c])[1] for (n, mesh, c, _, uh) in steps]
     wall = [ratio[n, mesh, c] * uu + wait.get((n, mesh, c), 0.0) for (n, mesh, c, _, _), uu in zip(steps, u)]
     args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
-    fit = cal.fit_cpu_step(u_hat, u, wall, *args)
+    fit = pf.fit_cpu_step(u_hat, u, wall, *args)
     assert fit.ratio == {2: {"1x2/c1": pytest.approx(1.4), "1x2/c2": pytest.approx(1.5), "2x1/c1": pytest.approx(1.2),
                              "2x1/c2": pytest.approx(1.3)}, 4: {"2x2/c1": pytest.approx(2.4), "4x1/c1": pytest.approx(2.6)}}
     assert fit.wait == {2: {"1x2/c1": pytest.approx(0, abs=1e-9), "1x2/c2": pytest.approx(0.003),
@@ -604,25 +609,21 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     # a cell not calibrated: the medians of 4's chunks-1 cells (ratio 2.5, wait 4 ms, the CPU x1.25 + 0.5 ms)
     assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)
     assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)  # the nearest count, chunks
-    # a profile from before run 57: one CPU line per process and chunk count, whatever the mesh
-    per_chunks = cp.CpuStep(fit.ratio, {2: {1: (1.1, 0.002), 2: (1.05, 0.004)}, 4: {1: (1.2, 0.001)}}, fit.wait)
-    assert per_chunks.step(4, (4, 1), 1, 0.05) == pytest.approx(2.6 * (1.2 * 0.05 + 0.001) + 0.006)
-    assert per_chunks.line(8, (2, 2), 2) == (1.2, 0.001) and "(chunks 1)" in per_chunks.describe()
     # two steps of a cell: no line through them, the median ratio and no wait
-    two = cal.fit_cpu_step(u_hat[:2], u[:2], wall[:2], *(a[:2] for a in args))
+    two = pf.fit_cpu_step(u_hat[:2], u[:2], wall[:2], *(a[:2] for a in args))
     assert two.wait[2]["2x1/c1"] == 0.0 and two.ratio[2]["2x1/c1"] == pytest.approx(1.2)
     # the form: planted as the CPU form, the CPU form predicts the left-out models exactly
     parts = [(0.6 * uh, 0.3 * uh * (1 + m)) for (_, _, _, m, uh) in steps]
     models = [x[3] for x in steps]
-    res = cal.fit_residual(parts, u_hat, u, wall, *args, models)
+    res = pf.fit_residual(parts, u_hat, u, wall, *args, models)
     assert res.form == "cpu" and res.cv["cpu"] == (pytest.approx(0.0, abs=1e-9), pytest.approx(0.0, abs=1e-9))
     assert res.cv["terms"][1] > 0.01
     # planted as the terms' form (the step is 1.3 x compute + 0.9 x exposed, its rank CPU is noise): terms
     terms_wall = [1.3 * c + 0.9 * e for c, e in parts]
     noisy = [uu * (1.0 + 0.3 * math.sin(7 * i)) for i, uu in enumerate(u)]
-    res_t = cal.fit_residual(parts, u_hat, noisy, terms_wall, *args, models)
+    res_t = pf.fit_residual(parts, u_hat, noisy, terms_wall, *args, models)
     assert res_t.form == "terms" and res_t.anchored is not None and res_t.cv["terms"][1] < 1e-6
-    assert cal.fit_residual(parts, u_hat, u, wall, *args, [0] * len(steps)).anchored is None  # one model: nothing left out
+    assert pf.fit_residual(parts, u_hat, u, wall, *args, [0] * len(steps)).anchored is None  # one model: nothing left out
     # in a profile
     four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                                  "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
@@ -644,11 +645,11 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     assert back.form == "cpu" and back.anchored.cpu[4]["2x2/c1"] == pytest.approx(ab[4, 1], rel=1e-5)
     assert cfg["step_residual"]["cpu_fit"]["4"]["4x1/c1"] == pytest.approx([1.3, 0.0], abs=1e-9)  # microseconds
     old_fit = {p: {c.split("/c")[1]: v for c, v in per.items() if c.startswith("2x")} for p, per in cfg["step_residual"]["cpu_fit"].items()}
-    before = cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_fit": old_fit}})
-    assert before.step_residual.anchored.cpu[2] == {1: pytest.approx(ab[2, 1], rel=1e-5), 2: pytest.approx(ab[2, 2], rel=1e-5)}
+    with pytest.raises(ConfigError, match=r"older format \(step_residual\.cpu_fit per chunk count, not per cell\)"):
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_fit": old_fit}})
     assert back.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(res.cpu_step(4, (2, 2), 1, 0.05), rel=1e-5)
     assert "4x1/c1 x2.60 + 6.00 ms" in back.describe()
-    older = {k: v for k, v in cfg["step_residual"].items() if k != "cpu_wait"}  # a profile from before run 35
+    older = {k: v for k, v in cfg["step_residual"].items() if k != "cpu_wait"}  # no waits: 0
     assert cp.ComputeProfile.from_config({**cfg, "step_residual": older}).step_residual.cpu_step(4, (2, 2), 1, 0.05) \
         == pytest.approx(2.4 * (1.2 * 0.05 + 0.001), rel=1e-5)
     slow = prof.at_speed(cp.HostSpeed(1.0, 2.0)).step_residual
@@ -689,41 +690,43 @@ def test_the_pure_collective_loops_cover_small_messages_with_more_calls():
     """The pure collective loops run on every group layout at 1 KiB to 1 MiB (small models'
     activations are a few KiB: eight calibrations fitted from 16 KiB up gave 345-535 us a
     2-rank call), each a pass LOOP_BATCH x the calls of the other measurements."""
-    from atp_pipeline.run import calibrate_compute as cc_
+    from atp_pipeline.planning import profile_fit as pf
+    from atp_pipeline.run import compute_measure as cm, compute_timing as ct
 
-    pure = [p for p in cc_.sync_patterns(4) + cc_.cpu_loops(4) if p[5] == 0 and p[6] == cc_.SYNC]
+    pure = [p for p in cm.sync_patterns(4) + cm.cpu_loops(4) if p[5] == 0 and p[6] == pf.SYNC]
     layouts = {(d1, d2, dim) for d1, d2, dim, *_ in pure}
     assert layouts == {(4, 1, 1), (2, 2, 1), (2, 2, 2)}
     for layout in layouts:
-        for coll in cc_.SYNC_COLLECTIVES:
+        for coll in cm.SYNC_COLLECTIVES:
             assert sorted(p[4] for p in pure if p[:3] == layout and p[3] == coll) == [
                 1024, 4096, 16384, 65536, 262144, 1048576]
-    assert {cc_.loop_batch(p) for p in pure} == {cc_.LOOP_BATCH} == {4}
-    assert {cc_.loop_batch(p) for p in cc_.sync_patterns(4) if p[5] > 0 or p[6] != cc_.SYNC} == {1}
-    assert cc_.calls_per_batch(10.0, 1e-3) == 10 and cc_.calls_per_batch(10.0, 1e-3, cc_.LOOP_BATCH) == 40
-    assert cc_.calls_per_batch(10.0, 0.05) == 1 and cc_.calls_per_batch(10.0, 0.0, 4) == 200
+    assert {ct.loop_batch(p) for p in pure} == {cm.LOOP_BATCH} == {4}
+    assert {ct.loop_batch(p) for p in cm.sync_patterns(4) if p[5] > 0 or p[6] != pf.SYNC} == {1}
+    assert ct.calls_per_batch(10.0, 1e-3) == 10 and ct.calls_per_batch(10.0, 1e-3, cm.LOOP_BATCH) == 40
+    assert ct.calls_per_batch(10.0, 0.05) == 1 and ct.calls_per_batch(10.0, 0.0, 4) == 200
 
 
 def test_collective_cpu_per_call_and_byte_from_the_pure_collective_loops():
     """The pure collective loops (no GEMMs, every rank in them at once) give per group size a
     CPU per call and per byte; waiting costs nothing (no busy share); on the timeline a call of
     ``size`` ranks moving B bytes adds ``c + b·B`` to the rank's CPU; the terms round-trip."""
-    from atp_pipeline.run import calibrate_compute as cc_
+    from atp_pipeline.planning import profile_fit as pf
+    from atp_pipeline.run import compute_measure as cm
 
     c, b = {2: 150e-6, 4: 400e-6}, {2: 0.5e-9, 4: 2e-9}
     pats, timed = [], []
     for d1, d2, dim in ((4, 1, 1), (2, 2, 1), (2, 2, 2)):
         size = d1 if dim == 1 else d2
-        for coll in cc_.SYNC_COLLECTIVES:
+        for coll in cm.SYNC_COLLECTIVES:
             for nbytes in (16384, 262144, 1048576):
-                pats.append((d1, d2, dim, coll, nbytes, 0, cc_.SYNC))
-                timed.append(cc_.Timed(1e-3, c[size] + b[size] * nbytes, {}))
-            pats.append((d1, d2, dim, coll, 16384, 4, cc_.SYNC))  # loops with compute: not this fit's
-            timed.append(cc_.Timed(1e-3, 1.0, {}))
-    fit = cc_.fit_collective_cpu_loops(pats, timed)
+                pats.append((d1, d2, dim, coll, nbytes, 0, pf.SYNC))
+                timed.append(pf.Timed(1e-3, c[size] + b[size] * nbytes, {}))
+            pats.append((d1, d2, dim, coll, 16384, 4, pf.SYNC))  # loops with compute: not this fit's
+            timed.append(pf.Timed(1e-3, 1.0, {}))
+    fit = pf.fit_collective_cpu_loops(pats, timed)
     assert fit.busy == {} and fit.per_call == pytest.approx(c, rel=1e-6) and fit.per_byte == pytest.approx(b, rel=1e-6)
     assert fit.call_seconds(4, 1e6) == pytest.approx(400e-6 + 2e-3) and fit.share(4) == 0.0
-    assert cc_.fit_collective_cpu_loops(pats[3:4], timed[3:4]) is None
+    assert pf.fit_collective_cpu_loops(pats[3:4], timed[3:4]) is None
     prof = dataclasses.replace(_flat(5.0), collective_cpu=fit)
     back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
     assert back.collective_cpu.per_byte == pytest.approx(b) and back.collective_cpu.busy == {}
@@ -737,7 +740,7 @@ def test_collective_cpu_per_call_and_byte_from_the_pure_collective_loops():
 
 
 def test_an_earlier_calibrations_busy_shares_are_read_and_named():
-    """Profiles calibrated before the pure-loop fit (af61231) carry busy shares: still read, named, checked."""
+    """A profile with busy shares (a share of a core kept busy per second waited): read, named, checked."""
     fit = cp.CollectiveCPU({2: 0.2, 4: 0.5})
     prof = dataclasses.replace(_flat(2.0), collective_cpu=fit)
     back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config())))
@@ -783,31 +786,32 @@ def test_profile_with_runtime_terms_round_trips_and_names_them():
 def test_calibration_fits_recover_the_runtime_terms_exactly():
     """From a sweep of kernel shapes (none a plan's own), probe plans' collective-free steps
     and compute-then-collective loops made by known terms, the fits give those terms back."""
-    from atp_pipeline.run import calibrate_compute as cc
+    from atp_pipeline.planning import profile_fit as pf
+    from atp_pipeline.run import compute_measure as cm
 
-    kernels = cc.sweep_kernels()
+    kernels = cm.sweep_kernels()
     # optimizer: 40 us + 3 us per tensor + 1 ns per element (foreach: a per-step constant)
     seconds = [40e-6 + 3e-6 * k.dims[0] + 1e-9 * k.work if k.kind == kn.OPTIMIZER else 1e-6 + 1e-9 * k.work
                for k in kernels]
-    base = cc.make_profile("x", kernels, seconds, 4)
+    base = pf.make_profile("x", kernels, seconds, 4)
     opt = base.fits[kn.OPTIMIZER]
     assert (opt.alpha_s, opt.per_tensor_s, opt.per_unit_s) == pytest.approx((40e-6, 3e-6, 1e-9), rel=1e-6)
-    plans = cc.plan_points([GPT, LLAMA], 4, [1, 2])
+    plans = cm.plan_points([GPT, LLAMA], 4, [1, 2])
     assert len(plans) == 2 * 3 * 2  # each probe: 3 meshes x 2 chunk counts (one runtime chunks every model)
     want = cp.Framework(20e-6, 0.25, 300e-6, 1e-9, 15e-6)
-    plan_s = [cc.framework_seconds(want, cc.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
+    plan_s = [pf.framework_seconds(want, pf.plan_features(base, (GPT, LLAMA)[mi], (d1, d2), c))
               for mi, d1, d2, c in plans]
     topo = Topology.from_config({"name": "t4", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1,
                                                           "group_GBps": 1}]})
-    patterns = cc.sync_patterns(4)
+    patterns = cm.sync_patterns(4)
     assert {(p[0], p[1], p[2]) for p in patterns} == {(4, 1, 1), (2, 2, 1), (2, 2, 2)}  # 1x4's d2 = 4x1's d1
-    assert {p[6] for p in patterns} == {cc.SYNC, cc.ASYNC}
+    assert {p[6] for p in patterns} == {pf.SYNC, pf.ASYNC}
     pat_s = []
     for p in patterns:  # 100 us + 0.3 x compute per collective; 40 % of an overlap hidden
-        comp, coll = cc.pattern_prediction(base, topo, p)
+        comp, coll = pf.pattern_prediction(base, topo, p)
         d = coll + 100e-6 + 0.3 * comp
-        pat_s.append(comp + d if p[6] == cc.SYNC else max(comp + 0.6 * min(comp, d), d))
-    prof = cc.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s,
+        pat_s.append(comp + d if p[6] == pf.SYNC else max(comp + 0.6 * min(comp, d), d))
+    prof = pf.make_profile("x", kernels, seconds, 4, [GPT, LLAMA], plans, plan_s, topo, patterns, pat_s,
                            {1: 0.5, 2: 0.5, 4: 1.0}, ["gpt", "llama"])
     assert prof.sync.hidden == pytest.approx(0.4, rel=1e-6)
     fw = prof.framework
@@ -822,7 +826,7 @@ def test_calibration_fits_recover_the_runtime_terms_exactly():
 def test_each_collective_call_adds_its_backend_cpu_on_the_timeline():
     """An earlier calibration's per-call cost (no per-byte term) is read back; on the timeline each
     call adds c[size] to the rank's CPU; plan_calls counts a plan's calls by group size."""
-    from atp_pipeline.run import calibrate_compute as cc
+    from atp_pipeline.planning import profile_fit as pf
 
     prof = dataclasses.replace(_flat(5.0), collective_cpu=cp.CollectiveCPU({2: 0.0}, {2: 400e-6}))
     assert cp.ComputeProfile.from_config(prof.to_config()).collective_cpu.per_call == pytest.approx({2: 400e-6})
@@ -831,10 +835,10 @@ def test_each_collective_call_adds_its_backend_cpu_on_the_timeline():
     tl.run([("sync", sp.Coll(term, Fraction(1), 1000)), ("sync", sp.Coll(term, Fraction(1), 1000))], [])
     assert tl.coll_cpu == pytest.approx(2 * 400e-6)
     items = sp.all_items(sp.build_program(GPT, (2, 2), GPT.batch_size, 1)[0])
-    assert cc.plan_calls(GPT, (2, 2), 1) == {2: len([i for i in items if i[0] in ("sync", "async", "linear")])}
+    assert pf.plan_calls(GPT, (2, 2), 1) == {2: len([i for i in items if i[0] in ("sync", "async", "linear")])}
     # the estimate reports that part of the rank's CPU apart (coll_cpu_s, the validation's predicted_coll_cpu_s)
     est = st.estimate_step(_two(), GPT, (2, 1), st.StepSetting(), prof)
-    assert est.coll_cpu_s == pytest.approx(cc.plan_calls(GPT, (2, 1), 1)[2] * 400e-6) and est.cpu_s > est.coll_cpu_s
+    assert est.coll_cpu_s == pytest.approx(pf.plan_calls(GPT, (2, 1), 1)[2] * 400e-6) and est.cpu_s > est.coll_cpu_s
     assert est.to_dict()["coll_cpu_s"] == est.coll_cpu_s
 
 
@@ -848,7 +852,7 @@ def test_training_and_its_calibration_and_validation_step_one_optimizer():
     opt = adamw([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     assert opt.defaults["foreach"] is True and type(opt).__name__ == "LocalShardAdamW"
     root = Path(__file__).resolve().parents[1]
-    for src in (root / "benchmarks" / "step_validation.py", root / "atp_pipeline" / "run" / "calibrate_compute.py"):
+    for src in (root / "benchmarks" / "step_validation.py", root / "atp_pipeline" / "run" / "compute_timing.py"):
         text = src.read_text()
         assert "adamw(" in text and "torch.optim.AdamW(" not in text, src
     assert "adamw(" in Path(LMModuleMixin.configure_optimizers.__code__.co_filename).read_text()
@@ -865,7 +869,7 @@ def _count_reads(rank: int, world: int, entries: list) -> list:
     from atp_pipeline.models.adapter import get_adapter
     from atp_pipeline.parallel import comm_for
     from atp_pipeline.parallel.apply import apply_plan
-    from atp_pipeline.run.calibrate_compute import _mesh
+    from atp_pipeline.run.compute_timing import _mesh
 
     calls, to_local = [0], DTensor.to_local
 
@@ -904,9 +908,9 @@ def test_the_programs_parameter_reads_are_the_runtimes():
     the transformers Llama (no biases, gathered norms) and GPT-2 (tied head) layouts, at 1 and 2
     chunks, on 2 real processes; the timeline charges the framework's price for each."""
     from atp_pipeline.launch import spawn
-    from atp_pipeline.run import calibrate_compute as cal
+    from atp_pipeline.run import compute_measure as cm
 
-    built = cal.compose_models(cal.probe_entries(["probe_gpt_s", "probe_llama", "probe_gpt2"]), CONF)
+    built = cm.compose_models(cm.probe_entries(["probe_gpt_s", "probe_llama", "probe_gpt2"]), CONF)
     entries = [(spec, mesh, c) for _, spec in built for mesh in ((2, 1), (1, 2)) for c in (1, 2)]
     got = spawn(_count_reads, 2, entries, timeout=300)[0]
     want = [sp.param_reads(shape, c) for shape, _ in built for _ in ((2, 1), (1, 2)) for c in (1, 2)]
@@ -923,18 +927,18 @@ def test_the_programs_parameter_reads_are_the_runtimes():
 
 
 def test_the_programs_collective_calls_are_the_runtimes_on_four_processes():
-    """Run 37 (issue 27): the step program lists the collective calls the runtime sends, not only
+    """The step program lists the collective calls the runtime sends, not only
     their bytes (a collective's backend CPU and α are per call): key/value heads picked per rank
     (grouped-query ``probe_llama`` on 2x2: their gradients summed over d2, keys and values in a call
     each), gathered over d1 (on 4x1: keys and values each gathered, each gradient summed), and a
     multi-head core on 2x2 (q, k and v scattered in one call); 4 real processes, chunks 1 and 2.
-    Before run 37 the program listed one call per cost-model term (gpt2 2x2: 33 calls against the
-    runtime's 31, a grouped-query Llama 41 against 43)."""
+    One call per cost-model term would be wrong (gpt2 2x2: 33 calls against the runtime's 31, a
+    grouped-query Llama 41 against 43)."""
     from atp_pipeline.launch import spawn
     from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, kv_placement
-    from atp_pipeline.run import calibrate_compute as cal
+    from atp_pipeline.run import compute_measure as cm
 
-    (llama, llama_spec), (gpt2, gpt2_spec) = cal.compose_models(cal.probe_entries(["probe_llama", "probe_gpt2"]), CONF)
+    (llama, llama_spec), (gpt2, gpt2_spec) = cm.compose_models(cm.probe_entries(["probe_llama", "probe_gpt2"]), CONF)
     points = [(llama, llama_spec, (2, 2), 2), (llama, llama_spec, (4, 1), 2), (gpt2, gpt2_spec, (2, 2), 2),
               (llama, llama_spec, (1, 4), 1)]
     assert [kv_placement(sh, *m) for sh, _, m, _ in points] == [KV_PICK, KV_GATHERED, KV_SCATTER, KV_PICK]
@@ -950,14 +954,14 @@ def test_the_programs_collective_calls_are_the_runtimes_on_four_processes():
 def test_calibration_times_the_runtime_terms_on_processes():
     """The measuring half on 2 real processes: foreach AdamW on DTensors' shards on a mesh, the
     runtime's collective-free forward and backward of a plan, a compute-then-collective loop."""
-    from atp_pipeline.run import calibrate_compute as cc
+    from atp_pipeline.run import compute_measure as cm, compute_timing as ct
 
-    (tiny, spec), = cc.compose_models(cc.probe_entries(["probe_gpt_s"]), CONF)
+    (tiny, spec), = cm.compose_models(cm.probe_entries(["probe_gpt_s"]), CONF)
     assert (tiny.hidden, tiny.layers, tiny.batch_size, tiny.seq_len) == (48, 1, 6, 48)
-    plans = [p for p in cc.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
-    patterns = [p for p in cc.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
+    plans = [p for p in cm.plan_points([tiny], 2, [2]) if p[1:3] == (2, 1)]
+    patterns = [p for p in cm.sync_patterns(2) if p[3] == "all_gather" and p[5] == 1][:2]
     kernels = [kn.Kernel(kn.OPTIMIZER, (4, 1000))]
-    got, timed, foreign = cc.measure_all(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
+    got, timed, foreign = ct.measure_all(kernels, 2, passes=1, batch_ms=1.0, timeout=120, plans=plans,
                                          models=[spec], patterns=patterns, live=plans)
     assert len(got) == 5 and all(0 < t < 5 for t in got)
     assert all(t.cpu > 0 for t in timed) and set(timed[-1].waits) == {2} and not timed[1].waits  # the live step waited
@@ -986,7 +990,7 @@ def test_bounded_least_squares_is_the_constrained_optimum():
 
 
 def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_now(tmp_path):
-    """Run 10 (issue 27): the profile records its reference probe's times; timed again, the ratio
+    """the profile records its reference probe's times; timed again, the ratio
     per group (geometric mean) scales the kernel prices (compute) and the per-call prices
     (overhead: framework, collectives' backend CPU, sync extra), ratios unchanged; profile_of
     applies a topology's ``device.host_speed``; the plan's notes say it. A profile without a
@@ -994,7 +998,7 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     from types import SimpleNamespace
 
     from atp_pipeline.planning.alphabeta_fit import write_topology
-    from atp_pipeline.run.calibration import file_digest, with_calibration
+    from atp_pipeline.run.calibration import with_calibration
 
     recorded = {"compute": {"a": 1e-3, "b": 2e-3}, "overhead": {"c": 1e-4, "d": 4e-4}}
     now = {"compute": {"a": 1.2e-3, "b": 2.4e-3, "new": 1.0}, "overhead": {"c": 1.5e-4, "d": 6e-4}}
@@ -1025,40 +1029,37 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
            for p in (prof, prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))]
     assert not two[0].host_bound and two[1].compute_s == pytest.approx(2 * two[0].compute_s)
     assert "host speed re-timed now: the reference probe ran x2.000 (kernels) and x2.000" in twice.calibration
-    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
-    assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in recorded.items()}
+    stepped = {**recorded, "steps": {"p 2x1/c1 on 2": 0.01}}  # a calibration's reference has the probes' steps
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(dataclasses.replace(prof, reference=stepped).to_config()))).reference
+    assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in stepped.items()}
     with pytest.raises(ConfigError, match="is re-timed .*write the calibration's own profile"):
         fast.to_config()
     with pytest.raises(ConfigError, match="already at a re-timed speed"):
         fast.at_speed(speed)
     with pytest.raises(ConfigError, match=r"^reference probe: no 'overhead' timing both at calibration and now"):
         cp.host_speed(recorded, {"compute": now["compute"]})
-    # stage=plan's path: the file's probe re-timed (here: a re-timing of this file's SHA-256 a moment ago)
+    # a calibration file whose reference has no probe steps (what stage=plan times again) is of an
+    # older format: refused in one line naming stage=calibrate
     path = tmp_path / "t.yaml"
     write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                     "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
-    (tmp_path / "t_speed.json").write_text(json.dumps({"sha256": file_digest(path), "epoch": __import__("time").time(),
-                                                       "compute": 1.2, "overhead": 1.5, "measured": "just now"}))
     bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
-    topo = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
-    assert topo.device["host_speed"] == {"compute": 1.2, "overhead": 1.5, "measured": "just now"}
-    got = cp.profile_of(topo)
-    assert got.seconds(gemm) == pytest.approx(60e-6) and got.seconds(big) == pytest.approx(120e-6)
-    assert dataclasses.astuple(got.framework) == pytest.approx(dataclasses.astuple(fast.framework))
-    assert "the reference probe ran x1.200 (kernels) and x1.500 (per-call work)" in topo.note and "reused" in topo.note
-    off = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
-    assert "host_speed" not in off.device and "calibration.retime=false" in off.note
+    with pytest.raises(ConfigError, match=r"^calibration file .*t\.yaml: device\.compute: a compute profile of an older "
+                                          r"format \(reference without the probes' steps\) \(calibrate again: "
+                                          r"python train\.py stage=calibrate\)$"):
+        with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
     old = {**prof.to_config()}
     del old["reference"]
     write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                     "alpha_beta": ab, "device": {"name": "cpu", "compute": old}}, path)
-    was = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
-    assert "host_speed" not in was.device and cp.profile_of(was).speed is None
-    assert "has no reference probe (calibrated before it was recorded): predicted at the calibration's host speed" in was.note
+    off = with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
+    assert "host_speed" not in off.device and "calibration.retime=true times the host again" in off.note
+    with pytest.raises(ConfigError, match=r"^calibration.retime: calibration .* recorded no probe steps"):
+        with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0))
 
 
 def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at_calibration(tmp_path, monkeypatch):
-    """Run 45 (issue 27): the profile's reference records the probes' whole steps (label ->
+    """the profile's reference records the probes' whole steps (label ->
     seconds, ``"<probe> <d1>x<d2>/c<chunks> on <processes>"``); timed again on a process count, the
     geometric mean of now / then over that count's labels is one ratio for every price, so a
     CPU-form step scales by it exactly; two speeds of different kinds never make a span; a plan's
@@ -1077,7 +1078,7 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     assert two.describe() == f"host speed re-timed t: the probes' whole steps on 2 processes ran x{two.compute:.3f} " \
                              "the calibrated model's time for them"
     assert cp.HostSpeed.from_dict(two.to_dict()) == two
-    assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # kernels' (runs 10-44)
+    assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # the kernels' basis
     assert cp.parse_step_label("probe_gpt_s 2x1/c2 on 2") == ("probe_gpt_s", (2, 1), 2, 2)
     assert cp.step_label("probe_gpt_s", (2, 1), 2, 2) == "probe_gpt_s 2x1/c2 on 2"
     assert cp.step_processes(then) == [2, 4]
@@ -1101,7 +1102,7 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
         cp.HostSpeed.over([*spans, cp.HostSpeed(1.0, 1.0, "t6", "steps", 4)])
     # the step of the CPU form x the ratio, exactly
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
-    anchored = cp.CpuStep({4: {"2x2/c1": 2.0}}, {4: {1: (1.1, 1e-3)}}, {4: {"2x2/c1": 2e-3}})
+    anchored = cp.CpuStep({4: {"2x2/c1": 2.0}}, {4: {"2x2/c1": (1.1, 1e-3)}}, {4: {"2x2/c1": 2e-3}})
     prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, processes=4, cores=2, kernel_time="cpu",
                              framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6),
                              collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
@@ -1125,10 +1126,10 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     topo = with_calibration(bare, cal)
     assert cp.HostSpeed.from_dict(topo.device["host_speed"]) == cp.HostSpeed(0.5, 0.5, "c", "steps", 4)
     assert "the probes' whole steps on 4 processes ran x0.500" in topo.note and "reused" in topo.note
-    from atp_pipeline.run import calibrate_compute
+    from atp_pipeline.run import retime as hs
 
     timed = []
-    monkeypatch.setattr(calibrate_compute, "retime_steps",
+    monkeypatch.setattr(hs, "retime_steps",
                         lambda profile, processes, topo: timed.append(processes) or cp.HostSpeed(0.7, 0.7, "d", "steps", 4))
     for other in (cp.HostSpeed(0.5, 0.5, "c", "steps", 2), cp.HostSpeed(0.5, 0.6, "c")):  # another count, the kernels'
         (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
@@ -1147,7 +1148,7 @@ def test_an_mlp_activation_is_priced_by_the_kernels_its_code_runs():
     from transformers.activations import ACT2FN
 
     from atp_pipeline.models.op_count import pointwise_kernels
-    from atp_pipeline.run.calibrate_compute import compose_models
+    from atp_pipeline.run.compute_measure import compose_models
     from benchmarks.step_validation import variant_overrides
 
     assert pointwise_kernels(ACT2FN["gelu_new"]) == (8, 11)
@@ -1171,3 +1172,38 @@ def test_an_mlp_activation_is_priced_by_the_kernels_its_code_runs():
         assert count(gpt2, "blocks_bwd") - count(fused, "blocks_bwd") == 10 * gpt2.layers * chunks
     with pytest.raises(ValueError, match="act_kernels must be two counts >= 0"):
         dataclasses.replace(gpt2, act_kernels=(1, -1))
+
+
+def test_plan_times_the_host_only_when_asked_or_when_the_calibration_is_stale(tmp_path, monkeypatch, capsys):
+    """``stage=plan``/``stage=fit`` price at the calibration's own speed and start no process unless
+    ``calibration.retime`` asks, or the calibration is stale (measured on another host, or more than
+    ``calibration.stale_days`` days ago; 0: never), which one printed line says."""
+    from types import SimpleNamespace
+
+    from atp_pipeline.run import calibration, retime as hs
+
+    data = yaml.safe_load((DATA / "step_calibration.yaml").read_text())
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(data))
+    bare = Topology.from_config({k: data[k] for k in ("name", "levels")})
+    calls = []
+    monkeypatch.setattr(hs, "retime_steps",
+                        lambda profile, n, topo: calls.append(n) or cp.HostSpeed(1.25, 1.25, "now", "steps", n))
+
+    def plan(host: str, stale_days: float, retime: bool = False) -> Topology:
+        monkeypatch.setattr(calibration, "_host", lambda: host)
+        return calibration.with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=retime,
+                                                                  retime_s=0.0, stale_days=stale_days))
+
+    fresh = plan("vm", 1e6)  # measured on this host, recently
+    assert calls == [] and "host_speed" not in fresh.device and capsys.readouterr().out == ""
+    assert "calibration.retime=true times the host again" in fresh.note
+    assert plan("elsewhere", 0.0).device.get("host_speed") is None and calls == []  # 0: never stale
+    moved = plan("elsewhere", 1e6)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert calls == [4] and cp.profile_of(moved).speed.compute == 1.25
+    assert out == ["note: the calibration is stale (measured on host 'vm', not 'elsewhere'): timing the host's speed "
+                   "now; `python train.py stage=calibrate` measures it again"]
+    old = plan("vm", 1.0)  # measured more than a day ago
+    assert calls == [4, 4] and "stale calibration (measured" in old.note and "calibration.stale_days=1" in old.note
+    asked = plan("vm", 1e6, retime=True)
+    assert calls == [4, 4, 4] and cp.profile_of(asked).speed is not None

@@ -163,17 +163,108 @@ class CalibratedMeshConfig:
 
 
 @dataclass
+class KindFitConfig:
+    """A kernel kind's fit ``t = α + units·γ`` (+ ``per_tensor_us`` per tensor: the optimizer)."""
+
+    alpha_us: float = MISSING
+    ns_per_unit: float = MISSING
+    per_tensor_us: float = 0.0
+    per_size: bool = False  # units: the kernel's size (an attention core's score elements), not its work
+
+
+@dataclass
+class FrameworkConfig:
+    """The runtime's CPU work around kernels and collectives (:class:`~atp_pipeline.planning.compute_profile.Framework`)."""
+
+    per_kernel_us: float = MISSING
+    kernel_factor: float = 0.0
+    per_collective_us: float = 0.0
+    per_collective_ns_per_byte: float = 0.0
+    per_read_us: float = 0.0
+
+
+@dataclass
+class SyncConfig:
+    """A collective's extra cost when processes share the cores, and the share of overlap hidden."""
+
+    alpha_us: float = MISSING
+    per_compute: float = 0.0
+    hidden: float = 1.0
+
+
+@dataclass
+class CollectiveCPUConfig:
+    """A collective's backend CPU per call and per byte, by group size."""
+
+    per_call_us: Dict[int, float] = field(default_factory=dict)
+    per_byte_ns: Dict[int, float] = field(default_factory=dict)
+    busy: Dict[int, float] = field(default_factory=dict)  # share of a core kept busy per second waited
+
+
+@dataclass
+class ProbeConfig:
+    """A probe model the calibration ran whole (the validation's in-sample check)."""
+
+    name: str = MISSING
+    key: str = MISSING
+    mesh: List[int] = MISSING
+    batch: int = MISSING
+    seq_len: int = MISSING
+    processes: int = 0
+
+
+@dataclass
+class StepResidualConfig:
+    """What a step takes beyond the terms' sum (:class:`~atp_pipeline.planning.step_residual.StepResidual`):
+    factors per process count and chunk count, and the step from a rank's CPU per cell."""
+
+    compute: Dict[int, Dict[int, float]] = MISSING
+    exposed: Dict[int, Dict[int, float]] = MISSING
+    probe_steps: Dict[int, int] = field(default_factory=dict)
+    form: str = "terms"
+    cpu_ratio: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    cpu_fit: Dict[int, Dict[str, List[float]]] = field(default_factory=dict)
+    cpu_wait: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    cv: Dict[str, List[float]] = field(default_factory=dict)
+
+
+@dataclass
+class ComputeProfileConfig:
+    """A measured compute profile, as ``python train.py stage=calibrate`` writes it
+    (:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.from_config` reads it)."""
+
+    name: str = MISSING
+    source: str = ""
+    date: str = ""
+    processes: int = 1
+    cores: int = 0
+    kernel_time: str = "wall"  # "cpu": a rank's CPU seconds (a calibration's); "wall"
+    peak_GFLOPs: float = 0.0
+    contention: Dict[int, float] = field(default_factory=dict)
+    comm_contention: Dict[int, float] = field(default_factory=dict)
+    fits: Dict[str, KindFitConfig] = MISSING
+    optimizer: str = ""
+    framework: Optional[FrameworkConfig] = None
+    sync: Optional[SyncConfig] = None
+    collective_cpu: Optional[CollectiveCPUConfig] = None
+    probes: List[ProbeConfig] = field(default_factory=list)
+    reference: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    step_residual: Optional[StepResidualConfig] = None
+    points: List[Any] = field(default_factory=list)  # [kind, [dims], microseconds]
+
+
+@dataclass
 class DeviceConfig:
     """A device: its memory, its datasheet peak (the step-time model's compute where it has
     no calibration: :meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.from_spec`) and
-    ``compute``, a measured compute profile written by ``python -m
-    atp_pipeline.run.calibrate_compute`` (read by :mod:`atp_pipeline.planning.steptime`)."""
+    ``compute``, a measured compute profile (``python train.py stage=calibrate``; read by
+    :mod:`atp_pipeline.planning.steptime`)."""
 
     name: str = "unknown"
     memory_GB: Optional[float] = None
     peak_TFLOPs: Optional[float] = None
     memory_GBps: Optional[float] = None
-    compute: Optional[Dict[str, Any]] = None
+    compute: Optional[ComputeProfileConfig] = None
 
 
 @dataclass
@@ -423,15 +514,18 @@ class CalibrationConfig:
     use: bool = True
     passes: int = 5  # interleaved timed passes per measurement (median)
     quick: bool = False  # a coarse sweep, one probe (a smoke run: tests)
-    # price predictions at the host's speed now: the probes' whole steps the calibration recorded
-    # timed again (~15 s), reused for ``retime_s`` seconds (``<dir>/<topology>_speed.json``);
-    # false: at the calibration's speed (the plan's notes say which)
-    retime: bool = True
+    # time the host's speed now before pricing (the probes' whole steps the calibration recorded,
+    # ~15 s on the plan's processes; reused for ``retime_s`` seconds, ``<dir>/<topology>_speed.json``);
+    # false: at the calibration's speed, unless the calibration is stale (measured on another host
+    # or more than ``stale_days`` days ago; 0: never), which a one-line note says
+    retime: bool = False
+    stale_days: float = 30.0
     retime_s: float = 300.0
 
     def __post_init__(self) -> None:
         at_least(self, "calibration", 1, "passes")
         at_least(self, "calibration", 0, "retime_s")
+        at_least(self, "calibration", 0, "stale_days")
 
 
 @dataclass

@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.sbp.layout import (PARTIAL, REPLICATE, SHARD0, SHARD1, SBPLayout, _check_div,
                                               placement_names, plan_mesh_shape, role_dims)
-from atp_pipeline.planning.sbp.alphabeta import Collective
+from atp_pipeline.planning.alphabeta import Collective
 from atp_pipeline.planning.sbp.chain import INTO
 from atp_pipeline.planning.sbp.space import Strategy, direct, row_split
 

@@ -12,9 +12,9 @@ all-gather, reduce-scatter or all-to-all — over concurrent groups of ``size`` 
 ``stride`` apart moving ``nbytes``, with the median time of its passes.
 
 **Fit.** Per topology level (a group runs on the innermost level whose unit covers its
-span, :meth:`~atp_pipeline.planning.sbp.alphabeta.AlphaBeta.level`), the points form the
+span, :meth:`~atp_pipeline.planning.alphabeta.AlphaBeta.level`), the points form the
 linear system of §3.2, ``t = α·steps(c, p) + β·volume(c, p, N)`` with Table 2's
-``steps``/``volume`` (:mod:`atp_pipeline.planning.sbp.alphabeta`, the one implementation
+``steps``/``volume`` (:mod:`atp_pipeline.planning.alphabeta`, the one implementation
 of the model), solved by least squares on *relative* residuals (each row divided by its
 measured time, so 4 KiB and 8 MiB points count alike), with α, β ≥ 0. Besides the
 paper's one pair per level, every collective kind gets its own pair on the level (gloo
@@ -32,7 +32,7 @@ levels with ``p2p_GBps`` = ``group_GBps`` = the fitted all-reduce bus bandwidth 
 the level (what ATP's Eq. 3–4 mesh planner reads: Eq. 4's algorithm bandwidth
 ``d/(2(d−1))·B′`` is Table 2's all-reduce with ``β = 1/B′``), and ``alpha_beta:`` with the
 fitted α/β per level and collective (what the SBP planner reads through
-:meth:`~atp_pipeline.planning.sbp.alphabeta.AlphaBeta.from_topology`). Also a JSON report
+:meth:`~atp_pipeline.planning.alphabeta.AlphaBeta.from_topology`). Also a JSON report
 (every point, both fits, the errors) and a plot of predicted vs measured time
 (:func:`write_report`).
 """
@@ -53,7 +53,7 @@ import numpy as np
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.lstsq import nnls
-from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective, LinkLevel, steps, volume
+from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, LinkLevel, steps, volume
 
 COLLECTIVES: Tuple[Collective, ...] = (Collective.all_reduce, Collective.all_gather,
                                        Collective.reduce_scatter, Collective.all_to_all)

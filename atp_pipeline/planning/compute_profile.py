@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, COMPOSED, GEMM, KINDS, NORM_BWD, NORM_FWD,
                                         OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.host_speed import (REFERENCE_GROUPS, STEPS_GROUP, HostSpeed, host_speed,  # noqa: F401
+                                             parse_step_label, step_label, step_processes, steps_count, steps_speed)
 from atp_pipeline.planning.shape import ModelShape
+from atp_pipeline.planning.step_residual import CpuStep, StepResidual, _nearest, cell_key  # noqa: F401
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]
@@ -23,7 +25,7 @@ Mesh = Tuple[int, int]
 class KindFit:
     """``t = alpha_s + work * per_unit_s`` (plus ``per_tensor_s`` per tensor for the optimizer);
     ``per_size``: per unit of :attr:`Kernel.size` instead of work (a calibrated profile's attention
-    cores since run 50: per score element)."""
+    cores: per score element)."""
 
     alpha_s: float
     per_unit_s: float
@@ -49,7 +51,7 @@ class Framework:
     sharded parameter the step reads (:func:`~atp_pipeline.planning.step_program.param_reads`:
     DTensor ``to_local`` and its backward, each chunk's own) ``per_read_s`` besides — a layout
     with biases and split norm statistics reads ~2x the parameters of one without, for about
-    as many kernels (``docs/step_validation/diagnosis/e20.log``).
+    as many kernels.
     Calibrated from probe models' forward and backward with their collectives skipped
     (:mod:`atp_pipeline.run.calibrate_compute`)."""
 
@@ -90,11 +92,10 @@ class CollectiveCPU:
 
     Calibrated (``stage=calibrate``) from the pure collective loops (the compute-then-collective
     loops with no compute: every rank in the same back-to-back collectives after a barrier, so
-    nobody waits for a slower rank): per call and per byte, no busy share. A rank blocked in a
-    gloo collective sleeps (``docs/step_validation/diagnosis/e7.log``: ranks waiting for a late one
-    spend less CPU per call, not more), so time waited costs nothing. Profiles of earlier
-    calibrations carry busy shares and per-call costs fitted from the probe steps' CPU with and
-    without their collectives (which charged the validation models' waits as work)."""
+    nobody waits for a slower rank): per call and per byte. A rank blocked in a gloo collective
+    sleeps (ranks waiting for a late one spend less CPU per call, not more), so time waited costs
+    nothing. ``busy`` (a share of a core kept busy per second waited; 0 in a calibration's profile)
+    is priced where a profile gives one."""
 
     busy: Mapping[int, float]
     per_call: Mapping[int, float] = field(default_factory=dict)
@@ -124,11 +125,6 @@ def _by_size(values: Mapping[int, float], size: int) -> float:
                 for (s0, c0), (s1, c1) in zip(pts, pts[1:]) if s0 <= size <= s1)
 
 
-def _nearest(values: Mapping[int, Any], key: int) -> Any:
-    """``values`` at the calibrated key nearest ``key`` (ties: the larger key's)."""
-    return values[min(values, key=lambda n: (abs(n - key), -n))]
-
-
 def grid_seconds(axes: Sequence[Sequence[int]], values: Mapping[Tuple[int, ...], float], at: Sequence[int]) -> float:
     """A kernel's time from a full grid of measured ones (``values``: coordinates on ``axes`` ->
     seconds): multilinear in log(coordinate)-log(time) between the grid's nearest values on every
@@ -149,168 +145,6 @@ def grid_seconds(axes: Sequence[Sequence[int]], values: Mapping[Tuple[int, ...],
             log_t += w * math.log(values[tuple(c[0] for c in combo)])
     return math.exp(log_t)
 
-
-def cell_key(mesh: Mesh, chunks: int) -> str:
-    """A (mesh, chunk count) cell's name in :class:`CpuStep` and its YAML: ``"2x1/c2"``."""
-    return f"{mesh[0]}x{mesh[1]}/c{chunks}"
-
-
-def line_key(key: Any) -> Any:
-    """A ``cpu_fit`` key as read back: a cell's name (``"2x1/c2"``), or a chunk count (a profile before run 57)."""
-    return str(key) if "/" in str(key) else int(key)
-
-
-@dataclass(frozen=True)
-class CpuStep:
-    """The step as a multiple of one rank's CPU (docs/step-time.md, run 16): on a host whose
-    processes share its cores, a step is every rank's CPU work plus waits that keep a share of
-    it per (mesh, chunk count) cell; the probes' own training steps (:class:`StepResidual`'s)
-    measured that share as ``step / rank CPU`` within ±5 % across six probe models of 10-90 ms
-    (``diagnosis/e14.json``), and the validation models' steps within ±13 % of it in every grid
-    of runs 12-15 — what the terms' timeline does not reproduce (the waits depend on which
-    rank's work the others wait for). So the step is ``ratio[P][cell] × (a·CPU + b) + wait[P][cell]``:
-    ``CPU`` the model's predicted CPU of a rank (:attr:`~atp_pipeline.planning.steptime.StepEstimate.cpu_s`:
-    its compute and its collectives' backend CPU), ``a, b`` per process count and cell what the
-    probes' measured rank CPU was against that prediction (relative non-negative least squares;
-    a profile before run 57: per process count and chunk count, every mesh alike), ``ratio`` and
-    ``wait`` per cell the probes' measured step against their measured rank CPU, ``T = ratio·U +
-    wait`` (relative non-negative least squares; a profile before run 35: the median of ``T / U``,
-    no wait). The wait (run 35, diagnosis e25): a step's waits do not all grow with its CPU, so the
-    validation models, 2-8x the probes' CPU, ran 3-5 % below the probes' median ratio in every cell
-    over 22 grids. The CPU's line per cell (run 57, diagnosis e45): against one line per process
-    and chunk count the validation models' rank CPU sits apart by cell (4 processes, 2x2/c2:
-    -0.11 / -0.12 in log for ``gpt2_tiny`` / ``llama_tiny`` over 59 grids); the 18 grids of runs
-    47-58 priced again with lines per cell: median 6.9 -> 6.2 %, root mean square of the log error
-    0.105 -> 0.098, worst <= 25 % in 10 grids against 7. A cell not calibrated takes the medians over its process
-    count's cells of its chunk count (else of all its cells); a process count not calibrated the
-    nearest one's (ties: the larger)."""
-
-    ratio: Mapping[int, Mapping[str, float]]  # processes -> cell_key -> step / rank CPU
-    #: processes -> cell_key -> (a, b seconds); before run 57: processes -> chunks -> (a, b seconds)
-    cpu: Mapping[int, Mapping[Any, Tuple[float, float]]]
-    wait: Mapping[int, Mapping[str, float]] = field(default_factory=dict)  # processes -> cell_key -> seconds
-
-    def _count(self, processes: int) -> int:
-        return min(self.ratio, key=lambda n: (abs(n - processes), -n))
-
-    def _cells(self, cells: Mapping[str, Any], processes: int, mesh: Mesh, chunks: int) -> List[str]:
-        """The cells of ``cells`` (one count's) a cell is priced from: itself where calibrated on
-        ``processes`` itself, else its count's cells of its chunk count (else all its cells)."""
-        key = cell_key(mesh, chunks)
-        if self._count(processes) == processes and key in cells:
-            return [key]
-        return [k for k in cells if k.endswith(f"/c{chunks}")] or list(cells)
-
-    def step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> float:
-        """The step of a rank whose predicted CPU is ``cpu_s`` on ``mesh`` at ``chunks`` among ``processes``."""
-        p = self._count(processes)
-        cells, waits = self.ratio[p], self.wait.get(p, {})
-        same = self._cells(cells, processes, mesh, chunks)
-        g, w = statistics.median(cells[k] for k in same), statistics.median(waits.get(k, 0.0) for k in same)
-        a, b = self.line(processes, mesh, chunks)
-        return g * (a * cpu_s + b) + w
-
-    def line(self, processes: int, mesh: Mesh, chunks: int) -> Tuple[float, float]:
-        """The rank CPU's line ``(a, b)`` for ``mesh`` at ``chunks`` among ``processes``: its cell's,
-        else the medians over the nearest calibrated count's cells of its chunk count (else of all its
-        cells); a profile before run 57: its process and chunk count's."""
-        p = self._count(processes)
-        lines = self.cpu.get(p) or _nearest(self.cpu, p)
-        per_chunks = {k: v for k, v in lines.items() if isinstance(k, int)}
-        if per_chunks:
-            return _nearest(per_chunks, chunks)
-        same = self._cells(lines, processes, mesh, chunks)
-        return statistics.median(lines[k][0] for k in same), statistics.median(lines[k][1] for k in same)
-
-    def at_speed(self, overhead: float) -> "CpuStep":
-        """The same with the CPU offsets ``b`` and the waits at the host's per-call speed now (:class:`HostSpeed`)."""
-        return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()},
-                       {p: {k: w * overhead for k, w in cells.items()} for p, cells in self.wait.items()})
-
-    def describe(self) -> str:
-        def one(p: int) -> str:
-            cpu = ", ".join(f"x{a:.3f} + {b * 1e3:.2f} ms ({f'chunks {c}' if isinstance(c, int) else c})"
-                            for c, (a, b) in sorted(self.cpu.get(p, {}).items(), key=lambda kv: str(kv[0])))
-            waits = self.wait.get(p, {})
-            cells = ", ".join(f"{k} x{v:.2f}" + (f" + {waits[k] * 1e3:.2f} ms" if waits.get(k) else "")
-                              for k, v in sorted(self.ratio[p].items()))
-            return f"{p} processes: rank CPU {cpu}; step / rank CPU {cells}"
-        return "the step from a rank's CPU (" + "; ".join(one(p) for p in sorted(self.ratio)) + ")"
-
-
-@dataclass(frozen=True)
-class StepResidual:
-    """What a whole step takes beyond the terms' sum, per process count ``P`` and chunk count
-    ``c`` (§4.1), as two factors: the step is ``compute[P][c] × compute + exposed[P][c] × exposed``
-    (the terms' compute — on an oversubscribed host the host-bound CPU — and their exposed
-    communication, :class:`~atp_pipeline.planning.steptime.StepEstimate`). Fitted (relative
-    non-negative least squares) over the probe models' own training steps (forward, backward,
-    optimizer, each between barriers as the validation times a step; their collectives run) against
-    this profile's prediction of them: what no term has or what the terms misprice alike for every
-    model — the closing barrier and the run queue (docs/step-time.md, diagnosis e13: on 2 processes
-    2-6 % and 3-4 % of a step, shares of the step whatever its size, so factors rather than seconds
-    per step), a rank's CPU the calibration's kernels price short (e15: not the collectives' CPU),
-    the exposed collectives' time where a step makes many calls (e14, runs 12-13: chunks-2 steps on
-    4 processes predicted longest, the probes' as the validation's). Only probe models (never a
-    model, batch or sequence length the validation runs) enter it. At a process or chunk count not
-    calibrated, the nearest calibrated count's factors (ties: the larger count's). Profiles of run
-    12 carry one ``factor`` for both parts, of run 13 one pair per process count (every chunk count)."""
-
-    compute: Mapping[int, Mapping[int, float]]
-    exposed: Mapping[int, Mapping[int, float]]
-    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each process count's factors are fitted over
-    #: the step from a rank's CPU (run 16), fitted over the same probe steps; where set and
-    #: ``form == "cpu"`` it gives the step instead of the two factors
-    anchored: Optional[CpuStep] = None
-    form: str = "terms"
-    #: each form's error on the probe models left out of its fit in turn (median, worst), the
-    #: choice of ``form`` (run 16: leave-one-probe-model-out at calibration)
-    cv: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.form not in RESIDUAL_FORMS or (self.form == "cpu" and self.anchored is None):
-            raise ConfigError(f"step residual: form '{self.form}' (one of {', '.join(RESIDUAL_FORMS)}; "
-                              f"'cpu' with its fit)")
-
-    def at(self, processes: int, chunks: int = 1) -> Tuple[float, float]:
-        """``(compute, exposed)`` factors at ``processes`` and ``chunks``."""
-        if not self.compute:
-            return 1.0, 1.0
-        p = min(self.compute, key=lambda n: (abs(n - processes), -n))
-        comp = _nearest(self.compute[p], chunks)
-        return comp, _nearest(self.exposed.get(p) or self.compute[p], chunks)
-
-    def describe(self, processes: Optional[int] = None, chunks: Optional[int] = None, source: bool = True) -> str:
-        """What the residual is (``source``: and that the probes' steps fitted it)."""
-        def per_chunks(p: int) -> str:
-            return ", ".join(f"compute x{c:.3f}, exposed x{_nearest(self.exposed.get(p) or self.compute[p], k):.3f}"
-                             + (f" (chunks {k})" if len(self.compute[p]) > 1 else "")
-                             for k, c in sorted(self.compute[p].items()))
-        counts = "; ".join(f"{per_chunks(p)} at {p} processes" + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
-                           for p in sorted(self.compute))
-        at = ""
-        if processes is not None and (processes not in self.compute or (chunks is not None and len(self.compute[processes]) > 1
-                                                                       and chunks not in self.compute[processes])):
-            a, b = self.at(processes, chunks or 1)
-            at = f"; {processes} processes{f', chunks {chunks}' if chunks else ''} not calibrated: the nearest count's (x{a:.3f}, x{b:.3f})"
-        fitted = " (fitted over the probes' own steps)" if source else ""
-        head = f"step residual {counts}{fitted}{at}"
-        cv = "; ".join(f"{f} {m:.1%} / {w:.1%}" for f, (m, w) in sorted(self.cv.items()))
-        if self.form == "cpu" and self.anchored is not None:
-            head = f"step residual: {self.anchored.describe()} [{head}]"
-        return head + (f"; form '{self.form}' chosen on the probe models left out in turn (median / worst: {cv})"
-                       if cv else "")
-
-    def cpu_step(self, processes: int, mesh: Mesh, chunks: int, cpu_s: float) -> Optional[float]:
-        """The step from a rank's CPU where that form is chosen (:class:`CpuStep`), else None."""
-        return self.anchored.step(processes, mesh, chunks, cpu_s) if self.form == "cpu" and self.anchored else None
-
-
-RESIDUAL_FORMS = ("terms", "cpu")
-
-
-NO_RESIDUAL_NOTE = ("no step residual (a calibration from before it: the step is the terms' sum, without the "
-                    "barriers' and run queue's share; calibrate again: python train.py stage=calibrate)")
 
 
 @dataclass(frozen=True)
@@ -341,140 +175,6 @@ def shape_key(shape: ModelShape) -> str:
             f"{'bias' if shape.bias else 'nobias'}/{'tied' if shape.tied_embeddings else 'untied'}")
 
 
-REFERENCE_GROUPS = ("compute", "overhead")
-#: the reference's group of the probes' whole training steps: label (:func:`step_label`) -> the
-#: step's wall time at calibration (in one launch of their own); which steps the host's speed times
-#: again, against the calibrated model's time for them (:func:`steps_speed`, since run 47)
-STEPS_GROUP = "steps"
-SPEED_BASES = ("kernels", "steps")
-
-
-@dataclass(frozen=True)
-class HostSpeed:
-    """How fast the host runs now against when it was calibrated, on one of two bases.
-    ``"steps"`` (since run 45, docs/step-time.md "Run 45"): the calibration's probe models' whole
-    training steps (forward, backward with collectives, optimizer, a closing barrier: what the step
-    model's residual is fitted over; the ones :data:`STEPS_GROUP` of :attr:`ComputeProfile.reference`
-    names) timed again on ``processes`` processes, over the calibrated step model's time for them
-    (since run 47; runs 45-46: over their wall times in one launch at calibration), one ratio for
-    ``compute`` and ``overhead`` alike — the step's prices scale by it whole (:func:`steps_speed`).
-    ``"kernels"`` (runs 10-44): the *reference probe* (a fixed synthetic set of the calibration's
-    own kernel runners and one probe model's collective-free step,
-    :data:`atp_pipeline.run.calibrate_compute.REFERENCE`) timed again (:func:`host_speed`):
-    ``compute`` the geometric mean of the ratio over the rate-bound kernels (GEMMs, norms,
-    elementwise over 64 K elements), ``overhead`` over the per-call-bound ones (tiny kernels, the
-    probe step of a small model) — on a host two days after its calibration it read x0.59-0.83
-    while the steps ran at their calibration's speed (run 45). :meth:`ComputeProfile.at_speed`
-    scales the profile's kernel prices by ``compute`` and its per-kernel, per-collective and
-    backend CPU prices by ``overhead``."""
-
-    compute: float
-    overhead: float
-    measured: str = ""  # when the probe was timed again (UTC)
-    basis: str = "kernels"  # one of SPEED_BASES
-    processes: int = 0  # "steps": the process count the steps ran on
-
-    def __post_init__(self) -> None:
-        if self.basis not in SPEED_BASES or not (self.compute > 0 and self.overhead > 0):
-            raise ConfigError(f"host speed: basis '{self.basis}' (one of {', '.join(SPEED_BASES)}), "
-                              f"ratios > 0 (got {self.compute}, {self.overhead})")
-
-    def describe(self) -> str:
-        if self.basis == "steps":
-            return (f"host speed re-timed {self.measured or '?'}: the probes' whole steps on {self.processes} "
-                    f"processes ran x{self.compute:.3f} the calibrated model's time for them")
-        return (f"host speed re-timed {self.measured or '?'}: the reference probe ran x{self.compute:.3f} "
-                f"(kernels) and x{self.overhead:.3f} (per-call work) its time at calibration")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"compute": self.compute, "overhead": self.overhead, "measured": self.measured,
-                **({"basis": self.basis, "processes": self.processes} if self.basis == "steps" else {})}
-
-    @staticmethod
-    def from_dict(data: Mapping[str, Any]) -> "HostSpeed":
-        """The inverse of :meth:`to_dict` (a dict without ``basis``: the kernels')."""
-        return HostSpeed(float(data["compute"]), float(data["overhead"]), str(data.get("measured", "")),
-                         str(data.get("basis", "kernels")), int(data.get("processes", 0)))
-
-    def until(self, after: "HostSpeed") -> "HostSpeed":
-        """The host's speed over a span this probe opened and ``after`` closed: the geometric
-        mean of the two, per group (a launch bracketed by two probes; on this shared host the
-        speed drifts within minutes, docs/step-time.md "Runs 42–44")."""
-        return HostSpeed.over([self, after])
-
-    @staticmethod
-    def over(speeds: Sequence["HostSpeed"]) -> "HostSpeed":
-        """The host's speed over the spans ``speeds`` were timed across (in time order; the probes
-        around one launch, or each launch's speed where a point is measured in several): the
-        geometric mean per group, measured from the first one's start to the last one's end."""
-        first, last = speeds[0], speeds[-1]
-        if len(speeds) == 1:
-            return first
-        if any((s.basis, s.processes) != (first.basis, first.processes) for s in speeds):
-            raise ConfigError(f"host speed: a span between two probes of different kinds "
-                              f"({'; '.join(s.describe() for s in speeds)})")
-        return HostSpeed(statistics.geometric_mean(s.compute for s in speeds),
-                         statistics.geometric_mean(s.overhead for s in speeds),
-                         f"{first.measured.split(' .. ')[0]} .. {last.measured.split(' .. ')[-1]}",
-                         first.basis, first.processes)
-
-
-def step_label(probe: str, mesh: Mesh, chunks: int, processes: int) -> str:
-    """A probe's whole step in the reference's :data:`STEPS_GROUP`: ``"<probe> 2x1/c1 on 2"``."""
-    return f"{probe} {mesh[0]}x{mesh[1]}/c{chunks} on {processes}"
-
-
-def parse_step_label(label: str) -> Tuple[str, Mesh, int, int]:
-    """``(probe, mesh, chunks, processes)`` of a :func:`step_label`."""
-    try:
-        probe, cell, on, count = label.split(" ")
-        mesh, chunks = cell.split("/c")
-        d1, d2 = mesh.split("x")
-        if on != "on":
-            raise ValueError(label)
-        return probe, (int(d1), int(d2)), int(chunks), int(count)
-    except ValueError:
-        raise ConfigError(f"probe step label '{label}': '<probe> <d1>x<d2>/c<chunks> on <processes>'") from None
-
-
-def step_processes(recorded: Mapping[str, float]) -> List[int]:
-    """The process counts :data:`STEPS_GROUP` labels were timed on."""
-    return sorted({parse_step_label(k)[3] for k in recorded})
-
-
-def steps_count(recorded: Mapping[str, float], processes: int) -> int:
-    """The recorded process count the host's speed for ``processes`` is timed on: the nearest
-    (ties: the larger)."""
-    return min(step_processes(recorded), key=lambda c: (abs(c - processes), -c))
-
-
-def steps_speed(then: Mapping[str, float], now: Mapping[str, float], processes: int,
-                measured: str = "") -> HostSpeed:
-    """The probes' whole steps on ``processes`` processes now over ``then`` (labels of
-    :func:`step_label`; the calibrated step model's time for them since run 47,
-    :func:`atp_pipeline.run.calibrate_compute.retime_steps`): the geometric mean of
-    ``now[label] / then[label]`` over the labels both have, as a :class:`HostSpeed` of basis ``"steps"``."""
-    common = sorted(k for k in set(then) & set(now) if parse_step_label(k)[3] == processes)
-    if not common:
-        raise ConfigError(f"host speed: no probe step on {processes} processes timed both at calibration and now "
-                          f"(calibrated on {step_processes(then)}; calibrate again: python train.py stage=calibrate)")
-    r = statistics.geometric_mean(now[k] / then[k] for k in common)
-    return HostSpeed(r, r, measured, "steps", processes)
-
-
-def host_speed(recorded: Mapping[str, Mapping[str, float]], now: Mapping[str, Mapping[str, float]],
-               measured: str = "") -> HostSpeed:
-    """The reference probe's ratio now over at calibration, per group of :data:`REFERENCE_GROUPS`:
-    the geometric mean of ``now[g][label] / recorded[g][label]`` over the labels both have."""
-    ratios = []
-    for g in REFERENCE_GROUPS:
-        common = sorted(set(recorded.get(g) or {}) & set(now.get(g) or {}))
-        if not common:
-            raise ConfigError(f"reference probe: no '{g}' timing both at calibration and now "
-                              f"(calibrate again: python train.py stage=calibrate)")
-        ratios.append(statistics.geometric_mean(now[g][k] / recorded[g][k] for k in common))
-    return HostSpeed(ratios[0], ratios[1], measured)
-
 
 KERNEL_TIMES = ("cpu", "wall")
 
@@ -495,6 +195,23 @@ def _factor(measured: Mapping[int, float], processes: int) -> float:
         if p0 <= processes <= p1:
             return c0 + (c1 - c0) * (processes - p0) / (p1 - p0)
     raise AssertionError("unreachable")
+@dataclass(frozen=True)
+class Conditions:
+    """What a profile's calibrated times are multiplied by for a run of ``processes`` on the host
+    (:meth:`ComputeProfile.at_processes`): ``timeline`` the kernels on one rank's timeline,
+    ``comm`` the collectives' α-β, ``sync`` the sync term; ``skew`` whether ranks reach a
+    collective apart by a share of the compute before it; ``host`` (where ``oversubscribed``)
+    the factor of a rank's CPU when every rank computes at once, so the step is no less than it."""
+
+    processes: int
+    timeline: float
+    comm: float
+    sync: float
+    skew: bool
+    oversubscribed: bool
+    host: float
+
+
 PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time", "comm_contention",
                           "optimizer", "framework", "sync", "collective_cpu", "probes", "points", "reference",
                           "step_residual"})
@@ -532,13 +249,12 @@ class ComputeProfile:
     # the kernels' ``contention``)
     comm_contention: Mapping[int, float] = field(default_factory=dict)
     # the host's speed at calibration: the kernel reference probe's times, group (REFERENCE_GROUPS)
-    # -> label -> a rank's CPU seconds per call (absent in profiles calibrated before run 10), and
-    # the probes' whole steps, STEPS_GROUP -> step_label -> wall seconds (since run 45)
+    # -> label -> a rank's CPU seconds per call, and the probes' whole steps, STEPS_GROUP ->
+    # step_label -> wall seconds
     reference: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # set by :meth:`at_speed`: the prices are this calibration's scaled to the host's speed now
     speed: Optional[HostSpeed] = None
-    # the step beyond the terms' sum per process count (:class:`StepResidual`; absent in profiles
-    # calibrated before run 12: factor 1, and :meth:`describe` says so)
+    # the step beyond the terms' sum per process count (:class:`StepResidual`; absent: factor 1)
     step_residual: Optional[StepResidual] = None
 
     def residual_factors(self, processes: int, chunks: int = 1) -> Tuple[float, float]:
@@ -582,6 +298,24 @@ class ComputeProfile:
         if self.kernel_time not in KERNEL_TIMES:
             raise ConfigError(f"compute profile '{self.name}': kernel_time '{self.kernel_time}' "
                               f"(one of {', '.join(KERNEL_TIMES)})")
+
+    def at_processes(self, processes: int) -> Conditions:
+        """Every factor the step model prices a run of ``processes`` on the host with, at once."""
+        return Conditions(processes, self.timeline_factor(processes), self.comm_factor(processes),
+                          self.sync_factor(processes), self.skewed(processes), self.oversubscribed(processes),
+                          self.host_factor(processes))
+
+    def residual_seconds(self, processes: int, mesh: Mesh, chunks: int, step: float, compute: float,
+                         cpu: float) -> float:
+        """What a whole step takes beyond the terms' ``step`` (of which ``compute``; ``cpu`` the
+        rank's predicted CPU): the step from a rank's CPU less ``step`` where the residual's chosen
+        form is that (:class:`CpuStep`), else the two factors' share of the compute and the exposed
+        communication (:class:`StepResidual`; none without one)."""
+        anchored = self.cpu_step(processes, mesh, chunks, cpu)
+        if anchored is not None:
+            return anchored - step
+        fc, fe = self.residual_factors(processes, chunks)
+        return compute * (fc - 1.0) + (step - compute) * (fe - 1.0)
 
     def timeline_factor(self, processes: int) -> float:
         """The factor of calibrated kernel times on one rank's timeline with ``processes`` on the
@@ -644,9 +378,6 @@ class ComputeProfile:
     def step_kernel_seconds(self, k: Kernel) -> float:
         """A kernel's time in a step: the kernel's time with the runtime's framework cost
         around it (:class:`Framework`; the optimizer is calibrated as the runtime runs it, whole)."""
-        passes = self._as_passes(k)
-        if passes is not None:
-            return passes[1] * self.step_kernel_seconds(passes[0])
         t = self.seconds(k)
         if self.framework is None or k.kind == OPTIMIZER:
             return t
@@ -697,8 +428,6 @@ class ComputeProfile:
                 if x) or "collectives' backend CPU 0")
         if self.step_residual is not None:
             parts.append(self.step_residual.describe(processes))
-        elif self.kernel_time == "cpu":  # a stage=calibrate profile from before the term
-            parts.append(NO_RESIDUAL_NOTE)
         if processes is not None and self.contention:
             parts.append(f"contention x{self.contention_factor(processes):.3f} at {processes} processes "
                          f"(calibrated at {self.processes})"
@@ -716,15 +445,10 @@ class ComputeProfile:
         calibration's full grid of cores (:func:`grid_seconds`, :attr:`Kernel.grid`); else, between
         measured points of its kind, interpolated in log(size)-log(time) from the nearest below and
         above (a sweep of shapes, not the plans' own; :attr:`Kernel.size`: the work, an attention
-        core's score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`). A kind
-        the profile was calibrated before (:data:`~atp_pipeline.planning.kernels.COMPOSED`): the
-        passes it was priced as then."""
+        core's score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`)."""
         hit = self.points.get((k.kind, tuple(k.dims)))
         if hit is not None:
             return hit
-        passes = self._as_passes(k)
-        if passes is not None:
-            return passes[1] * self.seconds(passes[0])
         fit = self.fits.get(k.kind)
         if fit is None:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")
@@ -745,20 +469,12 @@ class ComputeProfile:
                     return math.exp(math.log(t0) + a * (math.log(t1) - math.log(t0)))
         return fit.alpha_s + fit.units(k) * fit.per_unit_s
 
-    def _as_passes(self, k: Kernel) -> Optional[Tuple[Kernel, int]]:
-        """A kernel of a kind this profile was calibrated before (:data:`~atp_pipeline.planning.kernels.COMPOSED`):
-        the kernel it was priced as then and how many of it; None for a kind the profile has."""
-        if k.kind in self.fits or k.kind not in COMPOSED:
-            return None
-        kind, passes = COMPOSED[k.kind]
-        return Kernel(kind, (int(k.work),)), passes
-
     def kernel_grids(self) -> Dict[str, Tuple[Tuple[Tuple[int, ...], ...], Dict[Tuple[int, ...], float]]]:
         """Per kind with grid coordinates (:attr:`Kernel.grid`: the attention cores), the measured
         points as a full grid of at least three values on every axis: the axes' values and
         ``coordinates -> seconds`` (equal coordinates: the median). A kind whose points leave a cell
-        empty or an axis at two values (the sweeps before run 61: head sizes 8 and 32, two
-        sequences, where the head size's effect runs both ways) is priced by its size curve."""
+        empty or an axis at two values (where the head size's effect can run both ways) is priced
+        by its size curve."""
         cached = self.__dict__.get("_grid_cache")
         if cached is None:
             by: Dict[str, Dict[Tuple[int, ...], List[float]]] = {}
@@ -792,129 +508,29 @@ class ComputeProfile:
     # ------------------------------------------------------------------ topology yaml
     @classmethod
     def from_config(cls, data: Mapping[str, Any], where: str = "device.compute") -> "ComputeProfile":
-        """From a topology's ``device.compute`` (written by the compute calibration)."""
+        """From a topology's ``device.compute`` as ``stage=calibrate`` writes it
+        (:class:`~atp_pipeline.config.schema.ComputeProfileConfig`). A profile of an older
+        format is refused in one line that says to calibrate again."""
         unknown = sorted(set(data) - PROFILE_KEYS)
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (a profile of an older schema? "
                               f"calibrate again: python train.py stage=calibrate)")
+        older = older_format(data)
+        if older:
+            raise ConfigError(f"{where}: a compute profile of an older format ({older}) {AGAIN}")
         try:
-            fits = {}
-            for kind, f in dict(data["fits"]).items():
-                if kind not in KINDS:
-                    raise ConfigError(f"{where}.fits: unknown kernel kind '{kind}' (one of {', '.join(KINDS)})")
-                fit = KindFit(float(f["alpha_us"]) * 1e-6, float(f["ns_per_unit"]) * 1e-9,
-                              float(f.get("per_tensor_us", 0.0)) * 1e-6, bool(f.get("per_size", False)))
-                if min(fit.alpha_s, fit.per_unit_s, fit.per_tensor_s) < 0 or not all(
-                        math.isfinite(x) for x in (fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
-                    raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
-                fits[kind] = fit
-            missing = [k for k in KINDS if k not in fits and k not in COMPOSED]
-            if missing:
-                raise ConfigError(f"{where}.fits: missing kernel kinds {', '.join(missing)}")
-            points = {}
-            for p in data.get("points") or []:
-                kind, dims, us = p[0], tuple(int(x) for x in p[1]), float(p[2])
-                if kind not in KINDS or not us > 0:
-                    raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
-                points[(str(kind), dims)] = us * 1e-6
-            framework = None
-            if data.get("framework"):
-                fd = data["framework"]
-                framework = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor", 0.0)),
-                                      float(fd.get("per_collective_us", 0.0)) * 1e-6,
-                                      float(fd.get("per_collective_ns_per_byte", 0.0)) * 1e-9,
-                                      float(fd.get("per_read_us", 0.0)) * 1e-6)
-                vals = (framework.per_kernel_s, framework.per_collective_s, framework.per_collective_byte_s,
-                        framework.per_read_s)
-                if not (min(vals) >= 0 and framework.kernel_factor > -1
-                        and all(math.isfinite(x) for x in (*vals, framework.kernel_factor))):
-                    raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
-                                      f"per_collective_ns_per_byte, per_read_us must be finite >= 0, kernel_factor > -1")
-            sync = None
-            if data.get("sync"):
-                sd = data["sync"]
-                sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute", 0.0)),
-                               float(sd.get("hidden", 1.0)))
-                if not (sync.alpha_s >= 0 and sync.per_compute >= 0 and math.isfinite(sync.alpha_s)
-                        and math.isfinite(sync.per_compute) and 0 <= sync.hidden <= 1):
-                    raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
-            collective_cpu = None
-            if data.get("collective_cpu"):
-                cd = data["collective_cpu"]
-                extra = sorted(set(cd) - {"busy", "per_call_us", "per_byte_ns"})
-                if extra:
-                    raise ConfigError(f"{where}.collective_cpu: unknown key(s) {', '.join(map(str, extra))} "
-                                      f"(calibrate again: python train.py stage=calibrate)")
-                busy = {int(k): float(v) for k, v in dict(cd.get("busy") or {}).items()}
-                if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
-                    raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], "
-                                      f"got {busy}")
-                per_call = {int(k): float(v) * 1e-6 for k, v in dict(cd.get("per_call_us") or {}).items()}
-                per_byte = {int(k): float(v) * 1e-9 for k, v in dict(cd.get("per_byte_ns") or {}).items()}
-                collective_cpu = CollectiveCPU(busy, per_call, per_byte)
-                for key, vals, unit in (("per_call_us", per_call, "us"), ("per_byte_ns", per_byte, "ns")):
-                    if not all(k >= 2 and v >= 0 and math.isfinite(v) for k, v in vals.items()):
-                        raise ConfigError(f"{where}.collective_cpu.{key}: group size >= 2 -> finite {unit} >= 0, "
-                                          f"got {vals}")
-            contention = {int(p): float(c) for p, c in dict(data.get("contention") or {}).items()}
-            if any(p < 1 or not (c > 0 and math.isfinite(c)) for p, c in contention.items()):
-                raise ConfigError(f"{where}.contention: processes >= 1 -> finite factor > 0, got {contention}")
-            comm_contention = {int(p): float(c) for p, c in dict(data.get("comm_contention") or {}).items()}
-            if any(p < 2 or not (c > 0 and math.isfinite(c)) for p, c in comm_contention.items()):
-                raise ConfigError(f"{where}.comm_contention: processes >= 2 -> finite factor > 0, got {comm_contention}")
-            reference = {str(g): {str(k): float(v) * 1e-6 for k, v in dict(vals or {}).items()}
-                         for g, vals in dict(data.get("reference") or {}).items()}
-            if any(g not in (*REFERENCE_GROUPS, STEPS_GROUP) for g in reference) or not all(
-                    v > 0 and math.isfinite(v) for vals in reference.values() for v in vals.values()):
-                raise ConfigError(f"{where}.reference: group ({', '.join((*REFERENCE_GROUPS, STEPS_GROUP))}) -> label -> "
-                                  f"microseconds > 0, got {sorted(reference)}")
-            probes = tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
-                                 int(p["batch"]), int(p["seq_len"]), int(p.get("processes", 0)))
-                           for p in data.get("probes") or [])
-            step_residual = None
-            if data.get("step_residual"):
-                rd = data["step_residual"]
-                extra = sorted(set(rd) - {"compute", "exposed", "factor", "probe_steps", "form", "cpu_ratio", "cpu_fit",
-                                          "cpu_wait", "cv"})
-                if extra:
-                    raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))}")
-                def by_chunks(v: Any) -> Dict[int, float]:  # run 13: one factor for every chunk count
-                    return ({int(c): float(x) for c, x in dict(v).items()} if isinstance(v, Mapping) else {1: float(v)})
-                one = dict(rd.get("factor") or {})  # run 12: one factor for both parts
-                comp = {int(k): by_chunks(v) for k, v in dict(rd.get("compute") or one).items()}
-                expo = {int(k): by_chunks(v) for k, v in dict(rd.get("exposed") or one).items()}
-                if not comp or set(comp) != set(expo) or any(set(comp[k]) != set(expo[k]) for k in comp) or not all(
-                        k >= 1 and c >= 1 and v >= 0 and math.isfinite(v)
-                        for d in (comp, expo) for k, vs in d.items() for c, v in vs.items()):
-                    raise ConfigError(f"{where}.step_residual: compute and exposed: the same processes >= 1 -> "
-                                      f"[chunks >= 1 ->] finite factor >= 0, got {comp}, {expo}")
-                anchored = None
-                if rd.get("cpu_ratio"):  # run 16: the step from a rank's CPU
-                    ratio = {int(p): {str(k): float(v) for k, v in dict(cells).items()}
-                             for p, cells in dict(rd["cpu_ratio"]).items()}
-                    fit = {int(p): {line_key(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
-                           for p, per in dict(rd.get("cpu_fit") or {}).items()}
-                    wait = {int(p): {str(k): float(v) * 1e-6 for k, v in dict(cells).items()}
-                            for p, cells in dict(rd.get("cpu_wait") or {}).items()}  # run 35; before: none
-                    if not fit or not all(v > 0 and math.isfinite(v) for cells in ratio.values() for v in cells.values()) \
-                            or not all(math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0
-                                       for per in fit.values() for a, b in per.values()) \
-                            or not all(p in ratio and k in ratio[p] and v >= 0 and math.isfinite(v)
-                                       for p, cells in wait.items() for k, v in cells.items()):
-                        raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
-                                          f"> 0, cpu_fit: processes -> 'd1xd2/cC' (or chunks) -> [factor >= 0, microseconds >= 0] and "
-                                          f"cpu_wait: cpu_ratio's cells -> microseconds >= 0, got {ratio}, {fit}, {wait}")
-                    anchored = CpuStep(ratio, fit, wait)
-                cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
-                step_residual = StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()},
-                                             anchored, str(rd.get("form", "terms")), cv)
-            return cls(name=str(data["name"]), source=str(data.get("source", "")), fits=fits, points=points,
-                       processes=int(data.get("processes", 1)), peak_flops=float(data.get("peak_GFLOPs", 0)) * 1e9,
-                       framework=framework, sync=sync, optimizer=str(data.get("optimizer", "")),
-                       contention=contention, date=str(data.get("date", "")), probes=probes,
-                       cores=int(data.get("cores", 0)), collective_cpu=collective_cpu,
-                       kernel_time=str(data.get("kernel_time", "wall")), comm_contention=comm_contention,
-                       reference=reference, step_residual=step_residual)
+            return cls(name=str(data["name"]), source=str(data.get("source") or ""), fits=_fits(data, where),
+                       points=_points(data, where), processes=int(data.get("processes") or 1),
+                       peak_flops=float(data.get("peak_GFLOPs") or 0) * 1e9, framework=_framework(data, where),
+                       sync=_sync(data, where), optimizer=str(data.get("optimizer") or ""),
+                       contention=_factors(data, "contention", 1, where), date=str(data.get("date") or ""),
+                       probes=tuple(Probe(str(p["name"]), str(p["key"]), (int(p["mesh"][0]), int(p["mesh"][1])),
+                                          int(p["batch"]), int(p["seq_len"]), int(p.get("processes") or 0))
+                                    for p in data.get("probes") or []),
+                       cores=int(data.get("cores") or 0), collective_cpu=_collective_cpu(data, where),
+                       kernel_time=str(data.get("kernel_time") or "wall"),
+                       comm_contention=_factors(data, "comm_contention", 2, where),
+                       reference=_reference(data, where), step_residual=_step_residual(data, where))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -1007,6 +623,150 @@ class ComputeProfile:
         return cls(name=f"spec:{device.get('name', 'device')}",
                    source=f"datasheet {peak:g} TFLOP/s x efficiency curve 0.7*F/(F+2 GFLOP) (assumed, not measured)",
                    fits=fits, processes=1, peak_flops=peak_flops)
+
+
+AGAIN = "(calibrate again: python train.py stage=calibrate)"
+
+
+def older_format(data: Mapping[str, Any]) -> str:
+    """Why ``data`` is a compute profile of an older format than this code reads ('' if it is not)."""
+    fits = dict(data.get("fits") or {})
+    missing = [k for k in KINDS if k not in fits]
+    if missing:
+        return f"no fit for kernel kind(s) {', '.join(missing)}"
+    reference = dict(data.get("reference") or {})
+    if reference and STEPS_GROUP not in reference:
+        return "reference without the probes' steps"
+    rd = dict(data.get("step_residual") or {})
+    if "factor" in rd or not all(isinstance(v, Mapping) for v in dict(rd.get("compute") or {}).values()):
+        return "step_residual without factors per chunk count"
+    if any("/" not in str(c) for per in dict(rd.get("cpu_fit") or {}).values() for c in dict(per)):
+        return "step_residual.cpu_fit per chunk count, not per cell"
+    return ""
+
+
+def _finite(values: Any, low: float = 0.0) -> bool:
+    return all(math.isfinite(v) and v >= low for v in values)
+
+
+def _fits(data: Mapping[str, Any], where: str) -> Dict[str, KindFit]:
+    fits = {}
+    for kind, f in dict(data["fits"]).items():
+        if kind not in KINDS:
+            raise ConfigError(f"{where}.fits: unknown kernel kind '{kind}' (one of {', '.join(KINDS)})")
+        fit = KindFit(float(f["alpha_us"]) * 1e-6, float(f["ns_per_unit"]) * 1e-9,
+                      float(f.get("per_tensor_us") or 0.0) * 1e-6, bool(f.get("per_size") or False))
+        if not _finite((fit.alpha_s, fit.per_unit_s, fit.per_tensor_s)):
+            raise ConfigError(f"{where}.fits.{kind}: alpha_us, ns_per_unit, per_tensor_us must be finite >= 0")
+        fits[str(kind)] = fit
+    return fits
+
+
+def _points(data: Mapping[str, Any], where: str) -> Dict[Tuple[str, Tuple[int, ...]], float]:
+    points = {}
+    for p in data.get("points") or []:
+        kind, dims, us = p[0], tuple(int(x) for x in p[1]), float(p[2])
+        if kind not in KINDS or not us > 0:
+            raise ConfigError(f"{where}.points: bad point {p!r} (kind, dims, microseconds > 0)")
+        points[(str(kind), dims)] = us * 1e-6
+    return points
+
+
+def _framework(data: Mapping[str, Any], where: str) -> Optional[Framework]:
+    fd = data.get("framework")
+    if not fd:
+        return None
+    fw = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor") or 0.0),
+                   float(fd.get("per_collective_us") or 0.0) * 1e-6,
+                   float(fd.get("per_collective_ns_per_byte") or 0.0) * 1e-9, float(fd.get("per_read_us") or 0.0) * 1e-6)
+    if not (_finite((fw.per_kernel_s, fw.per_collective_s, fw.per_collective_byte_s, fw.per_read_s))
+            and fw.kernel_factor > -1 and math.isfinite(fw.kernel_factor)):
+        raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "
+                          f"per_collective_ns_per_byte, per_read_us must be finite >= 0, kernel_factor > -1")
+    return fw
+
+
+def _sync(data: Mapping[str, Any], where: str) -> Optional[SyncFit]:
+    sd = data.get("sync")
+    if not sd:
+        return None
+    sync = SyncFit(float(sd["alpha_us"]) * 1e-6, float(sd.get("per_compute") or 0.0),
+                   float(sd["hidden"]) if sd.get("hidden") is not None else 1.0)
+    if not (_finite((sync.alpha_s, sync.per_compute)) and 0 <= sync.hidden <= 1):
+        raise ConfigError(f"{where}.sync: alpha_us, per_compute must be finite >= 0, hidden in [0, 1]")
+    return sync
+
+
+def _collective_cpu(data: Mapping[str, Any], where: str) -> Optional[CollectiveCPU]:
+    cd = data.get("collective_cpu")
+    if not cd:
+        return None
+    extra = sorted(set(cd) - {"busy", "per_call_us", "per_byte_ns"})
+    if extra:
+        raise ConfigError(f"{where}.collective_cpu: unknown key(s) {', '.join(map(str, extra))} {AGAIN}")
+    busy = {int(k): float(v) for k, v in dict(cd.get("busy") or {}).items()}
+    if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
+        raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], got {busy}")
+    per_call = {int(k): float(v) * 1e-6 for k, v in dict(cd.get("per_call_us") or {}).items()}
+    per_byte = {int(k): float(v) * 1e-9 for k, v in dict(cd.get("per_byte_ns") or {}).items()}
+    for key, vals, unit in (("per_call_us", per_call, "us"), ("per_byte_ns", per_byte, "ns")):
+        if not (all(k >= 2 for k in vals) and _finite(vals.values())):
+            raise ConfigError(f"{where}.collective_cpu.{key}: group size >= 2 -> finite {unit} >= 0, got {vals}")
+    return CollectiveCPU(busy, per_call, per_byte)
+
+
+def _factors(data: Mapping[str, Any], key: str, least: int, where: str) -> Dict[int, float]:
+    got = {int(p): float(c) for p, c in dict(data.get(key) or {}).items()}
+    if any(p < least or not (c > 0 and math.isfinite(c)) for p, c in got.items()):
+        raise ConfigError(f"{where}.{key}: processes >= {least} -> finite factor > 0, got {got}")
+    return got
+
+
+def _reference(data: Mapping[str, Any], where: str) -> Dict[str, Dict[str, float]]:
+    reference = {str(g): {str(k): float(v) * 1e-6 for k, v in dict(vals or {}).items()}
+                 for g, vals in dict(data.get("reference") or {}).items()}
+    if any(g not in (*REFERENCE_GROUPS, STEPS_GROUP) for g in reference) or not all(
+            v > 0 and math.isfinite(v) for vals in reference.values() for v in vals.values()):
+        raise ConfigError(f"{where}.reference: group ({', '.join((*REFERENCE_GROUPS, STEPS_GROUP))}) -> label -> "
+                          f"microseconds > 0, got {sorted(reference)}")
+    return reference
+
+
+def _step_residual(data: Mapping[str, Any], where: str) -> Optional[StepResidual]:
+    rd = data.get("step_residual")
+    if not rd:
+        return None
+    extra = sorted(set(rd) - {"compute", "exposed", "probe_steps", "form", "cpu_ratio", "cpu_fit", "cpu_wait", "cv"})
+    if extra:
+        raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))} {AGAIN}")
+    comp = {int(k): {int(c): float(x) for c, x in dict(v).items()} for k, v in dict(rd["compute"]).items()}
+    expo = {int(k): {int(c): float(x) for c, x in dict(v).items()} for k, v in dict(rd["exposed"]).items()}
+    if not comp or set(comp) != set(expo) or any(set(comp[k]) != set(expo[k]) for k in comp) or not all(
+            k >= 1 and c >= 1 and v >= 0 and math.isfinite(v)
+            for d in (comp, expo) for k, vs in d.items() for c, v in vs.items()):
+        raise ConfigError(f"{where}.step_residual: compute and exposed: the same processes >= 1 -> "
+                          f"chunks >= 1 -> finite factor >= 0, got {comp}, {expo}")
+    cv = {str(f): (float(mw[0]), float(mw[1])) for f, mw in dict(rd.get("cv") or {}).items()}
+    return StepResidual(comp, expo, {int(k): int(v) for k, v in dict(rd.get("probe_steps") or {}).items()},
+                        _cpu_step(rd, where), str(rd.get("form") or "terms"), cv)
+
+
+def _cpu_step(rd: Mapping[str, Any], where: str) -> Optional[CpuStep]:
+    if not rd.get("cpu_ratio"):
+        return None
+    ratio = {int(p): {str(k): float(v) for k, v in dict(cells).items()} for p, cells in dict(rd["cpu_ratio"]).items()}
+    fit = {int(p): {str(c): (float(ab[0]), float(ab[1]) * 1e-6) for c, ab in dict(per).items()}
+           for p, per in dict(rd.get("cpu_fit") or {}).items()}
+    wait = {int(p): {str(k): float(v) * 1e-6 for k, v in dict(cells).items()}
+            for p, cells in dict(rd.get("cpu_wait") or {}).items()}
+    if not fit or not all(v > 0 and math.isfinite(v) for cells in ratio.values() for v in cells.values()) \
+            or not all(_finite(ab) for per in fit.values() for ab in per.values()) \
+            or not all(p in ratio and k in ratio[p] and v >= 0 and math.isfinite(v)
+                       for p, cells in wait.items() for k, v in cells.items()):
+        raise ConfigError(f"{where}.step_residual: cpu_ratio: processes -> 'd1xd2/cC' -> finite factor "
+                          f"> 0, cpu_fit: processes -> 'd1xd2/cC' -> [factor >= 0, microseconds >= 0] and "
+                          f"cpu_wait: cpu_ratio's cells -> microseconds >= 0, got {ratio}, {fit}, {wait}")
+    return CpuStep(ratio, fit, wait)
 
 
 def profile_of(topo: Topology) -> Optional[ComputeProfile]:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective, steps, volume
+from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, steps, volume
 from atp_pipeline.topology.model import Topology
 
 MODES = ("ring", "ps", "atp", "switchml")

@@ -12,11 +12,10 @@ GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER = (
     "gemm", "attention_fwd", "attention_bwd", "norm_fwd", "norm_bwd", "pointwise", "optimizer")
 LOSS_FWD, LOSS_BWD = "loss_fwd", "loss_bwd"
 KINDS = (GEMM, ATTN_FWD, ATTN_BWD, NORM_FWD, NORM_BWD, POINTWISE, OPTIMIZER, LOSS_FWD, LOSS_BWD)
-# Kinds a profile calibrated before they were swept lacks, and what it prices one as: ``(kind,
-# passes)``, the kernels the step program wrote for it then. A model's own cross-entropy over its
-# whole logits was five pointwise passes over ``[tokens, vocab]`` (three forward, two backward)
-# where it ran ~5 forward and ~7 backward (its exponentials and a fresh gradient buffer; one
-# process, ``[2304, 256]``: diagnosis e47) — the loss kinds since run 62.
+# What a profile derived from a datasheet (no calibration) prices a loss kind as: ``(kind,
+# passes)`` pointwise passes over ``[tokens, vocab]``. A calibration measures the loss kinds
+# themselves: a model's own cross-entropy runs ~5 passes forward and ~7 backward (its
+# exponentials and a fresh gradient buffer), not the 3 and 2 an estimate from passes gives.
 COMPOSED: Dict[str, Tuple[str, int]] = {LOSS_FWD: (POINTWISE, 3), LOSS_BWD: (POINTWISE, 2)}
 
 
@@ -51,7 +50,7 @@ class Kernel:
         scores (softmax, mask, both products' rows), not its FLOPs: three calibrations' cores of the
         same ``b, a, s`` with head size 32 ran 0.51-1.65x (most 0.9-1.3x) those with head size 8
         where their FLOPs differ 4x, and interpolated by FLOPs a ``(16, 4, 120, 8)`` core was priced
-        at a quarter of what it took in a step (docs/step-time.md "Runs 50–52", diagnosis e42)."""
+        at a quarter of what it took in a step."""
         if self.kind in (ATTN_FWD, ATTN_BWD):
             b, a, s, _ = self.dims
             return float(b * a * s * s)
@@ -64,7 +63,7 @@ class Kernel:
         :attr:`size` alone). The head size is a coordinate of its own: on a CPU the core's loops
         over the scores cost per score what the head size makes them, not in proportion to it —
         one process, ``b·a`` 16: ``d`` 8 ran 1.4x the time of ``d`` 16 at every sequence 64-256
-        and ``d`` 64 2.6x (docs/step_validation/diagnosis/e47/README.md), where :attr:`size`
+        and ``d`` 64 2.6x, where :attr:`size`
         prices them alike."""
         if self.kind in (ATTN_FWD, ATTN_BWD):
             b, a, s, d = self.dims

@@ -302,7 +302,7 @@ def param_reads(shape: ModelShape, chunks: int) -> int:
     weight, or the tied table read again). Modules run whole keep plain parameters (gathered
     norms, ``gathered_embeddings``, a ``whole`` head). What the runtime reads, at 1 and 2 chunks,
     for layouts with and without biases, with statistics and with gathered norms, with an own
-    and with a tied head (``docs/step_validation/diagnosis/e20.log``)."""
+    and with a tied head."""
     linears, norm_tensors = _block_modules(shape)
     stats = shape.norm_layout == "stats"
     per_layer = linears * (2 if shape.bias else 1) + (2 * norm_tensors if stats else 0)

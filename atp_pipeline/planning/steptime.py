@@ -1,88 +1,33 @@
-"""The step a user pays: compute + exposed communication per candidate plan (issue 15).
+"""The step a user pays: compute + exposed communication per candidate plan.
 
-Eq. 2–4 rank meshes by communication alone; this model predicts the whole training step
-of one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to:
+Eq. 2–4 rank meshes by communication alone; this model predicts the whole training step of
+one tensor-parallel replica on ``DeviceMesh(d1, d2)`` and what it adds up to. One rank's
+program (:mod:`~atp_pipeline.planning.step_program`: every local kernel at its local shape and
+every collective of the runtime cost model, :func:`atp_pipeline.planning.cost.comm_terms` with
+``cost_model=runtime``, placed where the runtime sends it) runs on a timeline (:func:`simulate`):
 
-* **Compute**: every local kernel of the step at its *local* shape — the GEMMs of the
-  column-/row-first linears (forward, input gradient, weight gradient), the attention core
-  on ``heads/(d1·d2)`` heads, the norms and the elementwise kernels between them, the
-  optimizer — each timed by a :class:`ComputeProfile`: interpolated over a calibrated sweep
-  of shapes of its kind (log work vs log time between the nearest measured points), else
-  the kind's fitted ``t = α + work·γ`` (work = FLOPs for GEMM and attention, elements
-  otherwise). A profile is calibrated on the device (``python train.py stage=calibrate``,
-  under the concurrency of training; none of it is a plan of the models it predicts) or
-  derived from the device's spec (``peak_TFLOPs`` with an efficiency curve, stated as such).
-* **Communication**: exactly the collectives of the runtime cost model
-  (:func:`atp_pipeline.planning.cost.comm_terms` with ``cost_model=runtime``), each placed
-  where the runtime sends it — the schedule is built *from* those terms, and every term is
-  placed once (a test sums the schedule by kind and dimension against the cost model).
-  A collective's duration is the topology's fitted α-β for its kind and level
-  (AutoDDL §3.2) where it has one, else Eq. 3–4's bandwidths (:func:`collective_seconds`).
-  Collectives on one mesh dimension run one after another (one group, one link), as in
-  the runtime's :class:`~atp_pipeline.parallel.comm.Comm`.
-* **Overlap as the runtime does it**: the forward pass of a block runs ``chunks`` pieces
-  of the batch as a wavefront over its stages (§4.1, Figure 8): a stage launches its
-  collective and the chunk waits for it only when it starts its next stage, so one
-  chunk's collective is hidden behind the next chunk's compute. In the backward pass
-  (reverse order of the forward's kernels, as autograd runs them) each linear's
-  input-gradient all-reduce runs while its weight-gradient GEMM computes (§4.2), and the
-  chunks' backwards take turns the same way at every collective (each chunk's graph is its
-  own, :mod:`~atp_pipeline.parallel.overlap`). Then the optimizer step and, with ``dp > 1``, the
-  data-parallel gradient sync under the configured aggregation mode
-  (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
+* **compute** advances the clock: each kernel's time from the
+  :class:`~atp_pipeline.planning.compute_profile.ComputeProfile` (calibrated by ``python train.py
+  stage=calibrate``, or derived from the device's datasheet) with the runtime's framework cost;
+* **a collective** lasts the topology's fitted α-β for its kind and level (AutoDDL §3.2), else
+  Eq. 3–4's bandwidths (:mod:`~atp_pipeline.planning.comm_clock`), plus the sync cost of ranks
+  sharing cores; collectives on one mesh dimension run one after another;
+* **overlap as the runtime does it**: the forward runs ``chunks`` pieces of the batch as a
+  wavefront over a block's stages (§4.1, Figure 8), a chunk waiting for its collective only when
+  its next stage starts; in the backward each linear's input-gradient all-reduce runs while its
+  weight-gradient GEMM computes (§4.2); a collective in flight takes ``1 - hidden`` of the compute
+  it overlaps. Then the optimizer and, with ``dp > 1``, the data-parallel gradient sync under the
+  aggregation mode (:mod:`atp_pipeline.planning.gradsync`, not overlapped).
 
-* **What the runtime pays beyond kernels and α-β** — calibrated terms of the profile,
-  each measured in the compute calibration's own run and named in every prediction
-  (:meth:`ComputeProfile.describe`): :class:`Framework`, the runtime's CPU work around each
-  kernel (``seconds·(1 + kernel_factor) + per_kernel_s``) and each collective call
-  (``per_collective_s + bytes·per_collective_byte_s``), one set for every model, fitted
-  from *probe* models' forward and backward with their collectives skipped;
-  :class:`SyncFit`, what a collective costs in a step when processes share the cores
-  (``alpha + per_compute × compute since the rank's previous collective``, from
-  compute-then-collective loops) and the share ``hidden`` of a collective's overlap with
-  compute that compute really hides (from collective-during-compute loops; on CPU the
-  transfer takes cycles from compute); the optimizer timed as training runs it (foreach
-  AdamW on DTensor parameters' local shards); and the *contention* factor: every calibrated time
-  (kernels, framework, sync, fitted α-β) scaled by the measured slowdown with the run's
-  processes on the host against the calibration's (a 2-process run on a 4-process
-  calibration of a 2-core host runs about twice as fast per kernel).
-
-* **More processes than cores** (the profile's ``cores``): ranks do not compute all at
-  once — while one waits in a collective another computes on its core. So a rank's timeline
-  runs its kernels at the speed of a rank with a core to itself (a CPU-priced profile,
-  ``kernel_time: cpu``: their CPU time; a wall-priced one: the contention factor at
-  ``min(processes, cores)``) and its collectives at their calibrated times (× the collectives'
-  contention factor at ``processes``); and the step is no less than every rank's CPU shared
-  over the cores (:meth:`ComputeProfile.host_factor`: ``processes / cores``): the rank's compute
-  plus its collectives' backend CPU (:class:`~atp_pipeline.planning.compute_profile.CollectiveCPU`:
-  per call and per byte by group size, from pure collective loops, every rank in them at once;
-  time waited in a collective costs none, a blocked rank sleeps; older profiles: a share of a
-  core per second waited besides). A collective in flight takes ``1 - hidden`` of the compute
-  overlapping it (§4.1/§4.2 overlap; ``hidden`` from the collective-during-compute loops: on a
-  CPU host the transfer is the backends' work on the ranks' own cores), where the profile has
-  no loops, its backend CPU and busy share.
-
-The pieces live in flat modules by concern: :mod:`~atp_pipeline.planning.kernels` (kernel kinds
-and their work), :mod:`~atp_pipeline.planning.compute_profile` (the calibrated kernel and framework
-times), :mod:`~atp_pipeline.planning.step_program` (one rank's program of kernels and placed
-collectives), :mod:`~atp_pipeline.planning.comm_clock` (collective durations). This module runs the
-program on a timeline and adds it up.
-
-The step is simulated on one rank's timeline (:func:`simulate`): compute advances the
-clock, a wait moves it to the collective's end; on an oversubscribed host the step is the
-larger of that timeline and the ranks' CPU over the cores (``host_bound``; its compute then the
-timeline's plus the kernels' share of the CPU beyond it, continuous where the bound takes over).
-Then the profile's *step residual* (:class:`~atp_pipeline.planning.compute_profile.StepResidual`:
-what the probe models' own steps took beyond the terms' sum at the calibration, per process
-count and chunk count a factor on the compute and one on the exposed communication) scales that
-step's two parts — or, where the calibration chose that form on probe models left out of the fit
-(:class:`~atp_pipeline.planning.compute_profile.CpuStep`, run 16), the step is the probes' measured
-step-to-rank-CPU ratio of the (mesh, chunk count) cell times the rank's predicted CPU as the probes'
-measured CPU was to it; ``residual_s`` is the difference.
-``exposed = step - compute - residual`` is the communication the user pays;
-``total_comm`` is what Eq. 2-style sums would charge.
-Tokens/s and model FLOPs utilization (MFU: the model's FLOPs of §5, ``shape.flops_per_step``,
-over step time × devices × the profile's peak) follow.
+The profile gives every factor of a run of ``P`` processes at once
+(:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.at_processes`): with more
+processes than cores the step is the larger of the rank's timeline and every rank's CPU over the
+cores (``host_bound``). Then the profile's step residual
+(:meth:`~atp_pipeline.planning.compute_profile.ComputeProfile.residual_seconds`: what the probe
+models' own steps took beyond the terms' sum) gives the whole step; ``residual_s`` is the
+difference. ``exposed = step - compute - residual`` is the communication the user pays;
+``total_comm`` is what Eq. 2-style sums would charge. Tokens/s and model FLOPs utilization
+(MFU: the model's FLOPs of §5 over step time × devices × the profile's peak) follow.
 """
 
 from __future__ import annotations
@@ -315,39 +260,27 @@ def estimate_step(topo: Topology, shape: ModelShape, mesh: Mesh, setting: StepSe
         raise ConfigError(f"step model: batch {shape.batch_size} does not split over dp={setting.dp}")
     batch = shape.batch_size // setting.dp
     prog, _ = build_program(shape, mesh, batch, setting.chunks)
-    processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factor is for
-    shared = profile.comm_factor(processes)  # the collectives as calibrated, at the run's processes
-    alone = profile.timeline_factor(processes)  # a rank's kernels with a core to itself
-    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, shared)
-    tl = _run(prog, clock, profile, shape.bytes_per_element, alone, profile.sync_factor(processes),
-              profile.skewed(processes))
+    processes = mesh[0] * mesh[1] * setting.dp  # on one host: what the contention factors are for
+    at = profile.at_processes(processes)
+    clock = CommClock(topo, mesh, shape.bytes_per_element, emulated, at.comm)
+    tl = _run(prog, clock, profile, shape.bytes_per_element, at.timeline, at.sync, at.skew)
     cpu = tl.compute + tl.coll_cpu
     path, compute = tl.now, tl.compute
     host_bound = False
-    if profile.oversubscribed(processes):
+    if at.oversubscribed:
         # more ranks than cores: a rank's compute runs at the speed of a core to itself while other
         # ranks wait in collectives (its timeline above), and the step is no less than every rank's
-        # CPU over the cores (``host_factor``: processes / cores for a CPU-priced profile)
-        host = profile.host_factor(processes)
-        cores_s = cpu * host
+        # CPU over the cores (``host``: processes / cores for a CPU-priced profile)
+        cores_s = cpu * at.host
         if cores_s > path:
             # its compute: the timeline's and the kernels' share of the CPU beyond the timeline
             # (``tl.compute / cpu``), so that the compute / exposed split the step residual's terms
-            # form scales runs on where the bound takes over (diagnosis e48: as the kernels at the
-            # shared speed, ``tl.compute x host``, a step jumped x1.58 at the boundary); a step of
-            # kernels alone (``cpu == tl.compute == tl.now``): ``tl.compute x host`` as before
+            # form scales runs on continuously where the bound takes over
             compute = tl.compute + (cores_s - tl.now) * (tl.compute / cpu if cpu > 0 else 0.0)
             path, host_bound = cores_s, True
     # what the terms' sum misses of a whole step (closing barrier, run queue, ...), as the probes'
-    # own steps measured it at the calibration (StepResidual: a factor on the compute, one on the
-    # exposed communication; 1 and 1 without one)
-    anchored = profile.cpu_step(processes, mesh, setting.chunks, cpu)
-    if anchored is not None:
-        # the residual's CPU form (CpuStep): the step as the probes' steps were to their rank's CPU
-        residual = anchored - path
-    else:
-        fc, fe = profile.residual_factors(processes, setting.chunks)
-        residual = compute * (fc - 1.0) + (path - compute) * (fe - 1.0)
+    # own steps measured it at the calibration
+    residual = profile.residual_seconds(processes, mesh, setting.chunks, path, compute, cpu)
     step = path + residual + gradsync_s
     devices = mesh[0] * mesh[1] * setting.dp
     mfu = shape.flops_per_step / (step * devices * profile.peak_flops) if profile.peak_flops > 0 else None

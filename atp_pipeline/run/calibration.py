@@ -1,30 +1,21 @@
 """``python train.py stage=calibrate``: calibrate this host for the topology in use, in one
-command, and find that calibration again in ``stage=plan`` and ``stage=fit`` (issue 27).
+command, and find that calibration again in ``stage=plan`` and ``stage=fit``.
 
-**Measure** (one launch per part, on the topology's ``world`` gloo processes at once, as
-training runs them; a progress bar):
+**Measure** (on the topology's ``world`` gloo processes at once, as training runs them; a
+progress bar): the collectives of Table 2 on every group layout that tiles the world at three
+message sizes, α-β fitted per level and collective (:func:`atp_pipeline.run.calibrate.measure`,
+:func:`atp_pipeline.planning.alphabeta_fit.fit_calibration`); then compute
+(:func:`atp_pipeline.run.calibrate_compute.calibrate_compute`). No model, batch or sequence length
+the user plans is measured: the step-time model predicts them (:mod:`atp_pipeline.planning.steptime`).
 
-1. collectives — the four of Table 2 on every group layout that tiles the world, three
-   message sizes (4 KiB, 64 KiB, 1 MiB), α-β fitted per level and collective
-   (:func:`atp_pipeline.run.calibrate.measure`, :func:`atp_pipeline.planning.alphabeta_fit.fit_calibration`;
-   the levels are the topology's own);
-2. compute — a sweep of kernel shapes per kind, probe models' collective-free forward and
-   backward on every candidate mesh (the framework cost), compute-then-collective loops
-   (sync), and the contention factor at 1, 2, …, world processes
-   (:func:`atp_pipeline.run.calibrate_compute.calibrate_compute`). No model, batch or
-   sequence length the user plans is measured: the step-time model predicts them from these
-   terms (:mod:`atp_pipeline.planning.steptime`).
-
-**Write** ``<calibration.dir>/<topology>.yaml``: the topology with the fitted bandwidths and
-``alpha_beta`` and ``device.compute`` = the profile (its date, host and probes in it), plus
-the collective fit's report beside it (``<topology>_collectives.{json,csv,png}``… as
-:func:`~atp_pipeline.planning.alphabeta_fit.write_report` names them) and the probes' whole steps
-the step residual was fitted over (``<topology>_probe_steps.json``: measured wall and rank CPU, the
-terms' prediction and the final one, per probe step).
+**Write** ``<calibration.dir>/<topology>.yaml``: the topology with the fitted ``alpha_beta`` and
+``device.compute`` = the profile, the collective fit's report and the probes' whole steps the
+step residual was fitted over (``<topology>_probe_steps.json``) beside it.
 
 **Find** (:func:`with_calibration`): a topology with neither ``alpha_beta`` nor
-``device.compute`` of its own takes the file's when ``calibration.use`` and the file's levels
-(names and counts) are the topology's; the plan's notes name the file, its SHA-256 and date.
+``device.compute`` of its own takes the file's when ``calibration.use`` and the file's levels are
+the topology's; the plan's notes name the file, its SHA-256 and date. The host is timed again only
+when asked (``calibration.retime``) or when the calibration is stale.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ import hashlib
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig
 
@@ -81,65 +72,99 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
                 f"{_levels(topo)}: not used (python train.py stage=calibrate topology={topo.name})")
         return dataclasses.replace(topo, note="; ".join(x for x in (topo.note, note) if x))
     compute = found.device.get("compute") or {}
+    from atp_pipeline.planning.compute_profile import ComputeProfile
+
+    if compute:  # a profile of an older format is refused here, in one line naming stage=calibrate
+        ComputeProfile.from_config(compute, f"calibration file {path}: device.compute")
     note = (f"calibration {path} (sha256 {file_digest(path)}, measured {compute.get('date', '?')}): "
             f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
     device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
-    speed, said = host_speed_now(path, compute, getattr(calibration, "retime", False),
-                                 float(getattr(calibration, "retime_s", 0.0)), topo.world_size, found)
-    if speed is not None:
+    retime, said = _retime_why(calibration, compute)
+    if retime:
+        speed, said = host_speed_now(path, compute, float(getattr(calibration, "retime_s", 0.0)), topo.world_size,
+                                     found, said)
         device["host_speed"] = speed.to_dict()  # profile_of prices the calibration at it
     return dataclasses.replace(topo, levels=found.levels, alpha_beta=found.alpha_beta, device=device,
                                note="; ".join(x for x in (topo.note, note, said) if x))
 
 
-def host_speed_now(path: Path, compute: Dict[str, Any], retime: bool, max_age_s: float,
-                   processes: int, calibrated: Topology) -> Tuple[Any, str]:
+def measured_at(compute: Dict[str, Any]) -> Tuple[str, Optional[float]]:
+    """The host a calibration's profile was measured on (its name's ``@host``) and its age in days
+    (None where its date does not read)."""
+    import datetime as _dt
+
+    host = str(compute.get("name", "")).rpartition("@")[2]
+    try:
+        when = _dt.datetime.strptime(str(compute.get("date", "")), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
+        age = (_dt.datetime.now(_dt.timezone.utc) - when).total_seconds() / 86400.0
+    except ValueError:
+        age = None
+    return host, age
+
+
+def _retime_why(calibration: Any, compute: Dict[str, Any]) -> Tuple[bool, str]:
+    """Whether to time the host's speed again before pricing, and the plan's note: when asked
+    (``calibration.retime``), or when the calibration is stale — measured on another host, or more
+    than ``calibration.stale_days`` days ago (0: never stale); then a one-line note is printed. Otherwise the
+    calibration's own speed, and no process is started."""
+    if getattr(calibration, "retime", False):
+        return True, ""
+    host, age = measured_at(compute)
+    stale_days = float(getattr(calibration, "stale_days", 0.0) or 0.0)
+    why = ""
+    if stale_days <= 0:
+        pass
+    elif host and host != _host():
+        why = f"measured on host '{host}', not '{_host()}'"
+    elif age is not None and age > stale_days:
+        why = f"measured {age:.1f} days ago (calibration.stale_days={stale_days:g})"
+    if why:
+        print(f"note: the calibration is stale ({why}): timing the host's speed now; "
+              f"`python train.py stage=calibrate` measures it again", flush=True)
+        return True, f"stale calibration ({why}): host speed re-timed"
+    return False, "predicted at the calibration's host speed (calibration.retime=true times the host again)"
+
+
+def host_speed_now(path: Path, compute: Dict[str, Any], max_age_s: float, processes: int,
+                   calibrated: Topology, why: str = "") -> Tuple[Any, str]:
     """The host's speed now against calibration ``path``'s (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`),
     and the plan's note on it: the probes' whole steps the calibration recorded timed again on the
     recorded process count nearest ``processes``, over the calibrated model's time for them on
-    ``calibrated`` (the file's topology; :func:`atp_pipeline.run.calibrate_compute.retime_steps`,
-    since run 45); a calibration from before it recorded them, its reference probe's kernels
-    (:func:`atp_pipeline.run.calibrate_compute.retime`). A re-timing of the same file (SHA-256) on
-    the same basis and process count younger than ``max_age_s`` seconds is reused
-    (``<topology>_speed.json`` beside it). None where the profile has no reference (a calibration
-    older than it: priced at its calibration's speed, flagged) or ``retime`` is off."""
+    ``calibrated`` (the file's topology; :func:`atp_pipeline.run.retime.retime_steps`). A
+    re-timing of the same file (SHA-256) on the same process count younger than ``max_age_s``
+    seconds is reused (``<topology>_speed.json`` beside it)."""
     import json
 
     from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile, HostSpeed, steps_count
 
-    reference = compute.get("reference") or {}
-    if not reference:
-        return None, ("the calibration has no reference probe (calibrated before it was recorded): "
-                      "predicted at the calibration's host speed, not re-timed")
-    if not retime:
-        return None, "calibration.retime=false: predicted at the calibration's host speed"
-    steps = dict(reference.get(STEPS_GROUP) or {})
-    basis, count = ("steps", steps_count(steps, processes)) if steps else ("kernels", 0)
+    steps = dict((compute.get("reference") or {}).get(STEPS_GROUP) or {})
+    if not steps:
+        raise ConfigError(f"calibration.retime: calibration {path} recorded no probe steps to time again "
+                          f"(calibrate again: python train.py stage=calibrate)")
+    count = steps_count(steps, processes)
     digest = file_digest(path)
     cache = path.with_name(f"{path.stem}_speed.json")
+    lead = f"{why}: " if why else ""
     try:
         got = json.loads(cache.read_text())
         speed = HostSpeed.from_dict(got)
         if (got["sha256"] == digest and 0 <= time.time() - float(got["epoch"]) <= max_age_s
-                and (speed.basis, speed.processes) == (basis, count)):
-            return speed, f"{speed.describe()} ({cache}, reused for calibration.retime_s={max_age_s:g} s)"
+                and speed.processes == count):
+            return speed, f"{lead}{speed.describe()} ({cache}, reused for calibration.retime_s={max_age_s:g} s)"
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         pass
-    from atp_pipeline.run.calibrate_compute import retime as _retime, retime_steps
+    from atp_pipeline.run.retime import retime_steps
 
     profile = ComputeProfile.from_config(compute, f"{path}: device.compute")
-    if basis == "steps":
+    if not why:  # (a stale calibration's note said so already)
         print(f"timing the host's speed now against calibration {path} (the probes' whole steps on {count} "
               f"processes, ~15 s) ...", flush=True)
-        speed = retime_steps(profile, count, calibrated)
-    else:
-        print(f"timing the host's speed now against calibration {path} (its reference probe, ~10 s) ...", flush=True)
-        speed = _retime(profile)
+    speed = retime_steps(profile, count, calibrated)
     try:
         cache.write_text(json.dumps({"sha256": digest, "epoch": time.time(), **speed.to_dict()}) + "\n")
     except OSError:
         pass
-    return speed, speed.describe()
+    return speed, lead + speed.describe()
 
 
 class _Bar:
@@ -171,7 +196,8 @@ def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
     """``stage=calibrate``: measure, fit and write the topology's calibration; the summary row."""
     from atp_pipeline.planning.alphabeta_fit import fit_calibration, level_specs, write_report, write_topology
     from atp_pipeline.run import calibrate as coll
-    from atp_pipeline.run.calibrate_compute import PROBES, ComputeRun, calibrate_compute, print_profile
+    from atp_pipeline.run.calibrate_compute import ComputeRun, calibrate_compute, print_profile
+    from atp_pipeline.run.compute_measure import PROBES
     from atp_pipeline.run.hostload import wait_quiet
 
     topo = Topology.from_config(cfg.topology)
@@ -208,7 +234,7 @@ def run_calibrate(cfg: DictConfig) -> Dict[str, Any]:
                                     probe_steps=out.parent / f"{topo.name}_probe_steps.json")
     calibrated["device"] = {**dict(topo.device), "compute": profile.to_config()}
     write_topology(calibrated, out, f"# Calibration of topology '{topo.name}' on {_host()} by `python train.py "
-                                    f"stage=calibrate` ({profile.date}, issue 27); stage=plan and stage=fit read it\n"
+                                    f"stage=calibrate` ({profile.date}); stage=plan and stage=fit read it\n"
                                     f"# for topology={topo.name} (calibration.dir={cal.dir}).\n")
     write_report(res, out.parent, f"{topo.name}_collectives")
     wall = time.perf_counter() - t0

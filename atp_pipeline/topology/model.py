@@ -61,7 +61,7 @@ class Level:
                 "group_GBps": self.group_GBps, "routing": self.routing.value}
 
 
-# The collectives of AutoDDL's Table 2 (the names of planning.sbp.alphabeta.Collective).
+# The collectives of AutoDDL's Table 2 (the names of planning.alphabeta.Collective).
 COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 

@@ -1,7 +1,7 @@
 """AutoDDL SBP strategy search (issue 8): alpha-beta collectives, the SBP matmul space, search;
 any model's layer chain from its shape (issue 25)."""
 
-from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective, LinkLevel, volume
+from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, LinkLevel, volume
 from atp_pipeline.planning.sbp.chain import chain_keys, model_chain, sbp_infeasibility
 from atp_pipeline.planning.sbp.search import METHODS, SearchResult, search, search_all
 from atp_pipeline.planning.sbp.space import (MatmulLayer, MemoryModel, Problem, Strategy,

@@ -70,7 +70,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.sbp.alphabeta import AlphaBeta, Collective, factor, steps
+from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, factor, steps
 
 ROLES = ("b", "m", "n")
 COLLECTIVES = tuple(c.value for c in Collective)
