@@ -146,8 +146,8 @@ def load_calibrated(ref: str, calibration_dir: str, conf: Path) -> Tuple[Any, Di
     from types import SimpleNamespace
 
     from atp_pipeline.errors import ConfigError
-    from atp_pipeline.run.compute_measure import load_topology_yaml
     from atp_pipeline.run.calibration import calibration_file, file_digest, with_calibration
+    from atp_pipeline.run.compute_measure import load_topology_yaml
     from atp_pipeline.topology.model import Topology
 
     data, path = load_topology_yaml(ref, conf)

@@ -20,8 +20,7 @@ from atp_pipeline.planning import alphabeta_fit as cal
 from atp_pipeline.planning.alphabeta_fit import Sample
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
 from atp_pipeline.planning.lstsq import spearman
-from atp_pipeline.planning.sbp import (AlphaBeta, Collective, LinkLevel, MemoryModel,
-                                       compile_problem, transformer)
+from atp_pipeline.planning.sbp import AlphaBeta, Collective, LinkLevel, MemoryModel, compile_problem, transformer
 from atp_pipeline.planning.sbp.schedule import schedule
 from atp_pipeline.run import calibrate as run_cal
 from atp_pipeline.topology.model import Topology

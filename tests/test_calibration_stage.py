@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from atp_pipeline.planning import compute_profile as cp, kernels as kn
+from atp_pipeline.planning import compute_profile as cp
+from atp_pipeline.planning import kernels as kn
 from atp_pipeline.planning.alphabeta_fit import write_topology
 from atp_pipeline.planning.shape import ModelShape
 
@@ -68,7 +69,8 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     off = plan_from_config(compose_cfg(*two, "calibration.use=false", "model=tiny"))
     assert off.objective.value == "comm"
     from atp_pipeline.planning import profile_fit as pf
-    from atp_pipeline.run import compute_measure as cm, retime as hs
+    from atp_pipeline.run import compute_measure as cm
+    from atp_pipeline.run import retime as hs
     from atp_pipeline.topology.model import Topology
 
     topo = Topology.from_config(__import__("yaml").safe_load(path.read_text()))
@@ -209,7 +211,8 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
 
     from atp_pipeline import launch
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run import compute_measure as cm, retime as hs
+    from atp_pipeline.run import compute_measure as cm
+    from atp_pipeline.run import retime as hs
     from atp_pipeline.topology.model import Topology
     from benchmarks import step_validation as sv
 
@@ -311,7 +314,8 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
     tests/test_docs_commands.py)."""
     from atp_pipeline import launch
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run import compute_measure as cm, retime as hs
+    from atp_pipeline.run import compute_measure as cm
+    from atp_pipeline.run import retime as hs
     from atp_pipeline.topology.model import Topology
     from benchmarks import step_validation as sv
 

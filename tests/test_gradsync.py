@@ -13,7 +13,7 @@ import pytest
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
-from atp_pipeline.planning.gradsync import (GradBucket, estimate, link_params, sbp_buckets)
+from atp_pipeline.planning.gradsync import GradBucket, estimate, link_params, sbp_buckets
 from atp_pipeline.planning.sbp import AlphaBeta, MemoryModel, compile_problem, mlp
 from atp_pipeline.topology.model import Topology
 

@@ -18,7 +18,11 @@ from rich.console import Console
 
 from atp_pipeline.config.schema import CostModel, MeshConfig, ModelConfig, PlannerConfig
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning import comm_clock as cc, compute_profile as cp, kernels as kn, step_program as sp, steptime as st
+from atp_pipeline.planning import comm_clock as cc
+from atp_pipeline.planning import compute_profile as cp
+from atp_pipeline.planning import kernels as kn
+from atp_pipeline.planning import step_program as sp
+from atp_pipeline.planning import steptime as st
 from atp_pipeline.planning.cost import ALL_REDUCE, CommTerm, comm_terms, predicted_elements
 from atp_pipeline.planning.search import make_plan
 from atp_pipeline.planning.shape import ModelShape
@@ -691,7 +695,8 @@ def test_the_pure_collective_loops_cover_small_messages_with_more_calls():
     activations are a few KiB: eight calibrations fitted from 16 KiB up gave 345-535 us a
     2-rank call), each a pass LOOP_BATCH x the calls of the other measurements."""
     from atp_pipeline.planning import profile_fit as pf
-    from atp_pipeline.run import compute_measure as cm, compute_timing as ct
+    from atp_pipeline.run import compute_measure as cm
+    from atp_pipeline.run import compute_timing as ct
 
     pure = [p for p in cm.sync_patterns(4) + cm.cpu_loops(4) if p[5] == 0 and p[6] == pf.SYNC]
     layouts = {(d1, d2, dim) for d1, d2, dim, *_ in pure}
@@ -954,7 +959,8 @@ def test_the_programs_collective_calls_are_the_runtimes_on_four_processes():
 def test_calibration_times_the_runtime_terms_on_processes():
     """The measuring half on 2 real processes: foreach AdamW on DTensors' shards on a mesh, the
     runtime's collective-free forward and backward of a plan, a compute-then-collective loop."""
-    from atp_pipeline.run import compute_measure as cm, compute_timing as ct
+    from atp_pipeline.run import compute_measure as cm
+    from atp_pipeline.run import compute_timing as ct
 
     (tiny, spec), = cm.compose_models(cm.probe_entries(["probe_gpt_s"]), CONF)
     assert (tiny.hidden, tiny.layers, tiny.batch_size, tiny.seq_len) == (48, 1, 6, 48)
@@ -1180,7 +1186,8 @@ def test_plan_times_the_host_only_when_asked_or_when_the_calibration_is_stale(tm
     ``calibration.stale_days`` days ago; 0: never), which one printed line says."""
     from types import SimpleNamespace
 
-    from atp_pipeline.run import calibration, retime as hs
+    from atp_pipeline.run import calibration
+    from atp_pipeline.run import retime as hs
 
     data = yaml.safe_load((DATA / "step_calibration.yaml").read_text())
     (tmp_path / "local.yaml").write_text(yaml.safe_dump(data))

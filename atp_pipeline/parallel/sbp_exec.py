@@ -68,10 +68,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.sbp.layout import (PARTIAL, REPLICATE, SHARD0, SHARD1, SBPLayout, _check_div,
-                                              placement_names, plan_mesh_shape, role_dims)
 from atp_pipeline.planning.alphabeta import Collective
 from atp_pipeline.planning.sbp.chain import INTO
+from atp_pipeline.planning.sbp.layout import (
+    PARTIAL,
+    REPLICATE,
+    SHARD0,
+    SHARD1,
+    SBPLayout,
+    _check_div,
+    placement_names,
+    plan_mesh_shape,
+    role_dims,
+)
 from atp_pipeline.planning.sbp.space import Strategy, direct, row_split
 
 __all__ = ["PLACEMENTS", "LayerLayout", "plan_mesh", "SBPLinear", "SBPMLP", "SBPLayout", "plan_mesh_shape",

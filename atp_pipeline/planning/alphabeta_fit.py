@@ -52,8 +52,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.lstsq import nnls
 from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, LinkLevel, steps, volume
+from atp_pipeline.planning.lstsq import nnls
 
 COLLECTIVES: Tuple[Collective, ...] = (Collective.all_reduce, Collective.all_gather,
                                        Collective.reduce_scatter, Collective.all_to_all)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.planning.alphabeta import AlphaBeta, Collective
 from atp_pipeline.planning.bandwidth import dimension_bandwidth
 from atp_pipeline.planning.cost import collective_seconds
-from atp_pipeline.planning.alphabeta import AlphaBeta, Collective
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]

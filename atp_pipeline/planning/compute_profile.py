@@ -10,10 +10,29 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, COMPOSED, GEMM, KINDS, NORM_BWD, NORM_FWD,
-                                        OPTIMIZER, POINTWISE, Kernel)
-from atp_pipeline.planning.host_speed import (REFERENCE_GROUPS, STEPS_GROUP, HostSpeed, host_speed,  # noqa: F401
-                                             parse_step_label, step_label, step_processes, steps_count, steps_speed)
+from atp_pipeline.planning.host_speed import (  # noqa: F401
+    REFERENCE_GROUPS,
+    STEPS_GROUP,
+    HostSpeed,
+    host_speed,
+    parse_step_label,
+    step_label,
+    step_processes,
+    steps_count,
+    steps_speed,
+)
+from atp_pipeline.planning.kernels import (
+    ATTN_BWD,
+    ATTN_FWD,
+    COMPOSED,
+    GEMM,
+    KINDS,
+    NORM_BWD,
+    NORM_FWD,
+    OPTIMIZER,
+    POINTWISE,
+    Kernel,
+)
 from atp_pipeline.planning.shape import ModelShape
 from atp_pipeline.planning.step_residual import CpuStep, StepResidual, _nearest, cell_key  # noqa: F401
 from atp_pipeline.topology.model import Topology

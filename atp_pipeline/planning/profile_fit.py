@@ -30,8 +30,19 @@ import numpy as np
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.comm_clock import CommClock
-from atp_pipeline.planning.compute_profile import (CollectiveCPU, ComputeProfile, CpuStep, Framework, KindFit, Mesh,
-                                                   Probe, StepResidual, SyncFit, cell_key, shape_key)
+from atp_pipeline.planning.compute_profile import (
+    CollectiveCPU,
+    ComputeProfile,
+    CpuStep,
+    Framework,
+    KindFit,
+    Mesh,
+    Probe,
+    StepResidual,
+    SyncFit,
+    cell_key,
+    shape_key,
+)
 from atp_pipeline.planning.kernels import GEMM, KINDS, OPTIMIZER, Kernel
 from atp_pipeline.planning.lstsq import bounded_lstsq, nnls
 from atp_pipeline.planning.step_program import all_items, build_program

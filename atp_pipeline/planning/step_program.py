@@ -10,8 +10,18 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from atp_pipeline.config.schema import CostModel
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.cost import CommTerm, comm_terms
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, LOSS_BWD, LOSS_FWD, NORM_BWD, NORM_FWD, OPTIMIZER,
-                                          POINTWISE, Kernel)
+from atp_pipeline.planning.kernels import (
+    ATTN_BWD,
+    ATTN_FWD,
+    GEMM,
+    LOSS_BWD,
+    LOSS_FWD,
+    NORM_BWD,
+    NORM_FWD,
+    OPTIMIZER,
+    POINTWISE,
+    Kernel,
+)
 from atp_pipeline.planning.shape import KV_GATHERED, KV_PICK, KV_SCATTER, ModelShape, kv_placement
 
 Mesh = Tuple[int, int]

@@ -40,7 +40,7 @@ from atp_pipeline.planning.comm_clock import CommClock
 from atp_pipeline.planning.compute_profile import ComputeProfile
 from atp_pipeline.planning.kernels import OPTIMIZER, Kernel
 from atp_pipeline.planning.shape import ModelShape
-from atp_pipeline.planning.step_program import Coll, Item, Program, stages, build_program
+from atp_pipeline.planning.step_program import Coll, Item, Program, build_program, stages
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]

@@ -41,10 +41,19 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.alphabeta_fit import (COLLECTIVES, CalibrationResult, LevelSpec, Sample,
-                                             fit_calibration, level_specs, load_samples,
-                                             print_summary, write_report, write_topology)
 from atp_pipeline.planning.alphabeta import Collective
+from atp_pipeline.planning.alphabeta_fit import (
+    COLLECTIVES,
+    CalibrationResult,
+    LevelSpec,
+    Sample,
+    fit_calibration,
+    level_specs,
+    load_samples,
+    print_summary,
+    write_report,
+    write_topology,
+)
 
 DEFAULT_SIZES = tuple(4**k * 4096 for k in range(6))  # 4 KiB ... 4 MiB
 ELEMENT_BYTES = 4  # float32 buffers

@@ -35,11 +35,26 @@ from typing import Any, Optional, Sequence, Tuple
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile
 from atp_pipeline.planning.profile_fit import fit_collective_cpu_loops, fit_probe_steps, make_profile, residual_counts
-from atp_pipeline.run.compute_measure import (CONF, PROBES, compose_models, cpu_loops, load_topology_yaml,
-                                              plan_points, probe_entries, sweep_kernels, sync_patterns)
+from atp_pipeline.run.compute_measure import (
+    CONF,
+    PROBES,
+    compose_models,
+    cpu_loops,
+    load_topology_yaml,
+    plan_points,
+    probe_entries,
+    sweep_kernels,
+    sync_patterns,
+)
 from atp_pipeline.run.compute_timing import measure_all, measure_contention
-from atp_pipeline.run.retime import (REFERENCE_BATCH_MS, REFERENCE_PASSES, RETIME_STEP_PROBES, reference_probe,
-                                         time_probe_steps)
+from atp_pipeline.run.retime import (
+    REFERENCE_BATCH_MS,
+    REFERENCE_PASSES,
+    RETIME_STEP_PROBES,
+    reference_probe,
+    time_probe_steps,
+)
+
 
 @dataclass(frozen=True)
 class ComputeRun:

@@ -10,8 +10,18 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, LOSS_BWD, LOSS_FWD, NORM_BWD, NORM_FWD,
-                                           OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.kernels import (
+    ATTN_BWD,
+    ATTN_FWD,
+    GEMM,
+    LOSS_BWD,
+    LOSS_FWD,
+    NORM_BWD,
+    NORM_FWD,
+    OPTIMIZER,
+    POINTWISE,
+    Kernel,
+)
 from atp_pipeline.planning.profile_fit import ASYNC, SYNC, SYNC_GEMM, Pattern, Plan
 
 CONF = Path("conf")

@@ -20,11 +20,21 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from atp_pipeline.errors import ConfigError
-
-from atp_pipeline.planning.kernels import (ATTN_BWD, ATTN_FWD, GEMM, LOSS_BWD, LOSS_FWD, NORM_BWD, NORM_FWD,
-                                           OPTIMIZER, POINTWISE, Kernel)
+from atp_pipeline.planning.kernels import (
+    ATTN_BWD,
+    ATTN_FWD,
+    GEMM,
+    LOSS_BWD,
+    LOSS_FWD,
+    NORM_BWD,
+    NORM_FWD,
+    OPTIMIZER,
+    POINTWISE,
+    Kernel,
+)
 from atp_pipeline.planning.profile_fit import ASYNC, SYNC, SYNC_GEMM, Pattern, Plan, Timed
 from atp_pipeline.run.compute_measure import CONTENTION_BYTES, CONTENTION_KERNELS, LOOP_BATCH
+
 
 def loop_batch(pat: Pattern) -> int:
     """How many batches of calls a pattern runs a pass: a pure collective loop (no GEMMs,

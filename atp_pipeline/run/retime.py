@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.compute_profile import (STEPS_GROUP, ComputeProfile, HostSpeed, parse_step_label,
-                                                   step_label, steps_count, steps_speed)
+from atp_pipeline.planning.compute_profile import (
+    STEPS_GROUP,
+    ComputeProfile,
+    HostSpeed,
+    parse_step_label,
+    step_label,
+    steps_count,
+    steps_speed,
+)
 from atp_pipeline.planning.kernels import GEMM, NORM_BWD, NORM_FWD, POINTWISE, Kernel
 from atp_pipeline.planning.profile_fit import Plan, probe_step_predictions, utc_now
 from atp_pipeline.run.compute_measure import CONF, compose_models, plan_points, probe_entries

@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.alphabeta import AlphaBeta
+from atp_pipeline.planning.fmt import fmt_seconds
 from atp_pipeline.planning.sbp.chain import model_chain, sbp_infeasibility
 from atp_pipeline.planning.sbp.layout import SBPLayout, check_chain_layout, placement_names, plan_mesh_shape
 from atp_pipeline.planning.sbp.search import SearchResult, search

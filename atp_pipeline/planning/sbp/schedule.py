@@ -22,8 +22,17 @@ from typing import Dict, List, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.alphabeta import AlphaBeta, Collective
-from atp_pipeline.planning.sbp.space import (MatmulLayer, Problem, Strategy, direct, direct_terms, row_counts,
-                                             row_in_terms, row_out_terms, weight_terms)
+from atp_pipeline.planning.sbp.space import (
+    MatmulLayer,
+    Problem,
+    Strategy,
+    direct,
+    direct_terms,
+    row_counts,
+    row_in_terms,
+    row_out_terms,
+    weight_terms,
+)
 
 
 @dataclass(frozen=True)
