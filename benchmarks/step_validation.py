@@ -203,7 +203,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         probe = [p["probe_steps"]["ratio"] for p in pts if p.get("probe_steps")]
         groups[key] = {
             "host_load_cores": statistics.mean(p.get("host_load_cores", 0.0) for p in pts),
-            "bias": bias, **({"probe_ratio": probe[0]} if probe else {}), "within_median_rel_error": statistics.median(within), "within_worst_rel_error": max(within),
+            "bias": bias, **({"probe_ratio": probe[0]} if probe else {}),
+            "within_median_rel_error": statistics.median(within), "within_worst_rel_error": max(within),
             "predicted_best": pb["point"], "measured_best": mb["point"], "agree": pb["point"] == mb["point"],
             "measured_margin": second / mb["measured_s"] - 1,
             "predicted_best_measured_slower_by": pb["measured_s"] / mb["measured_s"] - 1,
@@ -283,7 +284,8 @@ def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str
     _write(out, tag, rows, meta, classes)
     real = [r for r in rows if r["class"] == "real"] or rows
     plot(real, summarize(real), out / f"{tag}.png", f"step-time model vs measured, out of sample "
-                                                    f"({real[0]['class']}): {', '.join(sorted({r['model'] for r in real}))}")
+                                                    f"({real[0]['class']}): "
+                                                    f"{', '.join(sorted({r['model'] for r in real}))}")
     print(f"{'model':<11} {'b x s':<8} {'proc':>4} {'interconnect':<20} {'point':<9} {'measured ms':>11} "
           f"{'predicted ms':>12} {'compute':>8} {'exposed':>8} {'waited':>8} {'error':>7} {'load':>5}")
     for r in rows:
@@ -300,11 +302,13 @@ def report(rows: List[Dict[str, Any]], meta: Dict[str, Any], out: Path, tag: str
         print(f"{cls}: {s['points']} points: median relative error {s['median_rel_error']:.1%}, worst "
               f"{s['worst_rel_error']:.1%}, Spearman rho {s['spearman']:.3f} (per model: "
               + ", ".join(f"{m} {v:.2f}" for m, v in s["spearman_per_model"].items())
-              + f"); predicted best = measured best in {s['best_agrees']} groups; {s['short_share']:.0%} predicted short;"
+              + f"); predicted best = measured best in {s['best_agrees']} groups; "
+              f"{s['short_share']:.0%} predicted short;"
               f" within a group (its common factor divided out): median {s['within_group_median_rel_error']:.1%}, "
               f"worst {s['within_group_worst_rel_error']:.1%}"
               + (f"; probe steps' ratio vs the groups' measured/predicted: correlation "
-                 f"{s['probe_ratio_bias_correlation']:.2f}" if s.get("probe_ratio_bias_correlation") is not None else ""))
+                 f"{s['probe_ratio_bias_correlation']:.2f}"
+                 if s.get("probe_ratio_bias_correlation") is not None else ""))
         for g, v in s["groups"].items():
             print(f"  {g}: load {v['host_load_cores']:.2f} cores, measured/predicted x{v['bias']:.2f}"
                   + (f" (probe steps x{v['probe_ratio']:.2f})" if "probe_ratio" in v else "") + "; best "
@@ -346,13 +350,15 @@ def repredict(rows: List[Dict[str, Any]], meta: Dict[str, Any], ref: str, calibr
     out = []
     for r in rows:
         if r["interconnect"] != "gloo":
-            raise ValueError(f"step_validation: --repredict: row {r['group']} {r['point']} is emulated (real rows only)")
+            raise ValueError(f"step_validation: --repredict: row {r['group']} {r['point']} "
+                             f"is emulated (real rows only)")
         d1, d2 = (int(x) for x in r["mesh"].split("x"))
         shape = shapes[(r["model"], r["batch"], r["seq_len"])]
         est = estimate_step(topo.restrict(r["processes"]), shape, (d1, d2), StepSetting(chunks=r["chunks"]), profile)
         why = in_sample(profile, shape, (d1, d2), r["processes"])
         out.append({**r, **prediction_fields(est, r["measured_s"]), "in_sample": why,
-                    "class": ("in-sample " if why else "") + "real", "calibration": calibration_field(calibration, est)})
+                    "class": ("in-sample " if why else "") + "real",
+                    "calibration": calibration_field(calibration, est)})
     meta = {**meta, "calibration": calibration, "profile_terms": profile.describe(),
             "repredicted": f"measured rows re-predicted from {calibration['file']} (sha256 {calibration['sha256']}): "
                            f"a development check, not a validation of that calibration"}
@@ -387,7 +393,8 @@ def _write(out: Path, tag: str, rows: List[Dict[str, Any]], meta: Dict[str, Any]
     if not rows:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "summary": summary or {}, "rows": rows}, indent=2) + "\n")
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "summary": summary or {}, "rows": rows}, indent=2)
+                                     + "\n")
     with (out / f"{tag}.csv").open("w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
@@ -466,7 +473,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(bracket), before each launch (group), once before the grid (once); or never (off)")
     p.add_argument("--probes-in-launch", action="store_true",
                    help="time the probe steps inside each launch too (as --retime launch does) and give every row "
-                        "also the prediction at that speed (predicted_at_in_launch_speed_s), whatever --retime prices at")
+                        "also the prediction at that speed (predicted_at_in_launch_speed_s), "
+                        "whatever --retime prices at")
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for other jobs' load to fall below "
                         "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
@@ -684,7 +692,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     load_start = _loadavg()
     speed = None
-    bracket = args.retime == "bracket" and bool(calibrated.reference)  # kernels: the probe after a launch is the next one's
+    # kernels: the probe after a launch is the next one's
+    bracket = args.retime == "bracket" and bool(calibrated.reference)
     pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
     latest: Optional[Any] = None  # --retime steps: the last probe, while no launch ran after it
     launched: Dict[str, List[Tuple[Dict[str, Any], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
@@ -736,7 +745,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
             # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
             speed = latest if latest is not None and latest.processes == w else probe(f"before {tag}", w)
-        elif calibrated.reference and (args.retime in ("group", "bracket") or (args.retime == "once" and speed is None)):
+        elif calibrated.reference and (args.retime in ("group", "bracket")
+                                       or (args.retime == "once" and speed is None)):
             # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
             # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
             # bracket: at the mean of it and the probe after the launch, which is the next launch's)

@@ -84,14 +84,16 @@ def test_a_collective_without_a_per_byte_cost_takes_the_levels_beta() -> None:
     and the plan's T_comm ~0. It takes the level's shared beta instead, its alpha refitted."""
     truth = AlphaBeta.uniform(alpha=3e-4, beta=2e-9)
     samples = [s if s.collective is not Collective.all_reduce else  # latency only: beta = 0
-               Sample(s.collective, s.size, s.stride, s.nbytes, 5e-4 * cal.design_row(s)[0]) for s in synthetic(truth, 4)]
+               Sample(s.collective, s.size, s.stride, s.nbytes, 5e-4 * cal.design_row(s)[0])
+               for s in synthetic(truth, 4)]
     assert cal.fit_pair([s for s in samples if s.collective is Collective.all_reduce]) == (pytest.approx(5e-4), 0.0)
     levels = cal.level_specs(4, [4])
     fit = cal.fit_model(samples, levels)
     level_a, level_b = fit.pairs["process"]
     assert level_b > 0 and fit.level_beta == {"process": ["all_reduce"]}
     ar = [s for s in samples if s.collective is Collective.all_reduce]
-    assert fit.per_collective["process"]["all_reduce"] == (pytest.approx(cal.fit_alpha(ar, level_b), rel=1e-12), level_b)
+    assert fit.per_collective["process"]["all_reduce"] == (pytest.approx(cal.fit_alpha(ar, level_b), rel=1e-12),
+                                                           level_b)
     # the relative least squares' alpha with beta fixed: its residuals are orthogonal to the steps column
     a = fit.per_collective["process"]["all_reduce"][0]
     x = np.array([cal.design_row(s)[0] / s.seconds for s in ar])

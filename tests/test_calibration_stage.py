@@ -36,7 +36,8 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert prof.processes == 2 and set(prof.contention) == {1, 2} and prof.framework is not None
     assert {p.name for p in prof.probes} == {"probe_gpt_s"} and prof.date
     steps = json.loads((tmp_path / "local_probe_steps.json").read_text())  # what the step residual was fitted over
-    assert steps["profile"] == prof.name and {(r["probe"], r["processes"]) for r in steps["rows"]} == {("probe_gpt_s", 2)}
+    assert steps["profile"] == prof.name and ({(r["probe"], r["processes"]) for r in steps["rows"]}
+                                              == {("probe_gpt_s", 2)})
     assert {(r["mesh"], r["chunks"]) for r in steps["rows"]} == {("2x1", 1), ("1x2", 1), ("2x1", 2), ("1x2", 2)}
     assert all(r["measured_s"] > 0 and r["measured_cpu_s"] > 0 and r["cpu_s"] > 0 and r["predicted_s"] > 0
                for r in steps["rows"])
@@ -45,7 +46,8 @@ def test_stage_calibrate_writes_what_stage_plan_then_predicts_steps_from(compose
     assert {g: sorted(v) for g, v in prof.reference.items()} == {  # the host's speed at calibration
         "compute": sorted(map(reference_label, REFERENCE["compute"])),
         "overhead": sorted([*map(reference_label, REFERENCE["overhead"]), f"step {REFERENCE_STEP} 2x1/c1"]),
-        "steps": sorted(f"probe_gpt_s {m}/c{c} on 2" for m in ("2x1", "1x2") for c in (1, 2))}  # the probe's whole steps
+        # the probe's whole steps
+        "steps": sorted(f"probe_gpt_s {m}/c{c} on 2" for m in ("2x1", "1x2") for c in (1, 2))}
     assert all(v > 0 for v in prof.reference["steps"].values())
     plain = plan_from_config(compose_cfg(*two, "model=tiny"))  # by default: the calibration's speed, no timing
     assert plain.objective.value == "step" and plain.profile.speed is None
@@ -98,7 +100,8 @@ def test_validation_refuses_points_the_calibration_ran(tmp_path, capsys):
     assert sv.in_sample(prof, tiny, (1, 4), 4) == "model calibrated (probe p_tiny)"
     assert sv.in_sample(prof, other, (2, 2), 4).startswith("mesh 2x2 with batch 8 and sequence 64 calibrated")
     assert sv.in_sample(prof, other, (2, 2), 2) == "" and sv.in_sample(prof, other, (4, 1), 4) == ""
-    two = dataclasses.replace(prof, probes=(*probes, cp.Probe("p_b", "x", (2, 1), 8, 64, processes=2)))  # step residual's
+    # step residual's
+    two = dataclasses.replace(prof, probes=(*probes, cp.Probe("p_b", "x", (2, 1), 8, 64, processes=2)))
     assert sv.in_sample(two, other, (2, 1), 2).startswith("mesh 2x1 with batch 8 and sequence 64 calibrated")
     assert sv.in_sample(two, other, (2, 1), 4) == ""
     assert cp.ComputeProfile.from_config(two.to_config()).probes == two.probes
@@ -130,7 +133,8 @@ def test_repredict_keeps_the_measurements_and_names_the_new_calibration():
     assert [(r["point"], r["measured_s"]) for r in out] == [(r["point"], r["measured_s"]) for r in group]
     assert all(r["calibration"].startswith(f"{cal} sha256 {digest}: ") for r in out)
     assert meta["calibration"]["sha256"] == digest and "development check" in meta["repredicted"]
-    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in group], rel=1e-9)
+    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in group],
+                                                            rel=1e-9)
     assert all(r["rel_error"] == abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in out)
     with pytest.raises(ValueError, match="emulated"):
         sv.repredict([dict(group[0], interconnect="emulated ic1 x3000")], {}, cal, "unused", CONF)
@@ -163,7 +167,8 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
 
 def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     """``--retime launch`` (the default) and ``--retime steps`` are refused at one process (their probes
-    run collectives) and on a calibration that recorded no probe steps, any other mode is refused, and no launch a group, each in one line
+    run collectives) and on a calibration that recorded no probe steps, any other mode is refused, and no
+    launch a group, each in one line
     (exit 2); the summary's correlation of the groups' re-timed probe ratio (rows that carry
     ``probe_steps``) with their measured/predicted is Pearson's over the groups that have one."""
     import statistics
@@ -176,12 +181,14 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     write_topology(cfg, tmp_path / "cal4.yaml")
     base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
             "--out", str(tmp_path / "out")]
-    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of steps, launch, bracket, group, once, off"),
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"],
+                         "--retime 'bogus': one of steps, launch, bracket, group, once, off"),
                         (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
                         (["--worlds", "2"], "--retime launch: calibration " + str(tmp_path / "cal4.yaml")
                          + " recorded no probe steps: --retime bracket, or calibrate again"),
                         (["--worlds", "2,1"], "--retime launch: --worlds 2,1: each >= 2"),
-                        (["--retime", "off", "--worlds", "2", "--launches", "0"], "--steps, --repeats, --launches >= 1")):
+                        (["--retime", "off", "--worlds", "2", "--launches", "0"],
+                         "--steps, --repeats, --launches >= 1")):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
@@ -300,7 +307,8 @@ def test_bracket_prices_each_launch_between_the_probes_before_and_after_it(tmp_p
     grouped = run("group")
     assert [m["measured"] for m in grouped["meta"]["host_speed"]["measured"]] == ["t0", "t1"]  # none after
     for r in grouped["rows"]:
-        assert r["host_speed"]["measured"] == ("t0" if r["seq_len"] == 16 else "t1") and "bracket" not in r["host_speed"]
+        assert (r["host_speed"]["measured"] == ("t0" if r["seq_len"] == 16 else "t1")
+                and "bracket" not in r["host_speed"])
 
 
 def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launches(tmp_path, monkeypatch, capsys):

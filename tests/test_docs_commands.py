@@ -418,7 +418,8 @@ def _live_sync(t: str) -> Tuple[str, str]:
     payloads = (get_opt(t, "--payloads") or "62,2048").split(",")  # 62,2048: the module's default
     t = set_opt(t, "--payloads", ",".join(payloads[:2]))  # spelled out: the default's form is the same run
     if len(payloads) > 2:
-        note += f"; payloads {','.join(payloads[:2])} of {','.join(payloads)} (larger ones: the same code, bigger datagrams)"
+        note += (f"; payloads {','.join(payloads[:2])} of {','.join(payloads)} "
+                 f"(larger ones: the same code, bigger datagrams)")
     return _out(t, "benchmarks/live_sync"), note
 
 
@@ -453,7 +454,8 @@ def _step_validation(t: str) -> Tuple[str, str]:
     # documented run shares one cheap form (run once); it records the probes' steps that the default
     # --retime launch times inside the launch
     t = set_opt(drop_opt(t, "--calibration-dir"), "--topology", "tests/data/step_calibration.yaml")
-    t = set_opt(set_opt(t, "--tag", "steps"), "--quiet-wait", "0")  # the suite's other worker never lets the host go quiet
+    # the suite's other worker never lets the host go quiet
+    t = set_opt(set_opt(t, "--tag", "steps"), "--quiet-wait", "0")
     return t, ("gpt2_tiny at batch 2 x 32 tokens, 2 processes (meshes 2x1, 1x2), chunks 1, 1 step, one launch, "
                "from the tests' calibration tests/data/step_calibration.yaml (the probes' steps timed again inside "
                "the launch), no wait for a quiet host")
@@ -500,7 +502,8 @@ def _sbp_search(t: str) -> Tuple[str, str]:
 def _hf_coverage(t: str) -> Tuple[str, str]:
     t = set_opt(set_opt(t, "--types", "mamba"), "--out", f"{TMP}/outputs/benchmarks/hf_coverage")
     if _has_opt(t, "--doc"):
-        t = set_opt(t, "--doc", f"{TMP}/outputs/benchmarks/hf_coverage/hf_coverage.md")  # never over the committed table
+        # never over the committed table
+        t = set_opt(t, "--doc", f"{TMP}/outputs/benchmarks/hf_coverage/hf_coverage.md")
     return t, "one type, refused before any step (the whole sweep is ~30 min; its subset: tests/test_hf_coverage.py)"
 
 

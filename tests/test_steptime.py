@@ -211,7 +211,8 @@ def test_an_attention_core_is_priced_on_the_grid_of_cores_head_size_included():
     same_scores = [prof.seconds(kn.Kernel(kn.ATTN_BWD, (12, 4, 140, d))) for d in (8, 16)]
     assert same_scores[0] / same_scores[1] == pytest.approx(1.5, rel=0.02)
     back = cp.ComputeProfile.from_config(prof.to_config())
-    assert back.seconds(kn.Kernel(kn.ATTN_BWD, beyond)) == pytest.approx(prof.seconds(kn.Kernel(kn.ATTN_BWD, beyond)), rel=1e-4)
+    assert back.seconds(kn.Kernel(kn.ATTN_BWD, beyond)) == pytest.approx(prof.seconds(kn.Kernel(kn.ATTN_BWD, beyond)),
+                                                                         rel=1e-4)
 
 
 def test_a_models_own_loss_is_its_own_kernel_and_committed_rows_are_predicted_as_they_were():
@@ -225,8 +226,10 @@ def test_a_models_own_loss_is_its_own_kernel_and_committed_rows_are_predicted_as
     for shape, mesh in ((LLAMA, (2, 1)), (TIED_OPT, (1, 2))):
         prog, _ = sp.build_program(shape, mesh, shape.batch_size, 1)
         T, V = shape.batch_size * shape.seq_len, shape.vocab_size
-        assert [it[1] for it in prog.post_fwd if it[0] == "k" and it[1].kind.startswith("loss")] == [kn.Kernel(kn.LOSS_FWD, (T, V))]
-        assert [it[1] for it in prog.post_bwd if it[0] == "k" and it[1].kind.startswith("loss")] == [kn.Kernel(kn.LOSS_BWD, (T, V))]
+        assert ([it[1] for it in prog.post_fwd if it[0] == "k" and it[1].kind.startswith("loss")]
+                == [kn.Kernel(kn.LOSS_FWD, (T, V))])
+        assert ([it[1] for it in prog.post_bwd if it[0] == "k" and it[1].kind.startswith("loss")]
+                == [kn.Kernel(kn.LOSS_BWD, (T, V))])
     prog, _ = sp.build_program(GPT, (2, 1), GPT.batch_size, 1)  # vocab-parallel: its own split loss, pointwise
     assert not [it for it in sp.all_items(prog) if it[0] == "k" and it[1].kind.startswith("loss")]
     cal = DATA / "step_calibration.yaml"
@@ -240,7 +243,8 @@ def test_a_models_own_loss_is_its_own_kernel_and_committed_rows_are_predicted_as
     rows = json.loads((DATA / "step_rows.json").read_text())["rows"]
     out, _ = sv.repredict(rows, {}, str(cal), "unused", CONF)
     assert len(out) == 8
-    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in rows], rel=1e-9)
+    assert [r["predicted_s"] for r in out] == pytest.approx([r["predicted_at_calibration_speed_s"] for r in rows],
+                                                            rel=1e-9)
 
 
 def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_flops():
@@ -256,7 +260,8 @@ def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_fl
         return 20e-6 + 4e-9 * b * a * s * s
     sweep = [(b, a, s, d) for b in (2, 8) for a in (1, 4) for s in (32, 128) for d in (8, 32)]
     fit = fit_kind([kn.Kernel(kn.ATTN_FWD, c) for c in sweep], [took(c) for c in sweep])
-    assert fit.per_size and fit.alpha_s == pytest.approx(20e-6, rel=1e-6) and fit.per_unit_s == pytest.approx(4e-9, rel=1e-6)
+    assert (fit.per_size and fit.alpha_s == pytest.approx(20e-6, rel=1e-6)
+            and fit.per_unit_s == pytest.approx(4e-9, rel=1e-6))
     assert not fit_kind([kn.Kernel(kn.GEMM, (m, 8, 8)) for m in (8, 64)], [1e-6, 2e-6]).per_size
     prof = cp.ComputeProfile("p", "test", {**{k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS}, kn.ATTN_FWD: fit},
                              points={(kn.ATTN_FWD, c): took(c) for c in sweep})
@@ -266,7 +271,8 @@ def test_an_attention_core_off_a_grid_is_priced_by_its_score_elements_not_its_fl
     beyond = (16, 4, 120, 8)  # past the sweep: the fit per score element
     assert prof.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond), rel=1e-9)
     back = cp.ComputeProfile.from_config(prof.to_config())
-    assert back.fits[kn.ATTN_FWD].per_size and back.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond))
+    assert (back.fits[kn.ATTN_FWD].per_size
+            and back.seconds(kn.Kernel(kn.ATTN_FWD, beyond)) == pytest.approx(took(beyond)))
     older = prof.to_config()
     del older["fits"][kn.ATTN_FWD]["per_size"]  # a fit without per_size: its ns_per_unit is per FLOP
     k = kn.Kernel(kn.ATTN_FWD, beyond)
@@ -455,8 +461,8 @@ def test_the_terms_form_runs_on_where_the_hosts_cpu_bound_takes_over():
     steps, bound = [], []
     for us in np.geomspace(20.0, 2000.0, 241):  # the kernels from collective-bound to CPU-bound
         prof = cp.ComputeProfile("p", "test", _flat(us).fits, processes=4, cores=2, kernel_time="cpu",
-                                 contention={1: 0.5, 2: 0.5, 4: 1.0}, collective_cpu=cp.CollectiveCPU({2: 0.25, 4: 0.25}),
-                                 step_residual=sr)
+                                 contention={1: 0.5, 2: 0.5, 4: 1.0},
+                                 collective_cpu=cp.CollectiveCPU({2: 0.25, 4: 0.25}), step_residual=sr)
         est = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
         fc, fe = prof.residual_factors(4, 1)
         assert est.step_s == pytest.approx(fc * est.compute_s + fe * est.exposed_comm_s)
@@ -485,7 +491,8 @@ def test_a_cpu_priced_profile_runs_kernels_at_their_cpu_time_and_shares_the_core
     assert est.timeline_s == pytest.approx(ref.step_s) and ref.compute_s == pytest.approx(est.cpu_s - 0.25 * (
         est.timeline_s - ref.compute_s))
     assert est.host_bound and est.step_s == pytest.approx(2.0 * est.cpu_s) and est.compute_s == pytest.approx(
-        ref.compute_s + (2.0 * est.cpu_s - est.timeline_s) * ref.compute_s / est.cpu_s)  # + its share beyond the timeline
+        # + its share beyond the timeline
+        ref.compute_s + (2.0 * est.cpu_s - est.timeline_s) * ref.compute_s / est.cpu_s)
     assert prof.host_factor(4) == 2.0 and prof.host_factor(2) == 1.0 and prof.timeline_factor(4) == 1.0
     assert "at a rank's CPU time" in est.calibration and "a rank's kernels at their CPU time" in est.calibration
     two = st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), prof)
@@ -534,7 +541,8 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
         assert est.host_bound == base.host_bound
         assert est.tokens_per_s == pytest.approx(GPT.tokens_per_step / est.step_s)
     assert est.to_dict()["residual_s"] == est.residual_s
-    assert [sr.at(n, k) for n, k in ((1, 1), (2, 2), (3, 1), (8, 4))] == [(1.25, 0.75), (1.0, 1.0), (1.5, 1.125), (2.0, 0.5)]
+    assert ([sr.at(n, k) for n, k in ((1, 1), (2, 2), (3, 1), (8, 4))]
+            == [(1.25, 0.75), (1.0, 1.0), (1.5, 1.125), (2.0, 0.5)])
     assert ("step residual compute x1.250, exposed x0.750 (chunks 1), compute x1.000, exposed x1.000 (chunks 2) at 2 "
             "processes (12 probe steps); compute x1.500, exposed x1.125 (chunks 1), compute x2.000, exposed x0.500 "
             "(chunks 2) at 4 processes (36 probe steps)" in est.calibration)
@@ -551,7 +559,8 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed: the same processes >= 1"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: {1: 1.0}}, "exposed": {2: {1: 1.0}}}})
     with pytest.raises(ConfigError, match=r"step_residual: compute and exposed"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: {1: float("nan")}}, "exposed": {4: {1: 1.0}}}})
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {"compute": {4: {1: float("nan")}},
+                                                                "exposed": {4: {1: 1.0}}}})
     with pytest.raises(ConfigError, match=r"step_residual: unknown key\(s\) offset"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "offset": 1}})
     assert res.at_speed(cp.HostSpeed(2.0, 2.0)).step_residual == sr  # ratios: the host's speed leaves them
@@ -581,7 +590,8 @@ def test_the_step_residual_scales_the_terms_compute_and_exposed_and_is_fitted_fr
 def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe_models_left_out():
     """The residual's CPU form (CpuStep) — the step as the probes' measured step
     against their measured rank CPU per (mesh, chunks) cell (``T = ratio·U + wait``), of the
-    predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per cell) — recovers planted values exactly; the calibration keeps whichever form
+    predicted rank CPU as the probes' measured CPU was to it (``U = a·Û + b`` per cell) — recovers planted
+    values exactly; the calibration keeps whichever form
     predicts better the probe models left out in turn; a profile with it predicts
     ``ratio × (a·cpu + b) + wait`` (the medians of the cells of its chunk count where a cell is not
     calibrated), writes and reads it back (without waits: none), and re-times its
@@ -602,17 +612,20 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     args = ([x[0] for x in steps], [x[1] for x in steps], [x[2] for x in steps])
     fit = pf.fit_cpu_step(u_hat, u, wall, *args)
     assert fit.ratio == {2: {"1x2/c1": pytest.approx(1.4), "1x2/c2": pytest.approx(1.5), "2x1/c1": pytest.approx(1.2),
-                             "2x1/c2": pytest.approx(1.3)}, 4: {"2x2/c1": pytest.approx(2.4), "4x1/c1": pytest.approx(2.6)}}
+                             "2x1/c2": pytest.approx(1.3)},
+                         4: {"2x2/c1": pytest.approx(2.4), "4x1/c1": pytest.approx(2.6)}}
     assert fit.wait == {2: {"1x2/c1": pytest.approx(0, abs=1e-9), "1x2/c2": pytest.approx(0.003),
                             "2x1/c1": pytest.approx(0, abs=1e-9), "2x1/c2": pytest.approx(0, abs=1e-9)},
                         4: {"2x2/c1": pytest.approx(0.002), "4x1/c1": pytest.approx(0.006)}}
     assert {n: {k: pytest.approx(v, rel=1e-6, abs=1e-9) for k, v in per.items()} for n, per in fit.cpu.items()} == {
-        n: {cp.cell_key(mesh, c): own.get((n, mesh, c), ab[n, c]) for (nn, mesh, c) in ratio if nn == n} for n in (2, 4)}
+        n: {cp.cell_key(mesh, c): own.get((n, mesh, c), ab[n, c]) for (nn, mesh, c) in ratio if nn == n}
+        for n in (2, 4)}
     assert fit.step(2, (1, 2), 2, 0.05) == pytest.approx(1.5 * (1.05 * 0.05 + 0.004) + 0.003)
     assert fit.step(4, (4, 1), 1, 0.05) == pytest.approx(2.6 * 1.3 * 0.05 + 0.006)  # its own line
     # a cell not calibrated: the medians of 4's chunks-1 cells (ratio 2.5, wait 4 ms, the CPU x1.25 + 0.5 ms)
     assert fit.step(4, (1, 4), 1, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)
-    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)  # the nearest count, chunks
+    # the nearest count, chunks
+    assert fit.step(8, (2, 2), 2, 0.05) == pytest.approx(2.5 * (1.25 * 0.05 + 0.0005) + 0.004)
     # two steps of a cell: no line through them, the median ratio and no wait
     two = pf.fit_cpu_step(u_hat[:2], u[:2], wall[:2], *(a[:2] for a in args))
     assert two.wait[2]["2x1/c1"] == 0.0 and two.ratio[2]["2x1/c1"] == pytest.approx(1.2)
@@ -627,7 +640,8 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     noisy = [uu * (1.0 + 0.3 * math.sin(7 * i)) for i, uu in enumerate(u)]
     res_t = pf.fit_residual(parts, u_hat, noisy, terms_wall, *args, models)
     assert res_t.form == "terms" and res_t.anchored is not None and res_t.cv["terms"][1] < 1e-6
-    assert pf.fit_residual(parts, u_hat, u, wall, *args, [0] * len(steps)).anchored is None  # one model: nothing left out
+    # one model: nothing left out
+    assert pf.fit_residual(parts, u_hat, u, wall, *args, [0] * len(steps)).anchored is None
     # in a profile
     four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                                  "alpha_beta": [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]})
@@ -641,14 +655,17 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     from atp_pipeline.planning.mesh_plan import residual_origin
 
     assert residual_origin(prof, est).startswith("the step from a rank's CPU")  # the plan's step line says which form
-    assert residual_origin(dataclasses.replace(prof, step_residual=res_t), est).startswith("the calibration's probe steps")
+    assert residual_origin(dataclasses.replace(prof, step_residual=res_t), est).startswith(
+        "the calibration's probe steps")
     cfg = json.loads(json.dumps(prof.to_config()))
-    assert cfg["step_residual"]["form"] == "cpu" and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4)
+    assert (cfg["step_residual"]["form"] == "cpu"
+            and cfg["step_residual"]["cpu_ratio"]["4"]["2x2/c1"] == pytest.approx(2.4))
     assert cfg["step_residual"]["cpu_wait"]["4"]["4x1/c1"] == pytest.approx(6000.0)  # microseconds
     back = cp.ComputeProfile.from_config(cfg).step_residual
     assert back.form == "cpu" and back.anchored.cpu[4]["2x2/c1"] == pytest.approx(ab[4, 1], rel=1e-5)
     assert cfg["step_residual"]["cpu_fit"]["4"]["4x1/c1"] == pytest.approx([1.3, 0.0], abs=1e-9)  # microseconds
-    old_fit = {p: {c.split("/c")[1]: v for c, v in per.items() if c.startswith("2x")} for p, per in cfg["step_residual"]["cpu_fit"].items()}
+    old_fit = {p: {c.split("/c")[1]: v for c, v in per.items() if c.startswith("2x")}
+               for p, per in cfg["step_residual"]["cpu_fit"].items()}
     with pytest.raises(ConfigError, match=r"older format \(step_residual\.cpu_fit per chunk count, not per cell\)"):
         cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_fit": old_fit}})
     assert back.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(res.cpu_step(4, (2, 2), 1, 0.05), rel=1e-5)
@@ -659,7 +676,8 @@ def test_the_step_from_a_ranks_cpu_is_fitted_from_the_probes_and_chosen_on_probe
     slow = prof.at_speed(cp.HostSpeed(1.0, 2.0)).step_residual
     assert slow.cpu_step(4, (2, 2), 1, 0.05) == pytest.approx(2.4 * (1.2 * 0.05 + 0.002) + 0.004)
     with pytest.raises(ConfigError, match=r"step_residual: cpu_ratio"):
-        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_ratio": {4: {"2x2/c1": -1}}}})
+        cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"],
+                                                                "cpu_ratio": {4: {"2x2/c1": -1}}}})
     for bad in ({4: {"2x2/c1": -1.0}}, {4: {"1x4/c1": 10.0}}):  # a negative wait, a cell without a ratio
         with pytest.raises(ConfigError, match=r"cpu_wait: cpu_ratio's cells"):
             cp.ComputeProfile.from_config({**cfg, "step_residual": {**cfg["step_residual"], "cpu_wait": bad}})
@@ -1013,7 +1031,8 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, points={(kn.GEMM, (8, 8, 8)): 50e-6},
                              processes=4, cores=2, kernel_time="cpu", peak_flops=6e9,
-                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6), sync=cp.SyncFit(150e-6, 0.125, 0.75),
+                             framework=cp.Framework(30e-6, 0.25, 400e-6, 2e-9, 10e-6),
+                             sync=cp.SyncFit(150e-6, 0.125, 0.75),
                              collective_cpu=cp.CollectiveCPU({}, {2: 100e-6, 4: 200e-6}, {2: 1e-9}),
                              contention={1: 0.5, 4: 1.0}, reference=recorded)
     fast = prof.at_speed(speed)
@@ -1036,7 +1055,8 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     assert not two[0].host_bound and two[1].compute_s == pytest.approx(2 * two[0].compute_s)
     assert "host speed re-timed now: the reference probe ran x2.000 (kernels) and x2.000" in twice.calibration
     stepped = {**recorded, "steps": {"p 2x1/c1 on 2": 0.01}}  # a calibration's reference has the probes' steps
-    back = cp.ComputeProfile.from_config(json.loads(json.dumps(dataclasses.replace(prof, reference=stepped).to_config()))).reference
+    back = cp.ComputeProfile.from_config(
+        json.loads(json.dumps(dataclasses.replace(prof, reference=stepped).to_config()))).reference
     assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in stepped.items()}
     with pytest.raises(ConfigError, match="is re-timed .*write the calibration's own profile"):
         fast.to_config()
@@ -1050,7 +1070,8 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                     "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
     bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
-    with pytest.raises(ConfigError, match=r"^calibration file .*t\.yaml: device\.compute: a compute profile of an older "
+    with pytest.raises(ConfigError, match=r"^calibration file .*t\.yaml: device\.compute: a compute profile "
+                                          r"of an older "
                                           r"format \(reference without the probes' steps\) \(calibrate again: "
                                           r"python train\.py stage=calibrate\)$"):
         with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
@@ -1089,8 +1110,8 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     assert cp.step_label("probe_gpt_s", (2, 1), 2, 2) == "probe_gpt_s 2x1/c2 on 2"
     assert cp.step_processes(then) == [2, 4]
     assert [cp.steps_count(then, n) for n in (1, 2, 3, 4, 8)] == [2, 2, 4, 4, 4]  # the nearest (ties: the larger)
-    with pytest.raises(ConfigError, match=r"^host speed: no probe step on 8 processes timed both at calibration and now "
-                                          r"\(calibrated on \[2, 4\]"):
+    with pytest.raises(ConfigError, match=r"^host speed: no probe step on 8 processes timed both at calibration "
+                                          r"and now \(calibrated on \[2, 4\]"):
         cp.steps_speed(then, now, 8)
     with pytest.raises(ConfigError, match="probe step label 'p 2x1 on 2'"):
         cp.step_processes({"p 2x1 on 2": 1.0})
@@ -1136,7 +1157,8 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
 
     timed = []
     monkeypatch.setattr(hs, "retime_steps",
-                        lambda profile, processes, topo: timed.append(processes) or cp.HostSpeed(0.7, 0.7, "d", "steps", 4))
+                        lambda profile, processes, topo: (timed.append(processes)
+                                                          or cp.HostSpeed(0.7, 0.7, "d", "steps", 4)))
     for other in (cp.HostSpeed(0.5, 0.5, "c", "steps", 2), cp.HostSpeed(0.5, 0.6, "c")):  # another count, the kernels'
         (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
         assert with_calibration(bare, cal).device["host_speed"]["compute"] == 0.7

@@ -174,7 +174,8 @@ class KindFitConfig:
 
 @dataclass
 class FrameworkConfig:
-    """The runtime's CPU work around kernels and collectives (:class:`~atp_pipeline.planning.compute_profile.Framework`)."""
+    """The runtime's CPU work around kernels and collectives
+    (:class:`~atp_pipeline.planning.compute_profile.Framework`)."""
 
     per_kernel_us: float = MISSING
     kernel_factor: float = 0.0
@@ -414,7 +415,8 @@ class AggregationConfig:
     switch, all feeding the second-level switch at the PS's rack (ATP §4.1 two-level
     aggregation; with ``switch_impl=bmv2`` every rack switch and the second level is a BMv2 running
     the program, ``n_ps`` 1). ``transport=shm`` (``switchml`` only) keeps the lanes in shared memory and sends
-    only the headers as datagrams (``atp_pipeline.ina.live.shm``). ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
+    only the headers as datagrams (``atp_pipeline.ina.live.shm``).
+    ``switchml`` runs the SwitchML protocol live (Sapio et al., NSDI'21; ATP §3,
     §6): a static partition of ``pool`` slots × 2 versions at one switch that is itself the
     aggregation endpoint (no PS), per-packet shared exponents, per-slot timeouts ``rto_s``.
     Knobs of one mode given to another are refused (``racks``, ``aggregators``, ``n_ps``,

@@ -43,7 +43,8 @@ brings the ``Partial`` output back to whole rows (reduce-scatter over ``n``, all
 the activation alone (:data:`~atp_pipeline.planning.sbp.chain.INTO`) and the strategies
 line up (:func:`~atp_pipeline.planning.sbp.space.direct`, e.g. Megatron's column then row),
 the producer's partial output is all-reduced over its ``n`` group and handed to the
-consumer as its ``X`` block with no row layout in between. All of it is exactly :func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
+consumer as its ``X`` block with no row layout in between. All of it is exactly
+:func:`~atp_pipeline.planning.sbp.space.row_io_terms`, the collectives the
 search charges (counted by :func:`count_collectives`, tested against
 :func:`~atp_pipeline.planning.sbp.schedule.schedule`). Those collectives run on process
 groups of the roles' ranks (one group per role, not DTensor's per-mesh-dimension
@@ -610,7 +611,8 @@ def apply_sbp_layout(module: nn.Module, linears: Mapping[str, str], layout: SBPL
         raise ConfigError(f"sbp plan: {type(module).__name__} is already laid out by an SBP plan")
     drop = sorted(n for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0)
     if drop:  # ranks holding other rows or blocks would draw the same masks (no RNG streams here yet)
-        raise ConfigError(f"sbp plan: dropout in {type(module).__name__} ('{drop[0]}' p={module.get_submodule(drop[0]).p:g}"
+        raise ConfigError(f"sbp plan: dropout in {type(module).__name__} "
+                          f"('{drop[0]}' p={module.get_submodule(drop[0]).p:g}"
                           f"{f' and {len(drop) - 1} more' if len(drop) > 1 else ''}) is not supported by the SBP "
                           f"executor (no per-rank random streams); set it to 0 or use planner=atp")
     rows = RowLayout()

@@ -231,9 +231,9 @@ class Conditions:
     host: float
 
 
-PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits", "kernel_time", "comm_contention",
-                          "optimizer", "framework", "sync", "collective_cpu", "probes", "points", "reference",
-                          "step_residual"})
+PROFILE_KEYS = frozenset({"name", "source", "date", "processes", "cores", "peak_GFLOPs", "contention", "fits",
+                          "kernel_time", "comm_contention", "optimizer", "framework", "sync", "collective_cpu",
+                          "probes", "points", "reference", "step_residual"})
 
 
 @dataclass(frozen=True)
@@ -428,7 +428,8 @@ class ComputeProfile:
         fw = self.framework
         if fw is not None:
             parts.append(f"framework {fw.per_kernel_s * 1e6:.1f} us/kernel + {fw.kernel_factor:.1%}, "
-                         f"{fw.per_collective_s * 1e6:.1f} us + {fw.per_collective_byte_s * 1e9:.3f} ns/B per collective"
+                         f"{fw.per_collective_s * 1e6:.1f} us + "
+                         f"{fw.per_collective_byte_s * 1e9:.3f} ns/B per collective"
                          + (f", {fw.per_read_s * 1e6:.1f} us per parameter read" if fw.per_read_s else ""))
         if self.sync is not None:
             parts.append(f"sync {self.sync.alpha_s * 1e6:.0f} us + {self.sync.per_compute:.3f} x compute "
@@ -456,7 +457,8 @@ class ComputeProfile:
                              f"the step no less than every rank's CPU over the cores")
             elif self.oversubscribed(processes):
                 parts.append(f"{processes} processes on {self.cores} cores: a rank alone on a core "
-                             f"x{self.alone_factor(processes):.3f}, the step no less than every rank's CPU over the cores")
+                             f"x{self.alone_factor(processes):.3f}, "
+                             f"the step no less than every rank's CPU over the cores")
         return "; ".join(parts)
 
     def seconds(self, k: Kernel) -> float:
@@ -596,7 +598,8 @@ class ComputeProfile:
                 **({"step_residual": {part: {int(p): {int(c): g(f) for c, f in sorted(fs.items())}
                                              for p, fs in sorted(getattr(self.step_residual, part).items())}
                                       for part in ("compute", "exposed")} | {
-                                      **({"probe_steps": {int(p): int(n) for p, n in sorted(self.step_residual.steps.items())}}
+                                      **({"probe_steps": {int(p): int(n)
+                                                          for p, n in sorted(self.step_residual.steps.items())}}
                                          if self.step_residual.steps else {}),
                                       **self._anchored_config(g)}}
                    if self.step_residual is not None else {}),
@@ -611,7 +614,8 @@ class ComputeProfile:
         if sr.anchored is not None:
             out["cpu_ratio"] = {int(p): {k: g(v) for k, v in sorted(cells.items())}
                                 for p, cells in sorted(sr.anchored.ratio.items())}
-            out["cpu_fit"] = {int(p): {c: [g(a), g(b * 1e6)] for c, (a, b) in sorted(per.items(), key=lambda kv: str(kv[0]))}
+            out["cpu_fit"] = {int(p): {c: [g(a), g(b * 1e6)]
+                                       for c, (a, b) in sorted(per.items(), key=lambda kv: str(kv[0]))}
                               for p, per in sorted(sr.anchored.cpu.items())}
             if sr.anchored.wait:
                 out["cpu_wait"] = {int(p): {k: g(w * 1e6) for k, w in sorted(cells.items())}
@@ -697,7 +701,8 @@ def _framework(data: Mapping[str, Any], where: str) -> Optional[Framework]:
         return None
     fw = Framework(float(fd["per_kernel_us"]) * 1e-6, float(fd.get("kernel_factor") or 0.0),
                    float(fd.get("per_collective_us") or 0.0) * 1e-6,
-                   float(fd.get("per_collective_ns_per_byte") or 0.0) * 1e-9, float(fd.get("per_read_us") or 0.0) * 1e-6)
+                   float(fd.get("per_collective_ns_per_byte") or 0.0) * 1e-9,
+                   float(fd.get("per_read_us") or 0.0) * 1e-6)
     if not (_finite((fw.per_kernel_s, fw.per_collective_s, fw.per_collective_byte_s, fw.per_read_s))
             and fw.kernel_factor > -1 and math.isfinite(fw.kernel_factor)):
         raise ConfigError(f"{where}.framework: per_kernel_us, per_collective_us, "

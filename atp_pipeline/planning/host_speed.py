@@ -28,7 +28,8 @@ class HostSpeed:
     names) timed again on ``processes`` processes, over the calibrated step model's time for them
     (not their wall times in the one short launch that recorded them), one ratio for
     ``compute`` and ``overhead`` alike — the step's prices scale by it whole (:func:`steps_speed`).
-    ``"kernels"`` (the step validation's ``--retime bracket|group|once``): the *reference probe* (a fixed synthetic set of the calibration's
+    ``"kernels"`` (the step validation's ``--retime bracket|group|once``): the *reference probe*
+    (a fixed synthetic set of the calibration's
     own kernel runners and one probe model's collective-free step,
     :data:`atp_pipeline.run.retime.REFERENCE`) timed again (:func:`host_speed`):
     ``compute`` the geometric mean of the ratio over the rate-bound kernels (GEMMs, norms,

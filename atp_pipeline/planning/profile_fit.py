@@ -110,8 +110,8 @@ def plan_calls(shape: Any, mesh: Tuple[int, int], chunks: int) -> Dict[int, int]
 def framework_seconds(fw: Framework, features: Tuple[float, int, int, float, int]) -> float:
     """A plan's collective-free forward and backward under ``fw``: ``K·(1 + f) + n·o + m·a + B·b + r·p``."""
     k, n, m, nbytes, reads = features
-    return (k * (1 + fw.kernel_factor) + n * fw.per_kernel_s + m * fw.per_collective_s + nbytes * fw.per_collective_byte_s
-            + reads * fw.per_read_s)
+    return (k * (1 + fw.kernel_factor) + n * fw.per_kernel_s + m * fw.per_collective_s
+            + nbytes * fw.per_collective_byte_s + reads * fw.per_read_s)
 
 
 def fit_framework(profile: ComputeProfile, shapes: Sequence[Any], plans: Sequence[Plan],
@@ -356,7 +356,8 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
               + (f", {len(plans)} collective-free probe steps of {len(shapes)} probe models" if plans else "")
               + (f", {len(patterns)} compute-then-collective loops" if patterns else "")
               + (f", contention at {'/'.join(str(p) for p in sorted(contention))} processes" if contention else "")
-              + (", the collectives' CPU per call and byte from the pure collective loops" if collective_cpu is not None else "")
+              + (", the collectives' CPU per call and byte from the pure collective loops"
+                 if collective_cpu is not None else "")
               + ")")
     import os
 
@@ -370,8 +371,9 @@ def make_profile(name: str, kernels: Sequence[Kernel], seconds: Sequence[float],
     probes = probe_records(probe_names, shapes, plans)
     return ComputeProfile(name=name, source=source, fits=fits, points=base.points, processes=world, cores=cores,
                           peak_flops=base.peak_flops, framework=framework, sync=sync, optimizer=OPTIMIZER_DESC,
-                          contention=dict(contention or {}), date=utc_now(), probes=probes, collective_cpu=collective_cpu,
-                          kernel_time=kernel_time, comm_contention=dict(comm_contention or {}))
+                          contention=dict(contention or {}), date=utc_now(), probes=probes,
+                          collective_cpu=collective_cpu, kernel_time=kernel_time,
+                          comm_contention=dict(comm_contention or {}))
 
 
 def fit_probe_steps(profile: ComputeProfile, topo: Any, shapes: Sequence[Any], probe_names: Sequence[str],

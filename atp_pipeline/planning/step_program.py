@@ -209,7 +209,8 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
                    _fan_in_bwd(T, hs, [f // d1] * up, tk("f3", "bwd"))))
     # the activation (``act_kernels``: its kernels as its code runs them) and, gated, the gate's product
     act_fwd, act_bwd = shape.act_kernels
-    pieces.append(([_k(POINTWISE, T * f // d1)] * (up - 1 + act_fwd), [_k(POINTWISE, T * f // d1)] * (up - 1 + act_bwd)))
+    pieces.append(([_k(POINTWISE, T * f // d1)] * (up - 1 + act_fwd),
+                   [_k(POINTWISE, T * f // d1)] * (up - 1 + act_bwd)))
     f4f, f4b = tk("f4", "fwd"), tk("f4", "bwd")
     pieces.append(([_k(GEMM, T, f // d1, hs), *_c("sync", f4f), _k(POINTWISE, T * hs)],
                    [*_linear_bwd(T, f // d1, hs, f4b), _k(POINTWISE, T * hs)]))

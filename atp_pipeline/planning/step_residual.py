@@ -73,7 +73,8 @@ class CpuStep:
 
     def at_speed(self, overhead: float) -> "CpuStep":
         """The same with the CPU offsets ``b`` and the waits at the host's per-call speed now (:class:`HostSpeed`)."""
-        return CpuStep(self.ratio, {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()},
+        return CpuStep(self.ratio,
+                       {p: {c: (a, b * overhead) for c, (a, b) in per.items()} for p, per in self.cpu.items()},
                        {p: {k: w * overhead for k, w in cells.items()} for p, cells in self.wait.items()})
 
     def describe(self) -> str:
@@ -104,7 +105,8 @@ class StepResidual:
 
     compute: Mapping[int, Mapping[int, float]]
     exposed: Mapping[int, Mapping[int, float]]
-    steps: Mapping[int, int] = field(default_factory=dict)  # how many probe steps each process count's factors are fitted over
+    # how many probe steps each process count's factors are fitted over
+    steps: Mapping[int, int] = field(default_factory=dict)
     #: the step from a rank's CPU, fitted over the same probe steps; where set and
     #: ``form == "cpu"`` it gives the step instead of the two factors
     anchored: Optional[CpuStep] = None
@@ -132,13 +134,16 @@ class StepResidual:
             return ", ".join(f"compute x{c:.3f}, exposed x{_nearest(self.exposed.get(p) or self.compute[p], k):.3f}"
                              + (f" (chunks {k})" if len(self.compute[p]) > 1 else "")
                              for k, c in sorted(self.compute[p].items()))
-        counts = "; ".join(f"{per_chunks(p)} at {p} processes" + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
+        counts = "; ".join(f"{per_chunks(p)} at {p} processes"
+                           + (f" ({self.steps[p]} probe steps)" if p in self.steps else "")
                            for p in sorted(self.compute))
         at = ""
-        if processes is not None and (processes not in self.compute or (chunks is not None and len(self.compute[processes]) > 1
-                                                                       and chunks not in self.compute[processes])):
+        if processes is not None and (processes not in self.compute
+                                      or (chunks is not None and len(self.compute[processes]) > 1
+                                          and chunks not in self.compute[processes])):
             a, b = self.at(processes, chunks or 1)
-            at = f"; {processes} processes{f', chunks {chunks}' if chunks else ''} not calibrated: the nearest count's (x{a:.3f}, x{b:.3f})"
+            at = (f"; {processes} processes{f', chunks {chunks}' if chunks else ''} not calibrated: "
+                  f"the nearest count's (x{a:.3f}, x{b:.3f})")
         fitted = " (fitted over the probes' own steps)" if source else ""
         head = f"step residual {counts}{fitted}{at}"
         cv = "; ".join(f"{f} {m:.1%} / {w:.1%}" for f, (m, w) in sorted(self.cv.items()))

@@ -44,7 +44,8 @@ from atp_pipeline.planning.step_program import Coll, Item, Program, build_progra
 from atp_pipeline.topology.model import Topology
 
 Mesh = Tuple[int, int]
-Flight = Tuple[float, float, float, int, float]  # a collective in flight: start, end, end of its real transfer, dimension, its backend's CPU
+# a collective in flight: start, end, end of its real transfer, dimension, its backend's CPU
+Flight = Tuple[float, float, float, int, float]
 
 
 @dataclass
@@ -150,7 +151,8 @@ class _Timeline:
         if self.profile.sync is not None or self.profile.collective_cpu is None:
             return 1.0 - self.profile.hidden
         d1, d2 = self.clock.mesh
-        return min(1.0, self.profile.collective_busy(d1 if dim == 1 else d2) + (cpu / transfer if transfer > 0 else 0.0))
+        return min(1.0, self.profile.collective_busy(d1 if dim == 1 else d2)
+                   + (cpu / transfer if transfer > 0 else 0.0))
 
     def waited(self, dim: int, seconds: float) -> None:
         """The rank waits ``seconds`` in a collective on ``dim``: the CPU its backend keeps busy meanwhile."""

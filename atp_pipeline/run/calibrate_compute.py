@@ -130,7 +130,8 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     for count in ([] if run.quick or not live else [c for c in residual_counts(run.world) if c != run.world]):
         extra = plan_points(shapes, count, run.chunks)
         _, timed_c, _ = measure_all([], count, run.passes, run.batch_ms, models=[spec for _, spec in built], live=extra)
-        live, live_wall, live_at = [*live, *extra], [*live_wall, *(t.wall for t in timed_c)], [*live_at, *[count] * len(extra)]
+        live, live_wall, live_at = ([*live, *extra], [*live_wall, *(t.wall for t in timed_c)],
+                                    [*live_at, *[count] * len(extra)])
         live_cpu = [*live_cpu, *(t.cpu for t in timed_c)]
         if progress is not None:
             progress(f"probe steps on {count} processes", 1, 1)
@@ -221,7 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.alphabeta_fit import write_topology
 
     write_topology(out_cfg, out, f"# {base_path} with device.compute measured by `python -m "
-                                 f"atp_pipeline.run.calibrate_compute {' '.join(sys.argv[1:] if argv is None else argv)}`"
+                                 f"atp_pipeline.run.calibrate_compute "
+                                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`"
                                  f"\n# (the step-time model's compute profile)\n")
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -95,7 +95,8 @@ def measured_at(compute: Dict[str, Any]) -> Tuple[str, Optional[float]]:
 
     host = str(compute.get("name", "")).rpartition("@")[2]
     try:
-        when = _dt.datetime.strptime(str(compute.get("date", "")), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
+        when = _dt.datetime.strptime(str(compute.get("date", "")),
+                                     "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
         age = (_dt.datetime.now(_dt.timezone.utc) - when).total_seconds() / 86400.0
     except ValueError:
         age = None

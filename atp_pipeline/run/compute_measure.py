@@ -78,7 +78,8 @@ def sweep_kernels(quick: bool = False) -> List[Kernel]:
     gemm.add(SYNC_GEMM.dims)
     # attention cores on a full grid of (b·a, s, d) (:attr:`Kernel.grid`; priced multilinear in its
     # logs): independent cores 4-64, sequences 32-256, head sizes 8-128
-    attn = [(b, 4, s, d) for b in ((1, 4) if quick else (1, 4, 16)) for s in ((32, 128) if quick else (32, 64, 128, 256))
+    attn = [(b, 4, s, d) for b in ((1, 4) if quick else (1, 4, 16))
+            for s in ((32, 128) if quick else (32, 64, 128, 256))
             for d in ((8, 32) if quick else (8, 16, 32, 64, 128))]
     elems = (1024, 16384, 262144) if quick else (1024, 8192, 65536, 524288)
     opt = ([(8, 20000), (32, 200000)] if quick else

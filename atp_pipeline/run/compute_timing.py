@@ -336,7 +336,8 @@ def measure_all(kernels: List[Kernel], world: int, passes: int = 5, batch_ms: fl
     runs = spawn(_worker, world, kernels, passes, batch_ms, plans, models, patterns, progress, live,
                  timeout=timeout)[0]
     timed = [Timed(statistics.median(w for w, _, _ in r), statistics.median(c for _, c, _ in r),
-                   {s: statistics.median(ws.get(s, 0.0) for _, _, ws in r) for s in sorted({s for _, _, ws in r for s in ws})})
+                   {s: statistics.median(ws.get(s, 0.0) for _, _, ws in r)
+                    for s in sorted({s for _, _, ws in r for s in ws})})
              for r in runs[:-1]]
     return [t.wall for t in timed], timed, list(runs[-1])
 

@@ -85,7 +85,8 @@ RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
 
 
 def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, passes: int = 3,
-                     batch_ms: float = 8.0, built: Optional[List[Tuple[Any, Dict[str, Any]]]] = None) -> Dict[str, float]:
+                     batch_ms: float = 8.0,
+                     built: Optional[List[Tuple[Any, Dict[str, Any]]]] = None) -> Dict[str, float]:
     """``probes``' whole training steps (forward, backward with collectives, optimizer, a closing
     barrier: :func:`_live_runner`, what the step residual is fitted over) on every candidate mesh
     of ``processes`` and chunk count 1 and 2, in a launch of their own (:func:`measure_all`: the

@@ -126,7 +126,8 @@ def _row_calls(problem: Problem, strat: Dict[str, Strategy], layers: Sequence[Ma
     parts = []
     for v in problem.vars:
         s = strat[v.name]
-        parts += [(v.name, weight_terms(v.layer, s, e), v.count), (v.name, row_in_terms(v.layer, s, p, e), n_in[v.name]),
+        parts += [(v.name, weight_terms(v.layer, s, e), v.count),
+                  (v.name, row_in_terms(v.layer, s, p, e), n_in[v.name]),
                   (v.name, row_out_terms(v.layer, s, p, e), n_out[v.name])]
     for (ka, kb, n_prod), cnt in counts.items():
         a, b = by_key[ka].layer, by_key[kb].layer
