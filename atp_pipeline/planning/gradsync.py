@@ -1,4 +1,4 @@
-"""Per-step data-parallel gradient synchronization under each aggregation mode (issue 8 item 7).
+"""Per-step data-parallel gradient synchronization under each aggregation mode.
 
 The plan report shows tensor-parallel communication (ATP Eq. 2, or the SBP search's
 collectives) next to what the data-parallel gradient sync of the same step costs under

@@ -32,7 +32,7 @@ SYNC_COLLECTIVES = ("all_reduce", "all_gather")
 # small sizes are where tensor-parallel activations of small models sit (a few KiB to ~100 KiB); with
 # 16 KiB, 256 KiB and 1 MiB alone, calibrations fitted a call's CPU 1.5x apart from one to the next
 LOOP_BYTES = (1024, 4096, 65536, 1048576)
-LOOP_BATCH = 4  # a pure loop runs 4x the batch of calls a pass (one call is ~0.3-1.5 ms of scattered CPU)
+LOOP_BATCH = 4  # a pure loop makes 4x the batch of calls a pass (one call is ~0.3-1.5 ms of scattered CPU)
 CONTENTION_KERNELS = (Kernel(GEMM, (32, 16, 16)), Kernel(GEMM, (512, 128, 256)), Kernel(POINTWISE, (65536,)))
 CONTENTION_BYTES = 262144  # the all-reduce of pairs of ranks the collectives' contention factor is timed by
 

@@ -1,5 +1,5 @@
-"""AutoDDL SBP strategy search (issue 8): alpha-beta collectives, the SBP matmul space, search;
-any model's layer chain from its shape (issue 25)."""
+"""AutoDDL SBP strategy search: alpha-beta collectives, the SBP matmul space, search;
+any model's layer chain from its shape."""
 
 from atp_pipeline.planning.alphabeta import AlphaBeta, Collective, LinkLevel, volume
 from atp_pipeline.planning.sbp.chain import chain_keys, model_chain, sbp_infeasibility

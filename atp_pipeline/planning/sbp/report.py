@@ -1,4 +1,4 @@
-"""``planner=sbp``: plan a decoder-only transformer with the SBP search (issue 8, item 6).
+"""``planner=sbp``: plan a decoder-only transformer with the SBP search.
 
 :func:`plan_sbp` turns a :class:`~atp_pipeline.planning.shape.ModelShape` (any family:
 fused or separate q/k/v with GQA widths, gated or two-matrix MLP) and a topology into the
