@@ -35,7 +35,7 @@ TINY: Dict[str, Dict[str, Any]] = {
                  tie_word_embeddings=False),
     "granite": dict(intermediate_size=48, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.3, logits_scaling=2.0, tie_word_embeddings=True),
-    # a mixture of experts (issue 26): layer 0 a dense MLP, layer 1 routed (4 experts, 2 a token,
+    # a mixture of experts: layer 0 a dense MLP, layer 1 routed (4 experts, 2 a token,
     # style hf_experts) beside a shared expert run whole and its sigmoid gate (gradient summed
     # over d2), the router run whole
     "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=32,

@@ -23,7 +23,7 @@ def test_nccl_equivalence_on_gpus():
 
 @pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA GPU for the HF families on CUDA tensors, found {GPUS}")
 def test_hf_families_on_cuda():
-    """Issue 14's exactness on CUDA tensors: every HF family, float64, one forward + backward,
+    """The HF families' exactness on CUDA tensors: every HF family, float64, one forward + backward,
     loss and every full gradient against the single-process model on the same GPU, counted
     collectives = the runtime cost model. NCCL with a GPU per rank where there are enough,
     else the ranks share the GPUs over gloo (which carries CUDA tensors; NCCL refuses two
@@ -50,7 +50,7 @@ def test_hf_families_on_cuda():
 
 @pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA GPU for dropout's CUDA generator streams, found {GPUS}")
 def test_dropout_streams_on_cuda():
-    """Issue 26's dropout on CUDA tensors: the per-rank streams live in the CUDA generator
+    """Dropout on CUDA tensors: the per-rank streams live in the CUDA generator
     (:class:`atp_pipeline.parallel.rng.RNGTracker` with ``cuda=True``). 4 ranks on the GPU(s)
     (gloo where they share one): equal masks where a region is replicated, independent ones
     where it is split, the keep rate within bounds, the caller's CUDA generator untouched."""

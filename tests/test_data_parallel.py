@@ -1,4 +1,4 @@
-"""Data parallelism against single-process training (issue 24).
+"""Data parallelism against single-process training.
 
 Every run here is a real launch (gloo processes, Lightning, the run's own data module) of
 the same global batches a single process trains on: the replicas must split each batch

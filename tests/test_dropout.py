@@ -1,4 +1,4 @@
-"""Dropout on ATP's mesh (issue 26, item 3): per-rank random streams after Megatron's
+"""Dropout on ATP's mesh: per-rank random streams after Megatron's
 model-parallel RNG tracker (:mod:`atp_pipeline.parallel.rng`), on 4 real gloo processes, one
 launch (tests/dropout_workers.py).
 

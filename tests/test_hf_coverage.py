@@ -1,4 +1,4 @@
-"""The coverage sweep's subset that CI runs (issue 26; the whole sweep is the benchmark
+"""The coverage sweep's subset that CI runs (the whole sweep is the benchmark
 ``python -m benchmarks.hf_coverage``, its table in docs/hf_coverage.md).
 
 Tiny configs of transformers' own defaults, laid out with no plan of ours on 2x2 and 1x4 (one

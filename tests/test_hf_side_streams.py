@@ -1,4 +1,4 @@
-"""Layout decisions, in process, for what a causal LM computes beside its hidden state (issue 26;
+"""Layout decisions, in process, for what a causal LM computes beside its hidden state (
 exactness on 2x2 and 1x4 is the coverage sweep's, docs/hf_coverage.md):
 
 * modules no forward on tokens reaches (Phi-4-multimodal's image and audio encoders) are kept

@@ -1,5 +1,5 @@
 """Layout decisions for transformers families that declare no tensor-parallel plan, read off
-their modules in process (issue 26; their exactness on 2x2 and 1x4 is the coverage sweep's,
+their modules in process (their exactness on 2x2 and 1x4 is the coverage sweep's,
 bloom and gpt_bigcode in CI's subset, tests/test_hf_coverage.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AutoDDL SBP planner (issue 8 items 1, 3, 4): alpha-beta model, search space, search.
+"""AutoDDL SBP planner: alpha-beta model, search space, search.
 
 Timings are printed (run with ``-s``), never asserted; costs are asserted.
 """
@@ -231,7 +231,7 @@ def test_gpt96_tied_plan_on_4096_devices() -> None:
     assert set(plan["communication"]) == {c.value for c in Collective}
 
 
-# ------------------------------------------------------------------ any model's chain (issue 25)
+# ------------------------------------------------------------------ any model's chain
 def _shape(**kw):
     from atp_pipeline.planning.shape import ModelShape
 

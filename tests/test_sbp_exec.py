@@ -1,10 +1,10 @@
-"""SBP plans executed with DTensor (issue 8 items 5 and 6, issue 25 item 2).
+"""SBP plans executed with DTensor.
 
 * The paper's chain (``io="chain"``): the plans the SBP search chooses for an MLP stack on 4
   and 8 processes — plus hand-picked strategies (3-D ones, Partial outputs, other mesh
   orders, row splits changing between layers) — give the dense model's loss and every
   gradient to 1e-9 relative in float64. One launch per process count.
-* Any model (``io="rows"``, issue 25): the built-in GPT (``tiny``), ``llama_tiny`` (GQA 8/4,
+* Any model (``io="rows"``): the built-in GPT (``tiny``), ``llama_tiny`` (GQA 8/4,
   SwiGLU, RMSNorm, rotary), a Llama with 2 key/value heads and ``gpt2_tiny`` (Conv1D, fused
   q|k|v, tied head), laid out through their adapters, under plans whose layers use every
   role and mesh order: every float64 gradient within 1e-9 of the single-process model (2
@@ -173,7 +173,7 @@ def _shape(**kw: Any) -> ModelShape:
     return ModelShape(**{**base, **kw})
 
 
-# ---------------------------------------------------------------------- any model (issue 25)
+# ---------------------------------------------------------------------- any model
 FAMILY_MODELS = {  # name -> train.py overrides (sequences shortened for the 2-core CI)
     "tiny": ["model=tiny"],
     "llama_tiny": ["model=llama_tiny"],

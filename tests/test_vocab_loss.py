@@ -1,4 +1,4 @@
-"""Vocabulary-parallel cross-entropy for transformers LM heads (issue 26, item 4): the head's
+"""Vocabulary-parallel cross-entropy for transformers LM heads: the head's
 logits stay split, ``[tokens/d2, vocab/d1]`` on every rank, and transformers' causal-LM loss
 runs on the blocks (:mod:`atp_pipeline.parallel.vocab`).
 
