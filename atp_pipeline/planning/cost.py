@@ -109,6 +109,7 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
     Chunks (§4.1) multiply calls, not elements."""
     d1, d2 = mesh
     h, q, kv, f, V = shape.hidden, shape.q_width, shape.kv_width, shape.ffn, shape.vocab_size
+    g = shape.gate_width
     F_, t = Fraction, CommTerm
     up = shape.ffn_matrices - 1  # column-first MLP linears (up, and gate if gated)
     layout = kv_placement(shape, d1, d2)
@@ -126,7 +127,7 @@ def runtime_terms(shape: ModelShape, mesh: Tuple[int, int]) -> List[CommTerm]:
                  t("norm_f", "final norm: output gradient gathered over d2", ALL_GATHER, 2, F_(h), 1, "bwd",
                    False)]
     terms = norms + [
-        t("f1", "q/k/v linears (column-first)", ALL_REDUCE, 2, F_(q + 2 * kv, d1), 1, "fwd"),
+        t("f1", "q/k/v linears and an output gate (column-first)", ALL_REDUCE, 2, F_(q + g + 2 * kv, d1), 1, "fwd"),
         t("f1", "q/k/v linears: input gradient (one for the readers of the input)", ALL_REDUCE, 1, F_(h, d2), 1,
           "bwd"),
         t("scatter", "query heads scattered over d2: gradient", ALL_GATHER, 2, F_(q, d1), 1, "bwd"),

@@ -117,6 +117,7 @@ class ModelShape:
     gathered_embeddings: int = 0  # embeddings run whole and sliced over d2 (e.g. OPT's positions)
     attention_layout: str = "split"  # "whole": the family's code reads whole q/k/v (gathered over d1)
     head_norm_params: int = 0  # per layer: parameters of per-head q/k norms (gradients summed over d1)
+    gate_width: int = 0  # per layer: columns of per-head output gates beside q (fused with q or their own)
     moe: Optional[MoEShape] = None  # routed MLPs (mixture of experts) on ``moe.layers`` of the layers
     latent: Optional[LatentShape] = None  # a multi-head latent attention in every layer (else q/k/v)
     layer_norms: int = 2  # norms a layer outside its attention (before attention and MLP; 4: outputs normed too)
@@ -261,9 +262,11 @@ class ModelShape:
 
     @property
     def attention_weights(self) -> int:
-        """Matrix weights of one layer's attention: q, k, v and o (or the latent attention's)."""
+        """Matrix weights of one layer's attention: q, k, v, o and an output gate (or the latent attention's)."""
         h = self.hidden
-        return h * (2 * self.q_width + 2 * self.kv_width) if self.latent is None else self.latent.weights(h, self.heads)
+        if self.latent is not None:
+            return self.latent.weights(h, self.heads)
+        return h * (2 * self.q_width + self.gate_width + 2 * self.kv_width)
 
     def _weights(self, active: bool) -> int:
         h = self.hidden
@@ -276,8 +279,10 @@ class ModelShape:
 
     @property
     def column_bias_per_layer(self) -> int:
-        """Biases of the column-first linears (q, k, v, up/gate): split over d1 under ATP."""
-        return (self.q_width + 2 * self.kv_width + (self.ffn_matrices - 1) * self.ffn) if self.bias else 0
+        """Biases of the column-first linears (q, k, v, an output gate, up/gate): split over d1 under ATP."""
+        if not self.bias:
+            return 0
+        return self.q_width + self.gate_width + 2 * self.kv_width + (self.ffn_matrices - 1) * self.ffn
 
     @property
     def row_bias_per_layer(self) -> int:

@@ -176,9 +176,10 @@ def _layer(shape: ModelShape, mesh: Mesh, T: int, batch: int, terms: Terms,
             pieces.append(([*_c("sync", g), _k(NORM_FWD, T * h), _k(POINTWISE, T * hs)],
                            [*_c("sync", gb), _k(NORM_BWD, T * h), _k(POINTWISE, T * hs)]))
     norm()
-    widths = [q + 2 * kv] if shape.qkv_fused else [q, kv, kv]
+    qg = q + shape.gate_width  # an output gate's columns: with q's
+    widths = [qg + 2 * kv] if shape.qkv_fused else [qg, kv, kv]
     pieces.append(([x for w in widths for x in (_k(GEMM, T, hs, w // d1),
-                                                *_c("sync", tk("f1", "fwd", Fraction(w, q + 2 * kv))),
+                                                *_c("sync", tk("f1", "fwd", Fraction(w, qg + 2 * kv))),
                                                 _k(POINTWISE, T * w // d1))],
                    _fan_in_bwd(T, hs, [w // d1 for w in widths], tk("f1", "bwd"))))
     # the calls as parallel/attention.py's HeadSharding.localize sends them: a multi-head core

@@ -175,8 +175,8 @@ def shape_of_model(module: nn.Module, name: str = "", layout: Optional[Layout] =
         attention_layout="whole" if layout.whole_attention else "split", head_norm_params=layout.head_norm_params,
         heads_over_d2=layout.heads_over_d2, mlp_layout="whole" if layout.whole_mlp else "split",
         sink_params=layout.sink_params, scalar_params=layout.scalar_params,
-        unmodelled=", ".join(x for x in ("per-head output gates" if layout.head_gates else "",
-                                         layout.whole_unmodelled, layout.probe_unmodelled) if x),
+        gate_width=layout.gate_width,
+        unmodelled=", ".join(x for x in (layout.whole_unmodelled, layout.probe_unmodelled) if x),
         moe=layout.moe, latent=layout.latent,
         **whole_fields(module, layout))
 

@@ -99,10 +99,21 @@ def lay_out_attentions(scope: Scope, linears: Linears, spec_given: Optional[Atte
             p.numel() for n, sub in module_.named_children() if n not in projections for p in sub.parameters())
         layout.heads_over_d2 = not spec.counts[0] and _calls_attention_interface(module_)
         layout.sink_params = sum(getattr(module_, a).numel() for a in spec.head_params)
-        layout.head_gates = layout.head_gates or bool(spec.extra)
+        layout.gate_width = max(layout.gate_width, 0 if spec.whole else _gate_width(module_, spec, heads, hd))
         layout.bias = layout.bias or any(getattr(first(names, f"{att}.{p}"), "bias", None) is not None
                                          for p in (spec.q, spec.qkv, spec.o) if p)
     return attention
+
+
+def _gate_width(module: nn.Module, spec: AttentionSpec, heads: int, hd: int) -> int:
+    """Columns of the attention's per-head output gates: its own projections beside q/k/v
+    (``extra``) and a q projection wider than its heads (a gate fused per head with q, as
+    MiniCPM5-MoE's ``q_gate_proj``); split over d1 with q, in the f1 all-reduce."""
+    heads, _, hd = spec.counts if spec.counts[0] else (heads, 0, hd)
+    gates = sum(as_linear(getattr(module, p))[1] for p in spec.extra)
+    if spec.q:
+        gates += max(as_linear(getattr(module, spec.q))[1] - heads * hd, 0)
+    return gates
 
 
 def _latent_attention(root: nn.Module, att: str, names: Mapping[str, nn.Module], kinds: Mapping[str, str],

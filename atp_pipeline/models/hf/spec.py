@@ -67,7 +67,7 @@ class Layout:
     sink_params: int = 0  # per layer: per-head parameters the core reads (gradients summed over d1 and d2)
     scalar_params: int = 0  # per layer: an activation's learned scalars (gradients summed over d1)
     act_kernels: Tuple[int, int] = (1, 1)  # the MLP's activation: kernels forward, backward as its code runs them
-    head_gates: bool = False  # per-head projections beside q/k/v (an output gate): not in the cost model
+    gate_width: int = 0  # per layer: columns of per-head output gates beside q (fused with q or their own)
     moe: Optional[MoEShape] = None  # the routed layers (style hf_experts), if any
     latent: Optional[LatentShape] = None  # a multi-head latent attention (style hf_mla), if any
     source: str = ""  # "declared" or "modules" (where the blocks' linears were read)
