@@ -62,23 +62,27 @@ def with_calibration(topo: Topology, calibration: Any) -> Topology:
         return topo
     import yaml
 
+    from atp_pipeline.planning.compute_profile import ComputeProfile
+
     try:
-        found = Topology.from_config(yaml.safe_load(path.read_text()))
-    except (ConfigError, yaml.YAMLError, TypeError, ValueError) as exc:
+        data = yaml.safe_load(path.read_text())
+        # the profile is checked by its own reader (a profile of an older format is refused there, in
+        # one line naming stage=calibrate), the rest by the topology's schema
+        device = dict(data.get("device") or {})
+        compute = device.pop("compute", None) or {}
+        found = Topology.from_config({**data, "device": device})
+    except (ConfigError, yaml.YAMLError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"calibration file {path}: {str(exc).splitlines()[0]} "
                           f"(run `python train.py stage=calibrate topology={topo.name}` again)") from None
     if _levels(found) != _levels(topo):
         note = (f"calibration file {path} is for levels {_levels(found)}, not topology '{topo.name}''s "
                 f"{_levels(topo)}: not used (python train.py stage=calibrate topology={topo.name})")
         return dataclasses.replace(topo, note="; ".join(x for x in (topo.note, note) if x))
-    compute = found.device.get("compute") or {}
-    from atp_pipeline.planning.compute_profile import ComputeProfile
-
-    if compute:  # a profile of an older format is refused here, in one line naming stage=calibrate
+    if compute:
         ComputeProfile.from_config(compute, f"calibration file {path}: device.compute")
     note = (f"calibration {path} (sha256 {file_digest(path)}, measured {compute.get('date', '?')}): "
             f"alpha-beta per level and collective, compute profile '{compute.get('name', '?')}'")
-    device = {**topo.device, **{k: v for k, v in found.device.items() if k == "compute"}}
+    device = {**topo.device, **({"compute": compute} if compute else {})}
     retime, said = _retime_why(calibration, compute)
     if retime:
         speed, said = host_speed_now(path, compute, float(getattr(calibration, "retime_s", 0.0)), topo.world_size,
