@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
-RETIME_MODES = ("steps", "launch", "bracket", "group", "once", "off")
+RETIME_MODES = ("launch", "steps", "off")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -215,7 +215,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
               for m in sorted({r["model"] for r in rows}) if sum(r["model"] == m for r in rows) > 1}
     speeds = [r["host_speed"] for r in rows if r.get("host_speed")]
     speed = ({g: [min(x[g] for x in speeds), max(x[g] for x in speeds)] for g in ("compute", "overhead")}
-             if speeds else None)  # the reference probe's ratio (now / at calibration) the predictions were priced at
+             if speeds else None)  # the host's speed (now / at calibration) the predictions were priced at
     flat = [rel_error(r["predicted_at_calibration_speed_s"], r["measured_s"]) for r in rows
             if r.get("predicted_at_calibration_speed_s")]
     return {"points": len(rows), "median_rel_error": statistics.median(errs), "worst_rel_error": max(errs),
@@ -468,9 +468,7 @@ def _parser() -> argparse.ArgumentParser:
                         "recorded on the launch's process count timed inside each launch, interleaved with its "
                         "points in every round, over the calibrated model's time for them (launch); the same "
                         "steps timed in launches of their own before and after each launch, at the mean of the "
-                        "two (steps, stage=plan's basis); the calibration's kernel reference probe timed "
-                        "again before each launch and after the last, at the mean of the speeds around a launch "
-                        "(bracket), before each launch (group), once before the grid (once); or never (off)")
+                        "two (steps, as stage=plan times them); or never (off)")
     p.add_argument("--probes-in-launch", action="store_true",
                    help="time the probe steps inside each launch too (as --retime launch does) and give every row "
                         "also the prediction at that speed (predicted_at_in_launch_speed_s), "
@@ -518,7 +516,7 @@ def _prepare(args: argparse.Namespace) -> Any:
                           f"steps run collectives)")
     if on_steps and not calibrated.reference.get(STEPS_GROUP):
         raise ConfigError(f"step_validation: {on_steps}: calibration {calibration['file']} recorded no probe "
-                          f"steps: --retime bracket, or calibrate again")
+                          f"steps (calibrate again: python train.py stage=calibrate)")
     # --retime launch / --probes-in-launch: per process count, the probe steps each launch also times
     # (on its own process count: the calibration must have recorded them there)
     probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
@@ -620,7 +618,7 @@ def _group_rows(args: argparse.Namespace, g: Any, launch: Dict[str, Any], each: 
     return rows
 
 
-def _retime_note(args: argparse.Namespace, speeds: List[Dict[str, Any]], calibrated: Any) -> str:
+def _retime_note(args: argparse.Namespace) -> str:
     """What the predictions were priced at, for the report's meta."""
     return ("--retime launch: the probes' whole steps the calibration recorded timed inside each launch, "
             "interleaved with its points in every round, over the calibrated model's time for them, every "
@@ -630,15 +628,7 @@ def _retime_note(args: argparse.Namespace, speeds: List[Dict[str, Any]], calibra
             "process count before it and after it, over the calibrated model's time for them, every group's "
             "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
             "(rows: host_speed, its bracket)" if args.retime == "steps" else
-            f"--retime {args.retime}: the calibration's reference probe timed again "
-            + {"bracket": "before each launch and after the last, every launch's points priced at the "
-                          "geometric mean of the speeds of the probes before and after it (rows: host_speed, "
-                          "its bracket)",
-               "group": "before each launch, every prediction priced at the host speed it gave (rows: host_speed)",
-               }.get(args.retime, "before the grid, every prediction priced at the host speed it gave "
-                                  "(rows: host_speed)")
-            if speeds else "not re-timed: predicted at the calibration's host speed"
-            + ("" if calibrated.reference else " (the calibration has no reference probe)"))
+            "not re-timed: predicted at the calibration's host speed")
 
 
 def _finish_grid(args: argparse.Namespace, argv: Optional[Sequence[str]], g: Any, rows: List[Dict[str, Any]],
@@ -646,7 +636,7 @@ def _finish_grid(args: argparse.Namespace, argv: Optional[Sequence[str]], g: Any
                  wall_s: float) -> None:
     """The grid's report (figures, files, plot) and its summary lines."""
     topo, calibration, calibrated, worlds, in_launch = g.topo, g.calibration, g.calibrated, g.worlds, g.in_launch
-    retimed = _retime_note(args, speeds, calibrated)
+    retimed = _retime_note(args)
     meta = {"topology": topo.name, "calibration": calibration, "profile_terms": calibrated.describe(),
             "host_speed": {"retime": args.retime, "note": retimed, "measured": speeds,
                            "probes_in_launch": in_launch},
@@ -677,7 +667,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.planning.compute_profile import HostSpeed
     from atp_pipeline.planning.profile_fit import utc_now
     from atp_pipeline.run.hostload import wait_quiet
-    from atp_pipeline.run.retime import retime, retime_steps
+    from atp_pipeline.run.retime import retime_steps
 
     try:
         g = _prepare(args)
@@ -692,9 +682,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     load_start = _loadavg()
     speed = None
-    # kernels: the probe after a launch is the next one's
-    bracket = args.retime == "bracket" and bool(calibrated.reference)
-    pending: Optional[Tuple[Dict[str, Any], Any]] = None  # --retime bracket: a launch and the probe before it
     latest: Optional[Any] = None  # --retime steps: the last probe, while no launch ran after it
     launched: Dict[str, List[Tuple[Dict[str, Any], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
 
@@ -715,23 +702,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.extend(_group_rows(args, g, launch, each, priced, around, inside))
         _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
 
-    def probe(at: str, processes: int = 0) -> Any:
-        """The host's speed now (after a wait for a quiet host; ``processes``: on the steps' basis,
-        on that many, else the kernel reference probe), recorded with ``at`` (which launch it is before
-        or after)."""
+    def probe(at: str, processes: int) -> Any:
+        """The host's speed now on ``processes`` processes (after a wait for a quiet host), recorded
+        with ``at`` (which launch it is before or after)."""
         wait_quiet(args.quiet_wait)
-        now = retime_steps(calibrated, processes, topo, args.conf) if processes else retime(calibrated, args.conf)
+        now = retime_steps(calibrated, processes, topo, args.conf)
         speeds.append({"at": at, **now.to_dict()})
         print(f"  {now.describe()}", flush=True)
         return now
-
-    def close(now: Any) -> None:
-        """--retime bracket: the launch before this probe, priced at the speed between its two probes."""
-        nonlocal pending
-        if pending is not None:
-            launch, opened = pending
-            settle(launch, opened.until(now), (opened, now))
-            pending = None
 
     # every group once per pass, --launches passes (a group's launches minutes apart); within a pass
     # the launches of one process count one after another, a probe after one the next one's before
@@ -745,13 +723,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
             # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
             speed = latest if latest is not None and latest.processes == w else probe(f"before {tag}", w)
-        elif calibrated.reference and (args.retime in ("group", "bracket")
-                                       or (args.retime == "once" and speed is None)):
-            # the host's speed now against the calibration's: its reference probe (a fixed synthetic set,
-            # never this grid's models, meshes or batches) timed again, the predictions priced at it (with
-            # bracket: at the mean of it and the probe after the launch, which is the next launch's)
-            speed = probe(f"before {tag}")
-            close(speed)
         emu = emu_full.restrict(w) if emu_full is not None else None
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
@@ -773,15 +744,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "in_launch": inside}
         if args.retime == "launch":
             settle(launch, inside, (inside,))
-        elif bracket:
-            pending = (launch, speed)
         elif args.retime == "steps":
             latest = probe(f"after {tag}", w)
             settle(launch, speed.until(latest), (speed, latest))
-        else:
-            settle(launch, speed)
-    if pending is not None:
-        close(probe("the end (after the last launch)"))
+        else:  # --retime off: at the calibration's own speed
+            settle(launch, None)
     _finish_grid(args, argv, g, rows, speeds, foreign_load, load_start, time.perf_counter() - t0)
     return 0
 

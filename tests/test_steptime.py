@@ -1013,21 +1013,20 @@ def test_bounded_least_squares_is_the_constrained_optimum():
 
 
 
-def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_now(tmp_path):
-    """the profile records its reference probe's times; timed again, the ratio
-    per group (geometric mean) scales the kernel prices (compute) and the per-call prices
-    (overhead: framework, collectives' backend CPU, sync extra), ratios unchanged; profile_of
-    applies a topology's ``device.host_speed``; the plan's notes say it. A profile without a
-    reference is used at its calibration's speed, flagged; a re-timed profile is never written."""
+def test_a_calibration_is_priced_at_the_host_speed_timed_now(tmp_path):
+    """A host speed scales the kernel prices by its ``compute`` ratio and the per-call prices
+    (framework, collectives' backend CPU, sync extra) by its ``overhead`` ratio, ratios unchanged;
+    the plan's notes say it. A profile without a reference is used at its calibration's speed,
+    flagged; one whose reference lacks the probes' steps, or still has the kernel groups of an
+    older calibration beside them, is refused in one line naming stage=calibrate; a re-timed profile
+    is never written."""
     from types import SimpleNamespace
 
     from atp_pipeline.planning.alphabeta_fit import write_topology
     from atp_pipeline.run.calibration import with_calibration
 
-    recorded = {"compute": {"a": 1e-3, "b": 2e-3}, "overhead": {"c": 1e-4, "d": 4e-4}}
-    now = {"compute": {"a": 1.2e-3, "b": 2.4e-3, "new": 1.0}, "overhead": {"c": 1.5e-4, "d": 6e-4}}
-    speed = cp.host_speed(recorded, now, "2026-11-27T11:00:00Z")
-    assert (speed.compute, speed.overhead) == pytest.approx((1.2, 1.5))
+    recorded = {"steps": {"p 2x1/c1 on 2": 0.01}}  # the probes' steps at calibration
+    speed = cp.HostSpeed(1.2, 1.5, "2026-11-27T11:00:00Z", 4)  # a compute and a per-call ratio apart
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     prof = cp.ComputeProfile("cal", "measured", _flat(100.0).fits, points={(kn.GEMM, (8, 8, 8)): 50e-6},
                              processes=4, cores=2, kernel_time="cpu", peak_flops=6e9,
@@ -1048,33 +1047,38 @@ def test_a_calibration_is_priced_at_the_host_speed_its_reference_probe_measures_
     four = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                                  "alpha_beta": ab})
     base = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof)
-    twice = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))
+    twice = st.estimate_step(four, GPT, (2, 2), st.StepSetting(), prof.at_speed(cp.HostSpeed(2.0, 2.0, "now", 4)))
     assert twice.cpu_s == pytest.approx(2 * base.cpu_s)
     two = [st.estimate_step(four.restrict(2), GPT, (2, 1), st.StepSetting(), p)  # a core each: the compute itself
            for p in (prof, prof.at_speed(cp.HostSpeed(2.0, 2.0, "now")))]
     assert not two[0].host_bound and two[1].compute_s == pytest.approx(2 * two[0].compute_s)
-    assert "host speed re-timed now: the reference probe ran x2.000 (kernels) and x2.000" in twice.calibration
-    stepped = {**recorded, "steps": {"p 2x1/c1 on 2": 0.01}}  # a calibration's reference has the probes' steps
-    back = cp.ComputeProfile.from_config(
-        json.loads(json.dumps(dataclasses.replace(prof, reference=stepped).to_config()))).reference
-    assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in stepped.items()}
+    assert ("host speed re-timed now: the probes' whole steps on 4 processes ran x2.000 the calibrated model's "
+            "time for them") in twice.calibration
+    back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
+    assert {g: dict(v) for g, v in back.items()} == {g: pytest.approx(v) for g, v in recorded.items()}
     with pytest.raises(ConfigError, match="is re-timed .*write the calibration's own profile"):
         fast.to_config()
     with pytest.raises(ConfigError, match="already at a re-timed speed"):
         fast.at_speed(speed)
-    with pytest.raises(ConfigError, match=r"^reference probe: no 'overhead' timing both at calibration and now"):
-        cp.host_speed(recorded, {"compute": now["compute"]})
-    # a calibration file whose reference has no probe steps (what stage=plan times again) is of an
-    # older format: refused in one line naming stage=calibrate
+    # a calibration file whose reference has no probe steps (what stage=plan times again), or has the
+    # kernel groups an older calibration recorded beside them, is of an older format: refused in one
+    # line naming stage=calibrate
     path = tmp_path / "t.yaml"
-    write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
-                    "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
     bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
-    with pytest.raises(ConfigError, match=r"^calibration file .*t\.yaml: device\.compute: a compute profile "
-                                          r"of an older "
-                                          r"format \(reference without the probes' steps\) \(calibrate again: "
-                                          r"python train\.py stage=calibrate\)$"):
-        with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
+    kernels = {"compute": {"gemm 512x256x256": 1e-3}, "overhead": {"gemm 32x16x16": 1e-5}}
+    for reference, why in ((kernels, "reference without the probes' steps"),
+                           ({**kernels, **recorded}, "reference with group(s) compute, overhead beside the "
+                                                     "probes' steps")):
+        older = dataclasses.replace(prof, reference=reference).to_config()
+        write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
+                        "alpha_beta": ab, "device": {"name": "cpu", "compute": older}}, path)
+        says = f"a compute profile of an older format ({why}) (calibrate again: python train.py stage=calibrate)"
+        with pytest.raises(ConfigError) as err:
+            with_calibration(bare, SimpleNamespace(use=True, dir=str(tmp_path), retime=False, retime_s=60.0))
+        assert str(err.value) == f"calibration file {path}: device.compute: {says}"
+        with pytest.raises(ConfigError) as err:
+            cp.ComputeProfile.from_config(json.loads(json.dumps(older)))
+        assert str(err.value) == f"device.compute: {says}"
     old = {**prof.to_config()}
     del old["reference"]
     write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
@@ -1089,8 +1093,8 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     """the profile's reference records the probes' whole steps (label ->
     seconds, ``"<probe> <d1>x<d2>/c<chunks> on <processes>"``); timed again on a process count, the
     geometric mean of now / then over that count's labels is one ratio for every price, so a
-    CPU-form step scales by it exactly; two speeds of different kinds never make a span; a plan's
-    re-timing is reused only on the same basis and process count."""
+    CPU-form step scales by it exactly; two speeds on different process counts never make a span;
+    a plan's re-timing is reused only on the same process count."""
     from types import SimpleNamespace
 
     from atp_pipeline.planning.alphabeta_fit import write_topology
@@ -1100,12 +1104,12 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     now = {"p 2x1/c1 on 2": 0.012, "p 1x2/c1 on 2": 0.03, "p 4x1/c1 on 4": 0.02, "other 2x1/c1 on 2": 1.0}
     two = cp.steps_speed(then, now, 2, "t")
     assert (two.compute, two.overhead) == pytest.approx((math.sqrt(1.2 * 1.5),) * 2)
-    assert (two.basis, two.processes, two.measured) == ("steps", 2, "t")
+    assert (two.processes, two.measured) == (2, "t") and two.to_dict()["basis"] == "steps"
     assert cp.steps_speed(then, now, 4).compute == pytest.approx(0.5)  # q not timed again: p's alone
     assert two.describe() == f"host speed re-timed t: the probes' whole steps on 2 processes ran x{two.compute:.3f} " \
                              "the calibrated model's time for them"
     assert cp.HostSpeed.from_dict(two.to_dict()) == two
-    assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # the kernels' basis
+    assert cp.HostSpeed.from_dict({"compute": 1.2, "overhead": 1.5}) == cp.HostSpeed(1.2, 1.5)  # on no count
     assert cp.parse_step_label("probe_gpt_s 2x1/c2 on 2") == ("probe_gpt_s", (2, 1), 2, 2)
     assert cp.step_label("probe_gpt_s", (2, 1), 2, 2) == "probe_gpt_s 2x1/c2 on 2"
     assert cp.step_processes(then) == [2, 4]
@@ -1115,18 +1119,18 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
         cp.steps_speed(then, now, 8)
     with pytest.raises(ConfigError, match="probe step label 'p 2x1 on 2'"):
         cp.step_processes({"p 2x1 on 2": 1.0})
-    with pytest.raises(ConfigError, match="a span between two probes of different kinds"):
+    with pytest.raises(ConfigError, match="a span between two probes on different process counts"):
         two.until(cp.HostSpeed(1.0, 1.0, "t2"))
-    with pytest.raises(ConfigError, match="basis 'wall'"):
-        cp.HostSpeed(1.0, 1.0, basis="wall")
+    with pytest.raises(ConfigError, match=r"host speed: ratios > 0 \(got 1.0, 0.0\)"):
+        cp.HostSpeed(1.0, 0.0)
     span = two.until(cp.steps_speed(then, {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02}, 2, "t2"))
-    assert span.compute == pytest.approx(math.sqrt(two.compute)) and (span.basis, span.processes) == ("steps", 2)
+    assert span.compute == pytest.approx(math.sqrt(two.compute)) and span.processes == 2
     # a point measured in several launches: the launches' speeds' geometric mean, first start to last end
-    spans = [cp.HostSpeed(r, r, f"t{2 * i} .. t{2 * i + 1}", "steps", 2) for i, r in enumerate((0.8, 1.25, 1.0))]
+    spans = [cp.HostSpeed(r, r, f"t{2 * i} .. t{2 * i + 1}", 2) for i, r in enumerate((0.8, 1.25, 1.0))]
     over = cp.HostSpeed.over(spans)
     assert over.compute == pytest.approx(1.0) and over.measured == "t0 .. t5" and over.processes == 2
-    with pytest.raises(ConfigError, match="a span between two probes of different kinds"):
-        cp.HostSpeed.over([*spans, cp.HostSpeed(1.0, 1.0, "t6", "steps", 4)])
+    with pytest.raises(ConfigError, match="a span between two probes on different process counts"):
+        cp.HostSpeed.over([*spans, cp.HostSpeed(1.0, 1.0, "t6", 4)])
     # the step of the CPU form x the ratio, exactly
     ab = [{"level": "p", "alpha_us": 40.0, "GBps": 1.0}]
     anchored = cp.CpuStep({4: {"2x2/c1": 2.0}}, {4: {"2x2/c1": (1.1, 1e-3)}}, {4: {"2x2/c1": 2e-3}})
@@ -1142,25 +1146,26 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     assert fast.step_s == pytest.approx(0.5 * base.step_s, rel=1e-12)
     back = cp.ComputeProfile.from_config(json.loads(json.dumps(prof.to_config()))).reference
     assert dict(back["steps"]) == pytest.approx(then)
-    # stage=plan's path: a cached re-timing is reused on its basis and process count only
+    # stage=plan's path: a cached re-timing is reused on its process count only
     path = tmp_path / "t.yaml"
     write_topology({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}],
                     "alpha_beta": ab, "device": {"name": "cpu", "compute": prof.to_config()}}, path)
     bare = Topology.from_config({"name": "t", "levels": [{"name": "p", "count": 4, "p2p_GBps": 1, "group_GBps": 1}]})
     cal = SimpleNamespace(use=True, dir=str(tmp_path), retime=True, retime_s=60.0)
     cached = {"sha256": file_digest(path), "epoch": __import__("time").time()}
-    (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **cp.HostSpeed(0.5, 0.5, "c", "steps", 4).to_dict()}))
+    (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **cp.HostSpeed(0.5, 0.5, "c", 4).to_dict()}))
     topo = with_calibration(bare, cal)
-    assert cp.HostSpeed.from_dict(topo.device["host_speed"]) == cp.HostSpeed(0.5, 0.5, "c", "steps", 4)
+    assert cp.HostSpeed.from_dict(topo.device["host_speed"]) == cp.HostSpeed(0.5, 0.5, "c", 4)
     assert "the probes' whole steps on 4 processes ran x0.500" in topo.note and "reused" in topo.note
     from atp_pipeline.run import retime as hs
 
     timed = []
     monkeypatch.setattr(hs, "retime_steps",
                         lambda profile, processes, topo: (timed.append(processes)
-                                                          or cp.HostSpeed(0.7, 0.7, "d", "steps", 4)))
-    for other in (cp.HostSpeed(0.5, 0.5, "c", "steps", 2), cp.HostSpeed(0.5, 0.6, "c")):  # another count, the kernels'
-        (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other.to_dict()}))
+                                                          or cp.HostSpeed(0.7, 0.7, "d", 4)))
+    # another count; an older re-timing of a calibration's kernels (on no process count)
+    for other in (cp.HostSpeed(0.5, 0.5, "c", 2).to_dict(), {"compute": 0.5, "overhead": 0.6, "measured": "c"}):
+        (tmp_path / "t_speed.json").write_text(json.dumps({**cached, **other}))
         assert with_calibration(bare, cal).device["host_speed"]["compute"] == 0.7
     assert timed == [4, 4]
 
@@ -1216,7 +1221,7 @@ def test_plan_times_the_host_only_when_asked_or_when_the_calibration_is_stale(tm
     bare = Topology.from_config({k: data[k] for k in ("name", "levels")})
     calls = []
     monkeypatch.setattr(hs, "retime_steps",
-                        lambda profile, n, topo: calls.append(n) or cp.HostSpeed(1.25, 1.25, "now", "steps", n))
+                        lambda profile, n, topo: calls.append(n) or cp.HostSpeed(1.25, 1.25, "now", n))
 
     def plan(host: str, stale_days: float, retime: bool = False) -> Topology:
         monkeypatch.setattr(calibration, "_host", lambda: host)

@@ -10,10 +10,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.host_speed import (  # noqa: F401
-    REFERENCE_GROUPS,
     STEPS_GROUP,
     HostSpeed,
-    host_speed,
     parse_step_label,
     step_label,
     step_processes,
@@ -120,9 +118,7 @@ class ComputeProfile:
     # the collectives' own factor with ``P`` processes on the host (pairs' all-reduce; absent:
     # the kernels' ``contention``)
     comm_contention: Mapping[int, float] = field(default_factory=dict)
-    # the host's speed at calibration: the kernel reference probe's times, group (REFERENCE_GROUPS)
-    # -> label -> a rank's CPU seconds per call, and the probes' whole steps, STEPS_GROUP ->
-    # step_label -> wall seconds
+    # the host's speed at calibration: the probes' whole steps, STEPS_GROUP -> step_label -> wall seconds
     reference: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # set by :meth:`at_speed`: the prices are this calibration's scaled to the host's speed now
     speed: Optional[HostSpeed] = None
@@ -513,6 +509,9 @@ def older_format(data: Mapping[str, Any]) -> str:
     reference = dict(data.get("reference") or {})
     if reference and STEPS_GROUP not in reference:
         return "reference without the probes' steps"
+    others = sorted(str(g) for g in reference if g != STEPS_GROUP)
+    if others:
+        return f"reference with group(s) {', '.join(others)} beside the probes' steps"
     rd = dict(data.get("step_residual") or {})
     if "factor" in rd or not all(isinstance(v, Mapping) for v in dict(rd.get("compute") or {}).values()):
         return "step_residual without factors per chunk count"
@@ -602,10 +601,10 @@ def _factors(data: Mapping[str, Any], key: str, least: int, where: str) -> Dict[
 def _reference(data: Mapping[str, Any], where: str) -> Dict[str, Dict[str, float]]:
     reference = {str(g): {str(k): float(v) * 1e-6 for k, v in dict(vals or {}).items()}
                  for g, vals in dict(data.get("reference") or {}).items()}
-    if any(g not in (*REFERENCE_GROUPS, STEPS_GROUP) for g in reference) or not all(
+    if any(g != STEPS_GROUP for g in reference) or not all(
             v > 0 and math.isfinite(v) for vals in reference.values() for v in vals.values()):
-        raise ConfigError(f"{where}.reference: group ({', '.join((*REFERENCE_GROUPS, STEPS_GROUP))}) -> label -> "
-                          f"microseconds > 0, got {sorted(reference)}")
+        raise ConfigError(f"{where}.reference: group ({STEPS_GROUP}) -> label -> microseconds > 0, "
+                          f"got {sorted(reference)}")
     return reference
 
 

@@ -9,8 +9,8 @@ prices, :mod:`atp_pipeline.planning.profile_fit` fits); ``python train.py stage=
 forward and backward with their collectives skipped on every candidate mesh and chunk count (the
 framework cost); compute-then-collective loops (sync) and pure collective loops (the collectives'
 CPU); the contention factor at 1, 2, ..., ``world`` processes; the probes' whole training steps
-on ``world`` and 2 processes (the step residual); and a reference the host's speed is timed
-against later (:mod:`atp_pipeline.run.retime`). How it is timed:
+on ``world`` and 2 processes (the step residual); and two probes' whole steps the host's speed is
+timed against later (:mod:`atp_pipeline.run.retime`). How it is timed:
 :mod:`atp_pipeline.run.compute_timing`. Nothing measured is a model, batch or sequence length the
 step model then predicts.
 
@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile
@@ -47,13 +46,7 @@ from atp_pipeline.run.compute_measure import (
     sync_patterns,
 )
 from atp_pipeline.run.compute_timing import measure_all, measure_contention
-from atp_pipeline.run.retime import (
-    REFERENCE_BATCH_MS,
-    REFERENCE_PASSES,
-    RETIME_STEP_PROBES,
-    reference_probe,
-    time_probe_steps,
-)
+from atp_pipeline.run.retime import RETIME_STEP_PROBES, time_probe_steps
 
 
 @dataclass(frozen=True)
@@ -105,10 +98,6 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
         try:
             if not run.quick:
                 wait_quiet(20.0)  # other jobs' load: wait a while for a quiet host (then passes are checked)
-            ref_timing = (1, 2.0) if run.quick else (REFERENCE_PASSES, REFERENCE_BATCH_MS)
-            before = reference_probe(run.world, conf, *ref_timing)
-            if progress is not None:
-                progress("reference probe (before, after)", 1, 2)
             got, timed, foreign = measure_all(kernels, run.world, run.passes, run.batch_ms, plans=plans,
                                               models=[spec for _, spec in built], patterns=patterns,
                                               progress=str(tick), live=live)
@@ -146,24 +135,17 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     profile = make_profile(name, kernels, cpu[:nk], run.world, shapes, plans, cpu[nk:nk + npl], topo, patterns[:nsync],
                            got[nk + npl:nk + npl + nsync], contention, probe_names,
                            collective_cpu, kernel_time="cpu", comm_contention=comm_contention)
-    # the host's speed at calibration: the reference probe before and after the measurements (the host's
-    # speed moves by 10-30 % within a minute), their geometric mean;
-    # timed again wherever a prediction is made
-    after = reference_probe(run.world, conf, *ref_timing)
-    if progress is not None:
-        progress("reference probe (before, after)", 2, 2)
-    reference = {g: {k: math.sqrt(v * after[g][k]) for k, v in before[g].items()} for g in before}
-    # and on the steps' basis (what calibration.retime times again): two probes' whole steps on each
-    # process count of the step residual, in launches of their own as they are timed again
+    # the host's speed at calibration (what calibration.retime times again): two probes' whole steps on
+    # each process count of the step residual, in launches of their own as they are timed again
+    steps: Dict[str, float] = {}
     steps_probes = [p for p in RETIME_STEP_PROBES if p in probe_names]
     if steps_probes and run.world >= 2:
         counts = [run.world] if run.quick else residual_counts(run.world)
-        reference[STEPS_GROUP] = {}
         for i, count in enumerate(counts):
-            reference[STEPS_GROUP].update(time_probe_steps(steps_probes, count, conf, *((1, 2.0) if run.quick else ())))
+            steps.update(time_probe_steps(steps_probes, count, conf, *((1, 2.0) if run.quick else ())))
             if progress is not None:
                 progress("probe steps (the host's speed)", i + 1, len(counts))
-    profile = dataclasses.replace(profile, reference=reference)
+    profile = dataclasses.replace(profile, reference={STEPS_GROUP: steps} if steps else {})
     load = f"; other jobs' load in its kept passes {statistics.median(foreign):.2f} cores" if foreign else ""
     if live and topo is not None and getattr(topo, "alpha_beta", None):
         profile, rows, said = fit_probe_steps(profile, topo, shapes, probe_names, live, live_at, live_wall, live_cpu)

@@ -1,4 +1,4 @@
-"""The host's speed now against a calibration's: probe steps and reference kernels timed again.
+"""The host's speed now against a calibration's: the probe models' whole steps it recorded timed again.
 
 ``stage=plan`` and ``stage=fit`` do this only when asked (``calibration.retime=true``) or when
 the calibration is stale (:func:`atp_pipeline.run.calibration.with_calibration`); the step
@@ -21,66 +21,14 @@ from atp_pipeline.planning.compute_profile import (
     steps_count,
     steps_speed,
 )
-from atp_pipeline.planning.kernels import GEMM, NORM_BWD, NORM_FWD, POINTWISE, Kernel
 from atp_pipeline.planning.profile_fit import Plan, probe_step_predictions, utc_now
 from atp_pipeline.run.compute_measure import CONF, compose_models, plan_points, probe_entries
 from atp_pipeline.run.compute_timing import measure_all
 
-# The kernel reference probe: a fixed synthetic set of the calibration's own measurements, timed in
-# a launch of its own at calibration (recorded in the profile, ``reference``) and again by the step
-# validation's ``--retime bracket|group|once``, so a prediction is priced at the host's speed now
-# (:class:`~atp_pipeline.planning.compute_profile.HostSpeed`, basis "kernels"; ``stage=plan`` times
-# the probes' whole steps instead, :func:`retime_steps`). Never a model, batch or sequence length a user
-# plans: kernels at sweep shapes and the smallest probe model's step.
-REFERENCE: Dict[str, Tuple[Kernel, ...]] = {
-    "compute": (Kernel(GEMM, (512, 256, 256)), Kernel(GEMM, (2048, 64, 256)), Kernel(NORM_FWD, (65536,)),
-                Kernel(NORM_BWD, (65536,)), Kernel(POINTWISE, (65536,))),  # rate-bound
-    "overhead": (Kernel(GEMM, (32, 16, 16)), Kernel(POINTWISE, (1024,)), Kernel(NORM_FWD, (1024,))),  # per call
-}
-REFERENCE_STEP = "probe_gpt_s"  # its collective-free step on (world, 1), chunks 1: the framework's per-kernel work
-REFERENCE_PASSES, REFERENCE_BATCH_MS = 9, 20.0
-
-
-def reference_label(k: Kernel) -> str:
-    return f"{k.kind} {'x'.join(str(d) for d in k.dims)}"
-
-
-def reference_probe(world: int, conf: Path = CONF, passes: int = REFERENCE_PASSES,
-                    batch_ms: float = REFERENCE_BATCH_MS) -> Dict[str, Dict[str, float]]:
-    """Time the reference probe on ``world`` processes at once, as the calibration times its
-    kernels (:func:`measure_all`: the same runners, one thread per process, a rank's CPU per
-    call, median over interleaved passes, passes under other jobs' load measured again):
-    group -> label -> seconds. Its own launch, at calibration and wherever it is timed again."""
-    built = compose_models(probe_entries([REFERENCE_STEP]), conf)
-    kernels = [k for ks in REFERENCE.values() for k in ks]
-    plan: Plan = (0, world, 1, 1)
-    _, timed, _ = measure_all(kernels, world, passes, batch_ms, plans=[plan], models=[built[0][1]])
-    out: Dict[str, Dict[str, float]] = {g: {} for g in REFERENCE}
-    i = 0
-    for g, ks in REFERENCE.items():
-        for k in ks:
-            out[g][reference_label(k)] = max(timed[i].cpu, 1e-9)
-            i += 1
-    out["overhead"][f"step {REFERENCE_STEP} {world}x1/c1"] = max(timed[i].cpu, 1e-9)
-    return out
-
-
-def retime(profile: ComputeProfile, conf: Path = CONF) -> Any:
-    """The host's speed now against the calibration's (:class:`HostSpeed`): the reference probe
-    timed again on the calibration's process count; None for a profile without a reference
-    (calibrated before it had one: predicted at its calibration's speed, and said so)."""
-    from atp_pipeline.planning.host_speed import host_speed
-
-    if not profile.reference:
-        return None
-    now = reference_probe(profile.processes, conf)
-    return host_speed(profile.reference, now, utc_now())
-
-
-# The probe models whose whole steps are the host's speed on the steps' basis (recorded at
-# calibration, timed again before a prediction: ``stage=plan``, the step validation's ``--retime
-# steps``): two of the calibration's probes, every mesh and chunk count of the process count, as
-# the calibration timed them for the step residual (:func:`_live_runner`).
+# The probe models whose whole steps are the host's speed (recorded at calibration, timed again
+# before a prediction: ``stage=plan``, the step validation's ``--retime steps``): two of the
+# calibration's probes, every mesh and chunk count of the process count, as the calibration timed
+# them for the step residual (:func:`_live_runner`).
 RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
 
 
@@ -92,7 +40,7 @@ def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, p
     of ``processes`` and chunk count 1 and 2, in a launch of their own (:func:`measure_all`: the
     slowest rank's wall per step, median over interleaved passes): label
     (:func:`~atp_pipeline.planning.compute_profile.step_label`) -> seconds: recorded at calibration,
-    and timed again for the host's speed on the steps' basis (:func:`retime_steps`). ``built``: the
+    and timed again for the host's speed (:func:`retime_steps`). ``built``: the
     probes as :func:`compose_models` composed them (composed here if None). Probe models only:
     never a model, batch or sequence length a user plans."""
     if processes < 2:
@@ -105,8 +53,8 @@ def time_probe_steps(probes: Sequence[str], processes: int, conf: Path = CONF, p
 
 @dataclass(frozen=True)
 class ProbeSteps:
-    """The probe steps the host's speed on ``processes`` processes is timed over (the steps'
-    basis): the labels the calibration recorded on the recorded count nearest them
+    """The probe steps the host's speed on ``processes`` processes is timed over: the labels the
+    calibration recorded on the recorded count nearest them
     (:func:`~atp_pipeline.planning.compute_profile.steps_count`), the probes as
     :func:`compose_models` composed them, each label's plan (probe index, mesh, chunks), and the
     calibrated step model's own time for each label (:func:`probe_step_predictions` on the
@@ -142,7 +90,7 @@ def probe_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path =
 
 
 def retime_steps(profile: ComputeProfile, processes: int, topo: Any, conf: Path = CONF) -> HostSpeed:
-    """The host's speed now on the steps' basis (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
+    """The host's speed now (:func:`~atp_pipeline.planning.compute_profile.steps_speed`):
     the probe steps the calibration recorded (its reference's ``steps``) on the recorded process
     count nearest ``processes`` (ties: the larger) timed again (:func:`time_probe_steps`), over the
     calibrated step model's own time for them (:func:`probe_steps`). The model was fitted to these probes'
