@@ -434,16 +434,6 @@ def _calibrate(t: str) -> Tuple[str, str]:
     return t, "one message size, 1 pass, no warm-up"
 
 
-def _calibrate_compute(t: str) -> Tuple[str, str]:
-    topo = get_opt(t, "--topology") or "local"
-    name = get_opt(t, "--name") or f"{Path(topo).stem if topo.endswith(('.yaml', '.yml')) else topo}_compute"
-    t = set_opt(set_opt(t, "--probes", "probe_gpt_s"), "--chunks", "1")
-    t = set_opt(set_opt(set_opt(t, "--passes", "1"), "--batch-ms", "1"), "--quick")
-    if not _has_opt(t, "--out"):
-        t = set_opt(t, "--out", f"{TMP}/outputs/conf/topology/{name}.yaml")
-    return t, "one probe model, chunks 1, the coarse kernel sweep, 1 pass"
-
-
 def _step_validation(t: str) -> Tuple[str, str]:
     t = set_opt(set_opt(set_opt(t, "--models", "gpt2_tiny"), "--variants", "2x32"), "--worlds", "2")
     t = set_opt(set_opt(set_opt(set_opt(t, "--chunks", "1"), "--steps", "1"), "--warmup", "0"), "--repeats", "1")
@@ -570,7 +560,6 @@ MODULE_RULES: Dict[str, ModuleRule] = {
     "benchmarks.hf_coverage": _hf_coverage,
     "benchmarks.vocab_loss_memory": _vocab_loss_memory,
     "atp_pipeline.run.calibrate": _calibrate,
-    "atp_pipeline.run.calibrate_compute": _calibrate_compute,
     "atp_pipeline.topology.builders": _builders,
     "atp_pipeline.ina.p4.codegen": _codegen_or_traces("generated"),
     "atp_pipeline.ina.p4.traces": _codegen_or_traces("atp.jsonl"),

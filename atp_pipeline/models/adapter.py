@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.shape import ModelShape
 
-BUILTIN = ("atp_pipeline.models.gpt.adapter", "atp_pipeline.models.hf.adapter")
+if TYPE_CHECKING:
+    from torch import nn
+
+# the built-in families' modules, imported when a family is first asked for (planning the built-in
+# GPT from its config imports neither torch nor transformers)
+BUILTIN = {"gpt": "atp_pipeline.models.gpt.adapter", "hf": "atp_pipeline.models.hf.adapter"}
 
 
 class ModelAdapter(ABC):
@@ -116,7 +119,7 @@ def _load_builtin() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for name in BUILTIN:
+        for name in BUILTIN.values():
             importlib.import_module(name)
 
 
@@ -126,7 +129,9 @@ def adapters() -> Dict[str, ModelAdapter]:
 
 
 def get_adapter(family: str) -> ModelAdapter:
-    found = adapters().get(family)
+    if family not in _ADAPTERS and family in BUILTIN:
+        importlib.import_module(BUILTIN[family])
+    found = _ADAPTERS.get(family) or adapters().get(family)
     if found is None:
         raise ConfigError(f"unknown model family '{family}' (families: {', '.join(sorted(adapters()))})")
     return found

@@ -1,7 +1,5 @@
 """Calibrate compute: kernels, probe models and loops timed on concurrent processes -> a profile.
 
-    python -m atp_pipeline.run.calibrate_compute --world 4 --topology outputs/conf/topology/cpu4.yaml
-
 The measuring half of the step-time model's compute (:mod:`atp_pipeline.planning.steptime`
 prices, :mod:`atp_pipeline.planning.profile_fit` fits); ``python train.py stage=calibrate``
 (:mod:`atp_pipeline.run.calibration`) runs it after the collectives. What is measured
@@ -12,26 +10,18 @@ CPU); the contention factor at 1, 2, ..., ``world`` processes; the probes' whole
 on ``world`` and 2 processes (the step residual); and two probes' whole steps the host's speed is
 timed against later (:mod:`atp_pipeline.run.retime`). How it is timed:
 :mod:`atp_pipeline.run.compute_timing`. Nothing measured is a model, batch or sequence length the
-step model then predicts.
-
-**Output.** The topology ``--topology`` (a config name under ``--conf`` or ``outputs/conf``, or a
-YAML path) with ``device.compute`` = the profile, written to ``--out`` (default
-``outputs/conf/topology/<name>.yaml``).
+step model then predicts. The profile goes into the calibration file ``stage=calibrate`` writes.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from atp_pipeline.errors import ConfigError
 from atp_pipeline.planning.compute_profile import STEPS_GROUP, ComputeProfile
 from atp_pipeline.planning.profile_fit import fit_collective_cpu_loops, fit_probe_steps, make_profile, residual_counts
 from atp_pipeline.run.compute_measure import (
@@ -39,7 +29,6 @@ from atp_pipeline.run.compute_measure import (
     PROBES,
     compose_models,
     cpu_loops,
-    load_topology_yaml,
     plan_points,
     probe_entries,
     sweep_kernels,
@@ -59,7 +48,6 @@ class ComputeRun:
     passes: int = 3
     batch_ms: float = 8.0
     quick: bool = False  # a coarser kernel sweep (tests)
-    framework: bool = True  # probes (framework cost), loops (sync), contention
 
 
 def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
@@ -73,13 +61,13 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     from atp_pipeline.run.hostload import wait_quiet
 
     kernels = sweep_kernels(run.quick)
-    built = compose_models(probe_entries(run.probes), conf) if run.framework else []
-    probe_names = list(run.probes) if run.framework else []  # (name ``shapes``, in order)
+    built = compose_models(probe_entries(run.probes), conf)
+    probe_names = list(run.probes)  # (name ``shapes``, in order)
     shapes = [sh for sh, _ in built]
-    plans = plan_points(shapes, run.world, run.chunks) if run.framework else []
-    patterns = sync_patterns(run.world) if run.framework else []
+    plans = plan_points(shapes, run.world, run.chunks)
+    patterns = sync_patterns(run.world)
     nsync = len(patterns)
-    patterns += cpu_loops(run.world) if run.framework else []
+    patterns += cpu_loops(run.world)
     live = list(plans)  # the same probe steps with their collectives (their CPU: CollectiveCPU)
     total = (len(kernels) + len(plans) + len(patterns) + len(live)) * run.passes
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,11 +94,9 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
             watcher.join()
     if progress is not None:
         progress("kernels, probes, loops", total, total)
-    contention = comm_contention = None
-    if run.framework:
-        contention, comm_contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
-        if progress is not None:
-            progress("contention", 1, 1)
+    contention, comm_contention = measure_contention(run.world, 2 * run.passes + 1, 4 * run.batch_ms)
+    if progress is not None:
+        progress("contention", 1, 1)
     # the probes' whole steps on the other process counts of the step residual (their own launch each;
     # a quick calibration: the world's only)
     live_wall = [t.wall for t in timed[len(kernels) + len(plans) + len(patterns):]]
@@ -128,7 +114,7 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     # the collectives' backend CPU per call and byte, from the pure collective loops (no rank waits
     # for another's compute there; the probes' live steps stay the in-sample check below)
     collective_cpu = (fit_collective_cpu_loops(patterns, timed[nk + npl:nk + npl + npa])
-                      if run.framework and run.world > 1 else None)
+                      if run.world > 1 else None)
     # kernels and the probes' collective-free steps at a rank's CPU time (what the work costs a
     # core, whatever shares it); the loops at their wall time (their compute priced as the host runs it)
     cpu = [max(t.cpu, 1e-9) for t in timed]
@@ -155,62 +141,6 @@ def calibrate_compute(run: ComputeRun, topo: Any, name: str, conf: Path = CONF,
     return dataclasses.replace(profile, source=profile.source + load)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atp_pipeline.run.calibrate_compute",
-                                description="Time a sweep of kernels, probe models and compute-then-collective "
-                                            "loops on concurrent processes and write a compute profile into a "
-                                            "topology.")
-    p.add_argument("--world", type=int, default=4, help="processes at once (training's), default 4")
-    p.add_argument("--topology", default="local", help="topology to extend: a config name or a YAML path")
-    p.add_argument("--name", default=None, help="name of the written topology (default: <topology>_compute)")
-    p.add_argument("--probes", default=",".join(PROBES), help="probe models the framework cost is fitted from")
-    p.add_argument("--chunks", default="1,2", help="chunk counts (§4.1) the probes run")
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--batch-ms", type=float, default=8.0)
-    p.add_argument("--quick", action="store_true", help="a coarser kernel sweep")
-    p.add_argument("--conf", type=Path, default=CONF)
-    p.add_argument("--out", default=None, help="YAML path (default outputs/conf/topology/<name>.yaml)")
-    p.add_argument("--kernels-only", action="store_true",
-                   help="no framework cost (probes), synchronization (loops) or contention terms")
-    args = p.parse_args(argv)
-    from atp_pipeline.cli import EXIT_BAD_INPUT
-    from atp_pipeline.topology.model import Topology
-
-    try:
-        if args.world < 1 or args.passes < 1 or not args.batch_ms > 0:
-            raise ConfigError("calibrate_compute: --world and --passes must be >= 1, --batch-ms > 0")
-        chunks = tuple(int(c) for c in args.chunks.split(","))
-        if any(c < 1 for c in chunks):
-            raise ConfigError(f"calibrate_compute: --chunks {args.chunks} must be positive integers")
-        base, base_path = load_topology_yaml(args.topology, args.conf)
-        topo = Topology.from_config(base)
-        if topo.world_size != args.world:
-            raise ConfigError(f"calibrate_compute: topology '{topo.name}' has {topo.world_size} devices, "
-                              f"--world is {args.world}")
-        run = ComputeRun(args.world, tuple(x for x in args.probes.split(",") if x), chunks, args.passes,
-                         args.batch_ms, args.quick, not args.kernels_only)
-        probe_entries(run.probes)
-    except (ConfigError, ValueError) as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return EXIT_BAD_INPUT
-    name = args.name or f"{base['name']}_compute"
-    t0 = time.perf_counter()
-    profile = calibrate_compute(run, topo, name, args.conf)
-    print_profile(profile)
-    out_cfg = dict(base)
-    out_cfg["name"] = name
-    out_cfg["device"] = {**(base.get("device") or {}), "compute": profile.to_config()}
-    out = Path(args.out) if args.out else Path("outputs/conf/topology") / f"{name}.yaml"
-    from atp_pipeline.planning.alphabeta_fit import write_topology
-
-    write_topology(out_cfg, out, f"# {base_path} with device.compute measured by `python -m "
-                                 f"atp_pipeline.run.calibrate_compute "
-                                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`"
-                                 f"\n# (the step-time model's compute profile)\n")
-    print(f"wrote {out} ({time.perf_counter() - t0:.1f} s)")
-    return 0
-
-
 def print_profile(profile: ComputeProfile) -> None:
     """The fitted terms, one line each."""
     grids = profile.kernel_grids()
@@ -231,6 +161,3 @@ def print_profile(profile: ComputeProfile) -> None:
     if check:
         print(f"  the probes' own {check}")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

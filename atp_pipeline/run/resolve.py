@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 from omegaconf import OmegaConf
 
 from atp_pipeline.config.schema import (
@@ -432,6 +431,8 @@ def check_accelerator(accel: str, topo: Topology, devices: int) -> None:
         raise ConfigError(f"topology '{topo.name}' describes {device_name} devices but trainer.accelerator=cpu; "
                           f"set trainer.accelerator=gpu to train on them, or stage=plan to only plan")
     if accel in ("gpu", "cuda") and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        import torch
+
         local = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if local < devices:
             raise ConfigError(f"trainer.accelerator={accel} with {devices} processes needs {devices} GPUs on "

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Mapping
 
 from atp_pipeline.models.adapter import ModelAdapter, register_adapter
-from atp_pipeline.models.gpt.model import GPT, GPTConfig
-from atp_pipeline.models.gpt.parallel import gpt_plan
-from atp_pipeline.models.gpt.sbp import sbp_linears
 from atp_pipeline.planning.shape import ModelShape
+
+if TYPE_CHECKING:  # the model's modules import torch: only when a model is built or laid out
+    from torch import nn
+
+    from atp_pipeline.models.gpt.model import GPTConfig
 
 
 class GPTAdapter(ModelAdapter):
@@ -19,6 +19,8 @@ class GPTAdapter(ModelAdapter):
     family = "gpt"
 
     def matches(self, module: nn.Module) -> bool:
+        from atp_pipeline.models.gpt.model import GPT
+
         return isinstance(module, GPT)
 
     def shape(self, module: nn.Module) -> ModelShape:
@@ -30,12 +32,20 @@ class GPTAdapter(ModelAdapter):
         return ModelShape.of(cfg)
 
     def build(self, cfg: Any) -> nn.Module:
+        from atp_pipeline.models.gpt.model import GPT, GPTConfig
+
         return GPT(GPTConfig.from_model_config(cfg))
 
     def parallel_plan(self, module: nn.Module) -> Mapping[str, Any]:
+        from atp_pipeline.models.gpt.parallel import gpt_plan
+
         return gpt_plan(module)
 
-    sbp_linears = staticmethod(sbp_linears)  # the SBP chain's matmuls (atp_pipeline.models.gpt.sbp)
+    def sbp_linears(self, module: nn.Module) -> Mapping[str, str]:
+        """The SBP chain's matmuls (:func:`atp_pipeline.models.gpt.sbp.sbp_linears`)."""
+        from atp_pipeline.models.gpt.sbp import sbp_linears
+
+        return sbp_linears(module)
 
 
 ADAPTER = register_adapter(GPTAdapter())
