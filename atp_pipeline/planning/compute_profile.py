@@ -573,13 +573,18 @@ def _sync(data: Mapping[str, Any], where: str) -> Optional[SyncFit]:
     return sync
 
 
+def _known_keys(section: Mapping[str, Any], known: set, where: str) -> None:
+    """Refuse a section holding keys this format does not write (a profile of another format)."""
+    extra = sorted(set(section) - known)
+    if extra:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, extra))} {AGAIN}")
+
+
 def _collective_cpu(data: Mapping[str, Any], where: str) -> Optional[CollectiveCPU]:
     cd = data.get("collective_cpu")
     if not cd:
         return None
-    extra = sorted(set(cd) - {"busy", "per_call_us", "per_byte_ns"})
-    if extra:
-        raise ConfigError(f"{where}.collective_cpu: unknown key(s) {', '.join(map(str, extra))} {AGAIN}")
+    _known_keys(cd, {"busy", "per_call_us", "per_byte_ns"}, f"{where}.collective_cpu")
     busy = {int(k): float(v) for k, v in dict(cd.get("busy") or {}).items()}
     if not all(k >= 2 and 0 <= v <= 1 for k, v in busy.items()):
         raise ConfigError(f"{where}.collective_cpu.busy: group size >= 2 -> share of a core in [0, 1], got {busy}")
@@ -612,9 +617,8 @@ def _step_residual(data: Mapping[str, Any], where: str) -> Optional[StepResidual
     rd = data.get("step_residual")
     if not rd:
         return None
-    extra = sorted(set(rd) - {"compute", "exposed", "probe_steps", "form", "cpu_ratio", "cpu_fit", "cpu_wait", "cv"})
-    if extra:
-        raise ConfigError(f"{where}.step_residual: unknown key(s) {', '.join(map(str, extra))} {AGAIN}")
+    _known_keys(rd, {"compute", "exposed", "probe_steps", "form", "cpu_ratio", "cpu_fit", "cpu_wait", "cv"},
+                f"{where}.step_residual")
     comp = {int(k): {int(c): float(x) for c, x in dict(v).items()} for k, v in dict(rd["compute"]).items()}
     expo = {int(k): {int(c): float(x) for c, x in dict(v).items()} for k, v in dict(rd["exposed"]).items()}
     if not comp or set(comp) != set(expo) or any(set(comp[k]) != set(expo[k]) for k in comp) or not all(
