@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 CONF = Path("conf")
-RETIME_MODES = ("launch", "steps", "off")
+RETIME_MODES = ("launch", "off")
 
 
 def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, spec: Dict[str, Any]) -> Optional[Dict[str, A
         return adapter, dense, torch.randint(0, V, (b, s), generator=g), torch.randint(0, V, (b, s), generator=g)
 
     emu_topo = Topology.from_config(spec["emulate"]) if spec["emulate"] else None
-    # the group's points, then (--retime launch, --probes-in-launch) the calibration's probe steps on the same meshes,
+    # the group's points, then (--retime launch) the calibration's probe steps on the same meshes,
     # interleaved with them in every round: (key, step function, the mesh's Comm)
     runners: List[Tuple[str, Any, Any]] = []
     meshes: Dict[Tuple[int, int, bool], Any] = {}
@@ -466,13 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retime", default="launch", metavar="{" + ",".join(RETIME_MODES) + "}",
                    help="the host's speed the predictions are priced at: the probes' whole steps the calibration "
                         "recorded on the launch's process count timed inside each launch, interleaved with its "
-                        "points in every round, over the calibrated model's time for them (launch); the same "
-                        "steps timed in launches of their own before and after each launch, at the mean of the "
-                        "two (steps, as stage=plan times them); or never (off)")
-    p.add_argument("--probes-in-launch", action="store_true",
-                   help="time the probe steps inside each launch too (as --retime launch does) and give every row "
-                        "also the prediction at that speed (predicted_at_in_launch_speed_s), "
-                        "whatever --retime prices at")
+                        "points in every round, over the calibrated model's time for them (launch); or the "
+                        "calibration's own, no probe steps timed (off)")
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for other jobs' load to fall below "
                         "hostload.QUIET_CORES (0: start at once; rounds under load are measured again either way)")
@@ -508,21 +503,19 @@ def _prepare(args: argparse.Namespace) -> Any:
                           f"(topology '{topo.name}')")
     if args.retime not in RETIME_MODES:
         raise ConfigError(f"step_validation: --retime {args.retime!r}: one of {', '.join(RETIME_MODES)}")
-    in_launch = args.retime == "launch" or args.probes_in_launch
-    in_launch_flag = "--retime launch" if args.retime == "launch" else "--probes-in-launch"
-    on_steps = "--retime steps" if args.retime == "steps" else in_launch_flag if in_launch else ""
-    if on_steps and min(worlds, default=2) < 2:
-        raise ConfigError(f"step_validation: {on_steps}: --worlds {args.worlds}: each >= 2 (the probes' "
+    in_launch = args.retime == "launch"
+    if in_launch and min(worlds, default=2) < 2:
+        raise ConfigError(f"step_validation: --retime launch: --worlds {args.worlds}: each >= 2 (the probes' "
                           f"steps run collectives)")
-    if on_steps and not calibrated.reference.get(STEPS_GROUP):
-        raise ConfigError(f"step_validation: {on_steps}: calibration {calibration['file']} recorded no probe "
+    if in_launch and not calibrated.reference.get(STEPS_GROUP):
+        raise ConfigError(f"step_validation: --retime launch: calibration {calibration['file']} recorded no probe "
                           f"steps (calibrate again: python train.py stage=calibrate)")
-    # --retime launch / --probes-in-launch: per process count, the probe steps each launch also times
+    # --retime launch: per process count, the probe steps each launch also times
     # (on its own process count: the calibration must have recorded them there)
     probes_at = {w: probe_steps(calibrated, w, topo, args.conf) for w in sorted(set(worlds))} if in_launch else {}
     off = sorted(w for w, ps in probes_at.items() if ps.processes != w)
     if off:
-        raise ConfigError(f"step_validation: {in_launch_flag}: "
+        raise ConfigError(f"step_validation: --retime launch: "
                           f"--worlds {args.worlds}: the calibration recorded no probe steps on {off} processes "
                           f"(only on {sorted({ps.processes for ps in probes_at.values()})})")
     only = {tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",") if m}
@@ -560,12 +553,11 @@ def _prepare(args: argparse.Namespace) -> Any:
 
 
 def _group_rows(args: argparse.Namespace, g: Any, launch: Dict[str, Any], each: List[List[Dict[str, Any]]],
-                priced: Any, around: Sequence[Any] = (), inside: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+                inside: Sequence[Any] = ()) -> List[Dict[str, Any]]:
     """A group's rows from its launches' measurements pooled (``each``: per launch, per rank):
-    every point predicted at the host speed ``priced`` (None: the calibration's own; ``around``:
-    the probes it is the mean of) beside its measurement, and (``inside``: each launch's speed
-    from the probe steps timed in it) at the geometric mean of those; the partial report written
-    (it survives a crash). The group's rows."""
+    every point predicted beside its measurement at the geometric mean of its launches' host
+    speeds (``inside``: each launch's, from the probe steps timed in it; none: at the
+    calibration's own speed)."""
     from atp_pipeline.planning.compute_profile import HostSpeed
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
 
@@ -574,28 +566,23 @@ def _group_rows(args: argparse.Namespace, g: Any, launch: Dict[str, Any], each: 
     shape, w, points, emu = (launch[k] for k in ("shape", "w", "points", "emu"))
     ranks = merge_launches(each)
     got = ranks[0]
+    priced = HostSpeed.over(inside) if inside else None
     at = calibrated if priced is None else calibrated.at_speed(priced)
     sub = topo.restrict(w)
     times, waits = got["times"], got["waits"]
     variant = f"b{shape.batch_size} s{shape.seq_len}"
     load = statistics.mean(got["foreign"]) if got["foreign"] else 0.0  # other jobs' cores while measured
-    where = "per_launch" if args.retime == "launch" else "bracket"  # what the priced speed is the mean of
-    record = None if priced is None else {**priced.to_dict(), "launches": args.launches,
-                                          **({where: [s.to_dict() for s in around]} if around else {})}
-    within = HostSpeed.over(inside) if inside else None
-    extra: Dict[str, Any] = {} if within is None else {
-        "host_speed_in_launch": {**within.to_dict(), "per_launch": [s.to_dict() for s in inside]}}
-    # the profile at the in-launch speed, once a group (--retime launch: the one priced at)
-    at_inside = None if within is None else at if within == priced else calibrated.at_speed(within)
+    per_launch = [s.to_dict() for s in inside]
+    record = None if priced is None else {**priced.to_dict(), "launches": args.launches, "per_launch": per_launch}
     for d1, d2, c, e in points:
         emulated = (emu, args.slowdown) if e else None
         est = estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c), at, emulated)  # what stage=plan says
         # beside it, the same prediction at the calibration's own host speed (not re-timed)
         flat = est if at is calibrated else estimate_step(sub, shape, (d1, d2), StepSetting(chunks=c),
                                                           calibrated, emulated)
-        if at_inside is not None:  # and at the speed of the probe steps timed inside its launches
-            extra["predicted_at_in_launch_speed_s"] = est.step_s if at_inside is at else estimate_step(
-                sub, shape, (d1, d2), StepSetting(chunks=c), at_inside, emulated).step_s
+        # (--retime launch) the speed of the probe steps timed inside its launches, the one priced at
+        extra = {} if priced is None else {"host_speed_in_launch": {**priced.to_dict(), "per_launch": per_launch},
+                                           "predicted_at_in_launch_speed_s": est.step_s}
         key = json.dumps([d1, d2, c, e])
         meas = statistics.median(times[key])
         inter = f"emulated {emu.name} x{args.slowdown:g}" if e else "gloo"
@@ -623,12 +610,7 @@ def _retime_note(args: argparse.Namespace) -> str:
     return ("--retime launch: the probes' whole steps the calibration recorded timed inside each launch, "
             "interleaved with its points in every round, over the calibrated model's time for them, every "
             "group's points priced at the geometric mean of its launches' speeds (rows: host_speed, per_launch)"
-            if args.retime == "launch" else
-            "--retime steps: the probes' whole steps the calibration recorded timed again on each launch's "
-            "process count before it and after it, over the calibrated model's time for them, every group's "
-            "points priced at the geometric mean of its launches' speeds, each the mean of the two around it "
-            "(rows: host_speed, its bracket)" if args.retime == "steps" else
-            "not re-timed: predicted at the calibration's host speed")
+            if args.retime == "launch" else "not re-timed: predicted at the calibration's host speed")
 
 
 def _finish_grid(args: argparse.Namespace, argv: Optional[Sequence[str]], g: Any, rows: List[Dict[str, Any]],
@@ -664,70 +646,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from atp_pipeline.cli import EXIT_BAD_INPUT
     from atp_pipeline.errors import ConfigError
     from atp_pipeline.launch import spawn
-    from atp_pipeline.planning.compute_profile import HostSpeed
     from atp_pipeline.planning.profile_fit import utc_now
     from atp_pipeline.run.hostload import wait_quiet
-    from atp_pipeline.run.retime import retime_steps
 
     try:
         g = _prepare(args)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_BAD_INPUT
-    topo, calibration, calibrated = g.topo, g.calibration, g.calibrated
-    probes_at, emu_full, plan = g.probes_at, g.emu_full, g.plan
     rows: List[Dict[str, Any]] = []
     foreign_load: List[Dict[str, Any]] = []
     speeds: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
     load_start = _loadavg()
-    speed = None
-    latest: Optional[Any] = None  # --retime steps: the last probe, while no launch ran after it
-    launched: Dict[str, List[Tuple[Dict[str, Any], Any, Tuple[Any, ...]]]] = {}  # a group's launches so far
-
-    def settle(launch: Dict[str, Any], priced: Any, around: Sequence[Any] = ()) -> None:
-        """A launch measured and priced (``priced``: the host speed, None for the calibration's own;
-        ``around``: the probes it is the mean of); its group's rows once all its launches are."""
-        done = launched.setdefault(launch["shape"].name + f" / {launch['w']}", [])
-        done.append((launch, priced, tuple(around)))
-        if len(done) == args.launches:
-            speeds_in = [sp for _, sp, _ in done]
-            finish(launch, [one["ranks"] for one, _, _ in done],
-                   None if any(sp is None for sp in speeds_in) else HostSpeed.over(speeds_in),
-                   [a for _, _, ar in done for a in ar],
-                   [one["in_launch"] for one, _, _ in done if one["in_launch"] is not None])
-
-    def finish(launch: Dict[str, Any], each: List[List[Dict[str, Any]]], priced: Any, around: Sequence[Any] = (),
-               inside: Sequence[Any] = ()) -> None:
-        rows.extend(_group_rows(args, g, launch, each, priced, around, inside))
-        _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": calibration})
-
-    def probe(at: str, processes: int) -> Any:
-        """The host's speed now on ``processes`` processes (after a wait for a quiet host), recorded
-        with ``at`` (which launch it is before or after)."""
-        wait_quiet(args.quiet_wait)
-        now = retime_steps(calibrated, processes, topo, args.conf)
-        speeds.append({"at": at, **now.to_dict()})
-        print(f"  {now.describe()}", flush=True)
-        return now
-
-    # every group once per pass, --launches passes (a group's launches minutes apart); within a pass
-    # the launches of one process count one after another, a probe after one the next one's before
-    order = [g for _ in range(args.launches) for g in sorted((g for g in plan if g[4]), key=lambda g: -g[3])]
+    launched: Dict[str, List[Tuple[Any, Any]]] = {}  # a group's launches so far: (ranks, in-launch speed)
+    # every group once per pass, --launches passes (a group's launches minutes apart)
+    order = [one for _ in range(args.launches) for one in sorted((x for x in g.plan if x[4]), key=lambda x: -x[3])]
     for n, (model, shape, spec, w, points) in enumerate(order):
         tag = f"{shape.name} / {w} proc." + (f" (launch {n // (len(order) // args.launches) + 1})"
                                               if args.launches > 1 else "")
-        if args.retime == "launch":
-            pass  # priced at the probe steps timed inside the launch
-        elif args.retime == "steps":
-            # the probes' whole steps the calibration recorded (never this grid's models, meshes or batches)
-            # timed again on w processes: the host's speed as stage=plan takes it; again after the launch
-            speed = latest if latest is not None and latest.processes == w else probe(f"before {tag}", w)
-        emu = emu_full.restrict(w) if emu_full is not None else None
+        emu = g.emu_full.restrict(w) if g.emu_full is not None else None
         spec = {**spec, "points": points, "emulate": emu.to_dict() if emu is not None else None,
                 "slowdown": args.slowdown, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-        ps = probes_at.get(w)
-        if ps is not None:  # the probe steps, interleaved with the points in every round
+        ps = g.probes_at.get(w)  # --retime launch: the probe steps, interleaved with the points in every round
+        if ps is not None:
             spec["probe_models"] = [m for _, m in ps.built]
             spec["probe_points"] = [(label, mi, d1, d2, c) for label, (mi, d1, d2, c) in zip(ps.labels, ps.plans)]
         print(f"{tag}: measuring {len(points)} points on {w} processes ...", flush=True)
@@ -740,15 +682,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                for label in ps.labels}, f"inside {tag} ({utc_now()})")
             speeds.append({"at": f"inside {tag}", **inside.to_dict()})
             print(f"  {inside.describe()}", flush=True)
-        launch = {"model": model, "shape": shape, "w": w, "points": points, "ranks": ranks, "emu": emu,
-                  "in_launch": inside}
-        if args.retime == "launch":
-            settle(launch, inside, (inside,))
-        elif args.retime == "steps":
-            latest = probe(f"after {tag}", w)
-            settle(launch, speed.until(latest), (speed, latest))
-        else:  # --retime off: at the calibration's own speed
-            settle(launch, None)
+        done = launched.setdefault(f"{shape.name} / {w}", [])
+        done.append((ranks, inside))
+        if len(done) == args.launches:  # the group's rows (the partial report survives a crash)
+            launch = {"model": model, "shape": shape, "w": w, "points": points, "emu": emu}
+            rows.extend(_group_rows(args, g, launch, [r for r, _ in done], [s for _, s in done if s is not None]))
+            _write(Path(args.out), args.tag, rows, {"partial": True, "calibration": g.calibration})
     _finish_grid(args, argv, g, rows, speeds, foreign_load, load_start, time.perf_counter() - t0)
     return 0
 

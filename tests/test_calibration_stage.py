@@ -160,12 +160,13 @@ def test_rounds_other_jobs_loaded_are_measured_again(monkeypatch):
     assert hostload.wait_quiet(0) == 0.0 and hostload.wait_quiet(-1.0) == 0.0
 
 
-def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
-    """``--retime launch`` (the default) and ``--retime steps`` are refused at one process (their probes
-    run collectives) and on a calibration that recorded no probe steps, any other mode is refused, and no
-    launch a group, each in one line
-    (exit 2); the summary's correlation of the groups' re-timed probe ratio (rows that carry
-    ``probe_steps``) with their measured/predicted is Pearson's over the groups that have one."""
+def test_retime_option_refusals_and_the_probe_ratios_correlation(tmp_path, capsys):
+    """``--retime launch`` (the default) is refused at one process (its probes run collectives) and
+    on a calibration that recorded no probe steps, any other mode than ``launch`` and ``off`` is
+    refused, and no launch a group, each in one line (exit 2); ``--probes-in-launch`` is no option
+    (argparse's exit 2, one error line after the usage, as for any unknown flag). The summary's
+    correlation of the groups' re-timed probe ratio (rows that carry ``probe_steps``) with their
+    measured/predicted is Pearson's over the groups that have one."""
     import statistics
 
     from benchmarks import step_validation as sv
@@ -176,9 +177,9 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     write_topology(cfg, tmp_path / "cal4.yaml")
     base = ["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "9x40",
             "--out", str(tmp_path / "out")]
-    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of launch, steps, off"),
-                        (["--retime", "bracket", "--worlds", "4"], "--retime 'bracket': one of launch, steps, off"),
-                        (["--retime", "steps", "--worlds", "2,1"], "--retime steps: --worlds 2,1: each >= 2"),
+    for extra, says in ((["--retime", "bogus", "--worlds", "4"], "--retime 'bogus': one of launch, off"),
+                        (["--retime", "bracket", "--worlds", "4"], "--retime 'bracket': one of launch, off"),
+                        (["--retime", "steps", "--worlds", "4"], "--retime 'steps': one of launch, off"),
                         (["--worlds", "2"], "--retime launch: calibration " + str(tmp_path / "cal4.yaml")
                          + " recorded no probe steps (calibrate again: python train.py stage=calibrate)"),
                         (["--worlds", "2,1"], "--retime launch: --worlds 2,1: each >= 2"),
@@ -187,6 +188,12 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
         assert sv.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+    with pytest.raises(SystemExit) as exc:
+        sv.main([*base, "--retime", "off", "--worlds", "2", "--probes-in-launch"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[0].startswith("usage: python -m benchmarks.step_validation")
+    assert [line for line in err if "error" in line] == [
+        "python -m benchmarks.step_validation: error: unrecognized arguments: --probes-in-launch"] == err[-1:]
     assert not (tmp_path / "out").exists()
     rows = [{"model": "m", "group": g, "point": f"{i}x1/c1", "predicted_s": 1.0, "measured_s": b * (1 + 0.01 * i),
              "rel_error": 0.0, **({"probe_steps": {"ratio": r}} if r else {})}
@@ -198,107 +205,18 @@ def test_retime_steps_option_and_the_probe_ratios_correlation(tmp_path, capsys):
     assert "probe_ratio_bias_correlation" not in sv.summarize([{**r, "probe_steps": None} for r in rows])
 
 
-def test_retime_steps_prices_each_launch_between_the_probes_before_and_after_it(tmp_path, monkeypatch):
-    """``--retime steps`` times the probes' whole steps on a launch's process count
-    right before it and right after it (the probe after one launch the next one's before, on the
-    same count) and prices its points at the geometric mean of the two speeds
-    (:meth:`HostSpeed.until`) — what ``stage=plan`` predicts at that speed. With ``--launches 2`` (the
-    default) each group is launched once per pass over the grid, its points' steps pooled and
-    priced at the mean of its launches' speeds (:meth:`HostSpeed.over`). Launches and probes are
-    stand-ins here (the measuring form runs in tests/test_docs_commands.py); the bookkeeping is what
-    is checked."""
+def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launches(tmp_path, monkeypatch, capsys):
+    """``--retime launch`` (the default): every launch also times the probe steps the calibration
+    recorded on its process count (the probe models, meshes and chunk counts of ``probe_steps``),
+    interleaved with its points; the launch's speed is their steps over the calibrated model's time
+    for them and a group is priced at the geometric mean of its launches' (:meth:`HostSpeed.over`),
+    no probe launch around it. With ``--launches 2`` (the default) each group is launched once per
+    pass over the grid, its points' steps pooled. ``--retime off`` times no probe steps and prices at
+    the calibration's own speed. A process count the calibration recorded no probe steps on is
+    refused in one line. Launches are stand-ins (the bookkeeping is what is checked; the worker's
+    probe runners run in tests/test_docs_commands.py)."""
     import math
 
-    from atp_pipeline import launch
-    from atp_pipeline.planning.steptime import StepSetting, estimate_step
-    from atp_pipeline.run import compute_measure as cm
-    from atp_pipeline.run import retime as hs
-    from atp_pipeline.topology.model import Topology
-    from benchmarks import step_validation as sv
-
-    prof = dataclasses.replace(cp.ComputeProfile("c", "test", {k: cp.KindFit(1e-6, 1e-9) for k in kn.KINDS},
-                                                 processes=4),
-                               reference={"steps": {"probe_gpt_s 2x1/c1 on 2": 0.02, "probe_gpt_s 4x1/c1 on 4": 0.04}})
-    cfg = {"name": "cal4", "levels": [{"name": "process", "count": 4, "p2p_GBps": 1.0, "group_GBps": 1.0}],
-           "device": {"name": "cpu", "compute": prof.to_config()}}
-    write_topology(cfg, tmp_path / "cal4.yaml")
-    steps_spoken = [cp.HostSpeed(r, r, f"s{i}", 2) for i, r in enumerate((0.9, 1.1, 1.2, 0.8, 1.0))]
-    asked = []
-    launches = []
-
-    def run(mode: str, n: int = 1) -> dict:
-        step_probes = iter(steps_spoken)
-
-        def retime_steps(profile, processes, topo, conf):
-            asked.append(processes)
-            return next(step_probes)
-        monkeypatch.setattr(hs, "retime_steps", retime_steps)
-
-        def spawn(fn, w, spec, timeout):  # every point 10 ms (20 ms in a group's 2nd launch); the worker's layout
-            keys = [json.dumps(list(p)) for p in spec["points"]]
-            launches.append(spec["seq_len"])
-            t = 0.01 * launches.count(spec["seq_len"])
-            got = {"times": {k: [t] for k in keys}, "waits": {k: [0.001] for k in keys},
-                   "cpus": {k: [0.005] for k in keys}, "foreign": [0.0]}
-            return [got] * w
-        monkeypatch.setattr(launch, "spawn", spawn)
-        out = tmp_path / mode
-        assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16,2x24",
-                        "--worlds", "2", "--chunks", "1", "--quiet-wait", "0", "--retime", mode,
-                        "--launches", str(n), "--out", str(out), "--tag", "t"]) == 0
-        return json.loads((out / "t.json").read_text())
-
-    def check(got: dict, around: dict) -> None:
-        """Every row priced at the mean of its launches' speeds (``around``: seq -> the probes
-        before and after each of its launches)."""
-        by_launch = {}
-        for r in got["rows"]:
-            by_launch.setdefault(r["seq_len"], []).append(r)
-        assert sorted(by_launch) == [16, 24] and all(len(rs) == 2 for rs in by_launch.values())  # 2x1 and 1x2
-        for seq, probes in around.items():
-            want = cp.HostSpeed.over([b.until(a) for b, a in zip(probes[::2], probes[1::2])])
-            assert want.compute == pytest.approx(math.prod(p.compute for p in probes) ** (1 / len(probes)))
-            shape = cm.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
-                                                     CONF)[0][0]
-            for r in by_launch[seq]:
-                hs = r["host_speed"]
-                assert (hs["compute"], hs["overhead"]) == pytest.approx((want.compute, want.overhead))
-                assert [b["measured"] for b in hs["bracket"]] == [p.measured for p in probes]
-                d1, d2 = (int(x) for x in r["mesh"].split("x"))
-                est = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile.at_speed(want))
-                assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
-                flat = estimate_step(topo, shape, (d1, d2), StepSetting(chunks=1), profile)
-                assert r["predicted_at_calibration_speed_s"] == pytest.approx(flat.step_s, rel=1e-9)
-
-    topo = Topology.from_config(cfg).restrict(2)
-    profile = cp.ComputeProfile.from_config(prof.to_config())
-    got = run("steps")
-    assert asked == [2, 2, 2]  # before the first launch and after each, on its process count
-    assert [(m["at"], m["measured"]) for m in got["meta"]["host_speed"]["measured"]] == [
-        ("before tiny@2x16 / 2 proc.", "s0"), ("after tiny@2x16 / 2 proc.", "s1"), ("after tiny@2x24 / 2 proc.", "s2")]
-    assert all(r["host_speed"]["basis"] == "steps" and r["host_speed"]["processes"] == 2 for r in got["rows"])
-    check(got, {16: steps_spoken[:2], 24: steps_spoken[1:3]})
-    # two launches a group, one pass over the grid each: 2x16, 2x24, 2x16, 2x24; the steps pooled
-    asked.clear(), launches.clear()
-    got = run("steps", 2)
-    assert launches == [16, 24, 16, 24] and asked == [2] * 5
-    assert [m["at"] for m in got["meta"]["host_speed"]["measured"]][-1] == "after tiny@2x24 / 2 proc. (launch 2)"
-    s0, s1, s2, s3, s4 = steps_spoken
-    check(got, {16: [s0, s1, s2, s3], 24: [s1, s2, s3, s4]})
-    assert all(r["measured_s"] == pytest.approx(0.015) and r["samples"] == 2 and r["launches"] == 2
-               and r["measured_per_launch_s"] == pytest.approx([0.01, 0.02])
-               and r["host_speed"]["launches"] == 2 for r in got["rows"])  # the median of 10 and 20 ms
-
-
-def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launches(tmp_path, monkeypatch, capsys):
-    """``--retime launch``: every launch also times the probe steps the calibration recorded on its
-    process count (the probe models, meshes and chunk counts of ``probe_steps``), interleaved with
-    its points; the launch's speed is their steps over the calibrated model's time for them and a
-    group is priced at the geometric mean of its launches' (:meth:`HostSpeed.over`), no probe launch
-    around it. ``--probes-in-launch`` keeps the default pricing and gives every row the prediction at
-    that speed too. A process count the calibration recorded no probe steps on is refused in one line.
-    Launches are stand-ins (the bookkeeping is what is checked; the worker's probe runners run in
-    tests/test_docs_commands.py)."""
     from atp_pipeline import launch
     from atp_pipeline.planning.steptime import StepSetting, estimate_step
     from atp_pipeline.run import compute_measure as cm
@@ -317,15 +235,17 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
     profile = cp.ComputeProfile.from_config(prof.to_config())
     ps = hs.probe_steps(profile, 2, topo)
     assert ps.labels == ("probe_gpt_s 1x2/c2 on 2", "probe_gpt_s 2x1/c1 on 2") and ps.processes == 2
-    factor = {16: 1.3, 24: 0.8}  # the probe steps ran x1.3 / x0.8 the model's time in the launches of seq 16 / 24
+    # the probe steps ran x1.3, x1.2 / x0.8, x0.9 the model's time in the 1st, 2nd launch of seq 16 / 24
+    factor = {16: (1.3, 1.2), 24: (0.8, 0.9)}
     seen = []
 
-    def spawn(fn, w, spec, timeout):
+    def spawn(fn, w, spec, timeout):  # every point 10 ms in a group's 1st launch, 20 ms in its 2nd
         seen.append(spec)
+        i = sum(s["seq_len"] == spec["seq_len"] for s in seen) - 1
         keys = [json.dumps(list(p)) for p in spec["points"]]
-        probes = {json.dumps(["probe", label]): factor[spec["seq_len"]] * ps.model_s[label]
-                  for label, *_ in spec["probe_points"]}
-        got = {"times": {**{k: [0.01] for k in keys}, **{k: [t] for k, t in probes.items()}},
+        probes = {json.dumps(["probe", label]): factor[spec["seq_len"]][i] * ps.model_s[label]
+                  for label, *_ in spec.get("probe_points", [])}
+        got = {"times": {**{k: [0.01 * (i + 1)] for k in keys}, **{k: [t] for k, t in probes.items()}},
                "waits": {k: [0.001] for k in [*keys, *probes]}, "cpus": {k: [0.005] for k in [*keys, *probes]},
                "foreign": [0.0]}
         return [got] * w
@@ -338,38 +258,42 @@ def test_retime_launch_prices_a_group_at_the_probe_steps_timed_inside_its_launch
         assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16,2x24",
                         "--worlds", "2", "--chunks", "1", "--quiet-wait", "0", "--out", str(out), "--tag", "t",
                         *extra]) == 0
-        assert all(s["probe_points"] == [(label, mi, d1, d2, c) for label, (mi, d1, d2, c) in zip(ps.labels, ps.plans)]
-                   and [m["family"] for m in s["probe_models"]] == ["gpt"] for s in seen)
         return json.loads((out / "t.json").read_text())
 
-    def shape(seq: int):
-        return cm.compose_models([(f"tiny@2x{seq}", sv.variant_overrides("tiny", 2, seq, CONF))],
-                                                CONF)[0][0]
+    def estimate(r: dict, at: cp.ComputeProfile) -> float:
+        d1, d2 = (int(x) for x in r["mesh"].split("x"))
+        shape = cm.compose_models([(f"tiny@2x{r['seq_len']}", sv.variant_overrides("tiny", 2, r["seq_len"], CONF))],
+                                  CONF)[0][0]
+        return estimate_step(topo.restrict(2), shape, (d1, d2), StepSetting(chunks=1), at).step_s
 
-    got = run("--retime", "launch", "--launches", "2")
-    assert len(seen) == 4 and got["meta"]["host_speed"]["retime"] == "launch"
-    assert [m["at"].split(" (")[0] for m in got["meta"]["host_speed"]["measured"]] == [
-        "inside tiny@2x16 / 2 proc.", "inside tiny@2x24 / 2 proc."] * 2
-    for r in got["rows"]:
-        f = factor[r["seq_len"]]
-        hs = r["host_speed"]
-        assert (hs["basis"], hs["processes"]) == ("steps", 2) and hs["compute"] == pytest.approx(f)
-        assert [s["compute"] for s in hs["per_launch"]] == pytest.approx([f, f]) and "bracket" not in hs
-        d1, d2 = (int(x) for x in r["mesh"].split("x"))
-        est = estimate_step(topo.restrict(2), shape(r["seq_len"]), (d1, d2), StepSetting(chunks=1),
-                            profile.at_speed(cp.HostSpeed(f, f, "", 2)))
-        assert r["predicted_s"] == pytest.approx(est.step_s, rel=1e-9)
-        assert r["predicted_at_in_launch_speed_s"] == pytest.approx(est.step_s, rel=1e-9)
-    got = run("--retime", "off", "--probes-in-launch", "--launches", "1")
+    got = run("--launches", "2")  # the default --retime
+    assert [s["seq_len"] for s in seen] == [16, 24, 16, 24] and got["meta"]["host_speed"]["retime"] == "launch"
+    assert all(s["probe_points"] == [(label, mi, d1, d2, c) for label, (mi, d1, d2, c) in zip(ps.labels, ps.plans)]
+               and [m["family"] for m in s["probe_models"]] == ["gpt"] for s in seen)
     assert got["meta"]["host_speed"]["probes_in_launch"] is True
+    assert [m["at"] for m in got["meta"]["host_speed"]["measured"]] == [
+        f"inside tiny@2x{seq} / 2 proc. (launch {n})" for n in (1, 2) for seq in (16, 24)]
+    assert sorted(r["seq_len"] for r in got["rows"]) == [16, 16, 24, 24]  # 2x1 and 1x2
     for r in got["rows"]:
-        d1, d2 = (int(x) for x in r["mesh"].split("x"))
-        f = factor[r["seq_len"]]
-        assert r["host_speed"] is None and r["host_speed_in_launch"]["compute"] == pytest.approx(f)
-        assert r["predicted_s"] == pytest.approx(r["predicted_at_calibration_speed_s"], rel=1e-12)
-        est = estimate_step(topo.restrict(2), shape(r["seq_len"]), (d1, d2), StepSetting(chunks=1),
-                            profile.at_speed(cp.HostSpeed(f, f, "", 2)))
-        assert r["predicted_at_in_launch_speed_s"] == pytest.approx(est.step_s, rel=1e-9)
+        f = math.sqrt(math.prod(factor[r["seq_len"]]))
+        sp = r["host_speed"]
+        assert (sp["basis"], sp["processes"], sp["launches"]) == ("steps", 2, 2) and sp["compute"] == pytest.approx(f)
+        assert [s["compute"] for s in sp["per_launch"]] == pytest.approx(factor[r["seq_len"]]) and "bracket" not in sp
+        assert r["host_speed_in_launch"] == {k: v for k, v in sp.items() if k != "launches"}
+        assert r["predicted_s"] == pytest.approx(estimate(r, profile.at_speed(cp.HostSpeed(f, f, "", 2))), rel=1e-9)
+        assert r["predicted_at_in_launch_speed_s"] == r["predicted_s"]
+        assert r["predicted_at_calibration_speed_s"] == pytest.approx(estimate(r, profile), rel=1e-9)
+        # the median of 10 and 20 ms, one step in each launch
+        assert r["measured_s"] == pytest.approx(0.015) and r["samples"] == 2 and r["launches"] == 2
+        assert r["measured_per_launch_s"] == pytest.approx([0.01, 0.02])
+    got = run("--retime", "off", "--launches", "1")
+    assert len(seen) == 2 and not any("probe_points" in s for s in seen)
+    assert got["meta"]["host_speed"]["measured"] == [] and got["meta"]["host_speed"]["probes_in_launch"] is False
+    assert got["meta"]["host_speed"]["note"] == "not re-timed: predicted at the calibration's host speed"
+    for r in got["rows"]:
+        assert r["host_speed"] is None and "host_speed_in_launch" not in r and "predicted_at_in_launch_speed_s" not in r
+        assert r["predicted_s"] == r["predicted_at_calibration_speed_s"]
+        assert r["predicted_s"] == pytest.approx(estimate(r, profile), rel=1e-9)
     capsys.readouterr()
     assert sv.main(["--topology", str(tmp_path / "cal4.yaml"), "--models", "tiny", "--variants", "2x16",
                     "--worlds", "3", "--retime", "launch", "--out", str(tmp_path / "no")]) == 2

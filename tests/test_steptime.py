@@ -1115,10 +1115,10 @@ def test_the_host_speed_on_the_steps_basis_is_the_probes_whole_steps_now_over_at
     with pytest.raises(ConfigError, match="probe step label 'p 2x1 on 2'"):
         cp.step_processes({"p 2x1 on 2": 1.0})
     with pytest.raises(ConfigError, match="a span between two probes on different process counts"):
-        two.until(cp.HostSpeed(1.0, 1.0, "t2"))
+        cp.HostSpeed.over([two, cp.HostSpeed(1.0, 1.0, "t2")])
     with pytest.raises(ConfigError, match=r"host speed: ratios > 0 \(got 1.0, 0.0\)"):
         cp.HostSpeed(1.0, 0.0)
-    span = two.until(cp.steps_speed(then, {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02}, 2, "t2"))
+    span = cp.HostSpeed.over([two, cp.steps_speed(then, {"p 2x1/c1 on 2": 0.01, "p 1x2/c1 on 2": 0.02}, 2, "t2")])
     assert span.compute == pytest.approx(math.sqrt(two.compute)) and span.processes == 2
     # a point measured in several launches: the launches' speeds' geometric mean, first start to last end
     spans = [cp.HostSpeed(r, r, f"t{2 * i} .. t{2 * i + 1}", 2) for i, r in enumerate((0.8, 1.25, 1.0))]

@@ -52,17 +52,11 @@ class HostSpeed:
         return HostSpeed(float(data["compute"]), float(data["overhead"]), str(data.get("measured", "")),
                          int(data.get("processes", 0)))
 
-    def until(self, after: "HostSpeed") -> "HostSpeed":
-        """The host's speed over a span this probe opened and ``after`` closed: the geometric
-        mean of the two (a launch between two probes; on a shared host the speed drifts within
-        minutes)."""
-        return HostSpeed.over([self, after])
-
     @staticmethod
     def over(speeds: Sequence["HostSpeed"]) -> "HostSpeed":
-        """The host's speed over the spans ``speeds`` were timed across (in time order; the probes
-        around one launch, or each launch's speed where a point is measured in several): the
-        geometric mean per ratio, measured from the first one's start to the last one's end."""
+        """The host's speed over the spans ``speeds`` were timed across (in time order; each
+        launch's speed where a point is measured in several): the geometric mean per ratio,
+        measured from the first one's start to the last one's end."""
         first, last = speeds[0], speeds[-1]
         if len(speeds) == 1:
             return first

@@ -2,7 +2,7 @@
 
 ``stage=plan`` and ``stage=fit`` do this only when asked (``calibration.retime=true``) or when
 the calibration is stale (:func:`atp_pipeline.run.calibration.with_calibration`); the step
-validation does it around its launches (``--retime``).
+validation times the same steps inside its launches (:func:`probe_steps`, ``--retime launch``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from atp_pipeline.run.compute_measure import CONF, compose_models, plan_points, 
 from atp_pipeline.run.compute_timing import measure_all
 
 # The probe models whose whole steps are the host's speed (recorded at calibration, timed again
-# before a prediction: ``stage=plan``, the step validation's ``--retime steps``): two of the
-# calibration's probes, every mesh and chunk count of the process count, as the calibration timed
-# them for the step residual (:func:`_live_runner`).
+# before a prediction: ``stage=plan``): two of the calibration's probes, every mesh and chunk count
+# of the process count, as the calibration timed them for the step residual (:func:`_live_runner`).
 RETIME_STEP_PROBES = ("probe_gpt_s", "probe_llama")
 
 
