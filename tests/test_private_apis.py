@@ -1,7 +1,8 @@
 """Guards on the private torch, Lightning, transformers and multiprocessing APIs the package
-relies on (pyproject states the versions the suite ran on; a new one may change them). Each test names the API it guards and checks
-both its shape (name, signature, attribute) and the behaviour the package relies on, so a
-version where it changes fails here, in one line naming it, rather than somewhere in a run.
+relies on (pyproject states the versions the suite ran on; a new one may change them). Each
+test names the API it guards and checks both its shape (name, signature, attribute) and the
+behaviour the package relies on, so a version where it changes fails here, in one line naming
+it, rather than somewhere in a run.
 
 Uses guarded here:
 
