@@ -90,7 +90,8 @@ def _worker(rank: int, world: int, mcfg: ModelConfig, configs: Dict[str, Aggrega
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     flat = torch.randn(n_params, generator=g) * 1e-2
     rows: Dict[str, Dict[str, List[float]]] = {n: {"step": [], "sync": [], "cpu": [], "roles_cpu": []} for n in syncs}
-    roles = {n: ([e.control for e in [s.services.switch, *s.services.racks, *s.services.ps]]
+    # the roles' control channels with their owner tokens (rank 0 started them)
+    roles = {n: ([e.peer(e.owner) for e in [s.services.switch, *s.services.racks, *s.services.ps]]
                  if s is not None and rank == 0 else []) for n, s in syncs.items()}
     for rep in range(repeats + 1):  # round 0 warms up
         for name, ddp in models.items():
@@ -131,10 +132,9 @@ def _cpu_s() -> float:
 
 
 def _roles_cpu_s(controls: List[Any]) -> float:
-    """CPU seconds (user + system) the role processes at ``controls`` have used (asked of each)."""
-    from atp_pipeline.ina.live.rpc import call
-
-    return sum(float(call(c, "cpu", what="role")) for c in controls)
+    """CPU seconds (user + system) the role processes at ``controls`` (their control channels,
+    with the owner token) have used (asked of each)."""
+    return sum(float(c.call("cpu")) for c in controls)
 
 
 def main(argv: Any = None) -> Dict[str, Any]:

@@ -305,10 +305,11 @@ def _live_role_pids() -> List[int]:
     return out
 
 
-def test_two_tenants_share_one_switch(tmp_path):
+def test_two_tenants_share_one_switch(tmp_path, monkeypatch):
     sw = _start_shared_switch()
     try:
         addr = "%s:%d" % sw.switch.control
+        monkeypatch.setenv("ATP_AUTHKEY", sw.switch.secret)  # the tenants hold the switch's secret
         with pytest.raises(ConfigError, match=rf"aggregation.payload_k=2048 but the switch at {addr} aggregates 62 "
                                               r"values a packet: set aggregation.payload_k=62"):
             Services.start(AggregationConfig(mode=AggregationMode.atp, switch=addr, payload_k=2048))
@@ -353,6 +354,7 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path):
     try:
         addr = "%s:%d" % sw.switch.control
         env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+        env["ATP_AUTHKEY"] = sw.switch.secret  # the tenant holds the switch's secret
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FAST, "trainer.max_steps=100000",
                                  "aggregation=atp", f"aggregation.switch={addr}", "aggregation.stall_timeout_s=5",
                                  "trainer.collective_timeout_s=15",

@@ -3,7 +3,11 @@
 =====================  ========================================================================
 module                 what it holds
 =====================  ========================================================================
-:mod:`.rpc`            the roles' control channel (job setup/teardown §5.1, stats, shutdown)
+:mod:`.rpc`            the roles' control channel (job setup/teardown §5.1, stats, shutdown):
+                       its messages, their schema and access rules, server and client
+:mod:`.wire`           the control channel's framing: length-prefixed JSON objects, size-capped
+:mod:`.auth`           the control channel's secret (per run, or a 0600 file) and HMAC handshake
+:mod:`.tenancy`        which job belongs to which tenant (token) of a shared role; the owner token
 :mod:`.role`           what every role process has: UDP socket, control server, data-plane loop
 :mod:`.nodes`          the switch emulator and parameter-server processes (UDP data plane)
 :mod:`.bmv2_node`      the switch role on BMv2: the compiled P4 program as its data plane

@@ -53,7 +53,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from omegaconf import OmegaConf
 
@@ -254,7 +254,7 @@ class BMv2SwitchNode(Role):
         one-rack job whose ``up`` is the second-level switch; the packets' ``edge`` bit does the
         rest, in the program as in ``ina.switch.process``."""
         if job is None:
-            job = next(j for j in range(1, 1 << 16) if j not in self.routes and j + 1 < 1 << 16)
+            job = self.new_job_id(self.routes, (1 << 16) - 1)
         elif job in self.routes:
             raise ValueError(f"job {job} is already installed on this switch")
         known = set(self.hosts.values())
@@ -351,30 +351,33 @@ class BMv2SwitchNode(Role):
             return {}
         return parse_counter(self._cli([f"counter_read {cp.INGRESS}.{name} {i}" for i in indices]))
 
-    def op_stats(self) -> Dict[str, Any]:
-        """The program's counters and registers, read through ``simple_switch_CLI``."""
-        held = self._held()
+    def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:
+        """The program's counters and registers, read through ``simple_switch_CLI``;
+        ``allocated``, ``live``, ``installed`` and ``jobs`` only over ``jobs`` (None: every job)."""
+        seen = (lambda j: True) if jobs is None else jobs.__contains__
+        held = [h for h in self._held() if seen(h[1])]
         wms = self._watermarks({(j, s) for _, j, _, s in held})
         live = sum(1 for _, j, seq, s in held if seq >= wms.get((j, s), 0))
         per_job: Dict[int, int] = {}
         for _, j, _, _ in held:
             per_job[j] = per_job.get(j, 0) + 1
         stats = self._counter("stats", list(range(len(STATS))))
-        jobs = sorted(set(self.routes) | set(self.job_packets) | set(self.removed) | set(per_job))
-        allocs, complete, params = (self._counter(c, jobs) for c in ("job_allocs", "job_complete", "job_params"))
+        ids = sorted(j for j in set(self.routes) | set(self.job_packets) | set(self.removed) | set(per_job) if seen(j))
+        allocs, complete, params = (self._counter(c, ids) for c in ("job_allocs", "job_complete", "job_params"))
         return {"allocated": len(held), "live": live, "aggregators": self.n,
                 "switch": {name: stats.get(i, 0) for i, name in enumerate(STATS)},
                 "injected_loss": self.injected_loss, "injected_dup": self.injected_dup, "unroutable": self.unroutable,
-                "send_errors": self.send_errors, "installed": sorted(self.routes), "ecn_marked": self.ecn_marked,
+                "send_errors": self.send_errors, "installed": sorted(j for j in self.routes if seen(j)),
+                "ecn_marked": self.ecn_marked,
                 "ecn_out": self.ecn_out,
                 "socket_drops": meminfo(self.sock)[1], "delivered": self.delivered,
                 "stale_cleared_at_teardown": self.stale_cleared,
                 "bmv2": {"pid": self.ss.pid, "netns_inode": self.ss.inode, "json": str(self.json_path)},
-                "jobs": {j: {"allocs": allocs.get(j, 0), "held": per_job.get(j, 0),
-                             "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
-                             "complete": complete.get(j, 0), "params": params.get(j, 0),
-                             "level": self.levels.get(j, 1)} for j in jobs},
-                "clone_sessions": dict(self.sessions)}
+                "jobs": {str(j): {"allocs": allocs.get(j, 0), "held": per_job.get(j, 0),
+                                  "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
+                                  "complete": complete.get(j, 0), "params": params.get(j, 0),
+                                  "level": self.levels.get(j, 1)} for j in ids},
+                "clone_sessions": {str(k): v for k, v in self.sessions.items()}}
 
 
 def program_aggregators(json_path: Path) -> int:

@@ -54,7 +54,7 @@ from atp_pipeline.ina.live.frames import (
     spin_drain,
     wait_readable,
 )
-from atp_pipeline.ina.live.rpc import Addr, AggregationError, call
+from atp_pipeline.ina.live.rpc import Addr, AggregationError, Peer
 from atp_pipeline.ina.live.shm import lanes_of, release
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.ina.quant import safe_scales
@@ -104,7 +104,7 @@ class Engine:
     """Worker ``worker_id`` of ATP job ``job`` (``n_workers`` workers, ``n_ps`` PS shards)."""
 
     def __init__(self, fmt: PacketFormat, job: int, worker_id: int, n_workers: int, sock: socket.socket,
-                 switch: Addr, switch_control: Addr, ps_controls: Sequence[Addr], n_ps: int = 1,
+                 switch: Addr, switch_control: Peer, ps_controls: Sequence[Peer], n_ps: int = 1,
                  ranks: Optional[Sequence[int]] = None, cfg: Optional[EngineConfig] = None, racks: int = 1) -> None:
         if fmt.atp_bytes > MAX_DATAGRAM:
             raise AggregationError(f"{fmt.payload_k} values per packet make {fmt.atp_bytes}-byte datagrams; "
@@ -112,7 +112,8 @@ class Engine:
         self.fmt, self.job, self.wid, self.n_workers = fmt, job, worker_id, n_workers
         self.cfg = cfg or EngineConfig()
         self.sock, self.switch = sock, tuple(switch)
-        self.switch_control, self.ps_controls = tuple(switch_control), [tuple(a) for a in ps_controls]
+        # the control channels of its (rack) switch and the PS shards, with the job's tenant token
+        self.switch_control, self.ps_controls = switch_control, list(ps_controls)
         self.ranks = list(ranks) if ranks is not None else list(range(n_workers))
         self.racks, self.per_rack, self.n_ps = racks, n_workers // racks, n_ps
         self.worker = self._new_worker()
@@ -357,15 +358,14 @@ class Engine:
         full = (1 << self.n_workers) - 1
         seen, notes = 0, []
         try:  # this worker's (rack) switch: its level-0 bitmap names workers of this rack
-            bm = call(self.switch_control, "aggregator", timeout=3.0, what="switch", job=self.job, seq=seq)
+            bm = self.switch_control.call("aggregator", timeout=3.0, job=self.job, seq=seq)
             seen |= (bm or 0) << (self.wid // self.per_rack * self.per_rack)
         except AggregationError as e:
             notes.append(str(e))
         shard = seq % len(self.ps_controls)
         head = f"ATP gradient sync of job {self.job} made no progress for {waited:.0f} s at sequence {seq}"
         try:
-            ps = call(self.ps_controls[shard], "missing", timeout=3.0, what="parameter server",
-                      job=self.job, seq=seq)
+            ps = self.ps_controls[shard].call("missing", timeout=3.0, job=self.job, seq=seq)
             if not ps["installed"]:  # torn down: another rank of the run failed first (close(ok=False))
                 return AggregationError(f"{head}: the job was torn down meanwhile — another rank of this run "
                                         f"failed first (its error names the cause)")

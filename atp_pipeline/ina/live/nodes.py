@@ -35,7 +35,12 @@ Run standalone (e.g. one switch shared by several training runs)::
     python -m atp_pipeline.ina.live.nodes switch --aggregators 4096 --payload-k 1024 --control-port 47000
     python -m atp_pipeline.ina.live.nodes switch --impl bmv2 --aggregators 4096 --p4 p4/v1model/atp.p4
 
-It prints one JSON line with its addresses and serves until ``shutdown`` or a signal.
+It prints one JSON line — its addresses and its owner token (:mod:`.tenancy`) — and serves until
+``shutdown`` or a signal. Its control channel (:mod:`.rpc`) needs a secret (:mod:`.auth`):
+``--secret-file PATH`` or ``ATP_AUTHKEY``; without either a role on a loopback address generates
+one and writes it to a file of mode 0600 (its path is the line's ``secret_file``), where this
+user's clients — ``train.py aggregation.switch=HOST:PORT`` — find it; on any other address
+it exits 2 with one line.
 ``--impl bmv2`` runs BMv2 with the compiled v1model program as the data plane instead of the
 emulator (:mod:`.bmv2_node`; root and the P4 toolchain needed); on ``shutdown``, SIGTERM,
 SIGINT or SIGHUP it stops the switch, whose namespace and veth pairs then go away.
@@ -52,11 +57,13 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from atp_pipeline.ina.job import JobLayout
+from atp_pipeline.ina.live import auth
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget, sum_threads
 from atp_pipeline.ina.live.role import Role, meminfo
 from atp_pipeline.ina.live.rpc import Addr
@@ -147,7 +154,7 @@ class SwitchNode(Role):
     def op_add_job(self, up: List[List[Any]], down: List[List[Any]], job: Optional[int] = None) -> int:
         """Install a job: its routes and its table entry; ``job=None`` picks a free id."""
         if job is None:
-            job = next(j for j in range(1, 1 << 16) if j not in self.state.jobs and j not in self.routes)
+            job = self.new_job_id(self.state.jobs | set(self.routes))
         elif job in self.routes:
             raise ValueError(f"job {job} is already installed on this switch")
         self.routes[job] = ([tuple(a) for a in up], [tuple(a) for a in down])  # type: ignore[misc]
@@ -169,22 +176,26 @@ class SwitchNode(Role):
         i = agg_slot(agg_hash(job, seq), st.n)
         return st.bitmap[i] if st.key[i] == (job << 32 | seq) else None
 
-    def op_stats(self) -> Dict[str, Any]:
+    def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:
+        """The switch's counters; ``allocated``, ``live``, ``installed`` and ``jobs`` only over
+        ``jobs`` (None: every job), the others the switch's as a whole."""
         st = self.state
+        seen = (lambda j: True) if jobs is None else jobs.__contains__
         held: Dict[int, int] = {}
         for k in st.key:
             if k >= 0:
                 held[k >> 32] = held.get(k >> 32, 0) + 1
-        jobs = sorted(set(st.job_allocs) | set(self.routes) | set(self.job_packets))
-        return {"allocated": allocated(st), "live": len(live_aggregators(st)), "aggregators": st.n,
+        ids = sorted(j for j in set(st.job_allocs) | set(self.routes) | set(self.job_packets) if seen(j))
+        return {"allocated": allocated(st) if jobs is None else sum(v for j, v in held.items() if seen(j)),
+                "live": sum(1 for _, j, _ in live_aggregators(st) if seen(j)), "aggregators": st.n,
                 "switch": st.stats.as_dict(), "injected_loss": self.injected_loss,
                 "injected_dup": self.injected_dup, "unroutable": self.unroutable,
-                "send_errors": self.send_errors, "installed": sorted(self.routes),
+                "send_errors": self.send_errors, "installed": sorted(j for j in self.routes if seen(j)),
                 "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1],
-                "jobs": {j: {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
-                             "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
-                             "complete": st.job_complete.get(j, 0)}
-                         for j in jobs}}
+                "jobs": {str(j): {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
+                                  "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
+                                  "complete": st.job_complete.get(j, 0)}
+                         for j in ids}}
 
 
 #: how long the SwitchML switch role waits, from its first drained datagram, for the other workers of a
@@ -321,7 +332,7 @@ class SMLSwitchNode(Role):
         ``shm`` (the shared-memory transport): the workers' lane segments, worker-id order — the
         partition's registers then live in a segment of this switch's (:meth:`op_shm`)."""
         if job is None:
-            job = next(j for j in range(1, 1 << 16) if j not in self.routes)
+            job = self.new_job_id(self.routes)
         elif job in self.routes:
             raise ValueError(f"job {job} is already installed on this switch")
         if not 1 <= pool <= 1 << 16 or not 1 <= len(down) <= 255:
@@ -374,17 +385,21 @@ class SMLSwitchNode(Role):
     def op_aggregator(self, job: int, seq: int) -> Optional[int]:
         return None
 
-    def op_stats(self) -> Dict[str, Any]:
-        jobs = sorted(set(self.sml.jobs) | set(self.finished))
-        return {"allocated": sum(2 * js.pool for js in self.sml.jobs.values()), "installed": sorted(self.routes),
+    def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:
+        """The switch's counters; ``allocated``, ``installed`` and ``jobs`` only over ``jobs``
+        (None: every job)."""
+        seen = (lambda j: True) if jobs is None else jobs.__contains__
+        ids = sorted(j for j in set(self.sml.jobs) | set(self.finished) if seen(j))
+        return {"allocated": sum(2 * js.pool for j, js in self.sml.jobs.items() if seen(j)),
+                "installed": sorted(j for j in self.routes if seen(j)),
                 "injected_loss": self.injected_loss, "injected_dup": 0, "unknown": self.sml.unknown,
                 "malformed": self.malformed, "send_errors": self.send_errors, "socket_drops": meminfo(self.sock)[1],
-                "ecn_marked": 0, "jobs": {j: {**(dict(self.sml.jobs[j].stats) if j in self.sml.jobs else
-                                                 self.finished[j]), "packets": self.job_packets.get(j, 0),
-                                              "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else
-                                              self.removed.get(j, 0) * 2,
-                                              "held": 0, "slots_freed_at_teardown": self.removed.get(j, 0)}
-                                          for j in jobs}}
+                "ecn_marked": 0, "jobs": {str(j): {**(dict(self.sml.jobs[j].stats) if j in self.sml.jobs else
+                                                      self.finished[j]), "packets": self.job_packets.get(j, 0),
+                                                   "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else
+                                                   self.removed.get(j, 0) * 2,
+                                                   "held": 0, "slots_freed_at_teardown": self.removed.get(j, 0)}
+                                          for j in ids}}
 
 
 class PSNode(Role):
@@ -407,9 +422,10 @@ class PSNode(Role):
             workers, down = route
             self.outbox.put(self.fmt.encode(p), workers[p.dst] if p.dst >= 0 else down)
 
-    def op_add_job(self, job: int, workers: List[List[Any]], down: List[Any], n_ps: int = 1, racks: int = 1) -> int:
-        """Register a job: ``racks > 1`` is two-level aggregation (§4.1) over racks of
-        consecutive workers, whose bitmaps the PS turns back into worker sets."""
+    def op_add_job(self, job: int, workers: List[List[Any]], switch: List[Any], n_ps: int = 1, racks: int = 1) -> int:
+        """Register a job: its workers' addresses (worker-id order) and ``switch``, where its
+        parameter packets go (the switch's data address); ``racks > 1`` is two-level aggregation
+        (§4.1) over racks of consecutive workers, whose bitmaps the PS turns back into worker sets."""
         if job in self.ps.jobs:
             raise ValueError(f"job {job} is already registered at this parameter server")
         w = len(workers)
@@ -420,7 +436,7 @@ class PSNode(Role):
                            two_level=racks > 1, n_ps=n_ps, worker_hosts=list(range(w)), mcast_addr=-1,
                            bitmap_bits=self.fmt.bitmap_bits)
         self.ps.add_job(layout, retain=self.retain)
-        self.routes[job] = ([tuple(a) for a in workers], tuple(down))  # type: ignore[misc]
+        self.routes[job] = ([tuple(a) for a in workers], tuple(switch))  # type: ignore[misc]
         return job
 
     def op_remove_job(self, job: int) -> bool:
@@ -436,10 +452,12 @@ class PSNode(Role):
             return {"installed": False, "missing": None}
         return {"installed": True, "missing": self.ps.missing(job, seq)}
 
-    def op_stats(self) -> Dict[str, Any]:
+    def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:
+        """The shard's counters; ``jobs`` only over ``jobs`` (None: every job, also those torn down)."""
+        seen = (lambda j: True) if jobs is None else jobs.__contains__
+        per = {**self.finished, **{j: self.ps.job_stats(j) for j in self.ps.jobs}}
         return {"ps": self.ps.stats.as_dict(), "send_errors": self.send_errors,
-                "socket_drops": meminfo(self.sock)[1],
-                "jobs": {**self.finished, **{j: self.ps.job_stats(j) for j in self.ps.jobs}}}
+                "socket_drops": meminfo(self.sock)[1], "jobs": {str(j): v for j, v in per.items() if seen(j)}}
 
 
 def _die_with_parent() -> None:
@@ -461,7 +479,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--duplicate", type=float, default=0.0, help="switch: injected duplication probability")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard", type=int, default=0, help="ps: shard index (seq mod n_ps)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address of the data and control sockets; any but a "
+                                                          "loopback address needs --secret-file or " + auth.ENV)
+    ap.add_argument("--secret-file", help="the control channel's secret (a file of mode 600); default "
+                                          f"{auth.ENV}, else (loopback only) a new one written to a file of mode 600")
     ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
     ap.add_argument("--control-port", type=int, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
@@ -475,16 +496,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", help="switch --impl bmv2: an already compiled BMv2 JSON (with --aggregators "
                                    "registers); default: compile --p4 (cached)")
     a = ap.parse_args(argv)
+    try:
+        secret = auth.role_secret(a.host, a.secret_file)
+    except auth.SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parent = os.getppid() if a.die_with_parent else None
     if a.die_with_parent:
         _die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
     node: Optional[Role] = None
+    key_file: Optional[Path] = None
+    generated = secret is None
+    secret = secret or auth.new_secret()
     try:
         try:
             fmt = PacketFormat(a.payload_k, a.bitmap_bits, views=a.impl == "python")  # BMv2 node: no payloads
-            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent)
+            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent, secret=secret)
             if a.role == "ps":
                 node = PSNode(fmt, shard=a.shard, **common)
             elif a.protocol == "switchml":
@@ -497,20 +526,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                 node = _bmv2_node(a, fmt, common)
             else:
                 node = SwitchNode(fmt, a.aggregators, a.loss, a.duplicate, a.seed, **common)
+            line = node.start_line()
+            if generated:  # (loopback only: auth.role_secret) where this user's clients find it
+                key_file = auth.write_key_file(node.control.address, secret)
+                line["secret_file"] = str(key_file)
         except (ValueError, OSError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(node.info()), flush=True)
+        print(json.dumps(line), flush=True)
         node.serve()
     finally:
         if node is not None:
             node.close()
+        if key_file is not None:
+            auth.remove_key_file(key_file, secret)
     return 0
 
 
 def _bmv2_node(a: argparse.Namespace, fmt: PacketFormat, common: Dict[str, Any]) -> Role:
-    from pathlib import Path
-
     from atp_pipeline.ina.live.bmv2_node import BMv2SwitchNode
     from atp_pipeline.ina.p4.toolchain import cached_v1model_json, n_agg_defines
 

@@ -1,7 +1,8 @@
 """What every live role process has (:mod:`.nodes`, :mod:`.bmv2_node`): one UDP socket for ATP
 packets (the ATP header and payload as the UDP payload, §5.2), a control server (:mod:`.rpc`:
-job setup and teardown §5.1, statistics, shutdown), a data-plane loop that hands every
-datagram to the role, and a watch on the process that started it.
+job setup and teardown §5.1, statistics, shutdown; authenticated with the role's secret,
+:mod:`.auth`) whose operations it grants per tenant (:mod:`.tenancy`), a data-plane loop that
+hands every datagram to the role, and a watch on the process that started it.
 
 A datagram may hold several packets (:mod:`.frames`): the loop drains what is queued, cuts
 each datagram into packets for :meth:`Role.handle`, then sends what the role queued in its
@@ -12,13 +13,15 @@ from __future__ import annotations
 import os
 import random
 import resource
+import secrets
 import socket
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from atp_pipeline.ina.live.frames import Outbox, drain, keep_freed_memory, poller_for, spin_drain, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
+from atp_pipeline.ina.live.tenancy import Tenants
 from atp_pipeline.ina.packet import PacketFormat
 
 SOCKET_BUFFER = 8 << 20  # requested SO_RCVBUF/SO_SNDBUF; the kernel caps it at rmem_max
@@ -55,7 +58,9 @@ class Role:
     role = "role"
 
     def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
-                 parent_pid: Optional[int] = None) -> None:
+                 parent_pid: Optional[int] = None, secret: Optional[str] = None) -> None:
+        """``secret``: the control channel's (:mod:`.auth`); ``None``: a random one nobody else
+        knows (a role built in-process, driven through its ``op_*`` methods)."""
         self.fmt = fmt
         keep_freed_memory()  # a role process allocates and frees datagram-sized buffers all the time
         self.sock = udp_socket(host, port)
@@ -64,14 +69,28 @@ class Role:
         self.stop_event = threading.Event()
         self.parent_pid = parent_pid
         self.malformed = 0
-        self.control = ControlServer(self._control, host, control_port)
+        self.tenants = Tenants()
+        self.control = ControlServer(self._control, secret or secrets.token_hex(32), host, control_port)
         self.outbox = Outbox(self.send)
 
     def info(self) -> Dict[str, Any]:
+        """What any authenticated client may read (the ``info`` operation)."""
         return {"role": self.role, "data": list(self.data_addr), "control": list(self.control.address),
                 "pid": os.getpid(), "payload_k": self.fmt.payload_k}
 
-    def _control(self, op: str, kw: Dict[str, Any]) -> Any:
+    def start_line(self) -> Dict[str, Any]:
+        """The line the role prints when it is ready: :meth:`info` and its owner token (only the
+        process that started the role reads it)."""
+        return {**self.info(), "owner": self.tenants.owner}
+
+    def new_job_id(self, installed: Any, limit: int = 1 << 16) -> int:
+        """A job id for ``add_job(job=None)``: never used on this role, not in ``installed``."""
+        return self.tenants.new_id(lambda j: j in installed, limit)
+
+    def _control(self, op: str, args: Dict[str, Any], token: Optional[str]) -> Any:
+        """One control request (op and args already checked against :mod:`.rpc`'s schema),
+        granted per :meth:`Tenants.authorize`."""
+        visible = self.tenants.authorize(op, args, token)
         if op == "info":
             return self.info()
         if op == "shutdown":
@@ -80,11 +99,23 @@ class Role:
         if op == "cpu":  # CPU seconds this role process has used (benchmarks.live_sync's accounting)
             r = resource.getrusage(resource.RUSAGE_SELF)
             return r.ru_utime + r.ru_stime
-        fn = getattr(self, f"op_{op}", None)
-        if fn is None:
-            raise ValueError(f"unknown control operation {op!r}")
         with self.lock:
-            return fn(**kw)
+            if op == "stats":
+                if args:
+                    raise ValueError("stats takes no arguments")
+                return {**self.op_stats(visible), "control": self.control.counters()}
+            fn = getattr(self, f"op_{op}", None)
+            if fn is None:
+                raise ValueError(f"this {self.role} has no {op!r} operation")
+            value = fn(**args)
+            if op == "add_job":
+                assert token is not None  # (authorize: setup needs one)
+                self.tenants.bind(int(value), token)
+            return value
+
+    def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:  # pragma: no cover - abstract
+        """The role's counters; per-job entries (keyed by the decimal job id) only of ``jobs`` (None: all)."""
+        raise NotImplementedError
 
     def serve(self) -> None:
         sock = self.sock

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
 from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.role import udp_socket
-from atp_pipeline.ina.live.rpc import AggregationError, call
+from atp_pipeline.ina.live.rpc import AggregationError
 from atp_pipeline.ina.live.services import Services, add_job, remove_job
 from atp_pipeline.ina.live.shm import attach, create_lanes, release
 from atp_pipeline.ina.packet import PacketFormat
@@ -90,7 +90,7 @@ class ATPSync:
             try:
                 job = add_job(services, addrs, pool=cfg.pool if sml else 0,
                               shm=[m[2] for m in members] if shm else None)
-                jbox = [job, call(services.switch.control, "shm", what="switch", job=job) if shm else None]
+                jbox = [job, services.peer(services.switch).call("shm", job=job) if shm else None]
             except AggregationError as e:
                 jbox = [f"error: {e}", None]
         dist.broadcast_object_list(jbox, src=ranks[0], group=group)
@@ -110,8 +110,8 @@ class ATPSync:
                             worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6, mtu=max(1500, fmt.wire_bytes)),
                             pool=cfg.pool, shm=(lanes[0], attach(jbox[1])) if lanes else None)
         engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
-                        entry.control, [e.control for e in services.ps], n_ps=len(services.ps),
-                        ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
+                      services.peer(entry), [services.peer(e) for e in services.ps], n_ps=len(services.ps),
+                      ranks=ranks, cfg=ecfg, racks=max(len(services.racks), 1))
         return cls(engine, services, group, owns, sorted(set(jobs)))
 
     # ------------------------------------------------------------------ use
@@ -141,7 +141,7 @@ class ATPSync:
         if with_roles:
             tot = {"packets": 0, "completed": 0, "in_switch": 0}
             for ep in self.services.ps:
-                for job, js in call(ep.control, "stats", what="parameter server")["jobs"].items():
+                for job, js in self.services.peer(ep).call("stats")["jobs"].items():
                     if int(job) not in self.jobs:
                         continue
                     prev = self._last_ps.get((ep.pid, int(job)), {})  # type: ignore[call-overload]
@@ -164,7 +164,7 @@ class ATPSync:
     def _level_done(self) -> Dict[str, int]:
         """Sequences of this run's jobs completed at the rack switches and at the second level."""
         def done(ep: Any) -> int:
-            return sum(j.get("complete", 0) for k, j in call(ep.control, "stats", what="switch")["jobs"].items()
+            return sum(j.get("complete", 0) for k, j in self.services.peer(ep).call("stats")["jobs"].items()
                        if int(k) in self.jobs)
 
         return {"level1": sum(done(e) for e in self.services.racks), "level2": done(self.services.switch)}
