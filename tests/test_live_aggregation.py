@@ -573,7 +573,8 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path):
 def test_killed_bmv2_switch_role_leaves_only_files_the_next_one_sweeps(tmp_path):
     """SIGKILL to the switch role itself (no cleanup code runs): ``simple_switch`` dies with it,
     the kernel frees the namespace; the next BMv2 switch role removes the dead one's files."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path),
+           "XDG_RUNTIME_DIR": str(tmp_path)}  # (the control secret it generates: killed, it cannot remove it)
     argv = [sys.executable, "-m", "atp_pipeline.ina.live.nodes", "switch", "--impl", "bmv2", "--aggregators", "4096",
             "--p4", str(ROOT / "p4" / "v1model" / "atp.p4")]
     node = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
