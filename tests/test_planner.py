@@ -309,3 +309,18 @@ def test_a_plan_says_what_its_communication_estimate_omits():
     assert not any("omits" in n for n in make_plan(_ic6(4), m, MeshConfig(), PlannerConfig()).notes)
     plan = make_plan(_ic6(4), replace(m, unmodelled="per-head output gates"), MeshConfig(), PlannerConfig())
     assert any("omits its per-head output gates" in n for n in plan.notes), plan.notes
+
+
+# ---------------------------------------------------------------- per-replica pricing (issue 63)
+@pytest.mark.parametrize("dp", [1, 2, 8, 32])
+def test_tp_comm_is_priced_on_the_replica_batch(compose_cfg, dp):
+    """The global batch is kept (per replica: batch / dp): a replica's tensor-parallel
+    communication at dp replicas is the one replica's of the same local batch at dp=1."""
+    def t_comm(*overrides):
+        return plan_from_config(compose_cfg("topology=ic5", "model=llama3_8b", "model.seq_len=2048", "mesh=4x2",
+                                            *overrides)).predicted_comm_s
+
+    one = t_comm("mesh.dp=1", "model.batch_size=1", "trainer.devices=8")
+    many = t_comm(f"mesh.dp={dp}", f"model.batch_size={dp}")
+    assert one == pytest.approx(3.281e-3, rel=1e-3)
+    assert many == pytest.approx(one, rel=0.01)

@@ -79,15 +79,22 @@ def step_estimate(topo: Topology, model: ModelShape, mesh: Mesh, setting: StepSe
     return estimate_step(topo, model, mesh, setting, profile, gradsync_s=sync)
 
 
+def replica_batch(model: ModelShape, dp: int) -> float:
+    """The batch one of ``dp`` data-parallel replicas runs (the global ``model.batch_size`` over
+    ``dp``): what a replica's tensor-parallel communication is priced on."""
+    return model.batch_size // dp if model.batch_size % dp == 0 else model.batch_size / dp
+
+
 def evaluate(topo: Topology, model: ModelShape, mesh: Mesh,
              cost_model: CostModel = CostModel.eq2, setting: Optional[StepSetting] = None,
              profile: Optional[ComputeProfile] = None) -> Candidate:
-    """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh, and its predicted
-    step (:mod:`.steptime`) when a compute ``profile`` is given."""
+    """Bandwidths (Eq. 3-4) and communication time (Eq. 2) of one mesh, for the batch of one of
+    ``setting.dp`` replicas (:func:`replica_batch`), and its predicted step (:mod:`.steptime`)
+    when a compute ``profile`` is given."""
     dim1 = dimension_bandwidth(topo, mesh, 1)
     dim2 = dimension_bandwidth(topo, mesh, 2)
     terms = comm_terms(cost_model, model, mesh)
-    t, costs = step_comm_time(terms, model.layers, model.batch_size, model.seq_len,
+    t, costs = step_comm_time(terms, model.layers, replica_batch(model, (setting or StepSetting()).dp), model.seq_len,
                               model.bytes_per_element, sizes={1: mesh[0], 2: mesh[1]},
                               B={1: dim1.B_GBps, 2: dim2.B_GBps},
                               B_prime={1: dim1.B_prime_GBps, 2: dim2.B_prime_GBps})
