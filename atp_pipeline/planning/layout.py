@@ -155,6 +155,14 @@ def sync_seconds(world: Topology, model: ModelShape, mesh: Mesh, dp: int, fsdp: 
     return estimate(world, [dp_bucket(params, dp, tp)], model.bytes_per_element, configured=mode).mode(mode).seconds
 
 
+def _sync(memo: Dict[Tuple[Any, ...], float], world: Topology, model: ModelShape, mesh: Mesh, dp: int, fsdp: bool,
+          mode: str) -> float:
+    key = (mesh, dp, fsdp, mode)
+    if key not in memo:
+        memo[key] = sync_seconds(world, model, mesh, dp, fsdp, mode)
+    return memo[key]
+
+
 def with_sync(est: StepEstimate, sync: float, model: ModelShape, devices: int,
               profile: ComputeProfile) -> StepEstimate:
     """``est`` (a replica's step without data-parallel traffic) with ``sync`` seconds added."""
@@ -236,8 +244,10 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
         objective_all = objective if objective_all is None else objective_all
         base: Dict[Mesh, Candidate] = {}  # bandwidths and T_comm, per mesh (the replica's batch)
         steps: Dict[Tuple[Mesh, int], Optional[StepEstimate]] = {}
-        for m in meshes:
-            base[m] = evaluate(replica, model, m, cost_model, StepSetting(dp=dp))
+        syncs: Dict[Tuple[Any, ...], float] = {}
+        for m in meshes:  # a mesh that cannot split the heads is costed only if its setting is chosen
+            base[m] = (_placeholder(m) if planner.require_divisible and layout_infeasibility(model, *m) else
+                       evaluate(replica, model, m, cost_model, StepSetting(dp=dp)))
         for c, f, a in settings:
             key = (dp, c, f, a)
             chunk_why = None if local % c == 0 else f"local batch {local} (global {model.batch_size} / dp={dp}) " \
@@ -255,16 +265,16 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
                 if profile is not None and not structural and not chunk_why:
                     if (m, c) not in steps:
                         steps[(m, c)] = estimate_step(replica, model, m, StepSetting(chunks=c, dp=dp), profile)
-                    sync = sync_seconds(world, model, m, dp, f, a)
+                    sync = _sync(syncs, world, model, m, dp, f, a)
                     st = with_sync(steps[(m, c)], sync, model, n, profile)
                 elif not structural and not chunk_why:
-                    sync = sync_seconds(world, model, m, dp, f, a)
+                    sync = _sync(syncs, world, model, m, dp, f, a)
                 cands.append(replace(b, infeasible=structural or why_mem, step=st))
                 why = structural or chunk_why or limit or why_mem
                 lost = ("divisibility" if structural or chunk_why else "limit" if limit else
                         "memory" if why_mem else "")
-                layouts.append(LayoutCandidate(Layout(dp, m, f, c, a), st, b.t_comm_s, sync, mem.total_bytes,
-                                               why, lost))
+                layouts.append(LayoutCandidate(Layout(dp, m, f, c, a), st, None if b.dim1 is None else b.t_comm_s,
+                                               sync, mem.total_bytes, why, lost))
             if chunk_why or limit:
                 per_setting[key] = (replica, tuple(cands), None, chunk_why or limit, [], profile, objective)
                 continue
@@ -308,6 +318,8 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
         raise ConfigError(no_layout(world, model, ranked, space, capacity))
     _, (dp, c, f, a), selected = best
     replica, cands, _, _, notes, profile, obj = per_setting[(dp, c, f, a)]
+    cands = tuple(replace(evaluate(replica, model, x.mesh, cost_model, StepSetting(dp=dp)), infeasible=x.infeasible,
+                          step=x.step) if x.dim1 is None else x for x in cands)
     notes = plan_notes(replica, model) + notes
     strategy = space.strategy
     plan = MeshPlan(topology=replica, model=model, strategy=strategy, cost_model=cost_model, candidates=cands,
@@ -315,6 +327,11 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
                     setting=StepSetting(chunks=c, dp=dp, aggregation=a, world=world, fsdp=f), profile=profile,
                     layouts=tuple(ranked), world=world, fixed=tuple(space.fixed()))
     return replace(plan, planning_s=time.perf_counter() - t0)
+
+
+def _placeholder(mesh: Mesh) -> Candidate:
+    """A mesh not costed (yet): it cannot split the heads, so it is never selected."""
+    return Candidate(mesh=mesh, dim1=None, dim2=None, t_comm_s=math.nan, terms=())  # type: ignore[arg-type]
 
 
 def _uncalibrated(world: Topology, planner: Any, x: LayoutCandidate) -> bool:
