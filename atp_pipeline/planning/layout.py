@@ -320,11 +320,16 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
     replica, cands, _, _, notes, profile, obj = per_setting[(dp, c, f, a)]
     cands = tuple(replace(evaluate(replica, model, x.mesh, cost_model, StepSetting(dp=dp)), infeasible=x.infeasible,
                           step=x.step) if x.dim1 is None else x for x in cands)
+    chosen_setting = StepSetting(chunks=c, dp=dp, aggregation=a, world=world, fsdp=f)
+    if space.strategy != MeshStrategy.auto:  # a fixed or Megatron mesh: its table lists every mesh beside it
+        given = {x.mesh: x for x in cands}
+        cands = tuple(given.get(m) or evaluate(replica, model, m, cost_model, chosen_setting, profile)
+                      for m in candidate_meshes(replica.world_size))
     notes = plan_notes(replica, model) + notes
     strategy = space.strategy
     plan = MeshPlan(topology=replica, model=model, strategy=strategy, cost_model=cost_model, candidates=cands,
                     selected=selected, notes=tuple(notes), objective=obj,
-                    setting=StepSetting(chunks=c, dp=dp, aggregation=a, world=world, fsdp=f), profile=profile,
+                    setting=chosen_setting, profile=profile,
                     layouts=tuple(ranked), world=world, fixed=tuple(space.fixed()))
     return replace(plan, planning_s=time.perf_counter() - t0)
 
