@@ -32,6 +32,16 @@ BAD_INPUT = [
     (["+USERCONF", "topology=skewed"], "error: topology 'skewed': level 'gpu' (levels[0]): p2p_GBps is a "
                                        "3x3 matrix but count is 4 (need 4x4)"),
     (["topology=ic1", "mesh=3x3"], "error: mesh 3x3 needs 9 devices but topology 'ic1' has 8"),
+    # fixed fields of the whole layout that contradict each other (or the devices, or the batch)
+    (["stage=plan", "topology=ic3", "mesh=2x2", "mesh.dp=4", "trainer.devices=8"],
+     "error: mesh 2x2 with mesh.dp=4 needs 16 devices, not 8"),
+    (["mesh.fsdp=true", "mesh.dp=1"], "error: mesh.fsdp=true shards over data-parallel replicas, but mesh.dp=1"),
+    (["stage=plan", "model.batch_size=3", "mesh.dp=2"],
+     "error: no layout of the 4 devices of 'local' with mesh.dp=2 can run model 'tiny': global batch 3 does not "
+     "split over dp=2"),
+    (["stage=plan", "topology=ic4", "model=llama3_8b", "topology.device.memory_GB=16"],
+     "error: no layout of the 16 devices of 'ic4' can run model 'llama3_8b': every runnable one needs more memory "
+     "than the 16 GB per device; the smallest device memory that fits is 31.8 GB (dp1 x 1x16"),
     # a count <= 0: one line right after composition, before any rank starts
     (["trainer.max_steps=-5"], "error: trainer.max_steps=-5 must be >= 1"),
     (["stage=plan", "model.batch_size=0"], "error: model.batch_size=0 must be >= 1"),
@@ -63,7 +73,9 @@ def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
 
 def test_stage_plan_writes_report(tmp_path):
     run_dir = tmp_path / "run"
-    out = run_train(["stage=plan", "topology=fig7a", "model=m1", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    # the §3.5 worked example: one replica, no chunks (the whole-layout search then picks the mesh alone)
+    out = run_train(["stage=plan", "topology=fig7a", "model=m1", "mesh.dp=1", "overlap=chunk1",
+                     f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "8 x 2" in out.stdout and "selected DeviceMesh(4, 4)" in out.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -80,7 +92,10 @@ def test_plan_stage_of_the_embedded_default(tmp_path):
     out = run_train(["stage=plan", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert (plan["topology"]["name"], plan["model"]["name"], plan["world_size"]) == ("local", "tiny", 4)
+    search = plan["layout_search"]  # the whole layout of the 4 devices; world_size: one replica's
+    assert (search["world"]["name"], plan["model"]["name"], search["devices"]) == ("local", "tiny", 4)
+    assert plan["world_size"] * plan["layout"]["dp"] == 4
+    assert "chosen layout: dp" in out.stdout and "why the other" in out.stdout
 
 
 def test_multirun_leaves_one_summary(tmp_path):

@@ -31,8 +31,8 @@ MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 def test_required_options_exist():
     assert set(TOPOLOGIES) >= {"ic1", "ic2", "ic3", "ic4", "ic5", "ic6", "fig7a", "fig7b", "local"}
     assert set(MODELS) >= {"m1", "m2", "m3", "m4", "tiny", "small"}
-    assert {p.stem for p in (CONF / "overlap").glob("*.yaml")} == {"chunk1", "chunk2", "chunk4"}
-    assert {p.stem for p in (CONF / "aggregation").glob("*.yaml")} == {"ring", "ps", "switchml", "atp"}
+    assert {p.stem for p in (CONF / "overlap").glob("*.yaml")} == {"auto", "chunk1", "chunk2", "chunk4"}
+    assert {p.stem for p in (CONF / "aggregation").glob("*.yaml")} == {"auto", "ring", "ps", "switchml", "atp"}
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -160,7 +160,7 @@ def test_user_topology_outside_repo_is_validated(compose_cfg, tmp_path):
         compose_cfg(f"hydra.searchpath=[file://{tmp_path}]", "topology=typo")
     assert describe_composition(exc.value) == (
         "in topology/typo: unknown key 'p2p_gbps' (LevelConfig keys: name, count, p2p_GBps, "
-        "group_GBps, routing); did you mean 'p2p_GBps'?")
+        "group_GBps, routing, aggregates); did you mean 'p2p_GBps'?")
 
 
 def test_generated_presets_match_their_builders(compose_cfg):

@@ -27,6 +27,10 @@ from atp_pipeline.run.resolve import plan_from_config
 from atp_pipeline.topology.builders import ring_matrix, switched, torus2d
 from atp_pipeline.topology.model import Topology
 
+#: the paper's settings: one data-parallel replica over every device, no chunked overlap (ATP §5):
+#: the whole-layout search then chooses the 2D mesh alone, as §3.5 does
+PAPER = ("mesh.dp=1", "overlap=chunk1")
+
 
 def summary(hidden=2048, heads=16, layers=1, b=4, s=2048, dtype=DType.fp16) -> ModelShape:
     return ModelShape.of(ModelConfig(name="x", hidden=hidden, heads=heads, layers=layers,
@@ -35,7 +39,7 @@ def summary(hidden=2048, heads=16, layers=1, b=4, s=2048, dtype=DType.fp16) -> M
 
 # ---------------------------------------------------------------- §3.5 worked example
 def test_fig7a_mesh_8x2_worked_example(compose_cfg):
-    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1"))
+    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1", *PAPER))
     c = plan.candidate((8, 2))
     assert c.dim1.B_prime_GBps == 12.5
     assert c.dim2.B_prime_GBps == 200.0
@@ -88,7 +92,7 @@ def test_megatron_is_four_allreduces_of_bsh():
 
 # ---------------------------------------------------------------- §5.3 calibrated IC1
 def test_ic1_calibrated_2x4_is_46_percent_below_8x1(compose_cfg):
-    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3"))
+    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3", *PAPER))
     t24 = plan.candidate((2, 4)).t_comm_s
     t81 = plan.candidate((8, 1)).t_comm_s
     assert 1 - t24 / t81 == pytest.approx(0.46, abs=0.01)
@@ -100,7 +104,7 @@ def test_ic1_calibrated_2x4_is_46_percent_below_8x1(compose_cfg):
 
 
 def test_select_uncalibrated_lets_the_matrix_estimate_compete(compose_cfg):
-    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3", "planner.select_uncalibrated=true"))
+    plan = plan_from_config(compose_cfg("topology=ic1", "model=m3", "planner.select_uncalibrated=true", *PAPER))
     best = min(plan.candidates, key=lambda c: c.t_comm_s)
     assert plan.selected == best.mesh
 
@@ -145,7 +149,7 @@ def test_ic5_ic6_tcomm_over_delta_is_the_closed_form(build):
 
 @pytest.mark.parametrize("name", ["ic5", "ic6"])
 def test_ic5_ic6_presets_satisfy_the_closed_form(compose_cfg, name):
-    plan = plan_from_config(compose_cfg(f"topology={name}", "model=m4", "planner.require_divisible=false"))
+    plan = plan_from_config(compose_cfg(f"topology={name}", "model=m4", "planner.require_divisible=false", *PAPER))
     gbw = plan.topology.levels[-1].group_GBps
     m = plan.model
     delta = 2 * m.layers * m.batch_size * m.seq_len * m.hidden * 2 / (gbw * 1e9)
@@ -165,7 +169,7 @@ def test_flops_per_layer_match_table2(compose_cfg, model, tflops, params):
 
 
 def test_plan_json_has_the_documented_fields(compose_cfg):
-    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1"))
+    plan = plan_from_config(compose_cfg("topology=fig7a", "model=m1", *PAPER))
     d = plan.to_dict()
     assert d["topology"]["name"] == "fig7a" and d["world_size"] == 16
     assert d["model"]["flops_per_layer"] == 2.625 * 2**40
@@ -178,22 +182,24 @@ def test_plan_json_has_the_documented_fields(compose_cfg):
 
 # ---------------------------------------------------------------- selection rules
 def test_strategies_fixed_megatron_and_bad_meshes(compose_cfg):
-    assert plan_from_config(compose_cfg("topology=ic3", "model=m1", "mesh=megatron")).selected == (8, 1)
+    assert plan_from_config(compose_cfg("topology=ic3", "model=m1", "mesh=megatron", *PAPER)).selected == (8, 1)
     assert plan_from_config(compose_cfg("topology=ic3", "model=m1", "mesh=2x4")).selected == (2, 4)
     with pytest.raises(ConfigError, match=r"^mesh 3x3 needs 9 devices but topology 'ic1' has 8$"):
         plan_from_config(compose_cfg("topology=ic1", "model=m1", "mesh=3x3"))
     # tiny has 8 heads: a fixed mesh of 16 devices cannot split them
     with pytest.raises(ConfigError, match="8 heads of model 'tiny' do not split over d1\\*d2 = 4x4"):
         plan_from_config(compose_cfg("topology=fig7a", "model=tiny", "mesh=4x4"))
+    # one replica of 16 devices cannot split them; two replicas of 8 can (the whole-layout search)
     with pytest.raises(ConfigError, match="no 2D mesh of 16 devices splits the 8 heads"):
-        plan_from_config(compose_cfg("topology=fig7a", "model=tiny"))
+        plan_from_config(compose_cfg("topology=fig7a", "model=tiny", "mesh.dp=1"))
+    assert plan_from_config(compose_cfg("topology=fig7a", "model=tiny")).whole_layout.dp >= 2
 
 
 def test_auto_selects_the_cheapest_feasible_candidate(compose_cfg):
     for topology in ("ic2", "ic3", "ic4", "fig7a", "fig7b", "local"):
         # no calibration: a stage=calibrate file in the working tree (outputs/calibration/profiles/local.yaml)
         # would have 'local' select by its predicted step instead of T_comm
-        plan = plan_from_config(compose_cfg(f"topology={topology}", "model=m3", "calibration.use=false"))
+        plan = plan_from_config(compose_cfg(f"topology={topology}", "model=m3", "calibration.use=false", *PAPER))
         best = min((c for c in plan.candidates if c.infeasible is None), key=lambda c: c.t_comm_s)
         assert plan.selected == best.mesh
 
@@ -309,3 +315,103 @@ def test_a_plan_says_what_its_communication_estimate_omits():
     assert not any("omits" in n for n in make_plan(_ic6(4), m, MeshConfig(), PlannerConfig()).notes)
     plan = make_plan(_ic6(4), replace(m, unmodelled="per-head output gates"), MeshConfig(), PlannerConfig())
     assert any("omits its per-head output gates" in n for n in plan.notes), plan.notes
+
+
+# ---------------------------------------------------------------- per-replica pricing (issue 63)
+@pytest.mark.parametrize("dp", [1, 2, 8, 32])
+def test_tp_comm_is_priced_on_the_replica_batch(compose_cfg, dp):
+    """The global batch is kept (per replica: batch / dp): a replica's tensor-parallel
+    communication at dp replicas is the one replica's of the same local batch at dp=1."""
+    def t_comm(*overrides):
+        return plan_from_config(compose_cfg("topology=ic5", "model=llama3_8b", "model.seq_len=2048", "mesh=4x2",
+                                            *overrides)).predicted_comm_s
+
+    one = t_comm("mesh.dp=1", "model.batch_size=1", "trainer.devices=8")
+    many = t_comm(f"mesh.dp={dp}", f"model.batch_size={dp}")
+    assert one == pytest.approx(3.281e-3, rel=1e-3)
+    assert many == pytest.approx(one, rel=0.01)
+
+
+# ---------------------------------------------------------------- the whole-layout search (issue 63)
+PAPER_MESHES = {"ic1": (2, 4), "ic2": (4, 2), "ic3": (4, 2), "ic4": (4, 4)}  # before the whole-layout search
+
+
+@pytest.mark.parametrize("objective", ["step", "comm"])
+def test_paper_settings_select_the_meshes_they_did(compose_cfg, objective):
+    """ATP-TP Table 2's models on IC1-IC4 with one replica and no chunks: the mesh the 2D search
+    selected before dp, FSDP, chunks and aggregation were searched with it."""
+    for topology, mesh in PAPER_MESHES.items():
+        for model in ("m1", "m2", "m3", "m4"):
+            plan = plan_from_config(compose_cfg(f"topology={topology}", f"model={model}", "calibration.use=false",
+                                                f"planner.objective={objective}", *PAPER))
+            assert plan.selected == mesh, (topology, model)
+
+
+def _layouts(compose_cfg, *overrides):
+    return plan_from_config(compose_cfg("topology=ic5", "model=llama3_8b", "model.batch_size=32", *overrides))
+
+
+def test_ic5_llama3_8b_runs_as_data_parallel_replicas_of_a_tensor_parallel_mesh(compose_cfg):
+    plan = _layouts(compose_cfg)
+    lay = plan.whole_layout
+    assert lay.devices == 256 and lay.dp > 1 and plan.topology.world_size == 256 // lay.dp
+    assert plan.layouts[0].lost == "chosen" and plan.layouts[0].layout == lay
+    lost = {c.lost for c in plan.layouts}
+    assert {"chosen", "slower", "divisibility"} <= lost
+    seen = {(c.layout.fsdp, c.layout.chunks) for c in plan.layouts}
+    assert {(False, 1), (True, 1), (False, 2), (True, 4)} <= seen
+    priced = [c for c in plan.layouts if c.lost in ("chosen", "slower")]
+    assert all(c.step is not None and c.memory_bytes <= 80e9 for c in priced)
+    assert min(c.step.step_s for c in priced) == plan.layouts[0].step.step_s
+    # a replica's step is its mesh's step under the chosen setting (the TP table beside the layouts)
+    assert plan.candidate(plan.selected).step.step_s == plan.layouts[0].step.step_s
+    d = plan.to_dict()
+    assert d["layout"] == lay.to_dict() and len(d["layout_search"]["candidates"]) == len(plan.layouts)
+    assert d["layout_search"]["lost"]["chosen"] == 1
+
+
+@pytest.mark.parametrize("override, holds", [
+    ("mesh=4x2", lambda c: c.layout.mesh == (4, 2)),
+    ("mesh.dp=16", lambda c: c.layout.dp == 16),
+    ("mesh.fsdp=true", lambda c: c.layout.fsdp),
+    ("overlap=chunk2", lambda c: c.layout.chunks == 2),
+    ("aggregation=ring", lambda c: c.layout.aggregation == "ring"),
+    ("mesh=megatron", lambda c: c.layout.mesh[1] == 1),
+])
+def test_a_fixed_field_constrains_the_search(compose_cfg, override, holds):
+    plan = _layouts(compose_cfg, override, "topology.levels.0.aggregates=true")
+    assert plan.layouts and all(holds(c) for c in plan.layouts)
+    assert holds(plan.layouts[0]) and plan.layouts[0].lost == "chosen"
+
+
+def test_aggregating_switches_add_the_in_network_modes(compose_cfg):
+    plain = _layouts(compose_cfg, "mesh.dp=32", "overlap=chunk1", "mesh.fsdp=false")
+    assert {c.layout.aggregation for c in plain.layouts} == {"ring"}
+    agg = _layouts(compose_cfg, "mesh.dp=32", "overlap=chunk1", "mesh.fsdp=false", "topology.levels.0.aggregates=true")
+    assert {c.layout.aggregation for c in agg.layouts} == {"ring", "atp", "ps", "switchml"}
+    # the gradient sync of each mode as gradsync prices it, added to one replica's step
+    by = {(c.layout.mesh, c.layout.aggregation): c for c in agg.layouts if c.step is not None}
+    ring, ps = by[((4, 2), "ring")], by[((4, 2), "ps")]
+    assert ps.step.step_s - ring.step.step_s == pytest.approx(ps.sync_s - ring.sync_s, rel=1e-9)
+    assert ps.lost == "slower"
+
+
+def test_fsdp_is_priced_as_two_all_gathers_and_a_reduce_scatter():
+    from atp_pipeline.planning.gradsync import dp_bucket, estimate, link_params
+    from atp_pipeline.planning.layout import fsdp_seconds
+
+    world = Topology.from_config(switched(64, 100))
+    params, dp, tp, q = 1e9, 8, 8, 2
+    a, bw = link_params(world, dp, tp)
+    one = a * (dp - 1) + (dp - 1) / dp * params * q / (bw * 1e9)
+    assert fsdp_seconds(world, params, dp, tp, q) == pytest.approx(3 * one, rel=1e-12)
+    ring = estimate(world, [dp_bucket(params, dp, tp)], q).mode("ring").seconds  # reduce-scatter + all-gather
+    assert fsdp_seconds(world, params, dp, tp, q) == pytest.approx(1.5 * ring, rel=1e-9)
+
+
+def test_a_dp_that_does_not_divide_the_batch_is_named(compose_cfg):
+    plan = _layouts(compose_cfg, "model.batch_size=24")
+    named = [c for c in plan.layouts if c.layout.dp == 16]
+    assert named and all(c.lost == "divisibility" and c.why == "global batch 24 does not split over dp=16"
+                         for c in named)
+    assert plan.whole_layout.dp in (8,)  # 24 splits over 8 of the divisors of 256 that leave <= 32-way TP

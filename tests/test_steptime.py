@@ -305,9 +305,14 @@ def test_report_shows_step_time_tokens_and_mfu(compose_cfg, tmp_path):
 def test_no_compute_profile_falls_back_to_communication_with_a_note(compose_cfg, tmp_path):
     from atp_pipeline.run.resolve import plan_from_config
 
-    plan = plan_from_config(compose_cfg("topology=local", "model=tiny", f"calibration.dir={tmp_path}"))
+    plan = plan_from_config(compose_cfg("topology=local", "model=tiny", f"calibration.dir={tmp_path}", "mesh.dp=1"))
     assert plan.objective.value == "comm" and plan.label == "4x1"
     assert any("no compute profile" in n for n in plan.notes)
+    # the whole layout alike: tensor-parallel communication plus the gradient sync
+    whole = plan_from_config(compose_cfg("topology=local", "model=tiny", f"calibration.dir={tmp_path}"))
+    assert whole.objective.value == "comm" and any("no compute profile" in n for n in whole.notes)
+    best = min((c for c in whole.layouts if c.lost in ("chosen", "slower")), key=lambda c: c.comm_s)
+    assert whole.layouts[0].lost == "chosen" and whole.layouts[0].comm_s == best.comm_s
 
 
 def test_bad_values_are_one_clear_line(tmp_path):

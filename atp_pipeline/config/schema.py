@@ -76,7 +76,7 @@ DTYPE_BYTES = {DType.fp16: 2, DType.bf16: 2, DType.fp32: 4, DType.fp64: 8}
 
 
 class MeshStrategy(str, Enum):
-    auto = "auto"  # ATP search over every 2D mesh of the world size (§3.5)
+    auto = "auto"  # the whole-layout search: dp x d1 x d2 (and FSDP, chunks, aggregation) (§3.5, issue 63)
     fixed = "fixed"  # DeviceMesh(d1, d2) given by the user (``mesh=2x4``)
     megatron = "megatron"  # DeviceMesh(N, 1): Megatron-LM's 1D tensor parallelism
 
@@ -90,6 +90,7 @@ class PlannerKind(str, Enum):
 
 class AggregationMode(str, Enum):
     ring = "ring"  # torch.distributed all-reduce
+    auto = "auto"  # chosen by the whole-layout search among the modes the topology supports (resolve)
     ps = "ps"  # plain N-to-1 parameter server
     switchml = "switchml"  # static per-job switch memory (SwitchML)
     atp = "atp"  # ATP best-effort in-network aggregation
@@ -147,6 +148,10 @@ class LevelConfig:
     p2p_GBps: Any = MISSING
     group_GBps: float = MISSING
     routing: Routing = Routing.direct
+    # the switches joining this level's units aggregate gradients in the network (ATP/SwitchML
+    # programmable switches): the whole-layout search then also tries aggregation atp, ps and
+    # switchml for the data-parallel gradient sync (planning/layout.py); false: ring only
+    aggregates: bool = False
 
 
 @dataclass
@@ -371,18 +376,18 @@ class SBPConfig:
 @dataclass
 class MeshConfig:
     """Which tensor-parallel DeviceMesh(d1, d2) to use (d1, d2 only for ``fixed``), and the
-    data-parallel size: the world is dp x d1 x d2. ``dp: null`` (default) is resolved by
-    :func:`atp_pipeline.run.resolve.resolve_dp`: what a fixed mesh leaves of the devices;
-    otherwise 1 under ``aggregation=ring`` (tensor parallelism over every device) and every
-    device under ``atp``/``ps`` (those modes aggregate data-parallel gradients). ``fsdp``
-    shards parameters, gradients and optimizer state over the ``dp`` replicas (FSDP2,
-    composed with the (d1, d2) tensor parallelism; :mod:`atp_pipeline.parallel.fsdp`)."""
+    data-parallel size: the world is dp x d1 x d2. ``dp: null`` (default) is chosen by the
+    whole-layout search (:mod:`atp_pipeline.planning.layout`) among the divisors of the devices,
+    as is ``fsdp: null``; a value given constrains the search (a fixed mesh leaves dp = the
+    devices over d1 x d2). ``fsdp`` shards parameters, gradients and optimizer state over the
+    ``dp`` replicas (FSDP2, composed with the (d1, d2) tensor parallelism;
+    :mod:`atp_pipeline.parallel.fsdp`)."""
 
     strategy: MeshStrategy = MeshStrategy.auto
     d1: Optional[int] = None
     d2: Optional[int] = None
     dp: Optional[int] = None
-    fsdp: bool = False
+    fsdp: Optional[bool] = None
 
     def __post_init__(self) -> None:
         at_least(self, "mesh", 1, "d1", "d2", "dp")
@@ -390,9 +395,10 @@ class MeshConfig:
 
 @dataclass
 class OverlapConfig:
-    """Chunk-based overlap (ATP §4.1): the batch is split into ``chunks`` pieces per block."""
+    """Chunk-based overlap (ATP §4.1): the batch is split into ``chunks`` pieces per block;
+    ``null`` (``overlap=auto``, the default): chosen by the whole-layout search among 1, 2, 4."""
 
-    chunks: int = 1
+    chunks: Optional[int] = None
 
     def __post_init__(self) -> None:
         at_least(self, "overlap", 1, "chunks")
@@ -423,7 +429,7 @@ class AggregationConfig:
     ``duplicate``, ``switch``, ``switch_impl`` are ATP's; ``pool`` and ``transport`` are SwitchML's).
     """
 
-    mode: AggregationMode = AggregationMode.ring
+    mode: AggregationMode = AggregationMode.ring  # conf/aggregation/auto.yaml (the default): auto
     payload_k: int = 62  # int32 values per packet: 62 as on hardware, more for loopback speed
     aggregators: int = 4096  # switch aggregator slots (switch memory)
     n_ps: int = 1  # parameter-server shards
@@ -469,6 +475,7 @@ class PlannerConfig:
     # selected unless this is set.
     select_uncalibrated: bool = False
     plot: bool = True
+    top: int = 5  # whole layouts printed by stage=plan (all of them are in plan.json)
     sbp: SBPConfig = field(default_factory=SBPConfig)  # planner ``sbp`` only
 
 

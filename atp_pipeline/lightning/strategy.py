@@ -97,25 +97,27 @@ class ATPStrategyMixin:
             SBP planner), or a plan result (``MeshPlan``, ``SBPPlan``) / an ``SBPLayout``.
         dp: data-parallel size (``mesh.dp``), or ``"auto"``
             (:func:`~atp_pipeline.run.resolve.resolve_dp`).
-        chunks: chunk-based overlap inside each transformer block (§4.1; ``overlap.chunks``).
+        chunks: chunk-based overlap inside each transformer block (§4.1; ``overlap.chunks``), or
+            ``"auto"`` (default: the whole-layout search's choice with ``mesh="auto"``; 1 where nothing is planned).
         plan: module-name pattern -> style (names or :class:`ParallelStyle` objects);
             default: the module's ``parallel_plan`` attribute, else its families' plans.
         topology: a topology config (dict/DictConfig) for ``mesh="auto"``/``"sbp"``.
-        aggregation: ``"ring"``, ``"atp"``, ``"ps"``, ``"switchml"``, or an
-            ``AggregationConfig`` (or a mapping of its fields).
+        aggregation: ``"ring"``, ``"atp"``, ``"ps"``, ``"switchml"``, ``"auto"`` (default: the
+            search's choice among the modes ``topology`` supports; ring where nothing is planned),
+            or an ``AggregationConfig`` (or a mapping of its fields).
         services: the running ATP roles (``Services.to_dict()``); default: start them.
         fsdp: shard parameters, gradients and optimizer state over the data-parallel
             replicas with FSDP2, composed with the (d1, d2) tensor parallelism
             (:mod:`atp_pipeline.parallel.fsdp`; ``mesh.fsdp``); needs dp > 1 and
-            ``aggregation="ring"``.
+            ``aggregation="ring"``; ``"auto"`` (default): the search's choice (off where nothing is planned).
     """
 
     strategy_name = "atp"
 
-    def __init__(self, mesh: MeshSpec = "auto", dp: Union[int, str] = "auto", chunks: int = 1,
+    def __init__(self, mesh: MeshSpec = "auto", dp: Union[int, str] = "auto", chunks: Union[int, str] = "auto",
                  plan: Optional[Mapping[str, Any]] = None, topology: Any = None,
-                 aggregation: Union[str, AggregationConfig, Mapping[str, Any]] = "ring",
-                 services: Optional[Mapping[str, Any]] = None, fsdp: bool = False,
+                 aggregation: Union[str, AggregationConfig, Mapping[str, Any]] = "auto",
+                 services: Optional[Mapping[str, Any]] = None, fsdp: Union[bool, str] = "auto",
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = timedelta(seconds=1800)) -> None:
@@ -123,12 +125,12 @@ class ATPStrategyMixin:
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.aggregation_config = aggregation_config(aggregation)
-        self._chunks = OverlapConfig(chunks=chunks).chunks
+        self._chunks: Optional[int] = OverlapConfig(chunks=None if chunks == "auto" else int(chunks)).chunks
         self._mesh_spec, self._dp_spec = parse_mesh(mesh), dp
         self._plan, self._topology = plan, topology
         self.aggregation = self.aggregation_config.mode.value
         self._services, self._sync, self._failed = services, None, False
-        self.fsdp = bool(fsdp)
+        self.fsdp: Optional[bool] = None if fsdp == "auto" else bool(fsdp)
         self._decided: Optional[Mesh3] = None  # the mesh a resolved run brings (for_run)
         self._training = False  # set up and fitting: a failure now may leave peers in a collective
         self.mesh_shape: Optional[Mesh3] = None
@@ -185,6 +187,26 @@ class ATPStrategyMixin:
                 raise ConfigError(f"strategy 'atp': the run was resolved for mesh dp x d1 x d2 = "
                                   f"{' x '.join(map(str, self._decided))}, not the {world} processes")
             return self._decided
+        dims = self._plan_mesh(world)
+        # what the search did not decide (nothing planned): one chunk, no FSDP, ring
+        self._chunks = 1 if self._chunks is None else self._chunks
+        self.fsdp = bool(self.fsdp)
+        if self.aggregation_config.mode == AggregationMode.auto:
+            self._decide_mode("ring")
+        rs.check_aggregation(self.aggregation_config, dims[0])
+        return dims
+
+    def _decide_mode(self, mode: str) -> None:
+        from dataclasses import replace
+
+        self.aggregation_config = replace(self.aggregation_config, mode=AggregationMode(mode))
+        self.aggregation = mode
+
+    def _plan_mesh(self, world: int) -> Mesh3:
+        """The mesh of the ``world`` processes: a given SBP plan's, an unplanned model's, or the
+        whole-layout search's (which also decides chunks, FSDP and aggregation left ``"auto"``)."""
+        from atp_pipeline.run import resolve as rs
+
         mode = self.aggregation_config.mode
         if _is_sbp(self._mesh_spec):  # a given SBP plan
             layout = getattr(self._mesh_spec, "layout", self._mesh_spec)
@@ -205,13 +227,18 @@ class ATPStrategyMixin:
             self._say_unplanned(dims, mesh)
         else:
             planned = rs.plan_devices(self._local_topology(), world, self._shape(families, planner), mesh, planner,
-                                      self._chunks, mode, self.fsdp)
+                                      self._chunks, mode, self.fsdp, self.aggregation_config)
             if planned.plan.kind == "sbp":
                 self._mesh_spec = planned.plan
+            lay = planned.plan.whole_layout
+            self._chunks, self.fsdp = lay.chunks, lay.fsdp
+            self._decide_mode(lay.aggregation)
             dims = planned.mesh
+            if planned.plan.kind == "atp" and mesh.strategy == MeshStrategy.auto:
+                self._say(f"mesh 'auto': the whole-layout search chose {lay.label} "
+                          f"({getattr(planned.plan, 'planning_s', 0.0) or 0.0:.2f} s)")
         if self.fsdp and not families:
             rs.check_fsdp(dims[0], PlannerKind.atp, mode)
-        rs.check_aggregation(self.aggregation_config, dims[0])
         return dims
 
     def _say_unplanned(self, dims: Mesh3, mesh: MeshConfig) -> None:

@@ -315,10 +315,22 @@ class ComputeProfile:
         calibration's full grid of cores (:func:`grid_seconds`, :attr:`Kernel.grid`); else, between
         measured points of its kind, interpolated in log(size)-log(time) from the nearest below and
         above (a sweep of shapes, not the plans' own; :attr:`Kernel.size`: the work, an attention
-        core's score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`)."""
-        hit = self.points.get((k.kind, tuple(k.dims)))
+        core's score elements); else the kind's fit ``α + units·γ`` (:meth:`KindFit.units`).
+        Memoized per shape (a search prices the same kernels in many layouts)."""
+        key = (k.kind, tuple(k.dims))
+        hit = self.points.get(key)
         if hit is not None:
             return hit
+        memo = self.__dict__.get("_seconds_memo")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_seconds_memo", memo)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = self._priced(k)
+        return hit
+
+    def _priced(self, k: Kernel) -> float:
         fit = self.fits.get(k.kind)
         if fit is None:
             raise ConfigError(f"compute profile '{self.name}' has no fit for kernel kind '{k.kind}'")

@@ -142,6 +142,14 @@ def link_params(topo: Topology, workers: int, stride: int, alpha_s: Optional[flo
     else the alpha-beta model's level of the group's span. ``α`` is the fitted latency of
     that level in a calibrated topology, else ``alpha_s``.
     """
+    memo = topo.__dict__.setdefault("_link_params_memo", {})  # a search asks for the same groups often
+    key = (workers, stride, alpha_s)
+    if key not in memo:
+        memo[key] = _link_params(topo, workers, stride, alpha_s)
+    return memo[key]
+
+
+def _link_params(topo: Topology, workers: int, stride: int, alpha_s: Optional[float]) -> Tuple[float, float]:
     from atp_pipeline.planning.bandwidth import dimension_bandwidth
 
     world = topo.world_size

@@ -14,6 +14,8 @@ scattered over the run.
 ``mesh_shape``         the device mesh the executor builds: ``(d1, d2)``, or SBP's N-D mesh
 ``label``              the selection in one word (``2x2``; SBP: strategies per layer)
 ``predicted_comm_s``   the planner's communication time per step (seconds)
+``whole_layout``       the decided :class:`~atp_pipeline.planning.mesh_plan.Layout`: dp, mesh, FSDP,
+                       chunks, aggregation (what resolve writes back into the run's config)
 ``notes``              lines the report prints under the table
 ``with_notes``         a copy with other notes
 ``to_dict``            ``plan.json``
@@ -53,6 +55,9 @@ class PlanResult(Protocol):
     @property
     def predicted_comm_s(self) -> float: ...
 
+    @property
+    def whole_layout(self) -> Any: ...
+
     def with_notes(self, notes: Sequence[str]) -> "PlanResult": ...
 
     def to_dict(self) -> Dict[str, Any]: ...
@@ -65,7 +70,8 @@ class PlanResult(Protocol):
 
 
 def plan(topology: Topology, shape: ModelShape, planner: Any, mesh: Any, setting: Any = None) -> PlanResult:
-    """Run the planner ``planner.name`` (``atp`` | ``sbp``) for ``shape`` on ``topology``.
+    """Run the planner ``planner.name`` (``atp`` | ``sbp``) for ``shape`` on ``topology``: one
+    replica's mesh under one ``setting`` (:func:`plan_layout` searches the whole layout).
 
     ``planner``: a :class:`~atp_pipeline.config.schema.PlannerConfig` (or its DictConfig);
     ``mesh``: a :class:`~atp_pipeline.config.schema.MeshConfig` — ATP searches or fixes the
@@ -85,6 +91,26 @@ def plan(topology: Topology, shape: ModelShape, planner: Any, mesh: Any, setting
     from atp_pipeline.planning.sbp.report import plan_sbp
 
     return plan_sbp(topology, shape, planner.sbp)
+
+
+def plan_layout(world: Topology, shape: ModelShape, planner: Any, space: Any) -> PlanResult:
+    """The whole layout of ``shape`` on the devices of ``world``: ATP's search over dp x d1 x d2,
+    FSDP, chunks and aggregation within what ``space`` (a :class:`~atp_pipeline.planning.layout.Space`:
+    the fields the user fixed) leaves open (:func:`atp_pipeline.planning.layout.search`); SBP plans
+    one replica over every device, so it accepts only ``mesh=auto`` and no dp, FSDP or chunks."""
+    kind = PlannerKind(getattr(planner.name, "value", planner.name))
+    if kind == PlannerKind.atp:
+        from atp_pipeline.planning.layout import search
+
+        return search(world, shape, planner, space)
+    strategy = getattr(space.strategy, "value", space.strategy)
+    if strategy != "auto":
+        mesh = f" ({space.mesh[0]}x{space.mesh[1]})" if space.mesh else ""
+        raise ConfigError(f"planner=sbp decides the device mesh per layer itself: it needs mesh=auto, got "
+                          f"mesh={strategy}{mesh}")
+    from atp_pipeline.planning.sbp.report import plan_sbp
+
+    return plan_sbp(world, shape, planner.sbp)
 
 
 def describe(result: Optional[PlanResult]) -> str:

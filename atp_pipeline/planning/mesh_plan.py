@@ -63,6 +63,69 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """One whole layout: ``dp`` replicas of ``DeviceMesh(d1, d2)``, FSDP, chunks, aggregation."""
+
+    dp: int
+    mesh: Mesh
+    fsdp: bool
+    chunks: int
+    aggregation: str
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.mesh[0] * self.mesh[1]
+
+    @property
+    def label(self) -> str:
+        sync = ("fsdp" if self.fsdp else self.aggregation) if self.dp > 1 else "-"
+        return f"dp{self.dp} x {self.mesh[0]}x{self.mesh[1]}, {sync}, chunks {self.chunks}"
+
+    @property
+    def overrides(self) -> str:
+        """The command-line fields that fix this layout."""
+        return (f"mesh={self.mesh[0]}x{self.mesh[1]} mesh.dp={self.dp} mesh.fsdp={str(self.fsdp).lower()} "
+                f"overlap=chunk{self.chunks} aggregation={self.aggregation}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"dp": self.dp, "mesh": list(self.mesh), "fsdp": self.fsdp, "chunks": self.chunks,
+                "aggregation": self.aggregation}
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """A layout, priced where it can run: ``step`` (None where not priced), ``t_comm_s`` (one
+    replica's Eq. 2-4 tensor-parallel communication on its batch), ``sync_s`` (gradient sync or
+    FSDP traffic per step), ``memory_bytes`` per device; ``why`` it cannot run (None: it can) and
+    ``lost`` (one of :data:`LOST`, ``"chosen"``, or ``""`` before ranking)."""
+
+    layout: Layout
+    step: Optional[StepEstimate] = None
+    t_comm_s: Optional[float] = None
+    sync_s: float = 0.0
+    memory_bytes: Optional[float] = None
+    why: Optional[str] = None
+    lost: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.why is None
+
+    @property
+    def comm_s(self) -> Optional[float]:
+        return None if self.t_comm_s is None else self.t_comm_s + self.sync_s
+
+    def to_dict(self) -> Dict[str, Any]:
+        st = self.step
+        return {**self.layout.to_dict(), "label": self.layout.label, "feasible": self.feasible, "why": self.why,
+                "lost": self.lost, "predicted_step_s": None if st is None else st.step_s,
+                "predicted_tokens_per_s": None if st is None else st.tokens_per_s,
+                "predicted_compute_s": None if st is None else st.compute_s,
+                "predicted_exposed_comm_s": None if st is None else st.exposed_comm_s,
+                "t_comm_s": self.t_comm_s, "sync_s": self.sync_s, "memory_per_device_bytes": self.memory_bytes}
+
+
+@dataclass(frozen=True)
 class MeshPlan:
     """ATP's mesh search result (§3.5): every candidate ``DeviceMesh(d1, d2)`` with its
     bandwidths and communication time, and the one selected. A
@@ -78,6 +141,13 @@ class MeshPlan:
     objective: Objective = Objective.comm
     setting: StepSetting = field(default_factory=StepSetting)
     profile: Optional[ComputeProfile] = None
+    # the whole-layout search (planning/layout.py): every layout, ranked (the chosen one first),
+    # the topology of all replicas, the fields the user fixed, the search's wall time
+    layouts: Tuple[LayoutCandidate, ...] = ()
+    world: Optional[Topology] = None
+    fixed: Tuple[str, ...] = ()
+    planning_s: Optional[float] = None
+    top: int = 5  # layouts printed (planner.top)
 
     @property
     def world_size(self) -> int:
@@ -119,6 +189,12 @@ class MeshPlan:
         return True
 
     @property
+    def whole_layout(self) -> Layout:
+        """The whole layout this plan runs: its setting's dp, FSDP, chunks and aggregation on the selected mesh."""
+        s = self.setting
+        return Layout(s.dp, self.selected, bool(s.fsdp), s.chunks, s.aggregation)
+
+    @property
     def tp_comm_s(self) -> float:
         return self.predicted_comm_s
 
@@ -142,7 +218,10 @@ class MeshPlan:
                 "predicted_residual_s": None if st is None else st.residual_s,
                 "predicted_tokens_per_s": None if st is None else st.tokens_per_s,
                 "predicted_mfu": None if st is None else st.mfu,
-                "compute_profile": None if self.profile is None else self.profile.name}
+                "compute_profile": None if self.profile is None else self.profile.name,
+                "dp": self.setting.dp, "fsdp": bool(self.setting.fsdp), "chunks": self.setting.chunks,
+                "aggregation": self.setting.aggregation, "layout": self.whole_layout.label,
+                "layouts_searched": len(self.layouts) or None, "planning_s": self.planning_s}
 
     def to_dict(self) -> dict:
         mt = self.megatron.t_comm_s
@@ -166,7 +245,21 @@ class MeshPlan:
             "selected_t_comm_s": sel.t_comm_s,
             "megatron_t_comm_s": mt,
             "notes": list(self.notes),
+            "layout": self.whole_layout.to_dict(),
+            "layout_search": None if not self.layouts else {
+                "world": None if self.world is None else self.world.to_dict(),
+                "devices": self.whole_layout.devices, "fixed": list(self.fixed), "planning_s": self.planning_s,
+                "lost": lost_counts(self.layouts),
+                "candidates": [c.to_dict() for c in self.layouts]},
         }
+
+
+def lost_counts(layouts: Sequence[LayoutCandidate]) -> Dict[str, int]:
+    """How many layouts lost for each reason (and the chosen one)."""
+    out: Dict[str, int] = {}
+    for c in layouts:
+        out[c.lost] = out.get(c.lost, 0) + 1
+    return out
 
 
 def residual_origin(profile: Any, st: Any) -> str:
@@ -242,6 +335,123 @@ def print_plan(plan: MeshPlan, console: Optional[Console] = None) -> None:
     for c in plan.candidates:
         if c.infeasible:
             console.print(f"infeasible {c.mesh[0]}x{c.mesh[1]}: {c.infeasible}")
+    if plan.layouts:
+        print_layouts(plan, console)
+
+
+def _gb(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e9:.1f} GB" if x >= 1e8 else f"{x / 1e6:.1f} MB" if x >= 1e5 else f"{x / 1e3:.1f} kB"
+
+
+def layout_table(plan: MeshPlan, top: int) -> Table:
+    """The chosen layout and the next fastest feasible ones (``top`` rows in all)."""
+    world = plan.world or plan.topology
+    fixed = f"; fixed: {' '.join(plan.fixed)}" if plan.fixed else ""
+    table = Table(title=f"whole layouts of the {world.world_size} devices of '{world.name}' (dp x d1 x d2, FSDP, "
+                        f"chunks, aggregation; global batch {plan.model.batch_size}{fixed}): the top {top} that may "
+                        f"be chosen, of {len(plan.layouts)}, objective={plan.objective.value}", title_justify="left")
+    for col in ("", "dp", "d1 x d2", "sync", "chunks", "step", "tokens/s", "MFU", "memory/device", "T_comm (replica)",
+                "dp traffic"):
+        table.add_column(col, justify="left" if col in ("", "sync") else "right")
+    shown = [c for c in plan.layouts if c.lost in ("chosen", "slower")][:top]
+    for i, c in enumerate(shown):
+        lay, st = c.layout, c.step
+        table.add_row("*" if c.lost == "chosen" else str(i + 1), str(lay.dp), f"{lay.mesh[0]} x {lay.mesh[1]}",
+                      ("fsdp" if lay.fsdp else lay.aggregation) if lay.dp > 1 else "-", str(lay.chunks),
+                      "-" if st is None else fmt_seconds(st.step_s), "-" if st is None else f"{st.tokens_per_s:,.0f}",
+                      "-" if st is None or st.mfu is None else f"{st.mfu:.1%}", _gb(c.memory_bytes),
+                      "-" if c.t_comm_s is None else fmt_seconds(c.t_comm_s), fmt_seconds(c.sync_s),
+                      style="bold green" if c.lost == "chosen" else None)
+    return table
+
+
+def lost_lines(plan: MeshPlan) -> List[str]:
+    """Why the rest lost, one line per reason, with its fastest (or smallest) example."""
+    words = {"memory": "do not fit the device memory", "divisibility": "do not divide (batch, chunks or heads)",
+             "limit": "exceed the aggregation backend's workers", "calibration":
+             "have only matrix estimates on a calibrated topology", "slower": "run but are predicted slower"}
+    out = []
+    for reason in ("memory", "divisibility", "limit", "calibration", "slower"):
+        group = [c for c in plan.layouts if c.lost == reason]
+        if not group:
+            continue
+        first = group[0]  # ranked: the fastest priced one first
+        if reason == "memory":
+            first = min(group, key=lambda c: c.memory_bytes or 0.0)
+            example = f"least memory: {first.layout.label}, ~{_gb(first.memory_bytes)}; {first.why}"
+        elif reason == "slower":
+            example = f"fastest: {first.layout.label}" + (
+                f", {fmt_seconds(first.step.step_s)}" if first.step is not None else
+                f", communication {fmt_seconds(first.comm_s or 0.0)}")
+        elif reason == "divisibility":
+            kinds: Dict[str, List[LayoutCandidate]] = {}
+            for c in group:
+                kind = ("the global batch over dp" if (c.why or "").startswith("global batch") else
+                        "the local batch into chunks" if (c.why or "").startswith("local batch") else
+                        "the heads over d1 x d2" if "heads" in (c.why or "") else "the topology's units")
+                kinds.setdefault(kind, []).append(c)
+            example = "; ".join(f"{len(v)} {k}, e.g. {min(v, key=lambda c: c.layout.dp).why}"
+                                for k, v in kinds.items())
+            out.append(f"  {len(group)} do not divide: {example}")
+            continue
+        elif reason == "calibration":
+            example = f"e.g. {first.layout.label}" + (
+                f", {fmt_seconds(first.step.step_s)}" if first.step is not None else "") + \
+                "; planner.select_uncalibrated=true lets them compete"
+        else:
+            example = f"e.g. {first.layout.label}: {first.why}"
+        out.append(f"  {len(group)} {words[reason]} ({example})")
+    return out
+
+
+def print_layouts(plan: MeshPlan, console: Any) -> None:
+    top = plan_top(plan)
+    console.print(layout_table(plan, top))
+    chosen = next((c for c in plan.layouts if c.lost == "chosen"), None)
+    if chosen is not None:
+        st = chosen.step
+        console.print(f"chosen layout: {chosen.layout.label}"
+                      + ("" if st is None else f": predicted step {fmt_seconds(st.step_s)}, "
+                                               f"{st.tokens_per_s:,.0f} tokens/s")
+                      + f", ~{_gb(chosen.memory_bytes)} per device ({chosen.layout.overrides})")
+    console.print(f"why the other {len(plan.layouts) - 1} lost:")
+    for line in lost_lines(plan):
+        console.print(line)
+    if plan.planning_s is not None:
+        console.print(f"planned {len(plan.layouts)} layouts in {plan.planning_s:.3f} s")
+
+
+def plan_top(plan: MeshPlan) -> int:
+    return max(1, plan.top)
+
+
+def plot_layouts(plan: MeshPlan, ax: Any) -> None:
+    """Every priced layout's predicted step (or communication) against its memory per device,
+    coloured by why it lost; the chosen one a star, the device memory a line."""
+    colours = {"chosen": "tab:green", "slower": "tab:blue", "memory": "tab:red", "calibration": "tab:purple",
+               "limit": "tab:orange", "divisibility": "lightgray"}
+    by_step = any(c.step is not None for c in plan.layouts)
+    for reason, colour in colours.items():
+        pts = [(c.memory_bytes / 1e9, (c.step.step_s if by_step and c.step else c.comm_s or 0.0) * 1e3)
+               for c in plan.layouts if c.lost == reason and c.memory_bytes is not None
+               and (c.step is not None if by_step else c.comm_s is not None)]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=120 if reason == "chosen" else 14,
+                       marker="*" if reason == "chosen" else "o", color=colour, label=f"{reason} ({len(pts)})",
+                       zorder=3 if reason == "chosen" else 2)
+    cap = (plan.world or plan.topology).device.get("memory_GB")
+    if cap:
+        ax.axvline(float(cap), color="tab:red", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("memory per device (GB, estimate)")
+    ax.set_ylabel("predicted step (ms)" if by_step else "communication per step (ms)")
+    world = plan.world or plan.topology
+    ax.set_title(f"{len(plan.layouts)} layouts of {world.world_size} devices: chosen {plan.whole_layout.label}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def plot_plan(plan: MeshPlan, path: Path) -> None:
@@ -263,8 +473,13 @@ def plot_plan(plan: MeshPlan, path: Path) -> None:
             colors.append("tab:blue")
     stepped = any(c.step is not None for c in plan.candidates)
     width = max(4.0, 0.7 * len(labels) + 2)
-    with axes(path, (2 * width if stepped else width, 3.6), ncols=2 if stepped else 1) as ax_all:
-        ax = ax_all[0] if stepped else ax_all
+    extra = 1 if plan.layouts else 0
+    ncols = (2 if stepped else 1) + extra
+    with axes(path, ((2 * width if stepped else width) + 6 * extra, 3.6), ncols=ncols) as ax_all:
+        ax_all = list(ax_all) if ncols > 1 else [ax_all]
+        if extra:
+            plot_layouts(plan, ax_all.pop(0))
+        ax = ax_all[0]
         bars = ax.bar(labels, times, color=colors)
         for bar, c in zip(bars, plan.candidates):
             if c.source == "calibrated":

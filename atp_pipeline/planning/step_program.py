@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from atp_pipeline.config.schema import CostModel
@@ -45,7 +46,7 @@ class Coll:
     tokens: int
     joined: Tuple["Coll", ...] = ()
 
-    @property
+    @cached_property
     def elements(self) -> Fraction:
         return (self.term.elements_per_token * (self.tokens if self.term.per_token else 1) * self.share
                 + sum((c.elements for c in self.joined), Fraction(0)))
@@ -229,12 +230,13 @@ def _program(shape: ModelShape, mesh: Mesh, tokens: int, batch: int, chunks: int
     h, V = shape.hidden, shape.vocab_size
     T, hs = tokens, h // d2
     L = shape.layers
-    blocks_fwd, blocks_bwd = [], []
-    for _ in range(L):
-        per_chunk = [_layer(shape, mesh, T // chunks, batch // chunks, terms, Fraction(1, L * chunks))
-                     for _ in range(chunks)]
-        blocks_fwd.append([fw for fw, _ in per_chunk])
-        blocks_bwd.append([bw for _, bw in per_chunk])
+    # every block is the same program (nothing in a block depends on its index): built once,
+    # the one object listed L times (:func:`~atp_pipeline.planning.steptime.simulate` runs the
+    # repeats as such), its shares counted for all L blocks
+    per_chunk = [_layer(shape, mesh, T // chunks, batch // chunks, terms, Fraction(1, chunks))
+                 for _ in range(chunks)]
+    fwd, bwd = [fw for fw, _ in per_chunk], [bw for _, bw in per_chunk]
+    blocks_fwd, blocks_bwd = [fwd] * L, [bwd] * L
     one = Fraction(1)
 
     def tm(op: str, phase: str, nth: int = 0) -> Optional[Coll]:

@@ -64,6 +64,7 @@ class _Timeline:
     optimizer: float = 0.0  # (in ``compute``)
     coll_cpu: float = 0.0  # CPU the rank keeps busy while it waits in collectives (not in ``compute``)
     since: float = 0.0  # compute since this rank's previous collective
+    launches: int = 0  # collectives launched that moved bytes
     link_free: Dict[int, float] = field(default_factory=dict)
 
     def launch(self, c: Coll) -> Flight:
@@ -82,6 +83,7 @@ class _Timeline:
                     if self.clock.emulated is not None else dur)
             self.sync += dur - bare
             self.since = 0.0
+            self.launches += 1
             if self.profile.collective_cpu is not None:  # its backend's CPU (in the transfer's time)
                 d1, d2 = self.clock.mesh
                 cpu = self.scale * self.profile.collective_cpu.call_seconds(d1 if c.term.dim == 1 else d2, nbytes)
@@ -174,6 +176,39 @@ def _round_robin(tl: "_Timeline", stages: List[List[List[Item]]]) -> None:
         tl.wait(p)
 
 
+#: the timeline's running totals: a repeated block adds the same to each
+_TOTALS = ("now", "compute", "comm_total", "dispatch", "sync", "optimizer", "coll_cpu")
+
+
+def _blocks(tl: "_Timeline", layers: List[List[List[Item]]]) -> None:
+    """Run the blocks ``layers`` (``[layer][chunk]``) one after another. A block ends with every
+    collective it launched waited for, so the next one starts from the same state but for the
+    compute since the last collective (``since``, the sync skew's): a run of the *same* block
+    (one object, :func:`~atp_pipeline.planning.step_program.build_program`) repeats the second
+    one's additions exactly, and is added, not simulated, after two."""
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        run = 1
+        while i + run < len(layers) and layers[i + run] is layer:
+            run += 1
+        staged = [stages(items) for items in layer]
+        _round_robin(tl, staged)
+        if run > 1:
+            before = {k: getattr(tl, k) for k in _TOTALS}
+            since, launches = tl.since, tl.launches
+            _round_robin(tl, staged)
+            if run > 2:
+                more = run - 2
+                step = {k: getattr(tl, k) - before[k] for k in _TOTALS}
+                for k in _TOTALS:
+                    setattr(tl, k, getattr(tl, k) + more * step[k])
+                tl.link_free = {d: t + more * step["now"] for d, t in tl.link_free.items()}
+                if tl.launches == launches:  # no collective: the compute since the last one grows on
+                    tl.since += more * (tl.since - since)
+        i += run
+
+
 def simulate(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_element: int,
              scale: float = 1.0) -> Tuple[float, float, float]:
     """``(step, compute, total communication)`` seconds of one rank's program: the forward
@@ -192,12 +227,10 @@ def _run(prog: Program, clock: CommClock, profile: ComputeProfile, bytes_per_ele
                    skew=skew)
     tl.framework(scale * profile.read_seconds(prog.reads))  # the step's sharded parameter reads (Framework.per_read_s)
     tl.run(prog.pre, [])
-    for layer in prog.blocks_fwd:
-        _round_robin(tl, [stages(items) for items in layer])
+    _blocks(tl, prog.blocks_fwd)
     tl.run(prog.post_fwd, [])
     tl.run(prog.post_bwd, [])
-    for layer in reversed(prog.blocks_bwd):  # each chunk's backward of the block, chunks taking turns too
-        _round_robin(tl, [stages(items) for items in layer])
+    _blocks(tl, prog.blocks_bwd[::-1])  # each chunk's backward of the block, chunks taking turns too
     tl.run(prog.pre_bwd, [])
     tl.run(prog.tail, [])
     return tl

@@ -20,9 +20,9 @@ through the same functions.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -40,7 +40,7 @@ from atp_pipeline.config.schema import (
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
-from atp_pipeline.planning.interface import PlanResult, plan
+from atp_pipeline.planning.interface import PlanResult, plan_layout
 from atp_pipeline.planning.memory import MemoryEstimate, memory_infeasibility, per_device_memory
 from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.topology.model import Topology
@@ -260,7 +260,7 @@ def model_shape(cfg: Any) -> ModelShape:
         raise ConfigError(f"model.vocab_parallel_loss=true: family '{m.family}' lays out its head "
                           f"'{shape.head_layout}', not split by vocabulary over d1 x d2 (family 'hf' does)")
     chunks = cfg.overlap.chunks
-    if chunks < 1 or shape.batch_size % chunks:
+    if chunks is not None and (chunks < 1 or shape.batch_size % chunks):
         raise ConfigError(f"overlap.chunks={chunks} must be >= 1 and divide model.batch_size="
                           f"{shape.batch_size} (chunks split the batch, §4.1)")
     return shape
@@ -304,7 +304,7 @@ def resolve_plan(cfg: Config) -> Planned:
                  f"mesh {cfg.mesh.d1}x{cfg.mesh.d2} with mesh.dp={cfg.mesh.dp} needs {devices} devices")
         raise ConfigError(f"{asked} but topology '{topo.name}' has only {topo.world_size} devices")
     return plan_devices(topo, devices, shape, cfg.mesh, cfg.planner, cfg.overlap.chunks, cfg.aggregation.mode,
-                        cfg.mesh.fsdp)
+                        cfg.mesh.fsdp, cfg.aggregation)
 
 
 def plan_from_config(cfg: Any) -> PlanResult:
@@ -312,24 +312,59 @@ def plan_from_config(cfg: Any) -> PlanResult:
     return resolve_plan(typed(cfg)).plan
 
 
-def plan_devices(topo: Topology, devices: int, shape: ModelShape, mesh: Any, planner: Any, chunks: int,
-                 mode: Any, fsdp: bool) -> Planned:
-    """The plan of ``shape`` on the first ``devices`` devices of ``topo``: the data-parallel
-    size (:func:`resolve_dp`), what FSDP and SBP need of it, and the planner's choice on the
-    devices of one replica. ``mesh``, ``planner``: the schema's groups (or their DictConfigs);
-    ``mode``: the aggregation mode. ``stage=plan``, ``stage=fit`` and strategy ``"atp"`` alike."""
-    dp = resolve_dp(mesh, mode, devices)
-    check_dp(dp, devices)
+def aggregation_limit(agg: Any) -> Callable[[str, int], Optional[str]]:
+    """Why a mode's live backend cannot synchronize ``dp`` workers (None: it can), for the
+    whole-layout search: SwitchML's 8-bit worker id, ATP's per-job worker bitmap (per rack),
+    ``aggregation.racks`` dividing the workers."""
+    racks = int(getattr(agg, "racks", 1) or 1)
+    bits = PacketFormat().bitmap_bits
+
+    def why(mode: str, dp: int) -> Optional[str]:
+        if mode == "switchml" and dp > 255:
+            return f"aggregation=switchml: dp={dp} exceeds SwitchML's 8-bit worker id"
+        if mode == "atp" and dp % racks:
+            return f"aggregation.racks={racks} does not divide dp={dp}"
+        per = dp // racks if mode == "atp" else dp
+        if mode in ("atp", "ps") and per > bits:
+            return f"aggregation={mode}: dp={dp} exceeds the {bits}-bit worker bitmap of one ATP job"
+        return None
+    return why
+
+
+def plan_devices(topo: Topology, devices: int, shape: ModelShape, mesh: Any, planner: Any, chunks: Optional[int],
+                 mode: Any, fsdp: Optional[bool], aggregation: Any = None) -> Planned:
+    """The plan of ``shape`` on the first ``devices`` devices of ``topo``: for ATP, the whole
+    layout (dp x d1 x d2, FSDP, chunks, aggregation: :func:`~atp_pipeline.planning.interface.plan_layout`)
+    within the fields given (``mesh.dp``, a fixed mesh, ``fsdp``, ``chunks``, ``mode``; None or
+    ``auto``: searched); for SBP, one replica over every device. ``mesh``, ``planner``: the
+    schema's groups (or their DictConfigs); ``aggregation``: the aggregation group (its knobs
+    bound the backends' workers). ``stage=plan``, ``stage=fit`` and strategy ``"atp"`` alike."""
+    from atp_pipeline.planning.layout import Space
+
     occupied = topo.restrict(devices)
     kind = PlannerKind(getattr(planner.name, "value", planner.name))
-    if fsdp:
-        check_fsdp(dp, kind, mode)
+    mode_v = _mode(mode).value
+    strategy = MeshStrategy(getattr(mesh.strategy, "value", mesh.strategy))
+    if strategy == MeshStrategy.fixed:
+        if mesh.d1 is None or mesh.d2 is None or mesh.d1 < 1 or mesh.d2 < 1:
+            raise ConfigError(f"mesh.strategy=fixed needs positive mesh.d1 and mesh.d2, got {mesh.d1} and {mesh.d2}")
+    elif mesh.d1 is not None or mesh.d2 is not None:
+        raise ConfigError(f"mesh.d1/mesh.d2 apply to strategy 'fixed' only, not '{strategy.value}'")
     if kind == PlannerKind.sbp:
-        check_sbp(dp, chunks)
-    from atp_pipeline.planning.steptime import StepSetting
-
-    setting = StepSetting(chunks=int(chunks), dp=dp, aggregation=_mode(mode).value, world=occupied, fsdp=bool(fsdp))
-    result = plan(occupied.restrict(devices // dp), shape, planner, mesh, setting)
+        dp = 1 if mesh.dp is None else int(mesh.dp)
+        check_dp(dp, devices)
+        if fsdp:
+            check_fsdp(dp, kind, mode)
+        check_sbp(dp, 1 if chunks is None else int(chunks))
+        if mode_v not in ("auto", "ring") and dp > 1:
+            check_fsdp(dp, kind, mode)  # pragma: no cover - check_sbp refused dp > 1
+    space = Space(dp=None if mesh.dp is None else int(mesh.dp), strategy=strategy,
+                  mesh=(int(mesh.d1), int(mesh.d2)) if strategy == MeshStrategy.fixed else None,
+                  fsdp=None if fsdp is None else bool(fsdp), chunks=None if chunks is None else int(chunks),
+                  aggregation=None if mode_v == "auto" else mode_v, modes=occupied.aggregation_modes,
+                  limit=aggregation_limit(aggregation if aggregation is not None else AggregationConfig()))
+    result = plan_layout(occupied, shape, planner, space)
+    dp = result.whole_layout.dp
     notes = list(result.notes)
     chosen = result.candidate(result.selected) if result.kind == "atp" else None  # type: ignore[attr-defined]
     if chosen is not None and chosen.infeasible:  # only with planner.require_divisible=false
@@ -338,7 +373,18 @@ def plan_devices(topo: Topology, devices: int, shape: ModelShape, mesh: Any, pla
     if devices < topo.world_size:
         notes.insert(0, f"{devices} of {topo.world_size} devices of '{topo.name}' are used: planned and "
                         f"run on that sub-topology")
+    if result.kind == "atp":
+        result = replace(result, top=int(getattr(planner, "top", 5)))  # type: ignore[type-var]
     return Planned(shape, topo, occupied, devices, dp, result.with_notes(notes))
+
+
+def decided(cfg: Config, result: PlanResult) -> Config:
+    """``cfg`` with the layout the plan decided written into its groups (``mesh.dp``,
+    ``mesh.fsdp``, ``overlap.chunks``, ``aggregation.mode``): what the run and its workers read."""
+    lay = result.whole_layout
+    return replace(cfg, mesh=replace(cfg.mesh, dp=lay.dp, fsdp=lay.fsdp),
+                   overlap=replace(cfg.overlap, chunks=lay.chunks),
+                   aggregation=replace(cfg.aggregation, mode=AggregationMode(lay.aggregation)))
 
 
 def unplanned_mesh(mesh: Any, mode: Any, devices: int, shardable: bool) -> Mesh3:
@@ -364,6 +410,7 @@ def resolve(cfg: Any) -> RunSpec:
     cfg = typed(cfg)
     planned = resolve_plan(cfg)
     shape, topo, devices, dp, result = planned.shape, planned.topology, planned.devices, planned.dp, planned.plan
+    cfg = decided(cfg, result)
     fitting = cfg.stage == Stage.fit
     if fitting:
         check_aggregation(cfg.aggregation, dp)

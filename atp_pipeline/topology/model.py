@@ -43,6 +43,7 @@ class Level:
     p2p: Union[float, np.ndarray]  # scalar: every pair alike; else count x count, zero diagonal
     group_GBps: float
     routing: Routing = Routing.direct
+    aggregates: bool = False  # its switches aggregate gradients in the network (ATP, SwitchML)
 
     @property
     def uniform(self) -> bool:
@@ -58,7 +59,8 @@ class Level:
     def to_dict(self) -> Dict[str, Any]:
         p2p = self.p2p.tolist() if isinstance(self.p2p, np.ndarray) else self.p2p
         return {"name": self.name, "count": self.count, "p2p_GBps": p2p,
-                "group_GBps": self.group_GBps, "routing": self.routing.value}
+                "group_GBps": self.group_GBps, "routing": self.routing.value,
+                **({"aggregates": True} if self.aggregates else {})}
 
 
 # The collectives of AutoDDL's Table 2 (the names of planning.alphabeta.Collective).
@@ -97,6 +99,12 @@ class Topology:
     @property
     def world_size(self) -> int:
         return int(np.prod([lv.count for lv in self.levels], dtype=np.int64))
+
+    @property
+    def aggregation_modes(self) -> Tuple[str, ...]:
+        """The gradient-sync modes the interconnect supports: ``ring`` always; with a level whose
+        switches aggregate (``levels[*].aggregates``) also ``atp``, ``ps`` and ``switchml``."""
+        return ("ring", "atp", "ps", "switchml") if any(lv.aggregates for lv in self.levels) else ("ring",)
 
     @property
     def unit_sizes(self) -> Tuple[int, ...]:
@@ -164,10 +172,10 @@ class Topology:
                 head: List[Level] = []
                 if k > 1:
                     p2p = lv.p2p if lv.uniform else lv.p2p[:k, :k].copy()  # type: ignore[index]
-                    head = [Level(lv.name, k, p2p, lv.group_GBps, lv.routing)]
+                    head = [Level(lv.name, k, p2p, lv.group_GBps, lv.routing, lv.aggregates)]
                 levels = tuple(head) + self.levels[li + 1:]
                 if not levels:  # a single device: keep its level, with one unit
-                    levels = (Level(lv.name, 1, lv.group_GBps, lv.group_GBps, lv.routing),)
+                    levels = (Level(lv.name, 1, lv.group_GBps, lv.group_GBps, lv.routing, lv.aggregates),)
                 used = f"{k} of {lv.count} '{lv.name}' units" if k > 1 else f"one '{lv.name}'"
                 kept = {x.name for x in levels}
                 return Topology(name=self.name, levels=levels, description=self.description,
@@ -247,7 +255,8 @@ def _level(where: str, index: int, data: Mapping[str, Any]) -> Level:
         if group > links[worst] * (1 + 1e-9):
             raise ConfigError(f"{at}: group_GBps {group:g} exceeds the {links[worst]:g} GB/s of unit "
                               f"{worst}'s P2P links to its siblings")
-    return Level(name=name, count=count, p2p=p2p, group_GBps=float(group), routing=routing)
+    return Level(name=name, count=count, p2p=p2p, group_GBps=float(group), routing=routing,
+                 aggregates=bool(data.get("aggregates", False)))
 
 
 def _connected(m: np.ndarray) -> bool:

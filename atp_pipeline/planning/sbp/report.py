@@ -97,6 +97,13 @@ class SBPPlan:
     kind = "sbp"
 
     @property
+    def whole_layout(self) -> Any:
+        """One replica over every device: the plan's data parallelism is inside its strategies."""
+        from atp_pipeline.planning.mesh_plan import Layout
+
+        return Layout(1, (self.world_size, 1), False, 1, "ring")
+
+    @property
     def mesh_shape(self) -> Tuple[int, ...]:
         return self.device_mesh
 
