@@ -41,6 +41,8 @@ registers communication hooks only on CUDA — the sync here runs on CPU and GPU
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from datetime import timedelta
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -57,6 +59,7 @@ from atp_pipeline.config.schema import (
     PlannerKind,
 )
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.lightning.precision import GlobalClipMixin, with_global_clipping
 from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
@@ -134,6 +137,8 @@ class ATPStrategyMixin:
         self.mesh_shape: Optional[Mesh3] = None
         self.applied_plan: Dict[str, str] = {}
         self.notes: List[str] = []
+        self.grad_norm: Optional[torch.Tensor] = None  # the global norm the last clip by norm measured
+        self._threads: Optional[str] = None  # what setup_environment did about threads (the layout line)
 
     @classmethod
     def for_run(cls, spec: Any) -> Any:
@@ -146,6 +151,49 @@ class ATPStrategyMixin:
                        timeout=timedelta(seconds=c.trainer.collective_timeout_s))
         strategy._decided = spec.mesh
         return strategy
+
+    # ------------------------------------------------------------------ precision, clipping
+    @property
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin, clipping gradients over the whole mesh
+        (:mod:`atp_pipeline.lightning.precision`): ``gradient_clip_val`` and
+        ``gradient_clip_algorithm`` ("norm" | "value") as on one process."""
+        plugin = super().precision_plugin  # type: ignore[misc]
+        if not isinstance(plugin, GlobalClipMixin):
+            plugin = with_global_clipping(plugin, self)
+            self._precision_plugin = plugin
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = plugin  # mixed in when next asked for
+
+    def record_grad_norm(self, norm: torch.Tensor) -> None:
+        """Keep the global gradient norm a clip measured (``grad_norm``) and log it as
+        ``grad_norm`` where Lightning allows logging (its clipping hooks do)."""
+        import importlib
+
+        self.grad_norm = norm
+        module = self.lightning_module  # type: ignore[attr-defined]
+        package = getattr(self, "lightning_package", "pytorch_lightning")
+        refused = importlib.import_module(f"{package}.utilities.exceptions").MisconfigurationException
+        try:
+            module.log("grad_norm", norm.float(), on_step=True, on_epoch=False, sync_dist=False)
+        except refused:  # a hook where Lightning allows no logging: the norm stays on self.grad_norm
+            pass
+
+    def _set_threads(self) -> None:
+        """Several processes on this host: one thread each (``torch.set_num_threads(1)``,
+        ``OMP_NUM_THREADS=1``), as ``train.py``'s launcher and torchrun do — every rank using
+        every core oversubscribes the host — unless the user set ``OMP_NUM_THREADS``."""
+        local = int(getattr(self, "num_processes", 1) or 1)
+        if "OMP_NUM_THREADS" in os.environ:
+            self._threads = f"{torch.get_num_threads()} thread(s) per process (OMP_NUM_THREADS is set)"
+        elif local > 1:
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)
+            self._threads = (f"1 thread per process ({local} processes on this host; set OMP_NUM_THREADS "
+                             f"to choose)")
 
     # ------------------------------------------------------------------ mesh
     def _say(self, line: str) -> None:
@@ -247,6 +295,7 @@ class ATPStrategyMixin:
         return adapter.shape(module).with_step(batch_size=batch)
 
     def setup_environment(self) -> None:
+        self._set_threads()
         self._setup_distributed()  # type: ignore[attr-defined]
         self.mesh_shape = self._resolve_mesh(self.world_size)  # type: ignore[attr-defined]
         self._device_mesh = init_mesh(self.mesh_shape, device_type=self.root_device.type)  # type: ignore[attr-defined]
@@ -341,6 +390,24 @@ class ATPStrategyMixin:
         if fitting and self._sync is None and dp.size() > 1 and not self.fsdp:  # FSDP reduce-scatters itself
             self._sync = self._grad_sync(dp)
         self._training = fitting
+        if self._decided is None:  # a user's Trainer (train.py reports its resolved run itself)
+            self._say(self.layout_line())
+
+    def layout_line(self) -> str:
+        """What this strategy realized, in one line: the mesh and where it came from, dp, FSDP,
+        the plan applied (styles and how many modules each), the threads per process."""
+        dp, d1, d2 = self.mesh_shape or (1, 1, 1)
+        spec = self._mesh_spec
+        source = ("an SBP plan" if _is_sbp(spec) else "given" if isinstance(spec, tuple) or hasattr(spec, "mesh_shape")
+                  else "ATP's planner" if spec in ("auto", None) and self._families() else f"'{spec}'")
+        styles = Counter(str(v).partition("(")[0] for v in self.applied_plan.values())
+        plan = (f"plan: {len(self.applied_plan)} modules laid out ("
+                + ", ".join(f"{n} {style}" for style, n in styles.most_common()) + ")"
+                if self.applied_plan else "plan: none (modules whole)")
+        agg = "" if self.aggregation == "ring" or dp == 1 else f", aggregation {self.aggregation}"
+        threads = f"; {self._threads}" if self._threads else ""
+        return (f"mesh dp x d1 x d2 = {dp} x {d1} x {d2} ({source}), dp={dp}, FSDP "
+                f"{'on' if self.fsdp else 'off'}{agg}, {plan}{threads}")
 
     def _grad_sync(self, dp_mesh: Any) -> GradSync:
         if self.aggregation == "ring":
