@@ -14,6 +14,8 @@ places of the runtime step outside it:
   (``addmm_``, which autocast leaves alone) see one dtype too. The gradients come out in the
   compute dtype; autograd casts each to its input's dtype (an fp32 weight gets an fp32
   gradient), as for an autocast ``linear``;
+* an op autocast runs in float32 (``cross_entropy``) but done by hand on split tensors
+  (the vocabulary-parallel loss) takes its input in float32 too (:func:`autocast_fp32`);
 * a **thread** starts with autocast off: the chunk coroutines of
   :mod:`~atp_pipeline.parallel.overlap` take the caller's state (:func:`state`,
   :func:`entered`).
@@ -59,3 +61,11 @@ def cast(ctx: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     if dtype is None:
         return tensors
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def autocast_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 where autocast is on for its device (the input of an op autocast runs in
+    float32, computed by hand); else unchanged."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return x.float()
+    return x

@@ -423,8 +423,9 @@ def split_last(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
                                  axis: str) -> torch.Tensor:
-    """Mean cross-entropy; equals ``F.cross_entropy`` on the gathered logits."""
-    flat = logits.reshape(-1, logits.shape[-1])
+    """Mean cross-entropy; equals ``F.cross_entropy`` on the gathered logits (under autocast in
+    float32, as autocast runs ``F.cross_entropy``)."""
+    flat = amp.autocast_fp32(logits.reshape(-1, logits.shape[-1]))
     if comm.size(axis) == 1:
         return F.cross_entropy(flat, targets.reshape(-1))
     return VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, axis).mean()
