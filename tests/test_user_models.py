@@ -105,29 +105,33 @@ def test_user_llama_with_validation_schedule_clipping_accumulation_matches_singl
 
 
 def test_threads_per_process_follow_torchrun_unless_the_user_set_them(monkeypatch):
-    """Several processes on this host and no ``OMP_NUM_THREADS``: one thread each, as
-    ``train.py``'s launcher and torchrun set; a value the user set is left alone."""
+    """Several processes on this host and no ``OMP_NUM_THREADS``: each takes its share of the
+    cores (at least one), as torchrun and ``train.py``'s launcher keep ranks from
+    oversubscribing the host; a value the user set is left alone, and so is a single process."""
+    import os
+
     from atp_pipeline.lightning.pl import ATPStrategy
 
     before = torch.get_num_threads()
+    share = max(1, len(os.sched_getaffinity(0)) // 4)
     try:
-        for env, want in ((None, 1), ("2", before)):
+        for env, processes, want in ((None, 4, share), ("2", 4, before), (None, 1, before)):
             if env is None:
                 monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
             else:
                 monkeypatch.setenv("OMP_NUM_THREADS", env)
             torch.set_num_threads(before)
-            strategy = ATPStrategy(mesh=(2, 2))
-            strategy.parallel_devices = [torch.device("cpu")] * 4
+            strategy = ATPStrategy(mesh=(1, 1) if processes == 1 else (2, 2))
+            strategy.parallel_devices = [torch.device("cpu")] * processes
             strategy._set_threads()
-            assert torch.get_num_threads() == want
-            assert ("1 thread per process" in strategy._threads) == (env is None), strategy._threads
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        one = ATPStrategy(mesh=(1, 1))
-        one.parallel_devices = [torch.device("cpu")]
-        torch.set_num_threads(before)
-        one._set_threads()  # one process: nothing to share the cores with
-        assert torch.get_num_threads() == before and one._threads is None
+            assert torch.get_num_threads() == want, (env, processes)
+            if processes == 1:  # one process: nothing to share the cores with
+                assert strategy._threads is None and "OMP_NUM_THREADS" not in os.environ
+            elif env is None:
+                assert os.environ["OMP_NUM_THREADS"] == str(share)
+                assert strategy._threads.startswith(f"{share} thread(s) per process ("), strategy._threads
+            else:
+                assert strategy._threads == f"{before} thread(s) per process (OMP_NUM_THREADS=2)"
     finally:
         torch.set_num_threads(before)
 
