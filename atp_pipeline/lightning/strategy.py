@@ -23,7 +23,14 @@ is :mod:`atp_pipeline.run.resolve`'s:
    replicas through one :class:`~atp_pipeline.parallel.grad_sync.GradSync` (``ring``, or the
    in-network aggregation backend for ``atp``/``ps``) — or, with ``fsdp=True``, **sharded
    data parallelism**: FSDP2 over the ``dp`` axis after the layout
-   (:mod:`atp_pipeline.parallel.fsdp`), whose reduce-scatter averages the gradients.
+   (:mod:`atp_pipeline.parallel.fsdp`), whose reduce-scatter averages the gradients;
+4. **Lightning's loop** around it: ``gradient_clip_val`` (by norm or value) reaches the
+   precision plugin, into which the global clipping of :mod:`atp_pipeline.lightning.precision`
+   is mixed (the norm over every shard and replica, :mod:`atp_pipeline.parallel.clip`; logged
+   as ``grad_norm``); ``precision="bf16-mixed"``/``"bf16-true"`` are Lightning's own (the
+   runtime follows autocast, :mod:`atp_pipeline.parallel.amp`); several processes on one host
+   each take their share of its cores unless ``OMP_NUM_THREADS`` is set; in a user's Trainer,
+   rank 0 prints one line naming the mesh, dp, FSDP, the plan applied and the threads.
 
 With no plan and no adapter, the model stays whole: replicated over the tensor-parallel
 ranks, data parallel over the rest (``mesh="auto"`` then uses every device for data
@@ -41,6 +48,7 @@ registers communication hooks only on CUDA — the sync here runs on CPU and GPU
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import Counter
 from datetime import timedelta
@@ -171,8 +179,6 @@ class ATPStrategyMixin:
     def record_grad_norm(self, norm: torch.Tensor) -> None:
         """Keep the global gradient norm a clip measured (``grad_norm``) and log it as
         ``grad_norm`` where Lightning allows logging (its clipping hooks do)."""
-        import importlib
-
         self.grad_norm = norm
         module = self.lightning_module  # type: ignore[attr-defined]
         package = getattr(self, "lightning_package", "pytorch_lightning")
