@@ -44,6 +44,7 @@ BAD_INPUT = [
      "than the 16 GB per device; the smallest device memory that fits is 31.8 GB (dp1 x 1x16"),
     # a count <= 0: one line right after composition, before any rank starts
     (["trainer.max_steps=-5"], "error: trainer.max_steps=-5 must be >= 1"),
+    (["trainer.gradient_clip_val=-1"], "error: trainer.gradient_clip_val=-1.0 must be >= 0"),
     (["stage=plan", "model.batch_size=0"], "error: model.batch_size=0 must be >= 1"),
     # a config transformers' own validation rejects (huggingface_hub's strict dataclasses)
     (["model=llama_tiny", "model.hf.num_attention_heads=6"],

@@ -105,6 +105,9 @@ def test_wrong_type_or_enum_fails_at_compose(compose_cfg, override, key):
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 must be >= 1"),
     ("trainer.checkpoint_every_n_steps=-1", "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
     ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s=0.0 must be > 0"),
+    ("trainer.gradient_clip_val=-0.5", "trainer.gradient_clip_val=-0.5 must be >= 0"),
+    ("trainer.gradient_clip_algorithm=max", "trainer.gradient_clip_algorithm=max must be one of norm, value"),
+    ("trainer.precision=16-mixed", "trainer.precision=16-mixed must be one of 32-true, bf16-mixed, bf16-true"),
     ("model.batch_size=0", "model.batch_size=0 must be >= 1"),
     ("model.seq_len=-64", "model.seq_len=-64 must be >= 1"),
     ("model.layers=0", "model.layers=0 must be >= 1"),
@@ -139,6 +142,20 @@ def test_the_composed_config_types_into_the_schema_dataclasses(compose_cfg):
         OverlapConfig(chunks=-1)
     with pytest.raises(ConfigError, match=r"^aggregation.payload_k=0 must be >= 1$"):
         AggregationConfig(payload_k=0)
+
+
+def test_trainer_clipping_and_precision_reach_the_resolved_run(compose_cfg):
+    """Lightning's names and values; a bf16 precision of a float64 model is refused when resolved."""
+    from atp_pipeline.run.resolve import resolve
+
+    cfg = typed(compose_cfg("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_algorithm=value",
+                            "trainer.precision=bf16-mixed"))
+    t = cfg.trainer
+    assert (t.gradient_clip_val, t.gradient_clip_algorithm, t.precision) == (0.5, "value", "bf16-mixed")
+    assert typed(compose_cfg()).trainer.gradient_clip_val is None  # Lightning's default: no clipping
+    assert resolve(cfg).precision == "bf16-mixed"
+    with pytest.raises(ConfigError, match=r"^trainer.precision=bf16-true casts a float32 model, but model.dtype=fp64 "):
+        resolve(compose_cfg("model.dtype=fp64", "trainer.precision=bf16-true"))
 
 
 def _user_dir(tmp_path: Path, name: str, body: dict) -> Path:

@@ -15,8 +15,10 @@ Uses guarded here:
   ``DefaultReduceScatter`` — :func:`atp_pipeline.parallel.fsdp.counted_collectives`;
 * ``nn.Module._parameters`` — styles and the SBP executor put a module's local tensors there;
 * Lightning's ``Trainer._accelerator_connector.use_distributed_sampler``,
-  ``LightningModule._trainer`` / ``_device_mesh`` and ``ModelParallelStrategy._device_mesh`` —
-  :mod:`atp_pipeline.lightning.strategy`;
+  ``LightningModule._trainer`` / ``_device_mesh``, ``ModelParallelStrategy._device_mesh`` and
+  ``Strategy._precision_plugin`` — :mod:`atp_pipeline.lightning.strategy`; the route of its
+  gradient clipping to the precision plugin's ``clip_grad_by_norm`` / ``clip_grad_by_value`` —
+  :mod:`atp_pipeline.lightning.precision`;
 * transformers' ``config._attn_implementation`` / ``_attn_implementation_internal`` — the HF
   attention style and the layout's probe (:mod:`atp_pipeline.models.hf`).
 """
@@ -215,6 +217,37 @@ def test_lightning_private_attributes_the_strategy_sets(package):
     strategy = model_parallel.ModelParallelStrategy()
     strategy._device_mesh = "mesh"
     assert strategy.device_mesh == "mesh", f"{api}: device_mesh no longer reads it"
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_clipping_reaches_the_strategys_precision_plugin(package):
+    """Lightning clips through ``trainer.precision_plugin`` (the strategy's, held in its private
+    ``_precision_plugin``) and its ``clip_grad_by_norm`` / ``clip_grad_by_value``, which
+    ``ATPStrategy`` mixes the global clipping into."""
+    importlib.import_module(package)
+    from atp_pipeline.lightning.precision import GlobalClipMixin
+
+    flavor = importlib.import_module("atp_pipeline.lightning.pl" if package == "pytorch_lightning"
+                                     else "atp_pipeline.lightning.unified")
+    precision = importlib.import_module(f"{package}.plugins.precision")
+    api = f"{package}: Strategy._precision_plugin (private; ATPStrategy.precision_plugin)"
+    strategy = flavor.ATPStrategy(mesh=(1, 1))
+    plugin = precision.MixedPrecision("bf16-mixed", "cpu")
+    strategy.precision_plugin = plugin
+    assert strategy._precision_plugin is plugin, f"{api}: the setter no longer stores the plugin there"
+    got = strategy.precision_plugin
+    assert got is plugin and isinstance(got, GlobalClipMixin) and isinstance(got, precision.MixedPrecision), api
+    assert type(got).clip_grad_by_norm is GlobalClipMixin.clip_grad_by_norm, api
+    api = f"{package}: Precision.clip_gradients -> clip_grad_by_norm / clip_grad_by_value"
+    source = inspect.getsource(precision.Precision.clip_gradients)
+    assert "self.clip_grad_by_norm(" in source and "self.clip_grad_by_value(" in source, f"{api}: another route"
+    module = importlib.import_module(f"{package}.core.module").LightningModule
+    assert "self.trainer.precision_plugin.clip_gradients(" in inspect.getsource(module.clip_gradients), \
+        f"{package}: LightningModule.clip_gradients no longer calls the trainer's precision plugin"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(got))  # pickled as the plugin it was
+    assert type(again) is precision.MixedPrecision, type(again)
 
 
 def test_transformers_attention_implementation_attributes():

@@ -1,9 +1,11 @@
 """A user's own LightningModules under ``Trainer(strategy="atp")``: an MLP with
 no plan, with a column/row plan on every 2D mesh of 4 processes (both Lightning packages),
 Megatron's split boundaries, user blocks that only look like the GPT's, the DataLoader
-order with one replica, and a meta-device model materialized as shards.
+order with one replica, and a meta-device model materialized as shards; a transformers
+Llama trained with Lightning's own loop features (validation, a per-step schedule,
+gradient clipping, accumulation, bf16-mixed) against the same script on one process.
 
-Three launches: 4 processes for each Lightning package, 2 for the rest.
+Four launches: 4 processes for each Lightning package, 4 for the Llama, 2 for the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +45,95 @@ def unified_runs() -> List[Dict[str, Any]]:
 @pytest.fixture(scope="module")
 def light() -> List[Dict[str, Any]]:
     return spawn(uw.light_case, 2, init=False, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def llama_runs() -> List[Dict[str, Any]]:
+    pytest.importorskip("lightning.pytorch", reason="pip install lightning")
+    return spawn(uw.llama_case, 4, init=False, timeout=900)
+
+
+def _replicas(ranks: List[Dict[str, Any]], name: str, key: str) -> List[float]:
+    """Per entry, the mean over the data-parallel replicas of ``key`` of run ``name``."""
+    first: Dict[int, List[float]] = {}
+    for r in ranks:
+        first.setdefault(r[name]["coord"][0], r[name][key])
+    per = list(first.values())
+    return [sum(x) / len(per) for x in zip(*per)]
+
+
+def test_user_llama_with_validation_schedule_clipping_accumulation_matches_single_process(llama_runs):
+    """A user's LightningModule holding a transformers Llama (GQA, 2 key/value heads) with
+    ``validation_step`` (``sync_dist``), a per-step LambdaLR warmup-cosine schedule,
+    ``gradient_clip_val`` small enough to clip at every step and ``accumulate_grad_batches=2``,
+    under ``ATPStrategy(mesh=...)`` on 2x2, 1x4, 2x1 with dp=2, 2x1 dp=2 with FSDP, and clipping
+    by value on 2x1 dp=2 (both Lightning packages among them): train and validation losses and
+    the gradient norm equal the same script on one process (float32; the norm clipped by is the
+    one logged as ``grad_norm``); ``precision="bf16-mixed"`` on 2x2 within 3e-2 of it."""
+    torch.set_num_threads(1)  # the references run in this process, beside others
+    refs: Dict[Any, Dict[str, Any]] = {}
+    measured = []
+    for run in uw.LLAMA_RUNS:
+        key = (run.dp, run.clip)
+        if key not in refs:
+            refs[key] = uw.llama_reference(run.dp, run.clip)
+        ref, first = refs[key], llama_runs[0][run.name]
+        assert first["dims"] == (run.dp, *run.mesh), (run.name, first["dims"])
+        exact = run.precision == "32-true"
+        tol = 1e-5 if exact else 3e-2
+        if run.clip == "norm":  # clipped at every step, by the single-process norm, which is logged
+            assert min(ref["norms"]) > 10 * uw.CLIP, ref["norms"]
+            norm_err = max(abs(a - b) / b for a, b in zip(first["norms"], ref["norms"]))
+            assert norm_err <= tol, (run.name, first["norms"], ref["norms"])
+            assert first["logged_norm"] == pytest.approx(first["norms"][-1], rel=1e-6), run.name
+        else:  # elements beyond the clip value at every step; no norm is measured
+            assert min(ref["peaks"]) > 2 * uw.CLIP_VALUE and first["logged_norm"] is None, ref["peaks"]
+            norm_err = max(abs(a - b) / b for a, b in zip(first["peaks"], ref["peaks"]))
+            assert norm_err <= tol, (run.name, first["peaks"], ref["peaks"])
+        worst = {}
+        for what in ("losses", "val_losses"):
+            got, want = _replicas(llama_runs, run.name, what), ref[what]
+            n = uw.LLAMA_STEPS * uw.ACCUMULATE if what == "losses" else 2 * uw.VAL_BATCHES
+            assert len(got) == len(want) == n, (run.name, what, len(got), len(want))
+            worst[what] = max(abs(a - b) for a, b in zip(got, want))
+            assert worst[what] <= tol, (run.name, what, worst[what], got, want)
+        measured.append(f"{run.name} ({run.package}): max |dloss| train {worst['losses']:.1e}, "
+                        f"val {worst['val_losses']:.1e}, norm rel {norm_err:.1e}")
+    print("\n".join(measured))
+    line = llama_runs[0]["2x1 dp2 fsdp"]["notes"][-1]
+    assert line.startswith("mesh dp x d1 x d2 = 2 x 2 x 1 (given), dp=2, FSDP on, plan: 15 modules laid out ("), line
+
+
+def test_threads_per_process_follow_torchrun_unless_the_user_set_them(monkeypatch):
+    """Several processes on this host and no ``OMP_NUM_THREADS``: each takes its share of the
+    cores (at least one), as torchrun and ``train.py``'s launcher keep ranks from
+    oversubscribing the host; a value the user set is left alone, and so is a single process."""
+    import os
+
+    from atp_pipeline.lightning.pl import ATPStrategy
+
+    before = torch.get_num_threads()
+    share = max(1, len(os.sched_getaffinity(0)) // 4)
+    try:
+        for env, processes, want in ((None, 4, share), ("2", 4, before), (None, 1, before)):
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            torch.set_num_threads(before)
+            strategy = ATPStrategy(mesh=(1, 1) if processes == 1 else (2, 2))
+            strategy.parallel_devices = [torch.device("cpu")] * processes
+            strategy._set_threads()
+            assert torch.get_num_threads() == want, (env, processes)
+            if processes == 1:  # one process: nothing to share the cores with
+                assert strategy._threads is None and "OMP_NUM_THREADS" not in os.environ
+            elif env is None:
+                assert os.environ["OMP_NUM_THREADS"] == str(share)
+                assert strategy._threads.startswith(f"{share} thread(s) per process ("), strategy._threads
+            else:
+                assert strategy._threads == f"{before} thread(s) per process (OMP_NUM_THREADS=2)"
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("runs_name", ["pl_runs", "unified_runs"])

@@ -5,7 +5,7 @@ one after another in the same processes). Each returns plain data; the test asse
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -182,4 +182,163 @@ def light_case(rank: int, world: int) -> Dict[str, Any]:
                    "local": [tuple(p.to_local().shape) for p in module.parameters() if hasattr(p, "to_local")],
                    "global": [tuple(p.shape) for p in module.parameters()],
                    "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in module.parameters())}
+    return out
+
+
+# ---------------------------------------------------------------- a user's HF Llama: the training loop's features
+# A tiny transformers Llama with grouped-query attention (8 query heads, 2 key/value heads);
+# each replica's batch is LLAMA_BATCH // dp, so every layout trains on global batches of LLAMA_BATCH
+# samples (with dp = 2, the union of the replicas' DistributedSampler batches).
+LLAMA_BATCH, LLAMA_STEPS, ACCUMULATE, CLIP, CLIP_VALUE, LLAMA_LR = 4, 4, 2, 0.05, 0.002, 2.0
+VAL_EVERY, VAL_BATCHES, WARMUP = 4, 2, 2
+
+
+def llama() -> nn.Module:
+    from .hf_workers import build
+
+    return build("llama", torch.float32, num_key_value_heads=2)
+
+
+def llama_data(n: int, seed: int) -> torch.Tensor:
+    from .hf_workers import SEQ, VOCAB
+
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def warmup_cosine(step: int) -> float:
+    """LambdaLR's factor: linear warmup over WARMUP steps, then a cosine down to 0.1."""
+    import math
+
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    t = min(1.0, (step - WARMUP) / max(1, LLAMA_STEPS - WARMUP))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * t))
+
+
+def llama_module_class(package: str) -> type:
+    """A user's own LightningModule holding a transformers Llama: ``validation_step`` logging
+    with ``sync_dist``, SGD with a per-step LambdaLR warmup-cosine schedule. Records each
+    micro-batch's local train loss, each validation batch's local loss and, before each
+    optimizer step, the global gradient norm (one process: torch's; under "atp":
+    :func:`atp_pipeline.parallel.clip.grad_norm`) and largest gradient element."""
+    pl = _pl(package)
+
+    class LlamaLM(pl.LightningModule):
+        def __init__(self, batch: int, order: Optional[List[int]] = None) -> None:
+            super().__init__()
+            self.model = llama()
+            self.batch, self.order = batch, order
+            self.losses: List[float] = []
+            self.val_losses: List[float] = []
+            self.norms: List[float] = []
+            self.peaks: List[float] = []
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self.model(input_ids=x, labels=x).loss
+            self.log("loss", loss, sync_dist=True)
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, x: torch.Tensor, batch_idx: int) -> None:
+            loss = self.model(input_ids=x, labels=x).loss
+            self.log("val_loss", loss, sync_dist=True)
+            self.val_losses.append(loss.item())
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            comm = getattr(self.trainer.strategy, "comm", None)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if comm is None:
+                self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+                self.peaks.append(max(float(g.abs().max()) for g in grads))
+            else:
+                from atp_pipeline.parallel.clip import grad_norm
+
+                self.norms.append(float(grad_norm(self.parameters(), comm)))
+                from torch.distributed.tensor import DTensor
+
+                peak = torch.tensor(max(float((g.to_local() if isinstance(g, DTensor) else g).abs().max())
+                                        for g in grads))
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+                self.peaks.append(float(peak))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=LLAMA_LR)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+        def train_dataloader(self) -> DataLoader:
+            data = llama_data(64, 2)
+            if self.order is not None:
+                data = data[self.order]
+            return DataLoader(data, batch_size=self.batch, shuffle=False)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(llama_data(16, 3), batch_size=self.batch, shuffle=False)
+
+    return LlamaLM
+
+
+def llama_trainer(package: str, strategy: Any, devices: int, precision: str = "32-true", clip: str = "norm") -> Any:
+    pl = _pl(package)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=LLAMA_STEPS,
+                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP if clip == "norm" else CLIP_VALUE,
+                      gradient_clip_algorithm=clip, val_check_interval=VAL_EVERY,
+                      limit_val_batches=VAL_BATCHES, num_sanity_val_steps=0, precision=precision, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def llama_reference(dp: int, clip: str = "norm", package: str = "pytorch_lightning") -> Dict[str, Any]:
+    """The same script on one process (float32): global batches of LLAMA_BATCH in the order the
+    layout's replicas see together (dp = 2: Lightning's DistributedSampler, shuffle, seed 0)."""
+    from torch.utils.data import DistributedSampler
+
+    order = None
+    if dp > 1:
+        per = LLAMA_BATCH // dp
+        shards = [list(DistributedSampler(range(64), num_replicas=dp, rank=r, shuffle=True, seed=0))
+                  for r in range(dp)]
+        order = [i for k in range(len(shards[0]) // per) for s in shards for i in s[k * per:(k + 1) * per]]
+    module = llama_module_class(package)(LLAMA_BATCH, order)
+    trainer = llama_trainer(package, "auto", 1, clip=clip)
+    trainer.fit(module)
+    return {"losses": module.losses, "val_losses": module.val_losses, "norms": module.norms, "peaks": module.peaks}
+
+
+class LlamaRun(NamedTuple):
+    """One Trainer of the grouped launch: a layout, a precision, a clipping algorithm, a package."""
+
+    name: str
+    mesh: Tuple[int, int]
+    dp: int = 1
+    fsdp: bool = False
+    precision: str = "32-true"
+    clip: str = "norm"
+    package: str = "pytorch_lightning"
+
+
+#: the grouped launch's runs (the two Lightning packages in turn)
+LLAMA_RUNS = (LlamaRun("2x2", (2, 2)),
+              LlamaRun("1x4", (1, 4), package="lightning.pytorch"),
+              LlamaRun("2x1 dp2", (2, 1), dp=2, package="lightning.pytorch"),
+              LlamaRun("2x1 dp2 fsdp", (2, 1), dp=2, fsdp=True),
+              LlamaRun("2x1 dp2 value", (2, 1), dp=2, clip="value"),
+              LlamaRun("2x2 bf16-mixed", (2, 2), precision="bf16-mixed", package="lightning.pytorch"))
+
+
+def llama_case(rank: int, world: int, runs: Tuple[LlamaRun, ...] = LLAMA_RUNS) -> Dict[str, Any]:
+    """Each of ``runs`` in turn: the user's Llama module (:func:`llama_module_class`) under
+    ``Trainer(strategy=ATPStrategy(mesh=..., dp=..., fsdp=...), gradient_clip_val=...,
+    gradient_clip_algorithm=..., accumulate_grad_batches=2, precision=...)``."""
+    out: Dict[str, Any] = {}
+    for name, mesh, dp, fsdp, precision, clip, package in runs:
+        module = llama_module_class(package)(LLAMA_BATCH // dp)
+        strategy = _strategy(package, mesh=mesh, dp=dp, fsdp=fsdp)
+        trainer = llama_trainer(package, strategy, world, precision, clip)
+        trainer.fit(module)
+        logged = trainer.callback_metrics.get("grad_norm")
+        out[name] = {"losses": module.losses, "val_losses": module.val_losses, "norms": module.norms,
+                     "peaks": module.peaks,
+                     "logged_norm": None if logged is None else float(logged), "dims": strategy.mesh_shape,
+                     "coord": list(strategy.device_mesh.get_coordinate()), "notes": strategy.notes,
+                     "threads": torch.get_num_threads()}
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -48,6 +48,14 @@ def above(obj: Any, group: str, low: float, *keys: str) -> None:
         value = getattr(obj, key)
         if _number(value) and not value > low:
             raise ConfigError(f"{group}.{key}={value} must be > {low:g}")
+
+
+def one_of(obj: Any, group: str, key: str, allowed: Sequence[str]) -> None:
+    """``obj.key`` is one of ``allowed`` (a string option whose values are not Python names,
+    e.g. ``32-true``); else one line naming ``<group>.<key>`` and the choices."""
+    value = getattr(obj, key)
+    if value not in allowed:
+        raise ConfigError(f"{group}.{key}={value} must be one of {', '.join(allowed)}")
 
 
 class Routing(str, Enum):
@@ -495,11 +503,27 @@ class TrainerConfig:
     # a collective of the process group that makes no progress this long fails the rank (torch's
     # default); a failing rank closes its connections, so its peers fail at once after it
     collective_timeout_s: float = 1800.0
+    # Lightning's own: clip the gradients before each optimizer step — by their global 2-norm over
+    # every tensor-parallel shard and data-parallel replica ("norm"), or each element ("value");
+    # null or 0: no clipping. The norm is logged as grad_norm (metrics.csv).
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: str = "norm"
+    # Lightning's precision: 32-true (float32, or the model's float64), bf16-mixed (autocast: bf16
+    # matmuls, float32 weights and optimizer), bf16-true (weights and activations in bf16)
+    precision: str = "32-true"
 
     def __post_init__(self) -> None:
         at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
-        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay")
+        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay", "gradient_clip_val")
         above(self, "trainer", 0, "collective_timeout_s")
+        one_of(self, "trainer", "gradient_clip_algorithm", CLIP_ALGORITHMS)
+        one_of(self, "trainer", "precision", PRECISIONS)
+
+
+#: ``trainer.gradient_clip_algorithm`` (Lightning's names)
+CLIP_ALGORITHMS = ("norm", "value")
+#: ``trainer.precision``: Lightning's precisions strategy "atp" runs (ModelParallelStrategy's, less 16-bit floats)
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 @dataclass

@@ -23,7 +23,14 @@ is :mod:`atp_pipeline.run.resolve`'s:
    replicas through one :class:`~atp_pipeline.parallel.grad_sync.GradSync` (``ring``, or the
    in-network aggregation backend for ``atp``/``ps``) — or, with ``fsdp=True``, **sharded
    data parallelism**: FSDP2 over the ``dp`` axis after the layout
-   (:mod:`atp_pipeline.parallel.fsdp`), whose reduce-scatter averages the gradients.
+   (:mod:`atp_pipeline.parallel.fsdp`), whose reduce-scatter averages the gradients;
+4. **Lightning's loop** around it: ``gradient_clip_val`` (by norm or value) reaches the
+   precision plugin, into which the global clipping of :mod:`atp_pipeline.lightning.precision`
+   is mixed (the norm over every shard and replica, :mod:`atp_pipeline.parallel.clip`; logged
+   as ``grad_norm``); ``precision="bf16-mixed"``/``"bf16-true"`` are Lightning's own (the
+   runtime follows autocast, :mod:`atp_pipeline.parallel.amp`); several processes on one host
+   each take their share of its cores unless ``OMP_NUM_THREADS`` is set; in a user's Trainer,
+   rank 0 prints one line naming the mesh, dp, FSDP, the plan applied and the threads.
 
 With no plan and no adapter, the model stays whole: replicated over the tensor-parallel
 ranks, data parallel over the rest (``mesh="auto"`` then uses every device for data
@@ -41,6 +48,9 @@ registers communication hooks only on CUDA — the sync here runs on CPU and GPU
 
 from __future__ import annotations
 
+import importlib
+import os
+from collections import Counter
 from datetime import timedelta
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -57,6 +67,7 @@ from atp_pipeline.config.schema import (
     PlannerKind,
 )
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.lightning.precision import GlobalClipMixin, with_global_clipping
 from atp_pipeline.models.adapter import adapters, find_adapters, prefixed
 from atp_pipeline.parallel.apply import apply_plan
 from atp_pipeline.parallel.comm import Comm, comm_for
@@ -136,6 +147,8 @@ class ATPStrategyMixin:
         self.mesh_shape: Optional[Mesh3] = None
         self.applied_plan: Dict[str, str] = {}
         self.notes: List[str] = []
+        self.grad_norm: Optional[torch.Tensor] = None  # the global norm the last clip by norm measured
+        self._threads: Optional[str] = None  # what setup_environment did about threads (the layout line)
 
     @classmethod
     def for_run(cls, spec: Any) -> Any:
@@ -148,6 +161,52 @@ class ATPStrategyMixin:
                        timeout=timedelta(seconds=c.trainer.collective_timeout_s))
         strategy._decided = spec.mesh
         return strategy
+
+    # ------------------------------------------------------------------ precision, clipping
+    @property
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin, clipping gradients over the whole mesh
+        (:mod:`atp_pipeline.lightning.precision`): ``gradient_clip_val`` and
+        ``gradient_clip_algorithm`` ("norm" | "value") as on one process."""
+        plugin = super().precision_plugin  # type: ignore[misc]
+        if not isinstance(plugin, GlobalClipMixin):
+            plugin = with_global_clipping(plugin, self)
+            self._precision_plugin = plugin
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = plugin  # mixed in when next asked for
+
+    def record_grad_norm(self, norm: torch.Tensor) -> None:
+        """Keep the global gradient norm a clip measured (``grad_norm``) and log it as
+        ``grad_norm`` where Lightning allows logging (its clipping hooks do)."""
+        self.grad_norm = norm
+        module = self.lightning_module  # type: ignore[attr-defined]
+        package = getattr(self, "lightning_package", "pytorch_lightning")
+        refused = importlib.import_module(f"{package}.utilities.exceptions").MisconfigurationException
+        try:
+            module.log("grad_norm", norm.float(), on_step=True, on_epoch=False, sync_dist=False)
+        except refused:  # a hook where Lightning allows no logging: the norm stays on self.grad_norm
+            pass
+
+    def _set_threads(self) -> None:
+        """Several processes on this host and no ``OMP_NUM_THREADS``: each takes its share of the
+        cores (``torch.set_num_threads`` and ``OMP_NUM_THREADS``: cores // processes, at least 1),
+        as torchrun and ``train.py``'s launcher keep ranks from oversubscribing the host (4 CPU
+        ranks each using every core ran 4.5-11x slower). Lightning's own launcher sets that share
+        in the process it runs in, but not in the processes it starts; a value the user set is kept."""
+        local = int(getattr(self, "num_processes", 1) or 1)
+        value = os.environ.get("OMP_NUM_THREADS")
+        if value is None and local > 1:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            n = max(1, cores // local)
+            os.environ["OMP_NUM_THREADS"] = str(n)
+            torch.set_num_threads(n)
+            self._threads = (f"{n} thread(s) per process ({cores} cores / {local} processes on this host; "
+                             f"OMP_NUM_THREADS chooses)")
+        elif value is not None:
+            self._threads = f"{torch.get_num_threads()} thread(s) per process (OMP_NUM_THREADS={value})"
 
     # ------------------------------------------------------------------ mesh
     def _say(self, line: str) -> None:
@@ -274,6 +333,7 @@ class ATPStrategyMixin:
         return adapter.shape(module).with_step(batch_size=batch)
 
     def setup_environment(self) -> None:
+        self._set_threads()
         self._setup_distributed()  # type: ignore[attr-defined]
         self.mesh_shape = self._resolve_mesh(self.world_size)  # type: ignore[attr-defined]
         self._device_mesh = init_mesh(self.mesh_shape, device_type=self.root_device.type)  # type: ignore[attr-defined]
@@ -368,6 +428,24 @@ class ATPStrategyMixin:
         if fitting and self._sync is None and dp.size() > 1 and not self.fsdp:  # FSDP reduce-scatters itself
             self._sync = self._grad_sync(dp)
         self._training = fitting
+        if self._decided is None:  # a user's Trainer (train.py reports its resolved run itself)
+            self._say(self.layout_line())
+
+    def layout_line(self) -> str:
+        """What this strategy realized, in one line: the mesh and where it came from, dp, FSDP,
+        the plan applied (styles and how many modules each), the threads per process."""
+        dp, d1, d2 = self.mesh_shape or (1, 1, 1)
+        spec = self._mesh_spec
+        source = ("an SBP plan" if _is_sbp(spec) else "given" if isinstance(spec, tuple) or hasattr(spec, "mesh_shape")
+                  else "ATP's planner" if spec in ("auto", None) and self._families() else f"'{spec}'")
+        styles = Counter(str(v).partition("(")[0] for v in self.applied_plan.values())
+        plan = (f"plan: {len(self.applied_plan)} modules laid out ("
+                + ", ".join(f"{n} {style}" for style, n in styles.most_common()) + ")"
+                if self.applied_plan else "plan: none (modules whole)")
+        agg = "" if self.aggregation == "ring" or dp == 1 else f", aggregation {self.aggregation}"
+        threads = f"; {self._threads}" if self._threads else ""
+        return (f"mesh dp x d1 x d2 = {dp} x {d1} x {d2} ({source}), dp={dp}, FSDP "
+                f"{'on' if self.fsdp else 'off'}{agg}, {plan}{threads}")
 
     def _grad_sync(self, dp_mesh: Any) -> GradSync:
         if self.aggregation == "ring":

@@ -39,6 +39,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from atp_pipeline.parallel import amp
 from atp_pipeline.parallel.comm import Comm, wait
 
 
@@ -88,13 +89,14 @@ class LinearAllReduce(torch.autograd.Function):
                 fan: Optional[FanIn]) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.comm, ctx.bwd_axis, ctx.fan = comm, bwd_axis, fan
+        amp.record(ctx, x)
         y = F.linear(x, w)
         comm.all_reduce(y, fwd_axis)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        x, w = ctx.saved_tensors
+        x, w, g = amp.cast(ctx, *ctx.saved_tensors, g)  # as the forward's autocast computed
         comm: Comm = ctx.comm
         fan: Optional[FanIn] = ctx.fan
         gx = handle = None
@@ -301,22 +303,26 @@ class VocabSplitLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.comm = comm
+        amp.record(ctx, x)
         d2 = comm.size("d2")
         if d2 == 1:
             return F.linear(x, w)
         rows = token_rows(x.shape[0], d2)
         m = rows // d2
         xr = _padded(x, rows * d2).reshape(d2, d2, m, x.shape[1])  # [owner, round, row, h/d2]
-        out = x.new_empty(d2, m, w.shape[0])
+        out: Optional[torch.Tensor] = None
         for r in range(d2):
             y = F.linear(xr[:, r].reshape(d2 * m, x.shape[1]), w)  # partial logits, owner-major
+            if out is None:  # in the linear's dtype (under autocast: not x's)
+                out = y.new_empty(d2, m, w.shape[0])
             comm.reduce_scatter(out[r], y, "d2")
             del y
+        assert out is not None
         return out.view(rows, w.shape[0])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        x, w = ctx.saved_tensors
+        x, w, g = amp.cast(ctx, *ctx.saved_tensors, g)  # as the forward's autocast computed
         comm: Comm = ctx.comm
         d2, n, hl = comm.size("d2"), x.shape[0], x.shape[1]
         gx = gw = None
@@ -417,8 +423,9 @@ def split_last(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
                                  axis: str) -> torch.Tensor:
-    """Mean cross-entropy; equals ``F.cross_entropy`` on the gathered logits."""
-    flat = logits.reshape(-1, logits.shape[-1])
+    """Mean cross-entropy; equals ``F.cross_entropy`` on the gathered logits (under autocast in
+    float32, as autocast runs ``F.cross_entropy``)."""
+    flat = amp.autocast_fp32(logits.reshape(-1, logits.shape[-1]))
     if comm.size(axis) == 1:
         return F.cross_entropy(flat, targets.reshape(-1))
     return VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, axis).mean()

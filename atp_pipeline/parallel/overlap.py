@@ -12,10 +12,11 @@ another chunk computes, whatever the block's code is; with ``chunks = 1`` nothin
 
 Coroutines are threads of a small pool (made once: a new thread's first kernels pay the
 libraries' per-thread set-up) of which exactly one runs at a time (a baton passed
-round-robin), with the caller's grad mode and intra-op thread count (OpenMP's is per
-thread: a new thread would otherwise compute on every core while its process is meant to
-use its own). The order in which collectives are issued is the same on every rank: the
-schedule is a function of the code alone.
+round-robin), with the caller's grad mode, autocast (mixed precision) and intra-op thread
+count (each is per thread: a new thread would otherwise compute in float32 under
+``bf16-mixed``, or on every core while its process is meant to use its own). The order in
+which collectives are issued is the same on every rank: the schedule is a function of the
+code alone.
 
 **The backward is a wavefront too** (:class:`_ChunkedBlock`): each chunk's inputs are
 leaves of a graph of its own, so the block's backward runs each chunk's graph in its
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.parallel import amp
 from atp_pipeline.parallel.comm import set_yield_point
 
 
@@ -79,12 +81,13 @@ class Wavefront:
         self.turn[j].release()
         self.turn[i].acquire()
 
-    def _body(self, i: int, state: Tuple[bool, bool, int]) -> None:
+    def _body(self, i: int, state: Tuple[bool, bool, int, amp.AutocastState]) -> None:
         self.turn[i].acquire()
-        grad, inference, threads = state
+        grad, inference, threads, autocast = state
         try:
             torch.set_num_threads(threads)  # a new thread's OpenMP team is the machine's, not the process's
-            with torch.inference_mode(inference) if inference else torch.set_grad_enabled(grad):
+            with torch.inference_mode(inference) if inference else torch.set_grad_enabled(grad), \
+                    amp.entered(autocast):
                 set_yield_point(lambda: self._pass(i))
                 self.results[i] = self.thunks[i]()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -99,7 +102,7 @@ class Wavefront:
                 self.turn[j].release()
 
     def run(self) -> List[Any]:
-        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_num_threads())
+        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_num_threads(), amp.state())
         if getattr(_WORKER, "index", None) is None:
             for i in range(len(self.thunks)):  # the chunks run on the pool's threads (made once)
                 _worker(i).put(lambda i=i: self._body(i, state))

@@ -31,6 +31,7 @@ from atp_pipeline.config.schema import (
     AggregationMode,
     Config,
     DataSource,
+    DType,
     MeshStrategy,
     PlannerKind,
     Stage,
@@ -93,10 +94,11 @@ class RunSpec:
 
     @property
     def precision(self) -> str:
-        """Lightning's precision plugin: ``32-true`` (no casting) for every dtype the worker
-        builds in itself — an fp64 model is cast before fit; Lightning's ``64-true`` is refused
-        by ``ModelParallelStrategy``, the base of strategy "atp"."""
-        return "32-true"
+        """Lightning's precision plugin (``trainer.precision``): ``32-true`` (no casting) runs the
+        dtype the worker builds in — an fp64 model is cast before fit (Lightning's ``64-true`` is
+        refused by ``ModelParallelStrategy``, the base of strategy "atp"); ``bf16-mixed`` and
+        ``bf16-true`` start from float32 (:func:`check_precision`)."""
+        return self.config.trainer.precision
 
 
 def _mode(mode: Any) -> AggregationMode:
@@ -443,6 +445,7 @@ def resolve(cfg: Any) -> RunSpec:
             raise ConfigError(why)
     if fitting:
         check_accelerator(cfg.trainer.accelerator, topo, devices)
+        check_precision(cfg)
     if cfg.resume and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
     return RunSpec(config=cfg, topology=topo, occupied=planned.occupied, devices=devices, dp=dp, shape=shape,
@@ -469,6 +472,14 @@ def check_layout(cfg: Config, planner: str) -> None:
         why = fsdp_infeasibility(model)
         if why:
             raise ConfigError(f"mesh.fsdp=true: model '{cfg.model.name}': {why}")
+
+
+def check_precision(cfg: Config) -> None:
+    """``trainer.precision`` against the model's dtype: the bf16 precisions cast a float32
+    model; a float64 one (``model.dtype=fp64``, the exactness checks' dtype) runs ``32-true``."""
+    if cfg.trainer.precision != "32-true" and cfg.model.dtype == DType.fp64:
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision} casts a float32 model, but model.dtype=fp64 "
+                          f"trains in float64: use trainer.precision=32-true, or another model.dtype")
 
 
 def check_accelerator(accel: str, topo: Topology, devices: int) -> None:

@@ -103,7 +103,8 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
                          max_steps=t.max_steps, logger=loggers, log_every_n_steps=t.log_every_n_steps,
                          callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt]
                          + ([progress_bar()] if t.progress_bar else []),
-                         enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision)
+                         enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision,
+                         gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     trainer.fit(module, datamodule=data, ckpt_path=c.resume)
     exported = adapter.export(module.model, str(out / "hf")) if t.export else None
     coord = strategy.device_mesh.get_coordinate()
