@@ -488,10 +488,12 @@ class TrainerConfig:
     # a collective of the process group that makes no progress this long fails the rank (torch's
     # default); a failing rank closes its connections, so its peers fail at once after it
     collective_timeout_s: float = 1800.0
+    # a fit whose ranks fail is launched again, from its newest complete checkpoint, up to this many times
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
-        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay")
+        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay", "max_restarts")
         above(self, "trainer", 0, "collective_timeout_s")
 
 
@@ -534,7 +536,8 @@ class CalibrationConfig:
 class Config:
     stage: Stage = Stage.fit
     seed: int = 0
-    resume: Optional[str] = None  # a checkpoint directory of an earlier run to continue
+    # a checkpoint of an earlier run to continue; auto: the newest complete one of this run directory
+    resume: Optional[str] = None
     topology: TopologyConfig = MISSING
     model: ModelConfig = MISSING
     mesh: MeshConfig = MISSING
