@@ -65,7 +65,7 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[str]:
     if not path.exists():
         raise ConfigError(f"resume={resume}: no such checkpoint")
     if not is_complete(path):
-        raise ConfigError(f"resume={resume}: a partial checkpoint (" + ("no .metadata or meta.pt: a run failed "
-                          "while writing it" if path.is_dir() else "not a complete archive") + "); resume=auto takes "
-                          "the newest complete one of a run directory")
+        raise ConfigError(f"resume={resume}: not a complete checkpoint (" + ("no .metadata or meta.pt: partial, "
+                          "e.g. its run failed while writing it" if path.is_dir() else "not a complete archive")
+                          + "); resume=auto takes the newest complete one of a run directory")
     return str(path)
