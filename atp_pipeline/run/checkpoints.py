@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 from atp_pipeline.errors import ConfigError
 
 _STEP = re.compile(r"^step(\d+)\.ckpt$")
+_LAST = re.compile(r"^last(-v\d+)?\.ckpt$")  # Lightning's save_last (a -vN when one was there already)
 
 
 def is_complete(path: Path) -> bool:
@@ -27,21 +28,29 @@ def is_complete(path: Path) -> bool:
     return path.is_file() and zipfile.is_zipfile(path)
 
 
-def step_checkpoints(run_dir: Path) -> List[Tuple[int, Path]]:
-    """``(step, path)`` of every ``step<N>.ckpt`` of ``run_dir``, oldest first."""
-    d = Path(run_dir) / "checkpoints"
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP.match(p.name))] if d.is_dir() else []
-    return sorted(found)
+def checkpoint_step(path: Path) -> int:
+    """The global step a complete checkpoint resumes at: from its name ``step<N>.ckpt``, else from the
+    loop state Lightning saved in it (``last.ckpt``)."""
+    m = _STEP.match(path.name)
+    if m:
+        return int(m.group(1))
+    import torch
+
+    meta = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=False)
+    return int(meta["global_step"])
 
 
 def newest_complete(run_dir: Path) -> Tuple[Optional[Path], List[Path]]:
-    """The newest complete checkpoint of ``run_dir`` (None if none) and the partial ones newer than it."""
-    partial: List[Path] = []
-    for _, path in reversed(step_checkpoints(run_dir)):
-        if is_complete(path):
-            return path, partial
-        partial.append(path)
-    return None, partial
+    """The newest complete checkpoint of ``run_dir`` (the highest step; a ``step<N>.ckpt`` before a
+    ``last.ckpt`` of the same step; None if none) and the partial ones newer than it (or of unknown step)."""
+    d = Path(run_dir) / "checkpoints"
+    found = [p for p in d.iterdir() if _STEP.match(p.name) or _LAST.match(p.name)] if d.is_dir() else []
+    complete = sorted(((checkpoint_step(p), bool(_STEP.match(p.name)), p) for p in found if is_complete(p)),
+                      key=lambda t: (t[0], t[1]))
+    best = complete[-1] if complete else None
+    partial = sorted(p for p in found if not is_complete(p) and (
+        best is None or not _STEP.match(p.name) or checkpoint_step(p) > best[0]))
+    return (best[2] if best else None), partial
 
 
 def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[str]:

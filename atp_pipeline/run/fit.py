@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.launch import LaunchError, spawn
-from atp_pipeline.run.checkpoints import newest_complete
+from atp_pipeline.run.checkpoints import checkpoint_step, newest_complete
 from atp_pipeline.run.console import to_log
 from atp_pipeline.run.report import read_metrics, report_fit, report_plan
 from atp_pipeline.run.resolve import RunSpec
@@ -64,8 +64,8 @@ def _role_report(services: Any) -> Dict[str, Any]:
 
 
 def _step_of(ckpt: Optional[Path]) -> int:
-    """The step a checkpoint ``step<N>.ckpt`` resumes at (0: none)."""
-    return int(ckpt.name[len("step"):-len(".ckpt")]) if ckpt is not None else 0
+    """The step a checkpoint resumes at (0: none)."""
+    return checkpoint_step(ckpt) if ckpt is not None else 0
 
 
 def _keep_metrics(out: Path, earlier: Dict[int, Dict[str, float]], upto: Optional[int]) -> None:
