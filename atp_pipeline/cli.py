@@ -64,6 +64,16 @@ def describe_composition(exc: Exception) -> str:
 EXIT_FAILED = 1
 
 
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # noqa: BLE001 - no Hydra app around (a test calling the task itself)
+        return False
+
+
 def report_failure(exc: LaunchError) -> NoReturn:
     """A run whose ranks failed: one line naming the cause, then where every rank's report is (not
     Hydra's "Error executing job", nor the survivors' tracebacks: they are in ``train.log``)."""
@@ -87,6 +97,10 @@ def exits_on_bad_input(task: Callable[..., Any]) -> Callable[..., Any]:
         except ConfigError as exc:
             _fail(str(exc))
         except LaunchError as exc:  # the ranks failed: the cause first, the ranks' reports in train.log
+            if _multirun():  # a sweep goes on to its next point (Hydra reports the failed one at the end)
+                sys.stderr.write(f"error: {exc.cause}" + (f" (every rank's report: {exc.log})" if exc.log else "")
+                                 + "\n")
+                raise
             report_failure(exc)
 
     return wrapper

@@ -180,3 +180,37 @@ def test_faults_end_every_rank_within_30_s_with_one_line(tmp_path):
         for r in runs.values():
             if r["proc"].poll() is None or _session(r["proc"].pid):
                 os.killpg(r["proc"].pid, signal.SIGKILL)
+
+
+def test_the_cause_is_what_failed_first_and_the_console_gets_it_in_one_line(capsys):
+    """:func:`first_cause` over the ranks' reports: a dead role, then a killed rank, then the first
+    error that is not a consequence of another rank's (a peer's closed connection), ENOSPC named even
+    when a checkpoint writer wraps it; ``train.py`` prints that line and the log's path, exit 1."""
+    from atp_pipeline.cli import exits_on_bad_input
+    from atp_pipeline.launch import DEPENDENCY, LaunchError, first_cause
+
+    peer = "rank 0 failed:\nTraceback (most recent call last):\n  File \"x\"\nRuntimeError: Connection closed by peer"
+    own = "rank 1 failed:\nTraceback (most recent call last):\n  File \"y\"\nValueError: bad batch\n  detail"
+    dead = "rank 3 died without reporting (exit code -9, signal 9)"
+    full = ("rank 2 failed:\nTraceback (most recent call last):\n  File \"z\", in save_checkpoint\n"
+            "torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:{0: (OSError(28, "
+            "'No space left on device'), ' Traceback ... OSError: [Errno 28] No space left on device')}")
+    assert first_cause([peer, own]) == "rank 1 failed: ValueError: bad batch"
+    assert first_cause([peer, own, dead]) == dead
+    assert first_cause([f"{DEPENDENCY}the aggregation switch role (pid 7) died (exit code -9, signal 9)", dead]) \
+        == "the aggregation switch role (pid 7) died (exit code -9, signal 9)"
+    assert first_cause([peer, full]) == ("rank 2 failed: OSError: [Errno 28] No space left on device while saving "
+                                         "a checkpoint")
+    assert first_cause([peer]) == "rank 0 failed: RuntimeError: Connection closed by peer"
+
+    err = LaunchError([peer, dead])
+    err.log = "/runs/x/train.log"
+
+    @exits_on_bad_input
+    def task() -> None:
+        raise err
+
+    with pytest.raises(SystemExit) as ex:
+        task()
+    assert ex.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {dead}", "every rank's report: /runs/x/train.log"]
