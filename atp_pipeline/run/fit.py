@@ -29,7 +29,11 @@ def _role_report(services: Any) -> Dict[str, Any]:
     try:
         st = services.stats()
     except Exception as e:  # noqa: BLE001 - a role that died: say so, do not mask the run's error
-        print(f"aggregation: could not read the roles' counters ({e})")
+        line = f"aggregation: could not read the roles' counters ({e})"
+        if services.dead_role() is None:
+            print(line)
+        else:  # the run failed because a role died: its one line says so, this goes to train.log
+            to_log(line)
         return {"error": str(e)}
     sw = st["switch"]
     rep = {"switch_allocated_after": sw["allocated"], "switch_jobs": sw["jobs"],
@@ -61,6 +65,20 @@ def _role_report(services: Any) -> Dict[str, Any]:
             print(f"aggregation: BMv2 running {sw['bmv2']['json']}: {done} of {seqs} sequences completed in the switch "
                   f"({rep['bmv2']['in_switch_frac']:.2%}; counters job_complete / job_params)")
     return rep
+
+
+def _full_disk(e: LaunchError, out: Path) -> None:
+    """A checkpoint writer that met a full disk does not always say so (torch.save's archive writer
+    reports a short write as "unexpected pos"): name it when the checkpoint directory has no space left."""
+    ck = out / "checkpoints"
+    if "No space left on device" in e.cause or not ck.exists() or "checkpoint" not in str(e).lower():
+        return
+    try:
+        st = os.statvfs(ck)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < 64 * 1024:
+        e.cause = f"No space left on device of {ck} while saving a checkpoint ({e.cause})"
 
 
 def _step_of(ckpt: Optional[Path]) -> int:
@@ -105,7 +123,8 @@ def _launch(spec: RunSpec, out: Path, extra: Dict[str, Any]) -> List[Dict[str, A
                      watch=services.dead_role if services is not None else None)
     finally:
         if services is not None:
-            extra["aggregation_roles"] = _role_report(services)
+            dead = services.dead_role()  # (its counters are gone with it: no waiting on a dead peer)
+            extra["aggregation_roles"] = _role_report(services) if dead is None else {"error": dead}
             services.stop()
 
 
@@ -136,6 +155,7 @@ def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
                 results = _launch(spec, out, extra)
                 break
             except LaunchError as e:  # the console gets the cause (cli); the log every rank's report
+                _full_disk(e, out)
                 e.log = to_log(f"error: {e.cause}\n--- every rank's report ---\n{e}")
                 if attempt == restarts:
                     raise
