@@ -23,8 +23,7 @@ from hydra.errors import (
 )
 from omegaconf.errors import OmegaConfBaseException
 
-from atp_pipeline.errors import ConfigError, describe_omegaconf, first_line
-from atp_pipeline.launch import LaunchError
+from atp_pipeline.errors import ConfigError, LaunchError, describe_omegaconf, first_line
 
 EXIT_BAD_INPUT = 2
 

@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
+from atp_pipeline.errors import LaunchError  # noqa: F401 - raised here, caught by the entry point
+
 if TYPE_CHECKING:
     import torch.multiprocessing as mp
 
@@ -216,18 +218,6 @@ LOST_GRACE_S = 10.0
 DEPENDENCY = "the ranks lost what they depend on: "  # a failure that spawn's ``watch`` reported
 
 
-class LaunchError(RuntimeError):
-    """Ranks failed. ``str()`` is every rank's report (tracebacks included); :attr:`cause` is the one
-    line that names what failed first (:func:`first_cause`); :attr:`log` where the report was
-    written, once it was (``train.py`` prints the cause and that path, nothing else)."""
-
-    def __init__(self, failures: List[str]) -> None:
-        super().__init__("\n".join(failures))
-        self.failures = list(failures)
-        self.cause = first_cause(failures)
-        self.log: Optional[str] = None
-
-
 def _exception_line(report: str) -> str:
     """The last exception line of a traceback (the outermost exception's first line)."""
     lines = [ln for ln in report.splitlines() if ln.strip()]
@@ -342,7 +332,7 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, t
                     _dump_stacks([procs[r] for r in missing])
                 break
         if failures:
-            raise LaunchError(failures)
+            raise LaunchError(failures, first_cause(failures))
         for r, (_, value) in done.items():
             out[r] = value
     finally:
