@@ -23,7 +23,7 @@ from hydra.errors import (
 )
 from omegaconf.errors import OmegaConfBaseException
 
-from atp_pipeline.errors import ConfigError, describe_omegaconf, first_line
+from atp_pipeline.errors import ConfigError, LaunchError, describe_omegaconf, first_line
 
 EXIT_BAD_INPUT = 2
 
@@ -60,6 +60,31 @@ def describe_composition(exc: Exception) -> str:
     return head if not cause else f"{head.rstrip('.:')}: {first_line(str(cause))}"
 
 
+EXIT_FAILED = 1
+
+
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # noqa: BLE001 - no Hydra app around (a test calling the task itself)
+        return False
+
+
+def report_failure(exc: LaunchError) -> NoReturn:
+    """A run whose ranks failed: one line naming the cause, then where every rank's report is (not
+    Hydra's "Error executing job", nor the survivors' tracebacks: they are in ``train.log``)."""
+    sys.stderr.write(f"error: {exc.cause}\n")
+    if exc.log:
+        sys.stderr.write(f"every rank's report: {exc.log}\n")
+    else:
+        sys.stderr.write(f"{exc}\n")  # no log to point to: the reports here
+    sys.stderr.flush()
+    raise SystemExit(EXIT_FAILED)
+
+
 def exits_on_bad_input(task: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a Hydra task function: a :class:`ConfigError` inside it exits like one at compose
     time (Hydra would otherwise add an "Error executing job" line and, in a multirun, go on)."""
@@ -70,6 +95,12 @@ def exits_on_bad_input(task: Callable[..., Any]) -> Callable[..., Any]:
             return task(*args, **kwargs)
         except ConfigError as exc:
             _fail(str(exc))
+        except LaunchError as exc:  # the ranks failed: the cause first, the ranks' reports in train.log
+            if _multirun():  # a sweep goes on to its next point (Hydra reports the failed one at the end)
+                sys.stderr.write(f"error: {exc.cause}" + (f" (every rank's report: {exc.log})" if exc.log else "")
+                                 + "\n")
+                raise
+            report_failure(exc)
 
     return wrapper
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import List, Optional
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -20,6 +21,24 @@ class ConfigError(ValueError):
         if "\n" in message:
             message = " ".join(part.strip() for part in message.splitlines() if part.strip())
         super().__init__(message)
+
+
+class LaunchError(RuntimeError):
+    """Ranks failed (:func:`atp_pipeline.launch.spawn`). ``str()`` is every rank's report (tracebacks
+    included); :attr:`cause` is the one line that names what failed first
+    (:func:`atp_pipeline.launch.first_cause`); :attr:`log` where the report was written, once it was
+    (``train.py`` prints the cause and that path, nothing else). Here, not in the launcher: the
+    entry point catches it without importing the launcher."""
+
+    def __init__(self, failures: List[str], cause: Optional[str] = None) -> None:
+        super().__init__("\n".join(failures))
+        self.failures = list(failures)
+        if cause is None:
+            from atp_pipeline.launch import first_cause
+
+            cause = first_cause(failures)
+        self.cause = cause
+        self.log: Optional[str] = None
 
 
 def first_line(text: str) -> str:

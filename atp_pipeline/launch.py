@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
+from atp_pipeline.errors import LaunchError  # noqa: F401 - raised here, caught by the entry point
+
 if TYPE_CHECKING:
     import torch.multiprocessing as mp
 
@@ -207,10 +209,49 @@ def _dump_stacks(procs: List[Any]) -> None:
 
 PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
+# what a rank says when another rank went first (its peer closed the connections, or tore the job down)
+AFTER_ANOTHER = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                 "Application timeout caused pair closure", "torn down meanwhile", "gave no result within")
+
+
+LOST_GRACE_S = 10.0
+DEPENDENCY = "the ranks lost what they depend on: "  # a failure that spawn's ``watch`` reported
+
+
+def _exception_line(report: str) -> str:
+    """The last exception line of a traceback (the outermost exception's first line)."""
+    lines = [ln for ln in report.splitlines() if ln.strip()]
+    head = [ln for ln in lines if ln[:1] not in (" ", "\t") and not ln.startswith(
+        ("Traceback", "During handling", "The above exception", "rank "))]
+    return (head[-1] if head else lines[-1] if lines else "").strip()
+
+
+def first_cause(failures: List[str]) -> str:
+    """One line naming what failed first: a rank that died without reporting (killed: its peers'
+    errors follow from it), else the first rank whose error is not a consequence of another's
+    (:data:`AFTER_ANOTHER`), else the first report."""
+    if not failures:
+        return ""
+    lost = [f for f in failures if f.startswith(DEPENDENCY)]
+    if lost:
+        return lost[0][len(DEPENDENCY):]
+    dead = [f for f in failures if "died without reporting" in f]
+    if dead:
+        return dead[0].splitlines()[0]
+    own = [f for f in failures if not any(w in f for w in AFTER_ANOTHER)] or failures
+    first = own[0]
+    head = first.splitlines()[0]
+    if not head.endswith(":"):  # already one line (e.g. ranks that gave no result)
+        return head
+    if "[Errno 28]" in first or "No space left on device" in first:  # often wrapped (a checkpoint writer's)
+        where = " while saving a checkpoint" if "checkpoint" in first.lower() else ""
+        return f"{head} OSError: [Errno 28] No space left on device{where}"
+    return f"{head} {_exception_line(first)[:400]}"
+
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo", threads: int = 1,
-          timeout: float = 600.0, init: bool = True, failure_grace: float = 30.0, port_retries: int = 2
-          ) -> List[Any]:
+          timeout: float = 600.0, init: bool = True, failure_grace: float = 30.0, port_retries: int = 2,
+          watch: Optional[Callable[[], Optional[str]]] = None) -> List[Any]:
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` computed in ``world`` processes.
 
     A rank that raises or dies (e.g. killed) is reported with the others' errors: after the
@@ -220,10 +261,13 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     The rendezvous port is one the kernel had free a moment before; a process starting
     beside this one (another launch, or a client connection given it as its ephemeral
     port) may take it before rank 0 listens on it. Rank 0 then fails with ``EADDRINUSE``
-    before any step: the launch is repeated on a new port, ``port_retries`` times at most."""
+    before any step: the launch is repeated on a new port, ``port_retries`` times at most.
+
+    ``watch``, polled while the ranks run, returns a line when something the ranks depend on
+    failed (e.g. an aggregation role died): it counts as the first failure, and names the cause."""
     for attempt in range(port_retries + 1):
         try:
-            return _spawn_once(fn, world, args, backend, threads, timeout, init, failure_grace)
+            return _spawn_once(fn, world, args, backend, threads, timeout, init, failure_grace, watch)
         except RuntimeError as e:
             if attempt == port_retries or not any(w in str(e) for w in PORT_TAKEN):
                 raise
@@ -233,7 +277,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
 
 
 def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, threads: int, timeout: float,
-                init: bool, failure_grace: float) -> List[Any]:
+                init: bool, failure_grace: float, watch: Optional[Callable[[], Optional[str]]] = None
+                ) -> List[Any]:
     ctx = _context()
     results: "mp.Queue" = ctx.Queue()
     port = free_port()
@@ -256,6 +301,9 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, t
                 if not ok:
                     failures.append(f"rank {rank} failed:\n{value}")
             except queue.Empty:
+                gone = watch() if watch is not None and not any(f.startswith(DEPENDENCY) for f in failures) else None
+                if gone:
+                    failures.insert(0, f"{DEPENDENCY}{gone}")
                 for r, p in enumerate(procs):  # a process that died without reporting (killed)
                     if r not in done and p.exitcode is not None:
                         time.sleep(0.2)  # its result may still be in the pipe
@@ -269,17 +317,22 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, backend: str, t
                 first_failure = now
             # the port was taken: the others wait for a rank 0 that will never listen
             grace = 0.0 if any(w in f for f in failures for w in PORT_TAKEN) else failure_grace
+            lost = any(f.startswith(DEPENDENCY) or "died without reporting" in f for f in failures)
+            if lost:
+                # nothing left to finish: a rank or a role is gone; the others get a moment to say
+                # what they saw, and every rank has exited within 30 s of the failure
+                grace = min(grace, LOST_GRACE_S)
             if now > deadline or (first_failure is not None and now - first_failure > grace):
                 missing = [r for r in range(world) if r not in done]
                 failures.append(f"ranks {missing} gave no result within "
-                                + (f"{failure_grace:.0f} s of the first failure; terminated" if first_failure
+                                + (f"{grace:.0f} s of the first failure; terminated" if first_failure
                                    else f"{timeout:.0f} s")
-                                + " (their Python stacks are on stderr above)")
-                if grace:
+                                + ("" if lost else " (their Python stacks are on stderr above)"))
+                if grace and not lost:  # (blocked because a rank or a role is gone: no mystery to print)
                     _dump_stacks([procs[r] for r in missing])
                 break
         if failures:
-            raise RuntimeError("\n".join(failures))
+            raise LaunchError(failures, first_cause(failures))
         for r, (_, value) in done.items():
             out[r] = value
     finally:

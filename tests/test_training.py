@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,8 +22,9 @@ from atp_pipeline.errors import ConfigError
 from atp_pipeline.run.fit import fit
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import resolve
+from atp_pipeline.run.worker import FAULT_KILL
 
-from .conftest import run_side_by_side, run_train
+from .conftest import ROOT, finish_train, run_side_by_side, run_train, start_train
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
 
@@ -144,11 +147,15 @@ BAD_TRAINING_INPUT = [
     (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"],
      "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),
     (["model=hf_pretrained"], "error: model 'hf_pretrained': set model.pretrained=<a local HF checkpoint directory>"),
+    (["trainer.max_restarts=-1"], "error: trainer.max_restarts=-1 must be >= 0"),
+    (["resume=auto"], "error: resume=auto: no complete checkpoint in "),  # (a new run directory: none)
+    ([f"resume={Path(__file__).parent / 'data'}"],
+     f"error: resume={Path(__file__).parent / 'data'}: not a complete checkpoint (no .metadata or meta.pt: partial"),
 ]
 #: the cases that run as ``python train.py`` (the others resolve in this process: the same
 #: :func:`resolve` raises, and tests/test_cli.py covers how the CLI prints it): a refusal after
 #: the fit's fork server was started (it is stopped), and a user's config directory
-BAD_TRAINING_CLI = (0, 2)
+BAD_TRAINING_CLI = (0, 2, 8, 9)  # (and trainer.max_restarts=-1, resume=auto: train.py reads the run directory)
 
 
 def _user_conf(tmp: Path) -> Path:
@@ -202,3 +209,48 @@ def test_default_run_learns(tmp_path):
     assert summary["loss_drop"] >= 0.30, summary
     assert summary["atp_linears"] == 9
     assert summary["tflops_per_device"] > 0 and summary["comm_d1_bytes"] > 0
+
+
+def test_max_restarts_relaunches_from_the_newest_checkpoint_as_if_uninterrupted(tmp_path):
+    """Must-show (issue 62, Deliver 4): ``trainer.max_restarts=1``, rank 1 SIGKILLed in step 30 of 60
+    (``ATP_FAULT_KILL_RANK_AT_STEP=1:30``), checkpoints every 25 steps: the fit is launched again from
+    step25.ckpt and the losses of steps 31-60 equal an uninterrupted run's within 1e-5 (float32);
+    metrics.csv has every step once. Then ``resume=auto`` in that run directory skips a partial
+    checkpoint (no .metadata) and continues from the newest complete one; ``resume=`` that partial
+    one is refused in one line, exit 2."""
+    common = [*FAST, "trainer.devices=2", "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=25"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    base = start_train([*common, f"hydra.run.dir={tmp_path / 'base'}"], cwd=tmp_path)
+    restarted = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, "trainer.max_restarts=1",
+                                  f"hydra.run.dir={tmp_path / 'rst'}"], cwd=tmp_path, env={**env, FAULT_KILL: "1:30"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for p in (base, restarted):
+        out = finish_train(p, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "restart 1 of 1: rank 1 died without reporting (exit code -9, signal 9); launching again from " \
+           f"{tmp_path / 'rst' / 'checkpoints' / 'step25.ckpt'}" in out.stdout, out.stdout[-2000:]
+    assert (tmp_path / "rst" / ".fault-kill-rank1-step30").exists()  # it did die at step 30
+    a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base" / "metrics.csv") if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "rst" / "metrics.csv") if "loss" in r}
+    assert sorted(a) == sorted(b) == list(range(60))
+    worst = max(abs(a[s] - b[s]) for s in range(30, 60))  # steps 31-60 (0-based 30..59)
+    print(f"max |loss difference| of steps 31-60 after the restart: {worst:.3g}")
+    assert worst <= 1e-5, worst
+    assert json.loads((tmp_path / "rst" / "summary.json").read_text())["restarts"] == 1
+
+    ckpts = tmp_path / "rst" / "checkpoints"
+    partial = ckpts / "step55.ckpt"  # a copy of step50 that lost its .metadata: as if killed while saving
+    shutil.copytree(ckpts / "step50.ckpt", partial)
+    (partial / ".metadata").unlink()
+    auto = start_train([*common, "trainer.max_steps=55", "resume=auto", f"hydra.run.dir={tmp_path / 'rst'}"],
+                       cwd=tmp_path)
+    refused = start_train([*common, f"resume={partial}", f"hydra.run.dir={tmp_path / 'refused'}"], cwd=tmp_path)
+    out, bad = finish_train(auto, timeout=600), finish_train(refused, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resume=auto: skipping step55.ckpt (partial" in out.stdout and \
+           f"resume=auto: continuing from {ckpts / 'step50.ckpt'}" in out.stdout, out.stdout[-2000:]
+    c = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "rst" / "metrics.csv") if "loss" in r}
+    assert sorted(c) == list(range(50, 55)) and max(abs(c[s] - a[s]) for s in c) <= 1e-5
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"error: resume={partial}: not a complete checkpoint (no .metadata or meta.pt: partial, e.g. its run failed "
+        "while writing it); resume=auto takes the newest complete one of a run directory"], bad.stderr

@@ -511,10 +511,13 @@ class TrainerConfig:
     # Lightning's precision: 32-true (float32, or the model's float64), bf16-mixed (autocast: bf16
     # matmuls, float32 weights and optimizer), bf16-true (weights and activations in bf16)
     precision: str = "32-true"
+    # a fit whose ranks fail is launched again, from its newest complete checkpoint, up to this many times
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
-        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay", "gradient_clip_val")
+        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay", "max_restarts",
+                 "gradient_clip_val")
         above(self, "trainer", 0, "collective_timeout_s")
         one_of(self, "trainer", "gradient_clip_algorithm", CLIP_ALGORITHMS)
         one_of(self, "trainer", "precision", PRECISIONS)
@@ -565,7 +568,8 @@ class CalibrationConfig:
 class Config:
     stage: Stage = Stage.fit
     seed: int = 0
-    resume: Optional[str] = None  # a checkpoint directory of an earlier run to continue
+    # a checkpoint of an earlier run to continue; auto: the newest complete one of this run directory
+    resume: Optional[str] = None
     topology: TopologyConfig = MISSING
     model: ModelConfig = MISSING
     mesh: MeshConfig = MISSING

@@ -31,6 +31,13 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
         from atp_pipeline.run.resolve import resolve
 
         spec = resolve(cfg)
+        if fitting and spec.config.resume == "auto":  # the newest complete checkpoint of the run directory
+            import dataclasses
+
+            from atp_pipeline.run.checkpoints import resolve_resume
+
+            spec = dataclasses.replace(spec, config=dataclasses.replace(
+                spec.config, resume=resolve_resume("auto", out)))
     except BaseException:
         if fitting:
             from atp_pipeline.launch import stop_prestarted
@@ -41,8 +48,10 @@ def run(cfg: DictConfig, output_dir: Optional[Path] = None) -> Dict[str, Any]:
         from atp_pipeline.run.report import report_plan
 
         return report_plan(spec, out, extra=spec.job)
+    from atp_pipeline.run.console import logged_console
     from atp_pipeline.run.fit import fit
 
-    row = fit(spec, out)
+    with logged_console(out / "train.log"):  # what is printed, and a failure's full report
+        row = fit(spec, out)
     row.pop("_results", None)
     return row

@@ -9,14 +9,17 @@ process runs its worker in place, with the run directory given on the command li
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from atp_pipeline.errors import ConfigError
-from atp_pipeline.launch import spawn
-from atp_pipeline.run.report import report_fit, report_plan
+from atp_pipeline.launch import LaunchError, spawn
+from atp_pipeline.run.checkpoints import checkpoint_step, newest_complete
+from atp_pipeline.run.console import to_log
+from atp_pipeline.run.report import read_metrics, report_fit, report_plan
 from atp_pipeline.run.resolve import RunSpec
 from atp_pipeline.run.worker import fit_worker
 
@@ -26,7 +29,11 @@ def _role_report(services: Any) -> Dict[str, Any]:
     try:
         st = services.stats()
     except Exception as e:  # noqa: BLE001 - a role that died: say so, do not mask the run's error
-        print(f"aggregation: could not read the roles' counters ({e})")
+        line = f"aggregation: could not read the roles' counters ({e})"
+        if services.dead_role() is None:
+            print(line)
+        else:  # the run failed because a role died: its one line says so, this goes to train.log
+            to_log(line)
         return {"error": str(e)}
     sw = st["switch"]
     rep = {"switch_allocated_after": sw["allocated"], "switch_jobs": sw["jobs"],
@@ -60,6 +67,67 @@ def _role_report(services: Any) -> Dict[str, Any]:
     return rep
 
 
+def _full_disk(e: LaunchError, out: Path) -> None:
+    """A checkpoint writer that met a full disk does not always say so (torch.save's archive writer
+    reports a short write as "unexpected pos"): name it when the checkpoint directory has no space left."""
+    ck = out / "checkpoints"
+    if "No space left on device" in e.cause or not ck.exists() or "checkpoint" not in str(e).lower():
+        return
+    try:
+        st = os.statvfs(ck)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < 64 * 1024:
+        e.cause = f"No space left on device of {ck} while saving a checkpoint ({e.cause})"
+
+
+def _step_of(ckpt: Optional[Path]) -> int:
+    """The step a checkpoint resumes at (0: none)."""
+    return checkpoint_step(ckpt) if ckpt is not None else 0
+
+
+def _keep_metrics(out: Path, earlier: Dict[int, Dict[str, float]], upto: Optional[int]) -> None:
+    """Across relaunches, rank 0's ``metrics.csv`` (Lightning's logger starts it again): with ``upto``,
+    keep the rows of the attempt that failed before the step it is relaunched from; without, write
+    those rows back in front of the last attempt's."""
+    path = out / "lightning_logs" / "metrics.csv"
+    if not path.exists():
+        return
+    rows = {int(r["step"]): r for r in read_metrics(path)}
+    if upto is not None:
+        earlier.update({s: r for s, r in rows.items() if s < upto})
+        for s in [s for s in earlier if s >= upto]:
+            del earlier[s]
+        return
+    merged = [earlier[s] for s in sorted(earlier) if s not in rows] + [rows[s] for s in sorted(rows)]
+    merged.sort(key=lambda r: r["step"])
+    keys = ["step", *sorted({k for r in merged for k in r if k != "step"})]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in merged:
+            w.writerow({**r, "step": int(r["step"])})
+
+
+def _launch(spec: RunSpec, out: Path, extra: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One launch of the ranks (and of the live aggregation roles the run needs, which end with it)."""
+    services = None
+    if spec.live_aggregation:
+        from atp_pipeline.ina.live.services import Services
+
+        services = Services.start(spec.config.aggregation)
+        spec = dataclasses.replace(spec, services=services.to_dict())
+    try:
+        return spawn(fit_worker, spec.devices, spec, str(out), init=False,
+                     timeout=max(600.0, 10.0 * spec.config.trainer.max_steps),
+                     watch=services.dead_role if services is not None else None)
+    finally:
+        if services is not None:
+            dead = services.dead_role()  # (its counters are gone with it: no waiting on a dead peer)
+            extra["aggregation_roles"] = _role_report(services) if dead is None else {"error": dead}
+            services.stop()
+
+
 def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
     """Train the resolved run; the summary row (with ``_results``: every rank's result)."""
     torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
@@ -80,19 +148,26 @@ def fit(spec: RunSpec, out: Path) -> Dict[str, Any]:
             return {"rank": mine["rank"]}
         results: List[Dict[str, Any]] = [mine]
     else:
-        services = None
-        if spec.live_aggregation:
-            from atp_pipeline.ina.live.services import Services
-
-            services = Services.start(spec.config.aggregation)
-            spec = dataclasses.replace(spec, services=services.to_dict())
-        try:
-            results = spawn(fit_worker, spec.devices, spec, str(out), init=False,
-                            timeout=max(600.0, 10.0 * spec.config.trainer.max_steps))
-        finally:
-            if services is not None:
-                extra["aggregation_roles"] = _role_report(services)
-                services.stop()
+        restarts = spec.config.trainer.max_restarts
+        earlier: Dict[int, Dict[str, float]] = {}  # metrics rows of failed attempts, by step
+        for attempt in range(restarts + 1):
+            try:
+                results = _launch(spec, out, extra)
+                break
+            except LaunchError as e:  # the console gets the cause (cli); the log every rank's report
+                _full_disk(e, out)
+                e.log = to_log(f"error: {e.cause}\n--- every rank's report ---\n{e}")
+                if attempt == restarts:
+                    raise
+                ckpt, _ = newest_complete(out)
+                _keep_metrics(out, earlier, _step_of(ckpt))
+                print(f"restart {attempt + 1} of {restarts}: {e.cause}; launching again from "
+                      + (f"{ckpt}" if ckpt else "step 0 (no complete checkpoint yet)"))
+                spec = dataclasses.replace(spec, config=dataclasses.replace(
+                    spec.config, resume=str(ckpt) if ckpt else spec.config.resume))
+        if restarts and attempt:
+            extra["restarts"] = attempt
+            _keep_metrics(out, earlier, None)  # the relaunch's rows after the failed attempts' earlier ones
     row = report_fit(spec, out, results[0], extra)
     if results[0].get("exported") and lead:
         print(f"exported the trained model in its family's format to {results[0]['exported']}")

@@ -446,8 +446,10 @@ def resolve(cfg: Any) -> RunSpec:
     if fitting:
         check_accelerator(cfg.trainer.accelerator, topo, devices)
         check_precision(cfg)
-    if cfg.resume and not Path(cfg.resume).exists():
-        raise ConfigError(f"resume={cfg.resume}: no such checkpoint")
+    if cfg.resume and cfg.resume != "auto":  # auto: the run directory's newest (run(): it knows the directory)
+        from atp_pipeline.run.checkpoints import resolve_resume
+
+        resolve_resume(cfg.resume, Path("."))
     return RunSpec(config=cfg, topology=topo, occupied=planned.occupied, devices=devices, dp=dp, shape=shape,
                    plan=result, memory=mem, memory_unsharded=unsharded, job=_job_info())
 

@@ -72,6 +72,39 @@ def progress_bar() -> Any:
     return RunProgressBar()
 
 
+FAULT_KILL = "ATP_FAULT_KILL_RANK_AT_STEP"  # "<rank>:<step>": a test's fault, see fault_callbacks
+
+
+def fault_callbacks(rank: int, out: Path) -> List[Any]:
+    """Fault injection for tests of failure and recovery: with ``ATP_FAULT_KILL_RANK_AT_STEP=R:S``
+    rank ``R`` kills itself (SIGKILL: no cleanup, no report) in the middle of step ``S`` (0-based;
+    after its backward and gradient sync, before the optimizer step), once per run directory (a
+    relaunch from a checkpoint does not die again)."""
+    import os
+    import signal
+
+    from pytorch_lightning.callbacks import Callback
+
+    spec = os.environ.get(FAULT_KILL, "")
+    if not spec:
+        return []
+    victim, step = (int(x) for x in spec.split(":"))
+    if victim != rank:
+        return []
+    marker = out / f".fault-kill-rank{victim}-step{step}"
+
+    class KillAtStep(Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step == step:
+                try:
+                    marker.touch(exist_ok=False)
+                except FileExistsError:  # fired already, before a restart
+                    return
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return [KillAtStep()]
+
+
 def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, Any]:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
@@ -102,7 +135,7 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
     trainer = pl.Trainer(strategy=strategy, accelerator=t.accelerator, devices=world, num_nodes=1,
                          max_steps=t.max_steps, logger=loggers, log_every_n_steps=t.log_every_n_steps,
                          callbacks=[StepMetrics(spec.shape.flops_per_step, spec.shape.tokens_per_step), ckpt]
-                         + ([progress_bar()] if t.progress_bar else []),
+                         + ([progress_bar()] if t.progress_bar else []) + fault_callbacks(rank, out),
                          enable_progress_bar=t.progress_bar, enable_model_summary=False, precision=spec.precision,
                          gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm)
     trainer.fit(module, datamodule=data, ckpt_path=c.resume)

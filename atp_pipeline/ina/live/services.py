@@ -152,6 +152,16 @@ class Services:
         """``ep``'s control channel with this run's tenant token."""
         return ep.peer(self.tenant, what)
 
+    def dead_role(self) -> Optional[str]:
+        """One line naming a role process this object started that has exited (None: all alive)."""
+        for p in self._procs:
+            code = p.poll()
+            if code is not None:
+                role = " ".join(a for a in p.args[3:5] if not a.startswith("-"))  # "switch" or "ps"
+                return (f"the aggregation {role} role (pid {p.pid}) died (exit code {code}"
+                        + (f", signal {-code}" if code < 0 else "") + ")")
+        return None
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop the role processes this object started (a shared switch keeps running)."""
         for ep in [self.switch, *self.racks, *self.ps]:

@@ -149,6 +149,9 @@ class ATPSync:
                         tot[k] += js[k] - prev.get(k, 0)
                     self._last_ps[(ep.pid, int(job))] = js  # type: ignore[index]
             m["atp_in_switch_frac"] = tot["in_switch"] / tot["completed"] if tot["completed"] else 1.0
+            # the counts behind it: every sequence completes once, in the switch or at the PS (a
+            # retransmission past the switch); which of the two depends on timing, the sum does not
+            m["atp_sequences"], m["atp_completed_in_switch"] = tot["completed"], tot["in_switch"]
             if self.services.racks:  # sequences completed at each level this step (§4.1)
                 done = self._level_done()
                 for lvl in ("level1", "level2"):
