@@ -10,6 +10,7 @@ replicas (FSDP2 composed with the (d1, d2) tensor parallelism) without changing 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -130,13 +131,14 @@ def test_fsdp_matches_single_process_and_shards_the_state(compose_cfg, tmp_path,
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh=2x2", "mesh.fsdp=true"], "mesh.fsdp=true shards over data-parallel replicas, but mesh.dp=1"),
+    (["mesh=2x2", "mesh.fsdp=true"],
+     "mesh.fsdp=true shards over data-parallel replicas, but mesh 2x2 uses all 4 devices (dp=1)"),
     (["mesh=1x1", "mesh.dp=4", "mesh.fsdp=true", "aggregation=atp"], "mesh.fsdp=true reduce-scatters gradients"),
     (["planner=sbp", "mesh.fsdp=true"], "mesh.fsdp=true shards over the data-parallel dimension, which planner=sbp"),
     (["mesh=2x1", "mesh.dp=4"], "mesh 2x1 with mesh.dp=4 needs 8 devices but topology 'local' has only 4"),
 ])
 def test_bad_data_parallel_input_is_one_line(compose_cfg, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(compose_cfg(*overrides))
 
 
@@ -150,28 +152,30 @@ def test_fsdp_memory_estimate_divides_the_state_over_dp(compose_cfg):
     # the run's memory check uses the sharded estimate: 24 layers of m4 on 4x1 x dp 4 fit
     # 80 GB devices only with FSDP (~204 GB per device without it, ~65 GB with)
     big = ("stage=plan", "topology=ic4", "model=m4", "model.layers=24", "mesh=4x1", "mesh.dp=4")
-    with pytest.raises(ConfigError, match=r"needs ~204\.0 GB per device on mesh 4x1 \(dp=4\)"):
-        resolve(compose_cfg(*big))
+    with pytest.raises(ConfigError, match=r"the smallest device memory that fits is 204\.0 GB \(dp4 x 4x1"):
+        resolve(compose_cfg(*big, "mesh.fsdp=false"))
     assert resolve(compose_cfg(*big, "mesh.fsdp=true")).memory.total_bytes < 80e9
     # and the mesh search's feasibility: no mesh of the replica's 4 devices fits without it
     auto = ("stage=plan", "topology=ic4", "model=m4", "model.layers=24", "mesh.dp=4", "planner.plot=false")
-    with pytest.raises(ConfigError,
-                       match="no 2D mesh of 4 devices can run model 'm4'; the least memory: model 'm4' needs ~"):
-        resolve(compose_cfg(*auto))
+    with pytest.raises(ConfigError, match="no layout of the 16 devices of 'ic4' with mesh.dp=4 mesh.fsdp=false can run "
+                                          "model 'm4': every runnable one needs more memory than the 80 GB per device"):
+        resolve(compose_cfg(*auto, "mesh.fsdp=false"))
     plan = resolve(compose_cfg(*auto, "mesh.fsdp=true")).plan
     assert all(c.infeasible is None for c in plan.candidates), [c.infeasible for c in plan.candidates]
+    assert resolve(compose_cfg(*auto)).fsdp  # mesh.fsdp left open: the search turns FSDP on to fit
 
 
 def test_figure12_interconnect_study_plans_past_the_head_count(compose_cfg):
     """``planner.require_divisible=false`` (README, Figure 12): 32x8 at N = 256 for m1,
     marked not runnable; a fit of it is refused in one line."""
-    spec = resolve(compose_cfg("stage=plan", "topology=ic5", "model=m1", "planner.require_divisible=false"))
+    paper = ("mesh.dp=1", "overlap=chunk1")  # the paper's setting: tensor parallelism over every device
+    spec = resolve(compose_cfg("stage=plan", "topology=ic5", "model=m1", "planner.require_divisible=false", *paper))
     assert spec.plan.selected == (32, 8)
     d = spec.plan.to_dict()
     assert d["selected_runnable"] is False
     assert any("NOT RUNNABLE" in n for n in d["notes"])
     with pytest.raises(ConfigError, match="the selected mesh is not runnable"):
-        resolve(compose_cfg("stage=fit", "topology=ic5", "model=m1", "planner.require_divisible=false"))
+        resolve(compose_cfg("stage=fit", "topology=ic5", "model=m1", "planner.require_divisible=false", *paper))
 
 
 def test_fsdp_units_come_from_the_module_tree_and_unwrappable_models_are_named():

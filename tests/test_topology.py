@@ -43,7 +43,7 @@ def lv(name="gpu", count=4, p2p=10.0, group=10.0, routing="direct"):
      "B2_GBps given for a mesh dimension of size 1"),
     (topo(lv(name="gpu", count=4, p2p=10.0, group=10.0, routing="direct") | {"bandwith": 3}),
      "topology 't': unknown key 'bandwith' (LevelConfig keys: name, count, p2p_GBps, group_GBps, "
-     "routing)"),
+     "routing, aggregates)"),
     (topo(lv(count="four")), "Value 'four' of type 'str' could not be converted to Integer"),
 ])
 def test_bad_topology_is_one_line_naming_the_problem(cfg, expected):

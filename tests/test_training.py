@@ -77,10 +77,12 @@ def test_plain_lightning_script_uses_strategy_atp(tmp_path):
     """))
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = re.findall(r"RESULT rank=(\d) (mesh=\(1, 4, 1\) atp_linears=9 nn_linears=0 steps=5) "
+    results = re.findall(r"RESULT rank=(\d) mesh=\((\d), (\d), (\d)\) atp_linears=9 nn_linears=0 steps=5 "
                          r"loss=(\d+\.\d{6})", out.stdout)  # ranks print concurrently
     assert sorted(r[0] for r in results) == ["0", "1", "2", "3"], out.stdout[-2000:]
-    assert len({r[2] for r in results}) == 1  # tensor-parallel ranks agree
+    (dp, d1, d2), = {r[1:4] for r in results}  # the mesh the whole-layout search chose, the one it printed
+    assert int(dp) * int(d1) * int(d2) == 4 and f"search chose dp{dp} x {d1}x{d2}," in out.stderr + out.stdout
+    assert len({r[4] for r in results}) == 1  # tensor-parallel ranks and replicas agree
 
 
 def test_2x2_matches_single_process_resumes_exactly_and_dp_replicas_stay_identical(compose_cfg, tmp_path):
@@ -136,13 +138,14 @@ def test_four_run_sweep_leaves_one_sweep_dir(tmp_path):
 
 
 BAD_TRAINING_INPUT = [
-    (["mesh=3x1"], "error: mesh 3x1 needs 3 devices but topology 'local' has 4"),
+    (["mesh=3x1"], "error: mesh 3x1 (3 devices a replica) does not divide the 4 devices (mesh.dp x d1 x d2 must "),
     (["model.heads=2", "model.hidden=64", "mesh=4x1"],
      "error: mesh 4x1: 2 heads of model 'tiny' do not split over d1*d2 = 4x1 = 4 devices"),
     (["+USERCONF", "model=badplan"], "error: parallel plan: pattern 'blocks.*.atn' matches no module of GPT"),
     (["trainer.devices=8"], "error: trainer.devices=8 but topology 'local' has only 4 devices"),
     (["topology=ic4", "model=m4", "model.layers=96"],
-     "error: no 2D mesh of 16 devices can run model 'm4'; the least memory: model 'm4' needs ~"),
+     "error: no layout of the 16 devices of 'ic4' can run model 'm4': every runnable one needs more memory than "
+     "the 80 GB per device; the smallest device memory that fits is 244.2 GB"),
     (["topology=ic4", "model=m3"], "error: topology 'ic4' describes A100-80GB devices but trainer.accelerator=cpu"),
     (["model=llama_tiny", "overlap=chunk4", "model.batch_size=6"],
      "error: overlap.chunks=4 must be >= 1 and divide model.batch_size=6"),

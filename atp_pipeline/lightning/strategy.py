@@ -282,6 +282,9 @@ class ATPStrategyMixin:
         if not families:  # no shape to plan with
             if planner.name == PlannerKind.sbp:
                 raise ConfigError("strategy 'atp': mesh='sbp' plans a model of a known family; else pass an SBP plan")
+            if mode == AggregationMode.auto:  # nothing is planned: nothing chooses another mode than ring
+                self._decide_mode("ring")
+                mode = self.aggregation_config.mode
             dims = rs.unplanned_mesh(mesh, mode, world, shardable=bool(self._user_plan()))
             self._say_unplanned(dims, mesh)
         else:

@@ -113,7 +113,8 @@ class Space:
             if devices % (d1 * d2):
                 raise ConfigError(f"mesh {d1}x{d2} needs {d1 * d2} devices but topology '{name}' has {devices}"
                                   if d1 * d2 > devices else
-                                  f"mesh {d1}x{d2} ({d1 * d2} devices a replica) does not divide the {devices} devices")
+                                  f"mesh {d1}x{d2} ({d1 * d2} devices a replica) does not divide the {devices} devices "
+                                  f"(mesh.dp x d1 x d2 must equal them)")
         if self.fsdp and self.dp == 1:
             raise ConfigError("mesh.fsdp=true shards over data-parallel replicas, but mesh.dp=1: set mesh.dp > 1 "
                               "(the world is dp x d1 x d2)")
