@@ -30,13 +30,9 @@ class LaunchError(RuntimeError):
     (``train.py`` prints the cause and that path, nothing else). Here, not in the launcher: the
     entry point catches it without importing the launcher."""
 
-    def __init__(self, failures: List[str], cause: Optional[str] = None) -> None:
+    def __init__(self, failures: List[str], cause: str) -> None:
         super().__init__("\n".join(failures))
         self.failures = list(failures)
-        if cause is None:
-            from atp_pipeline.launch import first_cause
-
-            cause = first_cause(failures)
         self.cause = cause
         self.log: Optional[str] = None
 

@@ -205,7 +205,7 @@ def test_the_cause_is_what_failed_first_and_the_console_gets_it_in_one_line(caps
                                          "a checkpoint")
     assert first_cause([peer]) == "rank 0 failed: RuntimeError: Connection closed by peer"
 
-    err = LaunchError([peer, dead])
+    err = LaunchError([peer, dead], first_cause([peer, dead]))
     err.log = "/runs/x/train.log"
 
     @exits_on_bad_input

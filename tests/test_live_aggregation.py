@@ -266,7 +266,7 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     SwitchML: test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing; their
     30-step fits against ring: docs/ina.md.)"""
     steps = ["trainer.max_steps=8", "trainer.devices=4"]
-    atp = ["aggregation=atp", "aggregation.payload_k=256"]
+    atp = ["aggregation=atp", "aggregation.payload_k=256", "mesh=1x1"]  # every device a replica, as ring
     # the loss-free run waits 1 s before a resend (not 0.2): a resend goes past the switch, and on
     # a loaded host (the suite's other worker) 0.2 s passed without loss (in-switch 0.88, CI at f68d8a0)
     runs = {"ring": ["mesh.dp=4"], "atp": [*atp, "aggregation.rto_s=1.0"],

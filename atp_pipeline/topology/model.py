@@ -181,8 +181,8 @@ class Topology:
                 return Topology(name=self.name, levels=levels, description=self.description,
                                 device=self.device,
                                 alpha_beta=tuple(f for f in self.alpha_beta if f.level in kept),
-                                note=f"sub-topology of '{self.name}': the first {devices} of {n} "
-                                     f"devices ({used})")
+                                note="; ".join(x for x in (self.note, f"sub-topology of '{self.name}': the first "
+                                                           f"{devices} of {n} devices ({used})") if x))
         raise AssertionError("unreachable: the innermost unit is one device")
 
     def to_dict(self) -> Dict[str, Any]:
