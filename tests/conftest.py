@@ -216,3 +216,17 @@ def _cores_are_given_back():
             os.sched_setaffinity(0, before)
             pytest.fail(f"this test left the test process pinned to CPUs {sorted(after)} "
                         f"(it had {sorted(before)})")
+
+
+def session_pids(sid: int) -> List[int]:
+    """Live (not zombie) processes of session ``sid``: a run started with ``start_new_session``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out

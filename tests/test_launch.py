@@ -9,14 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 
 from atp_pipeline.launch import spawn
 from atp_pipeline.run.worker import FAULT_KILL
 
-from .conftest import ROOT
+from .conftest import ROOT, session_pids
 
 
 def _one_fails_one_hangs(rank: int, world: int) -> None:
@@ -79,20 +79,6 @@ FAULT_FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=fa
               "trainer.max_steps=100000"]
 
 
-def _session(sid: int) -> List[int]:
-    """Live (not zombie) processes of session ``sid``: a run started with ``start_new_session``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(d.name))
-    return out
-
-
 def _can_mount_tmpfs() -> bool:
     try:
         return subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k none /mnt"],
@@ -147,7 +133,7 @@ def test_faults_end_every_rank_within_30_s_with_one_line(tmp_path):
                             r["fault"] = marker.stat().st_mtime
                     elif name.startswith("role"):
                         if (r["run"] / "checkpoints" / "step2.ckpt" / "meta.pt").exists():  # training
-                            roles = [q for q in _session(p.pid) if b"atp_pipeline.ina.live.nodes\0switch"
+                            roles = [q for q in session_pids(p.pid) if b"atp_pipeline.ina.live.nodes\0switch"
                                      in Path(f"/proc/{q}/cmdline").read_bytes()]
                             assert len(roles) == 1, roles
                             os.kill(roles[0], signal.SIGKILL)
@@ -161,7 +147,7 @@ def test_faults_end_every_rank_within_30_s_with_one_line(tmp_path):
                             pass
                     if "fault" in r:
                         r["console_at"] = r["err"].stat().st_size, r["out"].stat().st_size
-                elif "gone" not in r and p.poll() is not None and not _session(p.pid):
+                elif "gone" not in r and p.poll() is not None and not session_pids(p.pid):
                     r["gone"] = time.time()
             time.sleep(0.1)
         for name, r in runs.items():
@@ -180,7 +166,7 @@ def test_faults_end_every_rank_within_30_s_with_one_line(tmp_path):
             assert "--- every rank's report ---" in log.read_text()
     finally:
         for r in runs.values():
-            if r["proc"].poll() is None or _session(r["proc"].pid):
+            if r["proc"].poll() is None or session_pids(r["proc"].pid):
                 os.killpg(r["proc"].pid, signal.SIGKILL)
 
 

@@ -42,7 +42,7 @@ from atp_pipeline.launch import spawn
 from atp_pipeline.run.report import read_metrics
 from atp_pipeline.run.resolve import check_aggregation
 
-from .conftest import ROOT, finish_train, run_side_by_side, run_train, running, start_train
+from .conftest import ROOT, finish_train, run_side_by_side, run_train, running, session_pids, start_train
 from .p4 import bmv2_missing
 
 FAST = ["model.seq_len=32", "trainer.progress_bar=false", "planner.plot=false"]
@@ -495,20 +495,6 @@ SMALL = ["model.hidden=16", "model.heads=2", "model.layers=1"]
 needs_bmv2 = pytest.mark.skipif(bool(bmv2_missing()), reason=bmv2_missing() or "BMv2 is here")
 
 
-def _session(sid: int) -> List[int]:
-    """Live processes of session ``sid``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(d.name))
-    return out
-
-
 @needs_bmv2
 def test_train_through_the_p4_program_on_bmv2(tmp_path, owner):
     """Must-show: 2 workers, 20 steps, gradients summed by p4/v1model/atp.p4 on BMv2: final loss
@@ -582,7 +568,7 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path, owner):
         switch = None
         while switch is None and time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
-            switch = next((p for p in _session(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip()
+            switch = next((p for p in session_pids(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip()
                            == "simple_switch"), None)
             time.sleep(0.2)
         assert switch is not None
@@ -601,15 +587,15 @@ def test_killed_bmv2_run_leaves_nothing(tmp_path, owner):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         end = time.monotonic() + 30
-        while _session(proc.pid) and time.monotonic() < end:
+        while session_pids(proc.pid) and time.monotonic() < end:
             time.sleep(0.2)
-        assert _session(proc.pid) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in _session(proc.pid)]
+        assert session_pids(proc.pid) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in session_pids(proc.pid)]
         assert not running(switch) and [p for p in netns_users(inode, killed) if _owned(p, owner)] == []
         assert ipc and not [a for a in ipc if Path(a[len("ipc://"):]).exists()]
     finally:
         if cli is not None:
             cli.close()
-        if proc.poll() is None or _session(proc.pid):
+        if proc.poll() is None or session_pids(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
