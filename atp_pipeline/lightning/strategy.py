@@ -333,8 +333,9 @@ class ATPStrategyMixin:
         if planner.name == PlannerKind.sbp and not batch:
             raise ConfigError("strategy 'atp': mesh='sbp' needs the global batch size from the datamodule "
                               "(batch_size); else pass an SBP plan")
-        if not batch:  # unknown global batch: price a step of 4 sequences a process, which any dp and chunks divide
-            batch = 4 * self.world_size  # type: ignore[attr-defined]
+        if not batch and self._dp_spec != "auto":
+            # no global batch known, dp given: each replica runs its loader's batches; priced at 4 sequences a replica
+            batch = 4 * int(self._dp_spec)
             self._say(f"the datamodule names no batch_size: layouts priced at a global batch of {batch}")
         return adapter.shape(module).with_step(batch_size=batch)
 
