@@ -358,8 +358,6 @@ def plan_devices(topo: Topology, devices: int, shape: ModelShape, mesh: Any, pla
         if fsdp:
             check_fsdp(dp, kind, mode)
         check_sbp(dp, 1 if chunks is None else int(chunks))
-        if mode_v not in ("auto", "ring") and dp > 1:
-            check_fsdp(dp, kind, mode)  # pragma: no cover - check_sbp refused dp > 1
     space = Space(dp=None if mesh.dp is None else int(mesh.dp), strategy=strategy,
                   mesh=(int(mesh.d1), int(mesh.d2)) if strategy == MeshStrategy.fixed else None,
                   fsdp=None if fsdp is None else bool(fsdp), chunks=None if chunks is None else int(chunks),
