@@ -117,13 +117,14 @@ def _round_trip(family: str, idx: torch.Tensor, sub: torch.nn.Module, adapter: A
 
 
 def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int, int]],
-              workdir: str = "", device: str = "cpu", chunk_meshes: Tuple[Tuple[int, int], ...] = (),
-              chunk_list: Tuple[int, ...] = (2, 4)) -> List[Dict[str, Any]]:
+              workdir: str = "", device: str = "cpu", chunked: Tuple[Tuple[Tuple[int, int], int], ...] = (),
+              round_trip_mesh: Tuple[int, int] = (2, 2)) -> List[Dict[str, Any]]:
     """Float64, one forward + backward: loss and every full gradient vs the single process,
     with the counted collectives per (collective, axis); with ``workdir``, the HF checkpoint
-    round trip (:func:`_round_trip`); on ``chunk_meshes`` also with each of ``chunk_list``
-    chunks (§4.1 overlap). ``device="cuda"``: models, batch and mesh on this
-    rank's GPU (ranks may share one GPU over gloo, which carries CUDA tensors)."""
+    round trip (:func:`_round_trip`) on ``round_trip_mesh`` (both mesh axes split); also with
+    the blocks in chunks (§4.1 overlap) for each ``(mesh, chunks)`` of ``chunked``.
+    ``device="cuda"``: models, batch and mesh on this rank's GPU (ranks may share one GPU over
+    gloo, which carries CUDA tensors)."""
     import torch.distributed as dist
 
     from atp_pipeline.models.adapter import find_adapters, prefixed
@@ -146,7 +147,7 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
             dense.save_pretrained(saved)
         if workdir:
             dist.barrier()
-        for (d1, d2), chunks in [(m, 1) for m in meshes] + [(m, c) for m in chunk_meshes for c in chunk_list]:
+        for (d1, d2), chunks in [(tuple(m), 1) for m in meshes] + [(tuple(m), c) for m, c in chunked]:
             mesh = init_mesh((d1, d2), device_type=dev.type)
             model = copy.deepcopy(dense)
             (name, adapter, sub), = find_adapters(model)
@@ -166,7 +167,7 @@ def exactness(rank: int, world: int, families: List[str], meshes: List[Tuple[int
                         "counted": {f"{k}/{a}": n for (k, a), n in comm.stats.elements().items()},
                         "shape": adapter.shape(sub).to_dict(), "loss": loss.item(),
                         **(_round_trip(family, idx, sub, adapter, mesh, plan, saved, f"{saved}-{d1}x{d2}")
-                           if workdir and chunks == 1 else {})})
+                           if workdir and chunks == 1 and (d1, d2) == tuple(round_trip_mesh) else {})})
     return out
 
 

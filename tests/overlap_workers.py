@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-STEPS, LR, BATCH, SEQ, VOCAB = 20, 0.05, 4, 8, 256
+STEPS, LR, BATCH, SEQ, VOCAB = 8, 0.05, 4, 8, 256
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
@@ -95,7 +95,7 @@ def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tupl
                      chunk_list: List[int]) -> List[Dict[str, Any]]:
     """Per model, mesh and chunk count: the float64 gradients of one step (max error relative to
     each gradient's magnitude) against one process; at the most chunks (the finest split, one
-    sample a chunk at chunks=4) also 20 float32 SGD losses; and
+    sample a chunk at chunks=4) also ``STEPS`` float32 SGD losses; and
     :func:`fan_in_with_an_unused_reader` on each mesh."""
     from atp_pipeline.models.adapter import find_adapters, prefixed
     from atp_pipeline.parallel.apply import apply_plan

@@ -35,12 +35,12 @@ def test_hf_families_on_cuda():
     for world, mesh_list in meshes.items():
         backend = "nccl" if GPUS >= world else "gloo"
         # §4.1 overlap: the blocks in 2 chunks (coroutines on CUDA streams' host side)
-        chunked = ((2, 2),) if world == 4 else ()
-        per_rank = spawn(exactness, world, sorted(TINY), mesh_list, "", "cuda", chunked, (2,), backend=backend,
+        chunked = (((2, 2), 2),) if world == 4 else ()
+        per_rank = spawn(exactness, world, sorted(TINY), mesh_list, "", "cuda", chunked, backend=backend,
                          timeout=900)
         rows = per_rank[0]
         assert {(r["family"], r["mesh"], r["chunks"]) for r in rows} == (
-            {(f, m, 1) for f in TINY for m in mesh_list} | {(f, m, 2) for f in TINY for m in chunked})
+            {(f, m, 1) for f in TINY for m in mesh_list} | {(f, m, c) for f in TINY for m, c in chunked})
         for r in rows:
             where = f"{r['family']} on {r['mesh']}, {r['chunks']} chunks ({backend}, cuda)"
             assert r["same_params"], where

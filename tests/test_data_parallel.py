@@ -95,7 +95,8 @@ def test_fsdp_matches_single_process_and_shards_the_state(compose_cfg, tmp_path,
     _fit(compose_cfg, tmp_path / "single", *base, "mesh=1x1", "trainer.devices=1")
     want = _losses(tmp_path / "single")
     rows = {}
-    for name, mesh in FSDP_MESHES.items():
+    # every family sharded with tensor parallelism (2x1 x dp 2); the GPT also on dp 4 alone
+    for name, mesh in FSDP_MESHES.items() if model == "tiny" else [("tp2_dp2", FSDP_MESHES["tp2_dp2"])]:
         extra = ["trainer.checkpoint_every_n_steps=3"] if name == "tp2_dp2" and model == "tiny" else []
         rows[name] = _fit(compose_cfg, tmp_path / name, *base, *mesh, "mesh.fsdp=true", *extra)
         got = _losses(tmp_path / name)

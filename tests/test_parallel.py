@@ -1,8 +1,8 @@
 """The tensor-parallel runtime on real gloo process groups (4 and 8 processes).
 
 * The parallel GPT (2 layers, float64) gives the single-process model's loss and the full
-  tensor of every gradient to 1e-9 relative, for every 2D mesh of 4 and 8 devices and
-  chunks 1, 2, 4.
+  tensor of every gradient to 1e-9 relative, for every 2D mesh of 4 devices with chunks 1, 2
+  and 4, and of 8 devices with chunks 1 and 4.
 * The collectives counted by the runtime equal the planner's runtime cost model element for
   element, per collective kind and mesh dimension.
 """
@@ -22,20 +22,20 @@ from atp_pipeline.planning.cost import predicted_elements, runtime_terms
 
 from . import workers
 
-CHUNKS = [1, 2, 4]
+CHUNKS = {4: [1, 2, 4], 8: [1, 4]}
 MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: [(8, 1), (4, 2), (2, 4), (1, 8)]}
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=["4 processes", "8 processes"])
 def equivalence_runs(request) -> List[List[Dict[str, Any]]]:
     world = request.param
-    return spawn(workers.equivalence, world, MESHES[world], CHUNKS, timeout=900)
+    return spawn(workers.equivalence, world, MESHES[world], CHUNKS[world], timeout=900)
 
 
 def test_parallel_gpt_matches_single_process(equivalence_runs):
     world = len(equivalence_runs)
     assert [(r["mesh"], r["chunks"]) for r in equivalence_runs[0]] == [
-        (m, c) for m in MESHES[world] for c in CHUNKS]
+        (m, c) for m in MESHES[world] for c in CHUNKS[world]]
     for rank_runs in equivalence_runs:
         for r in rank_runs:
             assert r["params"], "parallel parameters must be named like the dense model's"
@@ -60,9 +60,9 @@ def test_chunks_multiply_calls_not_elements(equivalence_runs):
         for r in rank_runs:
             by_mesh.setdefault(r["mesh"], {})[r["chunks"]] = r
         for mesh, runs in by_mesh.items():
-            assert runs[1]["counted"] == runs[2]["counted"] == runs[4]["counted"]
+            assert len(runs) > 1 and all(r["counted"] == runs[1]["counted"] for r in runs.values())
             if mesh[0] > 1:  # f2/f4 forward all-reduces on d1 are issued once per chunk
-                assert runs[4]["calls"]["all_reduce/d1"] > runs[1]["calls"]["all_reduce/d1"]
+                assert runs[max(runs)]["calls"]["all_reduce/d1"] > runs[1]["calls"]["all_reduce/d1"]
 
 
 @pytest.fixture(scope="module")
