@@ -34,8 +34,25 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(EXIT_BAD_INPUT)
 
 
+_FILE_LIKE = re.compile(r"^(?P<group>[\w-]+)/(?P<path>(?:\.{1,2}/|/|~).*|.*\.ya?ml)$")
+
+
+def _file_as_option(group: str, path: str) -> str:
+    """A config file given where a group takes an option name: how Hydra finds it instead."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return (f"{group}={path}: {group} takes a name, not a file path; put the file at <dir>/{group}/{stem}.yaml and "
+            f"run with hydra.searchpath=[file://<dir>] {group}={stem}")
+
+
 def describe_missing(exc: MissingConfigException) -> str:
-    missing = (exc.missing_cfg_file or "").strip("/")
+    raw = (exc.missing_cfg_file or "").lstrip("/")
+    file_like = _FILE_LIKE.match(raw)
+    if file_like:  # topology=./my_topology.yaml, topology=/abs/my.yaml
+        path = file_like.group("path")
+        if not re.search(r"\.ya?ml$", path):
+            path += ".yaml"  # Hydra drops the extension it adds
+        return _file_as_option(file_like.group("group"), path)
+    missing = raw.strip("/")
     group, _, option = missing.rpartition("/")
     options = sorted(exc.options or [])
     if group and options:

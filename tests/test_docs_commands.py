@@ -392,11 +392,12 @@ def _docs_commands(t: str) -> Tuple[str, str]:
 
 def _dp_exactness(t: str) -> Tuple[str, str]:
     t = re.sub(r"(?<!\S)--bmv2(?!\S)", "", t)
-    for flag, v in (("--steps", "2"), ("--dtypes", "fp32"), ("--cases", "'dp2 ring'"), ("--fsdp-models", "tiny"),
+    for flag, v in (("--steps", "2"), ("--dtypes", "fp32"), ("--cases", "'dp2 ring'"), ("--fsdp-models", "''"),
                     ("--fsdp-steps", "2"), ("--out", f"{TMP}/outputs/benchmarks/dp_exactness")):
         t = set_opt(t, flag, v)
-    return " ".join(t.split()), ("2 float32 steps: one data-parallel case (with its resume) and FSDP on the tiny "
-                                 "GPT; no BMv2 (tests/test_live_aggregation.py trains through BMv2)")
+    return " ".join(t.split()), ("2 float32 steps: one data-parallel case (with its resume); no FSDP (its runs against "
+                                 "one process: tests/test_data_parallel.py), no BMv2 (tests/test_live_aggregation.py "
+                                 "trains through BMv2)")
 
 
 def _ina_experiments(t: str) -> Tuple[str, str]:

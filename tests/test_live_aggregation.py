@@ -265,7 +265,7 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     switch, and under 1% loss the very same weights, nothing left allocated. (Two levels and
     SwitchML: test_switchml_and_two_level_atp_exact_under_loss_and_leave_nothing; their
     30-step fits against ring: docs/ina.md.)"""
-    steps = ["trainer.max_steps=8", "trainer.devices=4"]
+    steps = ["trainer.max_steps=4", "trainer.devices=4"]
     atp = ["aggregation=atp", "aggregation.payload_k=256", "mesh=1x1"]  # every device a replica, as ring
     # the loss-free run waits 1 s before a resend (not 0.2): a resend goes past the switch, and on
     # a loaded host (the suite's other worker) 0.2 s passed without loss (in-switch 0.88, CI at f68d8a0)
@@ -275,16 +275,14 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
     def start(name: str):
         return start_train([*FAST, *steps, *runs[name], f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
 
-    # atp alone (its in-switch fraction is asserted), then ring beside the lossy run (nothing timed)
-    for group in (["atp"], ["ring", "lossy"]):
-        for name, p in [(n, start(n)) for n in group]:
-            out = finish_train(p, timeout=300)
-            assert out.returncode == 0, (name, out.stderr[-3000:])
+    for name, p in [(n, start(n)) for n in runs]:
+        out = finish_train(p, timeout=300)
+        assert out.returncode == 0, (name, out.stderr[-3000:])
     ring, atp, lossy = (_summary(tmp_path / n) for n in runs)
     assert atp["dp"] == 4 and atp["selected"] == "1x1" and atp["aggregation"] == "atp"
     r_loss = [r["loss"] for r in read_metrics(tmp_path / "ring" / "metrics.csv") if "loss" in r]
     a_loss = [r["loss"] for r in read_metrics(tmp_path / "atp" / "metrics.csv") if "loss" in r]
-    assert len(r_loss) == len(a_loss) == 8
+    assert len(r_loss) == len(a_loss) == 4
     assert max(abs(a - b) for a, b in zip(r_loss, a_loss)) < 1e-3
     rows = [r for r in read_metrics(tmp_path / "atp" / "metrics.csv") if "atp_in_switch_frac" in r]
     # every sequence completes once: in the switch or, after a timeout (any on a loaded host), at the

@@ -291,7 +291,7 @@ def test_plan_png_title_fits_and_report_sizes_read_in_human_units():
     from matplotlib.figure import Figure
 
     from atp_pipeline.figures import fit_titles
-    from atp_pipeline.run.report import human_bytes
+    from atp_pipeline.planning.fmt import human_bytes
 
     fig = Figure(figsize=(4.0, 3.6))
     FigureCanvasAgg(fig)

@@ -86,27 +86,27 @@ def test_plain_lightning_script_uses_strategy_atp(tmp_path):
 
 
 def test_2x2_matches_single_process_resumes_exactly_and_dp_replicas_stay_identical(compose_cfg, tmp_path):
-    single = _fit(compose_cfg, tmp_path / "single", "trainer.devices=1", "trainer.max_steps=20")
-    tp = _fit(compose_cfg, tmp_path / "tp", "mesh=2x2", "trainer.devices=4", "trainer.max_steps=20",
-              "trainer.checkpoint_every_n_steps=10")
+    single = _fit(compose_cfg, tmp_path / "single", "trainer.devices=1", "trainer.max_steps=10")
+    tp = _fit(compose_cfg, tmp_path / "tp", "mesh=2x2", "trainer.devices=4", "trainer.max_steps=10",
+              "trainer.checkpoint_every_n_steps=5")
     a, b = _losses(tmp_path / "single"), _losses(tmp_path / "tp")
-    assert len(a) == len(b) == 20
+    assert len(a) == len(b) == 10
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, list(zip(a, b))
     assert tp["selected"] == "2x2" and single["selected"] == "1x1"
     assert b[-1] < b[0]
 
-    # resume from the sharded checkpoint of step 10: steps 11..20 again, exactly
-    ckpt = tmp_path / "tp" / "checkpoints" / "step10.ckpt"
+    # resume from the sharded checkpoint of step 5: steps 6..10 again, exactly
+    ckpt = tmp_path / "tp" / "checkpoints" / "step5.ckpt"
     assert ckpt.is_dir(), "a sharded (torch.distributed.checkpoint) checkpoint directory"
     assert len(list(ckpt.glob("*.distcp"))) == 4  # one shard file per rank
-    _fit(compose_cfg, tmp_path / "second", "mesh=2x2", "trainer.max_steps=20", f"resume={ckpt}")
+    _fit(compose_cfg, tmp_path / "second", "mesh=2x2", "trainer.max_steps=10", f"resume={ckpt}")
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "second" / "metrics.csv") if "loss" in r}
-    assert sorted(resumed) == list(range(10, 20))  # steps 11..20
+    assert sorted(resumed) == list(range(5, 10))  # steps 6..10
     for step in resumed:
         assert resumed[step] == pytest.approx(b[step], abs=1e-6), step
 
     dp = _fit(compose_cfg, tmp_path / "dp", "topology.levels.0.count=8", "mesh=2x2", "mesh.dp=2",
-              "trainer.max_steps=20")
+              "trainer.max_steps=10")
     results = dp["_results"]
     assert dp["dp"] == 2 and len(results) == 8
     by_tp_coord: Dict[tuple, List[Dict[str, str]]] = {}

@@ -516,7 +516,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
-        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "weight_decay", "max_restarts",
+        at_least(self, "trainer", 0, "checkpoint_every_n_steps", "lr", "weight_decay", "max_restarts",
                  "gradient_clip_val")
         above(self, "trainer", 0, "collective_timeout_s")
         one_of(self, "trainer", "gradient_clip_algorithm", CLIP_ALGORITHMS)

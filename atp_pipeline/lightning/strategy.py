@@ -82,13 +82,32 @@ MeshSpec = Union[str, Tuple[int, int], PlanResult, Any, None]
 Mesh3 = Tuple[int, int, int]
 
 
+MESH_WORDS = ("auto", "megatron", "sbp")
+
+
 def parse_mesh(spec: MeshSpec) -> MeshSpec:
-    if isinstance(spec, str) and "x" in spec:
-        d1, _, d2 = spec.partition("x")
-        return int(d1), int(d2)
-    if isinstance(spec, list):
+    """``"2x2"``/``[2, 2]`` -> ``(2, 2)``; a word of :data:`MESH_WORDS` or a plan as given; anything
+    else is refused in one line."""
+    if isinstance(spec, str) and spec not in MESH_WORDS:
+        d1, x, d2 = spec.partition("x")
+        if not (x and d1.isdigit() and d2.isdigit()):
+            raise ConfigError(f"strategy 'atp': mesh={spec!r} must be one of {', '.join(map(repr, MESH_WORDS))}, "
+                              f"'<d1>x<d2>' (e.g. '2x2'), a (d1, d2) pair or a plan")
+        spec = (int(d1), int(d2))
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in spec):
+            raise ConfigError(f"strategy 'atp': mesh={spec!r} must be a (d1, d2) pair of positive integers")
         return tuple(spec)
     return spec
+
+
+def _count_or_auto(name: str, value: Any) -> Optional[int]:
+    """``"auto"`` -> None; a positive integer as given; anything else one line naming ``name``."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"strategy 'atp': {name}={value!r} must be a positive integer or 'auto'")
+    return value
 
 
 def _is_sbp(spec: Any) -> bool:
@@ -136,7 +155,13 @@ class ATPStrategyMixin:
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.aggregation_config = aggregation_config(aggregation)
-        self._chunks: Optional[int] = OverlapConfig(chunks=None if chunks == "auto" else int(chunks)).chunks
+        self._chunks: Optional[int] = OverlapConfig(chunks=_count_or_auto("chunks", chunks)).chunks
+        _count_or_auto("dp", dp)
+        if fsdp != "auto" and not isinstance(fsdp, bool):
+            raise ConfigError(f"strategy 'atp': fsdp={fsdp!r} must be True, False or 'auto'")
+        if topology is not None and not isinstance(topology, Mapping):
+            raise ConfigError(f"strategy 'atp': topology={topology!r} must be a topology config (a dict or DictConfig "
+                              f"with 'levels', as conf/topology/*.yaml), not a {type(topology).__name__}")
         self._mesh_spec, self._dp_spec = parse_mesh(mesh), dp
         self._plan, self._topology = plan, topology
         self.aggregation = self.aggregation_config.mode.value

@@ -118,6 +118,15 @@ class Space:
         if self.fsdp and self.dp == 1:
             raise ConfigError("mesh.fsdp=true shards over data-parallel replicas, but mesh.dp=1: set mesh.dp > 1 "
                               "(the world is dp x d1 x d2)")
+        if self.aggregation not in (None, "ring"):
+            fixed_mesh = self.strategy == MeshStrategy.fixed and self.mesh
+            dp = self.dp if self.dp is not None else (devices // (self.mesh[0] * self.mesh[1]) if fixed_mesh
+                                                      else (1 if devices == 1 else None))
+            if dp == 1:
+                why = "mesh.dp=1" if self.dp is not None else (
+                    f"mesh {self.mesh[0]}x{self.mesh[1]} uses all {devices} devices (dp=1)" if fixed_mesh
+                    else "the run has one device")
+                raise nothing_to_aggregate(self.aggregation, why)
         if self.fsdp and self.aggregation not in (None, "ring"):
             raise ConfigError(f"mesh.fsdp=true reduce-scatters gradients with torch.distributed; "
                               f"aggregation={self.aggregation} all-reduces whole buckets in the network and has no "
@@ -126,6 +135,12 @@ class Space:
                 and devices == self.mesh[0] * self.mesh[1]:
             raise ConfigError(f"mesh.fsdp=true shards over data-parallel replicas, but mesh "
                               f"{self.mesh[0]}x{self.mesh[1]} uses all {devices} devices (dp=1)")
+
+
+def nothing_to_aggregate(mode: str, why: str) -> ConfigError:
+    """An in-network aggregation mode asked for where there is one replica (``why``)."""
+    return ConfigError(f"aggregation={mode} aggregates the gradients of data-parallel replicas, but {why}: there is "
+                       f"nothing to aggregate; set mesh.dp > 1 or aggregation=auto")
 
 
 def fsdp_seconds(world: Topology, params: float, dp: int, tp: int, bytes_per_element: int,

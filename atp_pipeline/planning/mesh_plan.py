@@ -277,7 +277,9 @@ def _gbps(x: Optional[float]) -> str:
 
 def plan_table(plan: MeshPlan) -> Table:
     topo = plan.topology
-    title = (f"ATP plan: topology '{topo.name}' ({topo.world_size} devices), model "
+    dp = plan.setting.dp  # the plan's topology is one replica's: the header counts every device the run uses
+    devices = f"{dp * topo.world_size} devices" + (f": {dp} replicas of {topo.world_size}" if dp > 1 else "")
+    title = (f"ATP plan: topology '{topo.name}' ({devices}), model "
              f"'{plan.model.name}' (h={plan.model.hidden}, L={plan.model.layers}, "
              f"b={plan.model.batch_size}, s={plan.model.seq_len}, {plan.model.dtype}), "
              f"mesh={plan.strategy.value}, objective={plan.objective.value}")

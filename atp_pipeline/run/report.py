@@ -19,16 +19,9 @@ from typing import Any, Dict, List, Optional
 from atp_pipeline.ina.packet import L2L4_OVERHEAD_BYTES, PacketFormat
 from atp_pipeline.ina.sim.switchml import SML_HEADER_BYTES
 from atp_pipeline.planning import gradsync
+from atp_pipeline.planning.fmt import human_bytes
 from atp_pipeline.planning.report import write_report
 from atp_pipeline.run.resolve import RunSpec
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in decimal units a reader takes in at a glance: ``812 B``, ``3.4 kB``, ``1.2 MB``, ``80.0 GB``."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def packet_geometry(payload_k: int) -> gradsync.PacketGeometry:

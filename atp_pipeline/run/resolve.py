@@ -41,7 +41,9 @@ from atp_pipeline.config.schema import (
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
+from atp_pipeline.planning.fmt import human_bytes
 from atp_pipeline.planning.interface import PlanResult, plan_layout
+from atp_pipeline.planning.layout import nothing_to_aggregate
 from atp_pipeline.planning.memory import MemoryEstimate, memory_infeasibility, per_device_memory
 from atp_pipeline.planning.shape import ModelShape, layout_infeasibility
 from atp_pipeline.topology.model import Topology
@@ -155,6 +157,8 @@ def check_aggregation(agg: Any, dp: int) -> AggregationConfig:
                               "'Why SwitchML is not on BMv2')")
         raise ConfigError(f"aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not "
                           f"{mode.value} (with ps, a switch without aggregators, there is no P4 equivalent)")
+    if dp == 1 and mode not in (AggregationMode.ring, AggregationMode.auto):
+        raise nothing_to_aggregate(mode.value, "mesh.dp=1")
     default = AggregationConfig()
     for key, modes in MODE_KNOBS.items():
         if mode not in modes and getattr(cfg, key) != getattr(default, key):
@@ -444,6 +448,8 @@ def resolve(cfg: Any) -> RunSpec:
     if fitting:
         check_accelerator(cfg.trainer.accelerator, topo, devices)
         check_precision(cfg)
+        if mem is not None and cfg.trainer.accelerator == "cpu":
+            check_host_memory(shape.name, mem, devices)
     if cfg.resume and cfg.resume != "auto":  # auto: the run directory's newest (run(): it knows the directory)
         from atp_pipeline.run.checkpoints import resolve_resume
 
@@ -480,6 +486,29 @@ def check_precision(cfg: Config) -> None:
     if cfg.trainer.precision != "32-true" and cfg.model.dtype == DType.fp64:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} casts a float32 model, but model.dtype=fp64 "
                           f"trains in float64: use trainer.precision=32-true, or another model.dtype")
+
+
+def host_available_bytes() -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(model: str, mem: MemoryEstimate, ranks: int) -> None:
+    """CPU ranks all live in this host's memory: the per-rank estimate times the ranks against
+    what the host has available now (a CPU topology declares no device memory to check)."""
+    available = host_available_bytes()
+    need = (mem.total_bytes + mem.logits_bytes) * ranks
+    if available is not None and need > available:
+        raise ConfigError(f"model '{model}' needs ~{human_bytes(mem.total_bytes + mem.logits_bytes)} per rank x "
+                          f"{ranks} CPU ranks = {human_bytes(need)} of host memory, but this host has "
+                          f"{human_bytes(available)} available (MemAvailable); use fewer ranks or a smaller model")
 
 
 def check_accelerator(accel: str, topo: Topology, devices: int) -> None:

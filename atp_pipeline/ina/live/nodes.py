@@ -58,7 +58,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Set, Tuple
 
 import numpy as np
 
@@ -468,8 +468,23 @@ def _die_with_parent() -> None:
         pass
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line and exit 2 (not argparse's usage block)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
+def port(text: str) -> int:
+    """A TCP/UDP port number (argparse type: its name is in the message of a bad one)."""
+    port = int(text)  # not a number: argparse's one line
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535)")
+    return port
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m atp_pipeline.ina.live.nodes",
+    ap = _OneLineParser(prog="python -m atp_pipeline.ina.live.nodes",
                                  description="Run one live ATP role (switch emulator or parameter server).")
     ap.add_argument("role", choices=("switch", "ps"))
     ap.add_argument("--payload-k", type=int, default=62, help="int32 values per packet (62: hardware)")
@@ -483,8 +498,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                           "loopback address needs --secret-file or " + auth.ENV)
     ap.add_argument("--secret-file", help="the control channel's secret (a file of mode 600); default "
                                           f"{auth.ENV}, else (loopback only) a new one written to a file of mode 600")
-    ap.add_argument("--port", type=int, default=0, help="UDP data port (0: any free)")
-    ap.add_argument("--control-port", type=int, default=0)
+    ap.add_argument("--port", type=port, default=0, help="UDP data port (0: any free)")
+    ap.add_argument("--control-port", type=port, default=0)
     ap.add_argument("--die-with-parent", action="store_true")
     ap.add_argument("--protocol", choices=("atp", "switchml"), default="atp",
                     help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml/)")

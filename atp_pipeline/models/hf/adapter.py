@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -333,8 +334,14 @@ def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> 
     """:meth:`HFCausalLMAdapter.hf_config`, uncached; refusals are one line."""
     from transformers import AutoConfig
 
+    if pretrained and not Path(pretrained).exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", pretrained):
+        raise ConfigError(f"model '{name}': model.pretrained={pretrained} is not a local directory, and hub ids "
+                          f"are not fetched: download it first (hf download {pretrained} --local-dir <dir>) and "
+                          f"give model.pretrained=<dir>")
     if pretrained and not (Path(pretrained) / "config.json").exists():
-        raise ConfigError(f"model '{name}': model.pretrained={pretrained} has no config.json")
+        what = "has no config.json" if Path(pretrained).is_dir() else "does not exist"
+        raise ConfigError(f"model '{name}': model.pretrained={pretrained} {what} (a local HF checkpoint "
+                          f"directory, as save_pretrained writes it)")
     kind = fields.pop("model_type", None)
     if not pretrained and kind is None:
         raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
