@@ -331,9 +331,8 @@ class GivenFields:
 
 
 def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> Any:
-    """:meth:`HFCausalLMAdapter.hf_config`, uncached; refusals are one line."""
-    from transformers import AutoConfig
-
+    """:meth:`HFCausalLMAdapter.hf_config`, uncached; refusals are one line (a bad path before
+    transformers is imported)."""
     if pretrained and not Path(pretrained).exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", pretrained):
         raise ConfigError(f"model '{name}': model.pretrained={pretrained} is not a local directory, and hub ids "
                           f"are not fetched: download it first (hf download {pretrained} --local-dir <dir>) and "
@@ -346,6 +345,8 @@ def _hf_config(name: str, fields: Dict[str, Any], pretrained: Optional[str]) -> 
     if not pretrained and kind is None:
         raise ConfigError(f"model '{name}': set model.pretrained=<a local HF checkpoint directory> or "
                           f"model.hf.model_type (a transformers model type, e.g. llama)")
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(pretrained, **fields) if pretrained else \
             AutoConfig.for_model(kind, **fields)
