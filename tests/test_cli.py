@@ -78,6 +78,7 @@ TRAIN_BAD_INPUT = [
     (["trainer.max_restarts=-1"], "error: trainer.max_restarts=-1 must be >= 0"),
     (["trainer.gradient_clip_val=-1"], "error: trainer.gradient_clip_val=-1.0 must be >= 0"),
     (["trainer.precision=fp8"], "error: trainer.precision=fp8 must be one of 32-true, bf16-mixed, bf16-true"),
+    (["trainer.lr_schedule=step"], "error: trainer.lr_schedule=step must be one of constant, cosine, linear"),
     (["stage=plan", "model.batch_size=0"], "error: model.batch_size=0 must be >= 1"),
     (["calibration.passes=0"], "error: calibration.passes=0 must be >= 1"),
     # a config transformers' own validation rejects (huggingface_hub's strict dataclasses)

@@ -85,12 +85,31 @@ def test_plain_lightning_script_uses_strategy_atp(tmp_path):
     assert len({r[4] for r in results}) == 1  # tensor-parallel ranks and replicas agree
 
 
+def test_lr_schedules_warm_up_then_decay_to_min_lr():
+    """trainer.lr_schedule: a linear warmup to lr, then constant, or cosine / linear down to min_lr at max_steps."""
+    from atp_pipeline.lightning.schedule import lr_factor
+
+    assert [lr_factor(s, "constant", 4, 20, 0.1) for s in (0, 3, 4, 19)] == [0.25, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, "cosine", 2, 12, 0.1) for s in range(13)]
+    assert cos[:3] == [0.5, 1.0, 1.0] and cos[7] == pytest.approx(0.55) and cos[12] == pytest.approx(0.1)
+    assert all(x >= y for x, y in zip(cos[2:], cos[3:]))
+    assert [lr_factor(s, "linear", 0, 4, 0.0) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+
+
 def test_2x2_matches_single_process_resumes_exactly_and_dp_replicas_stay_identical(compose_cfg, tmp_path):
-    single = _fit(compose_cfg, tmp_path / "single", "trainer.devices=1", "trainer.max_steps=10")
-    tp = _fit(compose_cfg, tmp_path / "tp", "mesh=2x2", "trainer.devices=4", "trainer.max_steps=10",
+    """Under a warmup + cosine learning-rate schedule (trainer.lr_schedule): 2x2 equals one process,
+    a resume from the middle repeats the second half exactly (the scheduler's step is in the
+    checkpoint), and dp replicas stay identical."""
+    from atp_pipeline.lightning.schedule import lr_factor
+
+    sched = ["trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.lr=0.003", "trainer.min_lr=0.0003"]
+    single = _fit(compose_cfg, tmp_path / "single", *sched, "trainer.devices=1", "trainer.max_steps=10")
+    tp = _fit(compose_cfg, tmp_path / "tp", *sched, "mesh=2x2", "trainer.devices=4", "trainer.max_steps=10",
               "trainer.checkpoint_every_n_steps=5")
     a, b = _losses(tmp_path / "single"), _losses(tmp_path / "tp")
     assert len(a) == len(b) == 10
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "tp" / "metrics.csv") if "lr" in r]
+    assert lrs == pytest.approx([0.003 * lr_factor(s, "cosine", 3, 10, 0.1) for s in range(10)], rel=1e-6)
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, list(zip(a, b))
     assert tp["selected"] == "2x2" and single["selected"] == "1x1"
     assert b[-1] < b[0]
@@ -99,13 +118,13 @@ def test_2x2_matches_single_process_resumes_exactly_and_dp_replicas_stay_identic
     ckpt = tmp_path / "tp" / "checkpoints" / "step5.ckpt"
     assert ckpt.is_dir(), "a sharded (torch.distributed.checkpoint) checkpoint directory"
     assert len(list(ckpt.glob("*.distcp"))) == 4  # one shard file per rank
-    _fit(compose_cfg, tmp_path / "second", "mesh=2x2", "trainer.max_steps=10", f"resume={ckpt}")
+    _fit(compose_cfg, tmp_path / "second", *sched, "mesh=2x2", "trainer.max_steps=10", f"resume={ckpt}")
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "second" / "metrics.csv") if "loss" in r}
     assert sorted(resumed) == list(range(5, 10))  # steps 6..10
     for step in resumed:
         assert resumed[step] == pytest.approx(b[step], abs=1e-6), step
 
-    dp = _fit(compose_cfg, tmp_path / "dp", "topology.levels.0.count=8", "mesh=2x2", "mesh.dp=2",
+    dp = _fit(compose_cfg, tmp_path / "dp", *sched, "topology.levels.0.count=8", "mesh=2x2", "mesh.dp=2",
               "trainer.max_steps=10")
     results = dp["_results"]
     assert dp["dp"] == 2 and len(results) == 8

@@ -496,6 +496,11 @@ class TrainerConfig:
     max_steps: int = 150
     lr: float = 3e-3
     weight_decay: float = 0.0
+    # the learning rate over the steps: a linear warmup over warmup_steps, then constant, cosine (down to
+    # min_lr at max_steps) or linear (down to min_lr); stepped per optimizer step, resumed with the run
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
     log_every_n_steps: int = 1  # a row of metrics.csv (loss, step time, bytes) every n steps
     checkpoint_every_n_steps: int = 0  # 0: only the last step
     progress_bar: bool = True
@@ -517,12 +522,15 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         at_least(self, "trainer", 1, "devices", "max_steps", "log_every_n_steps")
         at_least(self, "trainer", 0, "checkpoint_every_n_steps", "lr", "weight_decay", "max_restarts",
-                 "gradient_clip_val")
+                 "gradient_clip_val", "warmup_steps", "min_lr")
+        one_of(self, "trainer", "lr_schedule", LR_SCHEDULES)
         above(self, "trainer", 0, "collective_timeout_s")
         one_of(self, "trainer", "gradient_clip_algorithm", CLIP_ALGORITHMS)
         one_of(self, "trainer", "precision", PRECISIONS)
 
 
+#: ``trainer.lr_schedule`` (:mod:`atp_pipeline.lightning.schedule`)
+LR_SCHEDULES = ("constant", "cosine", "linear")
 #: ``trainer.gradient_clip_algorithm`` (Lightning's names)
 CLIP_ALGORITHMS = ("norm", "value")
 #: ``trainer.precision``: Lightning's precisions strategy "atp" runs (ModelParallelStrategy's, less 16-bit floats)

@@ -16,10 +16,14 @@ ModelOrFactory = Union[nn.Module, Callable[[], nn.Module]]
 
 
 class LMModuleMixin:
-    """A causal LM trained with AdamW (``lr``, ``weight_decay``); logs ``loss`` every step."""
+    """A causal LM trained with AdamW (``lr``, ``weight_decay``) under a learning-rate schedule
+    (``lr_schedule``, ``warmup_steps``, ``min_lr`` over ``max_steps``:
+    :mod:`atp_pipeline.lightning.schedule`); logs ``loss`` and ``lr`` every step."""
 
     def __init__(self, model: ModelOrFactory, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0,
-                 loss: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]] = None) -> None:
+                 loss: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]] = None,
+                 lr_schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0,
+                 max_steps: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "loss"])  # type: ignore[attr-defined]
         self._loss = loss
@@ -34,11 +38,22 @@ class LMModuleMixin:
         out = self._loss(self.model, idx, targets) if self._loss else self.model(idx, targets)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)  # type: ignore[attr-defined]
+        hp = self.hparams  # type: ignore[attr-defined]
+        if hp.get("lr_schedule", "constant") != "constant" or hp.get("warmup_steps", 0):
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # type: ignore[attr-defined]
+            self.log("lr", float(lr), on_step=True, on_epoch=False)  # type: ignore[attr-defined]
         return loss
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams  # type: ignore[attr-defined]
-        return adamw(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)  # type: ignore[attr-defined]
+        opt = adamw(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)  # type: ignore[attr-defined]
+        schedule, warmup = hp.get("lr_schedule", "constant"), hp.get("warmup_steps", 0)
+        if schedule == "constant" and not warmup:
+            return opt
+        from atp_pipeline.lightning.schedule import scheduler
+
+        return {"optimizer": opt, "lr_scheduler": scheduler(opt, schedule, warmup, hp.get("max_steps", 0), hp.lr,
+                                                            hp.get("min_lr", 0.0))}
 
 
 def adamw(params: Any, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:

@@ -119,7 +119,8 @@ def fit_worker(rank: int, world: int, spec: RunSpec, out_dir: str) -> Dict[str, 
     dtype = torch.float64 if spec.shape.dtype == "fp64" else torch.float32
     adapter = get_adapter(c.model.family)
     module = LMModule(lambda: adapter.build(c.model), lr=t.lr, weight_decay=t.weight_decay, seed=c.seed,
-                      loss=adapter.lm_loss).to(dtype)
+                      loss=adapter.lm_loss, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr=t.min_lr,
+                      max_steps=t.max_steps).to(dtype)
     data = TokenDataModule(c.data.source.value, spec.shape.seq_len, spec.shape.batch_size, spec.shape.vocab_size,
                            seed=c.seed)
     strategy = ATPStrategy.for_run(spec)
