@@ -95,7 +95,7 @@ def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tupl
                      chunk_list: List[int]) -> List[Dict[str, Any]]:
     """Per model, mesh and chunk count: the float64 gradients of one step (max error relative to
     each gradient's magnitude) against one process; at the most chunks (the finest split, one
-    sample a chunk at chunks=4) also ``STEPS`` float32 SGD losses; and
+    sample a chunk at chunks=4) on the first mesh also ``STEPS`` float32 SGD losses; and
     :func:`fan_in_with_an_unused_reader` on each mesh."""
     from atp_pipeline.models.adapter import find_adapters, prefixed
     from atp_pipeline.parallel.apply import apply_plan
@@ -116,7 +116,8 @@ def chunked_training(rank: int, world: int, models: List[str], meshes: List[Tupl
         for mesh_shape in meshes:
             for chunks in chunk_list:
                 row: Dict[str, Any] = {"model": name, "mesh": mesh_shape, "chunks": chunks}
-                for dense in (dense64, dense32) if chunks == max(chunk_list) else (dense64,):
+                trains = chunks == max(chunk_list) and mesh_shape == meshes[0]
+                for dense in (dense64, dense32) if trains else (dense64,):
                     mesh = init_mesh(mesh_shape)
                     model = copy.deepcopy(dense)
                     (prefix, adapter, sub), = find_adapters(model)

@@ -3,7 +3,7 @@ built-in GPT), ``llama_tiny`` with 2 key/value heads (fewer than the ranks) and 
 (Conv1D, fused q|k|v, tied head), each laid out by its adapter's plan with its blocks run in 2
 and 4 chunks on 2x2 and 1x4 (4 gloo processes, one launch): one float64 step's every gradient
 within 1e-9 of one process (relative to the gradient's magnitude), and at 4 chunks (one sample
-a chunk) 8 float32 SGD losses within 1e-5. (Every HF family's chunked gradients, Llama with 4
+a chunk) on 2x2 8 float32 SGD losses within 1e-5. (Every HF family's chunked gradients, Llama with 4
 key/value heads among them: tests/test_hf_models.py.) Unit tests of the wavefront: results, turn
 order, errors, and the chunked backward."""
 
@@ -41,7 +41,7 @@ def test_every_family_chunked_matches_one_process(runs):
         where = (r["model"], r["mesh"], r["chunks"])
         assert r["same_params"], where
         assert r["grad_rel"] <= 1e-9, (where, r["worst"], r["grad_rel"])
-        if r["chunks"] == max(CHUNKS):
+        if r["chunks"] == max(CHUNKS) and tuple(r["mesh"]) == MESHES[0]:
             assert r["steps"] == overlap_workers.STEPS and r["loss_err"] <= 1e-5, (where, r["loss_err"])
         else:
             assert "steps" not in r, where
