@@ -84,7 +84,7 @@ DTYPE_BYTES = {DType.fp16: 2, DType.bf16: 2, DType.fp32: 4, DType.fp64: 8}
 
 
 class MeshStrategy(str, Enum):
-    auto = "auto"  # the whole-layout search: dp x d1 x d2 (and FSDP, chunks, aggregation) (§3.5, issue 63)
+    auto = "auto"  # the whole-layout search: dp x d1 x d2 (and FSDP, chunks, aggregation) (§3.5)
     fixed = "fixed"  # DeviceMesh(d1, d2) given by the user (``mesh=2x4``)
     megatron = "megatron"  # DeviceMesh(N, 1): Megatron-LM's 1D tensor parallelism
 

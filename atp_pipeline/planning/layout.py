@@ -300,6 +300,33 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
             selected, why_none = select(replica, model, cands, strategy, fixed, planner, objective, setting, notes)
             per_setting[key] = (replica, tuple(cands), selected, why_none, notes, profile, objective)
     objective = objective_all or Objective(getattr(planner, "objective", Objective.step))
+    best, ranked = _pick(world, planner, objective, per_setting, layouts)
+    ranked.sort(key=lambda x: _order(x, objective))
+    if best is None:
+        raise ConfigError(no_layout(world, model, ranked, space, capacity))
+    _, (dp, c, f, a), selected = best
+    replica, cands, _, _, notes, profile, obj = per_setting[(dp, c, f, a)]
+    cands = tuple(replace(evaluate(replica, model, x.mesh, cost_model, StepSetting(dp=dp)), infeasible=x.infeasible,
+                          step=x.step) if x.dim1 is None else x for x in cands)
+    chosen_setting = StepSetting(chunks=c, dp=dp, aggregation=a, world=world, fsdp=f)
+    if space.strategy != MeshStrategy.auto:  # a fixed or Megatron mesh: its table lists every mesh beside it
+        given = {x.mesh: x for x in cands}
+        cands = tuple(given.get(m) or evaluate(replica, model, m, cost_model, chosen_setting, profile)
+                      for m in candidate_meshes(replica.world_size))
+    notes = plan_notes(replica, model) + notes
+    strategy = space.strategy
+    plan = MeshPlan(topology=replica, model=model, strategy=strategy, cost_model=cost_model, candidates=cands,
+                    selected=selected, notes=tuple(notes), objective=obj,
+                    setting=chosen_setting, profile=profile,
+                    layouts=tuple(ranked), world=world, fixed=tuple(space.fixed()))
+    return replace(plan, planning_s=time.perf_counter() - t0)
+
+
+def _pick(world: Topology, planner: Any, objective: Objective, per_setting: Dict[Tuple[int, int, bool, str], Any],
+          layouts: List[LayoutCandidate]) -> Tuple[Optional[Tuple[Tuple[Any, ...], Tuple[int, int, bool, str], Mesh]],
+                                                   List[LayoutCandidate]]:
+    """The winner among the settings' selected meshes (``(rank, setting key, mesh)``, None if no
+    setting selected one) and every layout marked with why it lost (``chosen`` for the winner)."""
     calibrated_only = bool(world.calibrated) and not planner.select_uncalibrated
     # the winner of each setting competes; the rest of its meshes lost within it
     best: Optional[Tuple[Tuple[Any, ...], Tuple[int, int, bool, str], Mesh]] = None
@@ -329,25 +356,7 @@ def search(world: Topology, model: ModelShape, planner: Any, space: Space) -> Me
             elif _uncalibrated(world, planner, x):
                 lost = "calibration"
         ranked.append(replace(x, lost=lost))
-    ranked.sort(key=lambda x: _order(x, objective))
-    if best is None:
-        raise ConfigError(no_layout(world, model, ranked, space, capacity))
-    _, (dp, c, f, a), selected = best
-    replica, cands, _, _, notes, profile, obj = per_setting[(dp, c, f, a)]
-    cands = tuple(replace(evaluate(replica, model, x.mesh, cost_model, StepSetting(dp=dp)), infeasible=x.infeasible,
-                          step=x.step) if x.dim1 is None else x for x in cands)
-    chosen_setting = StepSetting(chunks=c, dp=dp, aggregation=a, world=world, fsdp=f)
-    if space.strategy != MeshStrategy.auto:  # a fixed or Megatron mesh: its table lists every mesh beside it
-        given = {x.mesh: x for x in cands}
-        cands = tuple(given.get(m) or evaluate(replica, model, m, cost_model, chosen_setting, profile)
-                      for m in candidate_meshes(replica.world_size))
-    notes = plan_notes(replica, model) + notes
-    strategy = space.strategy
-    plan = MeshPlan(topology=replica, model=model, strategy=strategy, cost_model=cost_model, candidates=cands,
-                    selected=selected, notes=tuple(notes), objective=obj,
-                    setting=chosen_setting, profile=profile,
-                    layouts=tuple(ranked), world=world, fixed=tuple(space.fixed()))
-    return replace(plan, planning_s=time.perf_counter() - t0)
+    return best, ranked
 
 
 def _placeholder(mesh: Mesh) -> Candidate:

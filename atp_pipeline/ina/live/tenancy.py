@@ -5,7 +5,7 @@ Every client holds the role's secret (:mod:`.auth`); what tells the tenants apar
 
 * job setup (ATP §5.1, ``add_job``) binds the new job to the token presented with it —
   the tenant's, one random token per training run (:attr:`.services.Services.tenant`);
-* every later operation on that job (teardown, the stall diagnosis, the shared-memory
+* every later operation on that job (teardown, the stall report, the shared-memory
   segment) must present the same token, compared with :func:`hmac.compare_digest`; so must
   ``add_job`` for a job id someone has used before on this role;
 * ``stats`` shows a tenant its own jobs only (the counters of the role as a whole stay);
