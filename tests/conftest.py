@@ -10,7 +10,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -218,15 +218,33 @@ def _cores_are_given_back():
                         f"(it had {sorted(before)})")
 
 
-def session_pids(sid: int) -> List[int]:
-    """Live (not zombie) processes of session ``sid``: a run started with ``start_new_session``."""
-    out = []
+def live_processes() -> Dict[int, Tuple[int, int]]:
+    """Every live (not zombie) process: pid -> (parent pid, session id)."""
+    out = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(d.name))
+            if fields[0] != "Z":
+                out[int(d.name)] = (int(fields[1]), int(fields[3]))
+    return out
+
+
+def session_pids(sid: int) -> List[int]:
+    """Live (not zombie) processes of session ``sid``: a run started with ``start_new_session``."""
+    return [pid for pid, (_, s) in live_processes().items() if s == sid]
+
+
+def descendants(root: int) -> Set[int]:
+    """Live processes below ``root``."""
+    children: Dict[int, List[int]] = {}
+    for pid, (parent, _) in live_processes().items():
+        children.setdefault(parent, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
     return out

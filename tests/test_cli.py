@@ -9,12 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, Set, Tuple
 
 import pytest
 import yaml
 
-from .conftest import run_side_by_side, run_train, start_train
+from .conftest import descendants, run_side_by_side, run_train, start_train
 
 
 def _user_conf(tmp_path: Path) -> Path:
@@ -116,29 +116,10 @@ BAD_INPUT = ([("train.py", a, m) for a, m in TRAIN_BAD_INPUT] + [("role", a, m) 
              + [("strategy", a, m) for a, m in STRATEGY_BAD_INPUT])
 
 
-def _descendants() -> Set[int]:
-    """Live processes below this one (the zygote and fork servers that serve every test among them)."""
-    children: Dict[int, List[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(d.name))
-    out, todo = set(), [os.getpid()]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
 def _left_after(before: Set[int]) -> Set[int]:
     """Processes started since ``before`` that are still running 5 s on (none expected)."""
     until = time.monotonic() + 5
-    while (left := _descendants() - before) and time.monotonic() < until:
+    while (left := descendants(os.getpid()) - before) and time.monotonic() < until:
         time.sleep(0.2)
     return left
 
@@ -153,7 +134,7 @@ def bad_input_runs(tmp_path_factory) -> Dict[int, Tuple[Any, str]]:
 
     tmp = tmp_path_factory.mktemp("bad_input")
     start_train(["--help"], tmp).communicate(timeout=300)  # the zygote up before the snapshot of processes
-    before = _descendants()
+    before = descendants(os.getpid())
     train_rows = [i for i, r in enumerate(BAD_INPUT) if r[0] == "train.py"]
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "ATP_AUTHKEY")}
     roles = {i: subprocess.Popen([sys.executable, "-m", "atp_pipeline.ina.live.nodes", *BAD_INPUT[i][1]],
