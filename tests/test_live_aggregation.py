@@ -297,7 +297,7 @@ def test_train_atp_matches_ring_and_is_exact_under_loss(tmp_path):
 
 
 def _start_shared_switch() -> Services:
-    return Services.start(AggregationConfig(mode=AggregationMode.atp, n_ps=0, payload_k=62))
+    return Services.start(AggregationConfig(mode=AggregationMode.atp, n_ps=0, payload_k=256))
 
 
 #: set (by :func:`owner`) in the environment of everything a test starts; every process the test's
@@ -340,17 +340,16 @@ def test_two_tenants_share_one_switch(tmp_path, monkeypatch):
     try:
         addr = "%s:%d" % sw.switch.control
         monkeypatch.setenv("ATP_AUTHKEY", sw.switch.secret)  # the tenants hold the switch's secret
-        with pytest.raises(ConfigError, match=rf"aggregation.payload_k=2048 but the switch at {addr} aggregates 62 "
-                                              r"values a packet: set aggregation.payload_k=62"):
+        with pytest.raises(ConfigError, match=rf"aggregation.payload_k=2048 but the switch at {addr} aggregates 256 "
+                                              r"values a packet: set aggregation.payload_k=256"):
             Services.start(AggregationConfig(mode=AggregationMode.atp, switch=addr, payload_k=2048))
-        common = [*FAST, "trainer.max_steps=4", "trainer.devices=2", "aggregation=atp", f"aggregation.switch={addr}"]
-        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-        procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"seed={s}",
-                                   f"hydra.run.dir={tmp_path / f't{s}'}"], cwd=tmp_path, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
-        outs = [p.communicate(timeout=300) for p in procs]
-        for p, (o, e) in zip(procs, outs):
-            assert p.returncode == 0, e[-3000:]
+        common = [*FAST, "trainer.max_steps=4", "trainer.devices=2", "aggregation=atp", f"aggregation.switch={addr}",
+                  "aggregation.payload_k=256"]
+        procs = [start_train([*common, f"seed={s}", f"hydra.run.dir={tmp_path / f't{s}'}"], cwd=tmp_path)
+                 for s in (1, 2)]  # (the environment now holds the switch's secret)
+        for p in procs:
+            out = finish_train(p, timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
         ref = run_train([*FAST, "trainer.max_steps=4", "trainer.devices=2", "mesh.dp=2", "seed=1",
                          f"hydra.run.dir={tmp_path / 'ring'}"], cwd=tmp_path, timeout=300)
         assert ref.returncode == 0, ref.stderr[-3000:]
@@ -386,7 +385,8 @@ def test_killed_worker_fails_the_others_and_leaves_nothing(tmp_path, owner):
         env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
         env["ATP_AUTHKEY"] = sw.switch.secret  # the tenant holds the switch's secret
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FAST, "trainer.max_steps=100000",
-                                 "aggregation=atp", f"aggregation.switch={addr}", "aggregation.stall_timeout_s=5",
+                                 "aggregation=atp", f"aggregation.switch={addr}", "aggregation.payload_k=256",
+                                 "aggregation.stall_timeout_s=5",
                                  "trainer.collective_timeout_s=5",  # within the launcher's 10 s for the others
                                  f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
                                 stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"),
