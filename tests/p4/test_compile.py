@@ -13,7 +13,7 @@ from atp_pipeline.ina.p4 import toolchain as tc
 from atp_pipeline.ina.p4.codegen import N_AGGREGATORS, STATS
 from atp_pipeline.ina.packet import DEFAULT_K
 
-from . import P4_DIR, V1MODEL_P4
+from . import P4_DIR, ROOT, V1MODEL_P4
 
 TNA_P4 = P4_DIR / "tna" / "atp.p4"
 
@@ -37,12 +37,20 @@ def test_v1model_compiles_without_warnings(v1model_build):
 
 
 def test_tna_passes_p4test_for_tofino_1_and_2():
-    """p4test (front and mid end; about 10 s of CPU each, so both targets run side by side)."""
+    """p4test (front and mid end; about 10 s of CPU each, so both targets run side by side): the
+    command lines p4/README.md shows (the docs' test leaves them to this one), exit 0, no output."""
+    from tests.test_docs_commands import extract
+
     why = tc.why_missing(["p4test"])
     if why:
         pytest.skip(why)
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip((1, 2), pool.map(lambda t: tc.check_tna(TNA_P4, t), (1, 2))))
+    documented = [c.text.split() for c in extract(ROOT / "p4" / "README.md")[0] if c.text.startswith("p4test")]
+    root = str(ROOT) + "/"
+    ran = [[w.replace(str(tc.prefix()), "/opt/p4tools").replace(root, "") for w in ["p4test", *res.cmd[1:]]]
+           for res in results.values()]
+    assert sorted(documented) == sorted(ran), (documented, ran)
     for target, res in results.items():
         assert f"-D__TARGET_TOFINO__={target}" in res.cmd
         assert res.returncode == 0, (target, res.output)
