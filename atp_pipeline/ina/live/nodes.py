@@ -41,6 +41,9 @@ It prints one JSON line — its addresses and its owner token (:mod:`.tenancy`) 
 one and writes it to a file of mode 0600 (its path is the line's ``secret_file``), where this
 user's clients — ``train.py aggregation.switch=HOST:PORT`` — find it; on any other address
 it exits 2 with one line.
+``--max-bytes`` bounds what the role stores (:mod:`atp_pipeline.ina.budget`): a switch whose aggregators
+need more exits 2 with one line; a job that would take a SwitchML switch or a parameter server beyond
+it is refused at setup. A job's packets are taken only from its members (:meth:`Role.admits`).
 ``--impl bmv2`` runs BMv2 with the compiled v1model program as the data plane instead of the
 emulator (:mod:`.bmv2_node`; root and the P4 toolchain needed); on ``shutdown``, SIGTERM,
 SIGINT or SIGHUP it stops the switch, whose namespace and veth pairs then go away.
