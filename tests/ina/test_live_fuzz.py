@@ -62,6 +62,7 @@ MAX_BYTES = 64 << 20  # every role's --max-bytes (aggregation.role_max_bytes): t
 RSS_BOUND = 192 << 20  # a role's peak resident memory, interpreter and numpy included
 ATP_FMT, SML_FMT = PacketFormat(K), SMLFormat(K)
 MAX_DATAGRAM = 65507
+EXAMPLES = 8  # hypothesis examples, each a few hundred datagrams and a few control messages
 
 
 def _vm(pid: int, key: str) -> int:
@@ -219,9 +220,9 @@ def roles() -> Iterator[Roles]:
 
 
 # ------------------------------------------------------------------------------------------ data plane
-KINDS = ("random", "huge", "truncated", "oversized", "bitflip", "replay", "datagram", "job", "seq", "param")
+KINDS = ("random", "huge", "truncated", "oversized", "bitflip", "replay", "datagram", "job", "seq", "param", "forge")
 shots = st.tuples(st.sampled_from(("switch", "ps", "sml")), st.sampled_from(("member", "stranger")),
-                  st.sampled_from(KINDS), st.integers(0, 2**32 - 1), st.integers(1, 24), st.binary(max_size=48))
+                  st.sampled_from(KINDS), st.integers(0, 2**32 - 1), st.integers(4, 24), st.binary(max_size=48))
 
 
 def _flip(buf: bytes, r: random.Random) -> bytes:
@@ -234,10 +235,20 @@ def _flip(buf: bytes, r: random.Random) -> bytes:
 
 def _rewrite(target: str, buf: bytes, r: random.Random, roles: Roles, kind: str) -> bytes:
     """A genuine packet with its job (an honest job's, or one installed nowhere), its sequence / slot,
-    or its direction (a parameter packet / a result) changed; still well formed."""
+    or its direction (a parameter packet / a result) changed; or (``forge``) an honest job's packet for
+    a sequence (slot) it is about to aggregate, with other values: still well formed."""
     fmt: Any = SML_FMT if target == "sml" else ATP_FMT
     p = fmt.decode(buf)
-    if kind == "job":
+    if kind == "forge":
+        h = roles.honest[1 if target == "sml" else 0]
+        p.job, w = h.job, r.randrange(2)
+        if target == "sml":
+            p.slot, p.ver, p.worker = r.randrange(POOL), r.randrange(2), w
+        else:
+            p.seq, p.worker_id, p.bitmap0 = h.engines[0].seq + r.randrange(32), w, 1 << w
+        if p.payload is not None and p.payload.size:
+            p.payload = np.array([r.randrange(-1000, 1000) for _ in range(K)], dtype=np.int32)
+    elif kind == "job":
         honest = [h.job for h in roles.honest if (target == "sml") == isinstance(h.engines[0], SMLEngine)]
         p.job = r.choice([*honest, r.randrange(1 << 16)])
     elif kind == "seq" and target == "sml":
@@ -403,8 +414,8 @@ def test_running_roles_survive_arbitrary_datagrams_and_control_messages(roles: R
     for h in roles.honest:
         h.start()
 
-    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(shots, min_size=1, max_size=40), st.lists(controls, min_size=1, max_size=12))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(shots, min_size=8, max_size=40), st.lists(controls, min_size=4, max_size=12))
     def spray(batch: List[Tuple[Any, ...]], ctl: List[Tuple[Any, ...]]) -> None:
         for shot in batch:
             _spray(roles, shot, tally)
