@@ -284,6 +284,7 @@ class SMLSwitchNode(Role):
         read as one array of headers and the results written as one."""
         fmt = self.fmt
         bufs = [b for b, _ in got]
+        self.malformed += bufs.count(b"")  # (an empty datagram holds no packet to count)
         # (the array form only where every datagram is whole headers: none straddles two datagrams)
         hdr = fmt.headers(bufs) if fmt.shm and not any(len(b) % fmt.header_bytes for b in bufs) else None
         pkts: Optional[List[SMLPacket]] = None
