@@ -66,6 +66,14 @@ MAX_DATAGRAM = 65507
 EXAMPLES = 30  # hypothesis examples, each a few hundred datagrams and a few control messages
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is no zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _vm(pid: int, key: str) -> int:
     """``VmHWM``/``VmRSS`` of process ``pid``, bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -451,13 +459,15 @@ def test_running_roles_survive_arbitrary_datagrams_and_control_messages(roles: R
     dropped = _settle(roles, tally.bad, before)
     time.sleep(0.5)  # (the last refused handshakes and frames are counted by their connections' threads)
     ctl = {n: roles.control_counters(n) for n in pids}
+    crashes = sum(not _alive(pid) for pid in pids.values())
+    assert crashes == 0, (roles.atp.dead_role(), roles.sml.dead_role())
     peak = {n: _vm(pid, "VmHWM") for n, pid in pids.items()}
     stats = {n: roles.stats(n) for n in pids}
     elapsed = time.monotonic() - t0
     print(f"\nlive fuzz: {sum(tally.datagrams.values())} datagrams {tally.datagrams}, of which must-drop "
           f"{tally.bad}, counted dropped {dropped}; {sum(tally.control.values())} control messages "
           f"{tally.control}; honest all-reduces {[h.rounds for h in roles.honest]}, corrupted "
-          f"{[h.corrupted for h in roles.honest]}; crashes 0; peak RSS (VmHWM) MiB "
+          f"{[h.corrupted for h in roles.honest]}; role crashes {crashes}; peak RSS (VmHWM) MiB "
           f"{ {n: round(v / 2**20, 1) for n, v in peak.items()} } (before spraying "
           f"{ {n: round(v / 2**20, 1) for n, v in warm.items()} }); foreign "
           f"{ {n: s['foreign'] for n, s in stats.items()} }; kernel drops "
