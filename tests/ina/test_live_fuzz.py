@@ -37,10 +37,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from atp_pipeline.config.schema import AggregationConfig, AggregationMode
+from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
 from atp_pipeline.errors import ConfigError
 from atp_pipeline.ina import budget
 from atp_pipeline.ina.job import JobLayout
@@ -49,6 +49,7 @@ from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.role import udp_socket
 from atp_pipeline.ina.live.rpc import AggregationError
 from atp_pipeline.ina.live.services import Services, add_job, remove_job
+from atp_pipeline.ina.live.shm import attach, create_lanes, lanes_of, release
 from atp_pipeline.ina.packet import DecodeError, PacketFormat
 from atp_pipeline.ina.ps import ParameterServer
 from atp_pipeline.ina.switchml import SMLFloatWorker, SMLFormat
@@ -61,9 +62,12 @@ POOL = 16  # SwitchML slots of a job
 MAX_BYTES = 64 << 20  # every role's --max-bytes (aggregation.role_max_bytes): two jobs of 2 workers fit a PS
 RSS_BOUND = 128 << 20  # a role's peak resident memory, interpreter and numpy included
 GROWTH_BOUND = 16 << 20  # ... and how much it may rise while the roles are sprayed (after the honest jobs' first round)
-ATP_FMT, SML_FMT = PacketFormat(K), SMLFormat(K)
+ATP_FMT, SML_FMT, SHM_FMT = PacketFormat(K), SMLFormat(K), SMLFormat(K, shm=True)
+ROLES = ("switch", "ps", "sml", "shm")  # ATP switch and PS; SwitchML switch over UDP and over shared memory
+FMTS: Dict[str, Any] = {"switch": ATP_FMT, "ps": ATP_FMT, "sml": SML_FMT, "shm": SHM_FMT}
+HONEST = {"switch": 0, "ps": 0, "sml": 1, "shm": 2}  # the honest job each role serves (Roles.honest)
 MAX_DATAGRAM = 65507
-EXAMPLES = 30  # hypothesis examples, each a few hundred datagrams and a few control messages
+EXAMPLES = 25  # hypothesis examples, each a few hundred datagrams and a few control messages
 
 
 def _alive(pid: int) -> bool:
@@ -86,15 +90,20 @@ class Honest:
     """Two workers of one job in this process, all-reducing known integer vectors (exact sums expected)
     on a thread of their own until stopped; their first datagrams are kept (``captured``) for replays."""
 
-    def __init__(self, svc: Services, sml: bool, seed: int) -> None:
+    def __init__(self, svc: Services, sml: bool, seed: int, shm: bool = False) -> None:
+        """As :meth:`ATPSync.setup` sets a job up (``shm``: SwitchML's shared-memory transport)."""
         socks = [udp_socket() for _ in range(2)]
         self.svc = svc
-        self.job = add_job(svc, [s.getsockname() for s in socks], pool=POOL if sml else 0)
-        fmt, kind = (SMLFormat(K), SMLEngine) if sml else (PacketFormat(K, views=True), Engine)
-        cfg = EngineConfig(stall_timeout_s=10.0, pool=POOL, worker=WorkerConfig(
-            rto=0.2, max_window_bytes=budget.LIVE_WINDOW_BYTES, mtu=max(1500, fmt.wire_bytes)))
+        lanes = [create_lanes(POOL, K)[0] for _ in range(2)] if shm else None
+        self.job = add_job(svc, [s.getsockname() for s in socks], pool=POOL if sml else 0,
+                           shm=[seg.name for seg in lanes] if lanes else None)
+        regs = svc.peer(svc.switch).call("shm", job=self.job) if lanes else None
+        fmt, kind = (SMLFormat(K, shm=shm), SMLEngine) if sml else (PacketFormat(K, views=True), Engine)
+        cfgs = [EngineConfig(stall_timeout_s=10.0, pool=POOL, shm=(lanes[w], attach(regs)) if lanes else None,
+                             worker=WorkerConfig(rto=0.2, max_window_bytes=budget.LIVE_WINDOW_BYTES,
+                                                 mtu=max(1500, fmt.wire_bytes))) for w in range(2)]
         self.engines = [kind(fmt, self.job, w, 2, socks[w], svc.switch.data, svc.peer(svc.switch),
-                             [svc.peer(e) for e in svc.ps], n_ps=len(svc.ps), cfg=cfg) for w in range(2)]
+                             [svc.peer(e) for e in svc.ps], n_ps=len(svc.ps), cfg=cfgs[w]) for w in range(2)]
         self.captured: List[bytes] = []
         for e in self.engines:
             e._put = self._capturing(e._put)  # type: ignore[method-assign]
@@ -148,12 +157,12 @@ class Tally:
     """What the sprayer sent, per role: datagrams, those that must be dropped, stranger replays of
     intact honest packets (dropped as ``foreign``), control messages and those that must be refused."""
 
-    datagrams: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
-    bad: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
-    spoofed: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
-    control: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
-    rejected: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
-    malformed: Dict[str, int] = field(default_factory=lambda: {"switch": 0, "ps": 0, "sml": 0})
+    datagrams: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    bad: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    spoofed: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    control: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    rejected: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    malformed: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
 
 
 class Roles:
@@ -162,12 +171,17 @@ class Roles:
     def __init__(self) -> None:
         common = dict(payload_k=K, role_max_bytes=MAX_BYTES)
         self.atp = Services.start(AggregationConfig(mode=AggregationMode.atp, n_ps=1, aggregators=64, **common))
+        self.sml = self.shm = None
         try:
             self.sml = Services.start(AggregationConfig(mode=AggregationMode.switchml, pool=POOL, **common))
+            self.shm = Services.start(AggregationConfig(mode=AggregationMode.switchml, pool=POOL,
+                                                        transport=Transport.shm, **common))
         except BaseException:
-            self.atp.stop()
+            for svc in (self.atp, self.sml):
+                if svc is not None:
+                    svc.stop()
             raise
-        self.eps = {"switch": self.atp.switch, "ps": self.atp.ps[0], "sml": self.sml.switch}
+        self.eps = {"switch": self.atp.switch, "ps": self.atp.ps[0], "sml": self.sml.switch, "shm": self.shm.switch}
         self.stranger = udp_socket()
         self.members = [udp_socket() for _ in range(2)]
         for s in (self.stranger, *self.members):
@@ -175,14 +189,33 @@ class Roles:
         addrs = [s.getsockname() for s in self.members]
         self.fuzz_atp = add_job(self.atp, addrs)  # the second job: its members are the sprayer's sockets
         self.fuzz_sml = add_job(self.sml, addrs, pool=POOL)
-        self.own = {"switch": {self.fuzz_atp}, "ps": {self.fuzz_atp}, "sml": {self.fuzz_sml}}
+        self.lanes = [create_lanes(POOL, K) for _ in range(2)]  # the second job's lane segments (shm)
+        self.fuzz_shm = add_job(self.shm, addrs, pool=POOL, shm=[seg.name for seg, _ in self.lanes])
+        self.regs = attach(self.shm.peer(self.shm.switch).call("shm", job=self.fuzz_shm))
+        self.own = {"switch": {self.fuzz_atp}, "ps": {self.fuzz_atp}, "sml": {self.fuzz_sml}, "shm": {self.fuzz_shm}}
         layout = JobLayout(job=self.fuzz_atp, groups=[[0, 1]])
         self.genuine_atp = [ATP_FMT.encode(p) for w in range(2) for p in Worker(ATP_FMT, layout, w, w).start(
             np.arange(8 * K, dtype=np.int32) * (w + 1), 0, 0.0)]
         self.genuine_sml = [SML_FMT.encode(p) for w in range(2) for p in SMLFloatWorker(
             self.fuzz_sml, w, 2, POOL, K, rto=1.0).start_float(np.arange(8.0 * K) - w, 0.0)]
+        hb = SHM_FMT.header_bytes
+        hdrs = [SMLFloatWorker(self.fuzz_shm, w, 2, POOL, K, rto=1.0, lanes=self.lanes[w][1],
+                               results=lanes_of(self.regs, POOL, K)).start_float(
+            np.arange(8.0 * K) - w, 0.0, headers=True).tobytes() for w in range(2)]
+        self.genuine_shm = [h[i:i + hb] for h in hdrs for i in range(0, len(h), hb)]
+        self.genuine = {"switch": self.genuine_atp, "ps": self.genuine_atp, "sml": self.genuine_sml,
+                        "shm": self.genuine_shm}
         self.honest: List[Honest] = []
-        self.captured: Dict[str, List[bytes]] = {}
+
+    def dead(self) -> Dict[str, str]:
+        """Roles whose process has exited: the last lines of what it wrote to stderr."""
+        out = {}
+        for svc in (self.atp, self.sml, self.shm):
+            for p in svc._procs:
+                if p.poll() is not None:
+                    name = next((n for n, ep in self.eps.items() if ep.pid == p.pid), str(p.pid))
+                    out[name] = f"exit {p.returncode}: " + "".join((p.stderr.read() or "").splitlines(True)[-12:])
+        return out
 
     def pids(self) -> Dict[str, int]:
         return {name: ep.pid for name, ep in self.eps.items()}
@@ -196,7 +229,7 @@ class Roles:
         s = self.stats(name)
         own = {"switch": lambda: s["switch"]["malformed"] + s["switch"]["unknown_job"],
                "ps": lambda: s["ps"]["malformed"] + s["ps"]["unknown_job"] + s["ps"]["out_of_window"],
-               "sml": lambda: s["malformed"] + s["unknown"]}[name]()
+               "sml": lambda: s["malformed"] + s["unknown"], "shm": lambda: s["malformed"] + s["unknown"]}[name]()
         return own + s["foreign"] + s["socket_drops"]
 
     def control_counters(self, name: str) -> Dict[str, int]:
@@ -215,8 +248,11 @@ class Roles:
             h.close()
         for s in (self.stranger, *self.members):
             s.close()
-        self.atp.stop()
-        self.sml.stop()
+        release(self.regs, unlink=False)
+        for seg, _ in self.lanes:
+            release(seg, unlink=True)
+        for svc in (self.atp, self.sml, self.shm):
+            svc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +266,7 @@ def roles() -> Iterator[Roles]:
 
 # ------------------------------------------------------------------------------------------ data plane
 KINDS = ("random", "huge", "truncated", "oversized", "bitflip", "replay", "datagram", "job", "seq", "param", "forge")
-shots = st.tuples(st.sampled_from(("switch", "ps", "sml")), st.sampled_from(("member", "stranger")),
+shots = st.tuples(st.sampled_from(ROLES), st.sampled_from(("member", "stranger")),
                   st.sampled_from(KINDS), st.integers(0, 2**32 - 1), st.integers(8, 64), st.binary(max_size=48))
 
 
@@ -246,35 +282,37 @@ def _rewrite(target: str, buf: bytes, r: random.Random, roles: Roles, kind: str)
     """A genuine packet with its job (an honest job's, or one installed nowhere), its sequence / slot,
     or its direction (a parameter packet / a result) changed; or (``forge``) an honest job's packet for
     a sequence (slot) it is about to aggregate, with other values: still well formed."""
-    fmt: Any = SML_FMT if target == "sml" else ATP_FMT
+    fmt, sml = FMTS[target], target in ("sml", "shm")
     p = fmt.decode(buf)
     if kind == "forge":
-        h = roles.honest[1 if target == "sml" else 0]
+        h = roles.honest[HONEST[target]]
         p.job, w = h.job, r.randrange(2)
-        if target == "sml":
+        if sml:
             p.slot, p.ver, p.worker = r.randrange(POOL), r.randrange(2), w
         else:
             p.seq, p.worker_id, p.bitmap0 = h.engines[0].seq + r.randrange(32), w, 1 << w
         if p.payload is not None and p.payload.size:
             p.payload = np.array([r.randrange(-1000, 1000) for _ in range(K)], dtype=np.int32)
     elif kind == "job":
-        honest = [h.job for h in roles.honest if (target == "sml") == isinstance(h.engines[0], SMLEngine)]
+        honest = [h.job for h in roles.honest if sml == isinstance(h.engines[0], SMLEngine)]
         p.job = r.choice([*honest, r.randrange(1 << 16)])
-    elif kind == "seq" and target == "sml":
+    elif kind == "seq" and sml:
         p.slot = r.randrange(1 << 16)
     elif kind == "seq":
         p.seq = r.randrange(1 << 32)
-    elif target == "sml":
+    elif sml:
         p.is_result = 1
     else:
         p.is_param = 1
+    if sml and p.payload is None:  # (lanes in shared memory: the header alone, as the workers send it)
+        return fmt.header_array([p]).tobytes()
     return fmt.encode(p)
 
 
 def _datagram(target: str, kind: str, r: random.Random, extra: bytes, roles: Roles) -> bytes:
-    fmt: Any = SML_FMT if target == "sml" else ATP_FMT
-    honest = roles.captured["sml" if target == "sml" else "atp"]
-    pool = roles.genuine_sml if target == "sml" else roles.genuine_atp
+    fmt = FMTS[target]
+    honest = roles.honest[HONEST[target]].captured
+    pool = roles.genuine[target]
     if kind == "datagram":
         return r.choice(honest)  # a whole captured datagram (several packets), as sent
     singles = [bytes(b) for d in honest[:4] for b in fmt.split(d)]
@@ -300,7 +338,7 @@ def _must_drop(target: str, sender: str, buf: bytes, roles: Roles) -> bool:
     parameter packet."""
     if sender == "stranger":
         return True
-    fmt: Any = SML_FMT if target == "sml" else ATP_FMT
+    fmt = FMTS[target]
     try:
         pkts = [fmt.decode(bytes(b)) for b in fmt.split(buf)]
     except DecodeError:
@@ -339,7 +377,7 @@ request = st.fixed_dictionaries(
      "args": st.dictionaries(st.sampled_from(sorted(rpc.ARGS)) | st.text(max_size=6), json_value, max_size=5)},
     optional={"token": st.none() | st.text("0123456789abcdef", min_size=30, max_size=40) | json_leaf,
               "extra": json_value})
-controls = st.tuples(st.sampled_from(("switch", "ps", "sml")),
+controls = st.tuples(st.sampled_from(ROLES),
                      st.sampled_from(("noauth", "badauth", "length", "garbage", "request")),
                      st.binary(max_size=300), request, st.integers(0, 2**32 - 1))
 
@@ -423,10 +461,9 @@ def _settle(roles: Roles, want: Dict[str, int], before: Dict[str, int], timeout:
 
 def test_running_roles_survive_arbitrary_datagrams_and_control_messages(roles: Roles) -> None:
     t0 = time.monotonic()
-    roles.honest = [Honest(roles.atp, False, 1), Honest(roles.sml, True, 2)]
+    roles.honest = [Honest(roles.atp, False, 1), Honest(roles.sml, True, 2), Honest(roles.shm, True, 3, shm=True)]
     for h in roles.honest:
         h.all_reduce()  # (the first round finds the scale: a few rescaling rounds)
-    roles.captured = {"atp": roles.honest[0].captured, "sml": roles.honest[1].captured}
     pids = roles.pids()
     warm = {n: _vm(pid, "VmHWM") for n, pid in pids.items()}
     before = {n: roles.drops(n) for n in pids}
@@ -435,16 +472,23 @@ def test_running_roles_survive_arbitrary_datagrams_and_control_messages(roles: R
     for h in roles.honest:
         h.start()
 
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    # (no shrinking: the roles' state carries over from one example to the next, so a failure is reported
+    # as found, with the roles' last words where one exited)
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=(Phase.explicit, Phase.reuse, Phase.generate), report_multiple_bugs=False)
     @given(st.lists(shots, min_size=8, max_size=40), st.lists(controls, min_size=4, max_size=12))
     def spray(batch: List[Tuple[Any, ...]], ctl: List[Tuple[Any, ...]]) -> None:
-        for shot in batch:
-            _spray(roles, shot, tally)
-        for c in ctl:
-            _control(roles, c, tally)
-        roles.drain_members()
-        for name, pid in pids.items():  # alive and serving its control channel
-            assert roles.eps[name].peer(None).call("info")["pid"] == pid
+        try:
+            for shot in batch:
+                _spray(roles, shot, tally)
+            for c in ctl:
+                _control(roles, c, tally)
+            roles.drain_members()
+            for name, pid in pids.items():  # alive and serving its control channel
+                assert roles.eps[name].peer(None).call("info")["pid"] == pid
+        except (OSError, EOFError, AggregationError, AssertionError) as e:
+            dead = roles.dead()  # (a role that died: its last words)
+            raise AssertionError(f"{e}; roles that exited: {dead}") if dead else e
         assert all(h.error is None for h in roles.honest), [h.error for h in roles.honest]
 
     try:
@@ -472,7 +516,7 @@ def test_running_roles_survive_arbitrary_datagrams_and_control_messages(roles: R
           f"{ {n: round(v / 2**20, 1) for n, v in warm.items()} }); foreign "
           f"{ {n: s['foreign'] for n, s in stats.items()} }; kernel drops "
           f"{ {n: s['socket_drops'] for n, s in stats.items()} }; {elapsed:.1f} s")
-    assert [h.corrupted for h in roles.honest] == [0, 0]
+    assert [h.corrupted for h in roles.honest] == [0, 0, 0]
     assert all(h.rounds >= 3 for h in roles.honest), [h.rounds for h in roles.honest]
     for n in pids:
         assert dropped[n] >= tally.bad[n], (n, dropped[n], tally.bad[n])
