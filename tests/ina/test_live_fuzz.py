@@ -1,8 +1,9 @@
 """Must-show (issue 62): a data plane that survives its input — against the RUNNING roles.
 
-The ATP switch emulator, a parameter-server shard and the SwitchML switch run as processes, started
-as a training run starts them (:meth:`Services.start`). Two honest jobs — ATP through the switch and
-the PS, and SwitchML — all-reduce known integer vectors the whole time through the real worker stack
+The ATP switch emulator, a parameter-server shard and two SwitchML switches (lanes over UDP, and in
+shared memory) run as processes, started as a training run starts them (:meth:`Services.start`). Three
+honest jobs — ATP through the switch and the PS, SwitchML over each transport — all-reduce known
+integer vectors the whole time through the real worker stack
 (:class:`~atp_pipeline.ina.live.engine.Engine`, :class:`~atp_pipeline.ina.live.engine.SMLEngine`),
 while hypothesis sprays the roles' UDP data ports with random bytes, huge datagrams, truncated,
 oversized, bit-flipped and replayed genuine packets (captured from the honest workers' sends, or made
