@@ -452,10 +452,11 @@ class AggregationConfig:
     racks: int = 1  # atp: first-level switches (racks of workers); > 1: two-level aggregation (§4.1)
     pool: int = 64  # switchml: slots of the job's static partition (2 versions each)
     transport: Transport = Transport.udp  # switchml: lanes in the datagrams, or in shared memory (one host)
+    role_max_bytes: int = 1 << 30  # the bound on each started role's stored state, bytes (--max-bytes)
 
     def __post_init__(self) -> None:
         # n_ps=0 starts a switch alone (one that several runs share); a run needs 1..4 (resolve)
-        at_least(self, "aggregation", 1, "payload_k", "racks", "pool")
+        at_least(self, "aggregation", 1, "payload_k", "racks", "pool", "role_max_bytes")
         at_least(self, "aggregation", 0, "aggregators", "n_ps")
         above(self, "aggregation", 0, "stall_timeout_s", "rto_s")
         for key in ("loss", "duplicate"):

@@ -30,7 +30,8 @@ multicast) so a lost parameter packet is recovered.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class SGDUpdate:
 
 class PSStats(Counters):
     __slots__ = ("gradients", "pieces_added", "pieces_merged", "duplicates", "overlaps",
-                 "completed", "resent_params", "unknown_job", "malformed", "int_overflow")
+                 "completed", "resent_params", "unknown_job", "malformed", "int_overflow", "out_of_window")
 
 
 class _Seq:
@@ -89,10 +90,16 @@ class _Seq:
 
 
 class _JobState:
-    def __init__(self, layout: JobLayout, update: Update, retain: Optional[int], first_seq: int) -> None:
+    def __init__(self, layout: JobLayout, update: Update, retain: Optional[int], first_seq: int,
+                 horizon: Optional[int] = None) -> None:
         self.layout = layout
         self.update = update
         self.retain = retain
+        self.horizon = horizon
+        #: completed results kept before a full prune; with a horizon, the oldest completions go first
+        #: (:meth:`ParameterServer._prune`) and this is only a safety net: 2·(retain + horizon)
+        self.cap = (4 * retain + 64 if horizon is None else 2 * (retain + horizon)) if retain is not None else None
+        self.order: Deque[int] = deque()  # completed sequences, completion order (with a horizon)
         self.open: Dict[int, _Seq] = {}
         self.done: Dict[int, Tuple[np.ndarray, int, int]] = {}
         self.watermark = first_seq
@@ -111,13 +118,19 @@ class ParameterServer:
         self.jobs: Dict[int, _JobState] = {}
         self.stats = PSStats()
 
-    def add_job(self, layout: JobLayout, update: Optional[Update] = None, retain: Optional[int] = None) -> None:
+    def add_job(self, layout: JobLayout, update: Optional[Update] = None, retain: Optional[int] = None,
+                horizon: Optional[int] = None) -> None:
         """Register a job (§5.1); ``retain``: keep finished results this many seqs below
-        the watermark for answering retransmissions (``None``: keep all)."""
+        the watermark for answering retransmissions (``None``: keep all); ``horizon``: drop (and
+        count ``out_of_window``) gradients for sequences this far or further above the watermark
+        (``None``: accept any). With both, the job's stored packets are bounded
+        (:func:`atp_pipeline.ina.budget.ps_job_bytes`): an honest worker never sends beyond its window
+        above the watermark nor waits for a result further below it, so a horizon and ``retain`` of its
+        window (:func:`~atp_pipeline.ina.budget.ps_horizon`) keep every honest job exact."""
         n_ps = layout.n_ps
         if self.shard >= n_ps:
             raise ValueError(f"shard {self.shard} >= n_ps {n_ps}")
-        self.jobs[layout.job] = _JobState(layout, update or SumUpdate(), retain, self.shard)
+        self.jobs[layout.job] = _JobState(layout, update or SumUpdate(), retain, self.shard, horizon)
 
     # ------------------------------------------------------------------------------
     def on_bytes(self, buf: bytes) -> List[Packet]:
@@ -145,9 +158,12 @@ class ParameterServer:
         if mask is None:
             S.malformed += 1
             return []
+        seq = p.seq
+        if js.horizon is not None and seq - js.watermark >= js.horizon:
+            S.out_of_window += 1  # beyond any honest worker's window: nothing is stored for it
+            return []
         S.gradients += 1
         js.packets += 1
-        seq = p.seq
         done = js.done.get(seq)
         if done is not None or seq < js.watermark:
             S.duplicates += 1
@@ -210,11 +226,26 @@ class ParameterServer:
         n_ps = L.n_ps
         while js.watermark in js.done:
             js.watermark += n_ps
-        if js.retain is not None and len(js.done) > 4 * js.retain + 64:
-            lim = js.watermark - js.retain
-            for s in [s for s in js.done if s < lim]:
-                del js.done[s]
+        if js.retain is not None:
+            self._prune(js, seq)
         return self._param(js, seq, res, unicast_to=None)
+
+    @staticmethod
+    def _prune(js: _JobState, seq: int) -> None:
+        """Forget completed results more than ``retain`` below the watermark. With a horizon the
+        oldest completions go first, one by one (completion order is close to sequence order), so
+        at most ``2·(retain + horizon) + 1`` are ever held; a full pass when that is exceeded."""
+        done, lim = js.done, js.watermark - js.retain
+        if js.horizon is not None:
+            order = js.order
+            order.append(seq)
+            while order and order[0] < lim:
+                done.pop(order.popleft(), None)
+        if len(done) > js.cap:  # type: ignore[operator]
+            for s in [s for s in done if s < lim]:
+                del done[s]
+            if js.horizon is not None:
+                js.order = deque(s for s in js.order if s in done)
 
     def _param(self, js: _JobState, seq: int, res: Tuple[np.ndarray, int, int], unicast_to: Optional[int]) -> Packet:
         L = js.layout

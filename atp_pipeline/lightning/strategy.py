@@ -277,7 +277,7 @@ class ATPStrategyMixin:
         self.fsdp = bool(self.fsdp)
         if self.aggregation_config.mode == AggregationMode.auto:
             self._decide_mode("ring")
-        rs.check_aggregation(self.aggregation_config, dims[0])
+        rs.check_aggregation(self.aggregation_config, dims[0], world // dims[0])
         return dims
 
     def _decide_mode(self, mode: str) -> None:

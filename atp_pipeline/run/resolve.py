@@ -39,6 +39,7 @@ from atp_pipeline.config.schema import (
     typed,
 )
 from atp_pipeline.errors import ConfigError
+from atp_pipeline.ina import budget
 from atp_pipeline.ina.packet import PacketFormat
 from atp_pipeline.models.adapter import get_adapter
 from atp_pipeline.planning.fmt import human_bytes
@@ -144,9 +145,10 @@ MODE_KNOBS = {"racks": (AggregationMode.atp,), "aggregators": (AggregationMode.a
               "switch": (AggregationMode.atp, AggregationMode.ps)}
 
 
-def check_aggregation(agg: Any, dp: int) -> AggregationConfig:
+def check_aggregation(agg: Any, dp: int, jobs: int = 1) -> AggregationConfig:
     """Validate ``aggregation`` (an :class:`AggregationConfig` or its DictConfig, whose own
-    values its schema checked) for ``dp`` data-parallel workers."""
+    values its schema checked) for ``dp`` data-parallel workers in each of ``jobs`` jobs (one per
+    model-parallel coordinate)."""
     cfg = agg if isinstance(agg, AggregationConfig) else OmegaConf.to_object(agg)
     assert isinstance(cfg, AggregationConfig)
     mode = _mode(cfg.mode)
@@ -197,9 +199,29 @@ def check_aggregation(agg: Any, dp: int) -> AggregationConfig:
         if cfg.loss or cfg.duplicate:
             raise ConfigError("aggregation.loss/duplicate are set when the switch is started; a shared "
                               "switch (aggregation.switch) keeps its own")
+    check_role_memory(cfg, mode, dp, jobs)
     if cfg.switch_impl == SwitchImpl.bmv2:
         check_bmv2_switch(cfg)
     return cfg
+
+
+def check_role_memory(cfg: AggregationConfig, mode: AggregationMode, dp: int, jobs: int) -> None:
+    """What the roles the run starts will store (:mod:`atp_pipeline.ina.budget`, the figures the roles
+    themselves refuse by) against ``aggregation.role_max_bytes``: one line naming both, before any
+    process starts. A shared switch (``aggregation.switch``) checks its own at job setup."""
+    k, bound, key = cfg.payload_k, cfg.role_max_bytes, "aggregation.role_max_bytes"
+    try:
+        if mode == AggregationMode.switchml:
+            budget.check(f"the SwitchML switch, {jobs} job(s) of aggregation.pool={cfg.pool} slots × 2 × {k} values",
+                         jobs * budget.sml_job_bytes(cfg.pool, k), bound, key=key)
+            return
+        if mode == AggregationMode.atp and cfg.switch is None and cfg.switch_impl == SwitchImpl.python:
+            budget.check(f"the switch, aggregation.aggregators={cfg.aggregators} × {k} values",
+                         budget.switch_bytes(cfg.aggregators, k), bound, key=key)
+        budget.check(f"each parameter server, {jobs} job(s) of {dp} workers at {k} values a packet",
+                     jobs * budget.ps_job_bytes(dp, k, PacketFormat(k).wire_bytes), bound, key=key)
+    except budget.BudgetError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_bmv2_switch(cfg: AggregationConfig) -> None:
@@ -417,7 +439,7 @@ def resolve(cfg: Any) -> RunSpec:
     cfg = decided(cfg, result)
     fitting = cfg.stage == Stage.fit
     if fitting:
-        check_aggregation(cfg.aggregation, dp)
+        check_aggregation(cfg.aggregation, dp, devices // dp)
     fsdp = cfg.mesh.fsdp  # checked in resolve_plan
     if result.kind == "atp":
         d1, d2 = result.mesh_shape

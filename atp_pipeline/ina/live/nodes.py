@@ -41,6 +41,9 @@ It prints one JSON line — its addresses and its owner token (:mod:`.tenancy`) 
 one and writes it to a file of mode 0600 (its path is the line's ``secret_file``), where this
 user's clients — ``train.py aggregation.switch=HOST:PORT`` — find it; on any other address
 it exits 2 with one line.
+``--max-bytes`` bounds what the role stores (:mod:`atp_pipeline.ina.budget`): a switch whose aggregators
+need more exits 2 with one line; a job that would take a SwitchML switch or a parameter server beyond
+it is refused at setup. A job's packets are taken only from its members (:meth:`Role.admits`).
 ``--impl bmv2`` runs BMv2 with the compiled v1model program as the data plane instead of the
 emulator (:mod:`.bmv2_node`; root and the P4 toolchain needed); on ``shutdown``, SIGTERM,
 SIGINT or SIGHUP it stops the switch, whose namespace and veth pairs then go away.
@@ -62,6 +65,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Set, Tuple
 
 import numpy as np
 
+from atp_pipeline.ina import budget
 from atp_pipeline.ina.job import JobLayout
 from atp_pipeline.ina.live import auth
 from atp_pipeline.ina.live.frames import MAX_DATAGRAM, drain, spin_budget, sum_threads
@@ -89,6 +93,8 @@ class SwitchNode(Role):
 
     def __init__(self, fmt: PacketFormat, n_aggregators: int, loss: float = 0.0, duplicate: float = 0.0,
                  seed: int = 0, ecn_threshold: Optional[int] = None, **kw: Any) -> None:
+        budget.check(f"a switch of {n_aggregators:,} aggregators × {fmt.payload_k:,} values",
+                     budget.switch_bytes(n_aggregators, fmt.payload_k), kw.get("max_bytes", budget.DEFAULT_MAX_BYTES))
         super().__init__(fmt, **kw)
         self.faults(loss, duplicate, seed)
         if ecn_threshold is None:  # an eighth of the receive buffer the kernel granted (a fixed
@@ -107,10 +113,10 @@ class SwitchNode(Role):
         decisions packet by packet, the lane work of the whole batch in a few array operations),
         then forwarded. The receive buffer's occupancy (ECN) is read once a batch."""
         self.backlog = meminfo(self.sock)[0]
-        fmt, copies, jp = self.fmt, self.copies, self.job_packets
+        fmt, copies, jp, admits = self.fmt, self.copies, self.job_packets, self.admits
         pkts: List[Any] = []
         raws: List[bytes] = []
-        for buf, _ in got:
+        for buf, addr in got:
             for raw in fmt.split(buf):
                 n = copies()
                 if not n:
@@ -120,7 +126,10 @@ class SwitchNode(Role):
                 except DecodeError:
                     self.state.stats.malformed += 1
                     continue
-                jp[pkt.job] = jp.get(pkt.job, 0) + n
+                if not admits(pkt.job, addr):
+                    continue
+                if pkt.job in jp:  # (installed jobs only: the switch function counts unknown ones)
+                    jp[pkt.job] += n
                 for c in range(n):
                     pkts.append(pkt.copy() if c + 1 < n else pkt)
                     raws.append(raw)
@@ -158,12 +167,15 @@ class SwitchNode(Role):
         elif job in self.routes:
             raise ValueError(f"job {job} is already installed on this switch")
         self.routes[job] = ([tuple(a) for a in up], [tuple(a) for a in down])  # type: ignore[misc]
+        self.admit(job, [*up, *down])  # its workers (or rack switches) and its PS shards (or next switch)
+        self.job_packets.setdefault(job, 0)
         self.state.add_job(job)
         return job
 
     def op_remove_job(self, job: int) -> int:
         """Job teardown: routes, table entry and every aggregator the job still holds."""
         self.routes.pop(job, None)
+        self.members.pop(job, None)
         freed = self.state.remove_job(job)
         self.removed[job] = self.removed.get(job, 0) + freed
         return freed
@@ -191,7 +203,8 @@ class SwitchNode(Role):
                 "switch": st.stats.as_dict(), "injected_loss": self.injected_loss,
                 "injected_dup": self.injected_dup, "unroutable": self.unroutable,
                 "send_errors": self.send_errors, "installed": sorted(j for j in self.routes if seen(j)),
-                "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1],
+                "ecn_marked": self.ecn_marked, "socket_drops": meminfo(self.sock)[1], "foreign": self.foreign,
+                "state_bytes": budget.switch_bytes(st.n, st.k), "max_bytes": self.max_bytes,
                 "jobs": {str(j): {"allocs": st.job_allocs.get(j, 0), "held": held.get(j, 0),
                                   "packets": self.job_packets.get(j, 0), "freed_at_teardown": self.removed.get(j, 0),
                                   "complete": st.job_complete.get(j, 0)}
@@ -271,16 +284,24 @@ class SMLSwitchNode(Role):
         read as one array of headers and the results written as one."""
         fmt = self.fmt
         bufs = [b for b, _ in got]
-        hdr = fmt.headers(bufs) if fmt.shm else None
+        self.malformed += bufs.count(b"")  # (an empty datagram holds no packet to count)
+        # (the array form only where every datagram is whole headers: none straddles two datagrams)
+        hdr = fmt.headers(bufs) if fmt.shm and not any(len(b) % fmt.header_bytes for b in bufs) else None
         pkts: Optional[List[SMLPacket]] = None
-        if hdr is None:  # lanes in the datagrams: packet by packet
+        if hdr is not None:
+            hdr = self._admitted(hdr, got)
+        else:  # lanes in the datagrams: packet by packet
             pkts = []
-            for buf in bufs:
+            admits = self.admits
+            for buf, addr in got:
                 for raw in fmt.split(buf):
                     try:
-                        pkts.append(fmt.decode(raw))
+                        p = fmt.decode(raw)
                     except DecodeError:
                         self.malformed += 1
+                        continue
+                    if admits(p.job, addr):
+                        pkts.append(p)
             hdr = fmt.header_array(pkts)
         if self.loss:  # injected ingress loss, packet by packet
             keep = [i for i in range(len(hdr)) if self.copies()]
@@ -292,7 +313,8 @@ class SMLSwitchNode(Role):
         jp = self.job_packets
         job_a = f["job"]
         for j, n in zip(*(a.tolist() for a in np.unique(job_a, return_counts=True))):
-            jp[j] = jp.get(j, 0) + n
+            if j in jp:  # (installed jobs only: the switch function counts unknown ones)
+                jp[j] += n
         payload = [p.payload for p in pkts] if pkts is not None else [None] * len(hdr)
         out = self.sml.batch(job_a, f["slot"], f["ver"], f["is_result"], f["worker"], f["exp"], f["empty"], payload)
         if not out:
@@ -326,6 +348,26 @@ class SMLSwitchNode(Role):
             for a in ([workers[d]] if d >= 0 else workers):
                 put(data, a)
 
+    def _admitted(self, hdr: np.ndarray, got: List[Tuple[bytes, Addr]]) -> np.ndarray:
+        """The headers of ``got`` (one array, datagram order) whose sender is a member of their job
+        (:meth:`Role.admits`): a datagram whose headers all name one job (a worker's) is decided at
+        once from its bytes, any other header by header."""
+        hb, keep, lo = self.fmt.header_bytes, None, 0
+        for buf, addr in got:
+            n = len(buf) // hb
+            hi_b, lo_b = buf[0::hb], buf[1::hb]
+            if hi_b.count(hi_b[:1]) == n and lo_b.count(lo_b[:1]) == n:
+                if not self.admits(buf[0] << 8 | buf[1], addr):
+                    self.foreign += n - 1  # (one counted by admits)
+                    keep = np.ones(len(hdr), dtype=bool) if keep is None else keep
+                    keep[lo:lo + n] = False
+            else:
+                keep = np.ones(len(hdr), dtype=bool) if keep is None else keep
+                for i, j in enumerate(hdr["job"][lo:lo + n].tolist()):
+                    keep[lo + i] = self.admits(j, addr)
+            lo += n
+        return hdr if keep is None else hdr[keep]
+
     def op_add_job(self, up: List[Any], down: List[List[Any]], job: Optional[int] = None, pool: int = 64,
                    shm: Optional[List[str]] = None) -> int:
         """Install a job: its static partition (``pool`` slots × 2 versions) and multicast group;
@@ -340,11 +382,15 @@ class SMLSwitchNode(Role):
         if (shm is not None) != self.fmt.shm or (shm is not None and len(shm) != len(down)):
             raise ValueError("this switch's transport is " + ("shm: one lane segment per worker needed"
                                                               if self.fmt.shm else "udp: no lane segments"))
+        budget.check(f"a SwitchML job of {pool:,} slots × 2 versions × {self.fmt.payload_k:,} values",
+                     budget.sml_job_bytes(pool, self.fmt.payload_k), self.max_bytes, self.state_bytes())
         values = lanes = None
         if shm is not None:
             seg = self.shm[job] = SharedLanes(shm, pool, self.fmt.payload_k)
             values, lanes = seg.registers, seg.lanes
         self.routes[job] = [tuple(a) for a in down]  # type: ignore[misc]
+        self.admit(job, down)
+        self.job_packets.setdefault(job, 0)
         self._spin_for_routes()
         self.sml.jobs[job] = SMLSwitchJob(job, len(down), pool, self.fmt.payload_k, -1, list(range(len(down))),
                                           values=values, lanes=lanes)
@@ -368,6 +414,7 @@ class SMLSwitchNode(Role):
         """Teardown: the job's partition is freed. Returns 0: a static partition holds no
         per-sequence state that could have been left behind (ATP's count of live aggregators)."""
         self.routes.pop(job, None)
+        self.members.pop(job, None)
         self._spin_for_routes()
         self.sml.drop(job)  # (lane work carried for slot-versions that never completed)
         js = self.sml.jobs.pop(job, None)
@@ -385,6 +432,10 @@ class SMLSwitchNode(Role):
     def op_aggregator(self, job: int, seq: int) -> Optional[int]:
         return None
 
+    def state_bytes(self) -> int:
+        """Bytes the installed jobs' partitions take (:func:`~atp_pipeline.ina.budget.sml_job_bytes`)."""
+        return sum(budget.sml_job_bytes(js.pool, js.k) for js in self.sml.jobs.values())
+
     def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:
         """The switch's counters; ``allocated``, ``installed`` and ``jobs`` only over ``jobs``
         (None: every job)."""
@@ -394,6 +445,7 @@ class SMLSwitchNode(Role):
                 "installed": sorted(j for j in self.routes if seen(j)),
                 "injected_loss": self.injected_loss, "injected_dup": 0, "unknown": self.sml.unknown,
                 "malformed": self.malformed, "send_errors": self.send_errors, "socket_drops": meminfo(self.sock)[1],
+                "foreign": self.foreign, "state_bytes": self.state_bytes(), "max_bytes": self.max_bytes,
                 "ecn_marked": 0, "jobs": {str(j): {**(dict(self.sml.jobs[j].stats) if j in self.sml.jobs else
                                                       self.finished[j]), "packets": self.job_packets.get(j, 0),
                                                    "allocs": 2 * self.sml.jobs[j].pool if j in self.sml.jobs else
@@ -407,15 +459,29 @@ class PSNode(Role):
 
     role = "ps"
 
-    def __init__(self, fmt: PacketFormat, shard: int = 0, retain: int = 1 << 16, **kw: Any) -> None:
+    def __init__(self, fmt: PacketFormat, shard: int = 0, window_bytes: int = budget.LIVE_WINDOW_BYTES,
+                 **kw: Any) -> None:
+        """``window_bytes``: the workers' largest window; a job's sequences beyond it above the
+        watermark are refused and its results kept that far below (:func:`~atp_pipeline.ina.budget.ps_horizon`),
+        which bounds what a job holds here in bytes (:func:`~atp_pipeline.ina.budget.ps_job_bytes`)."""
         super().__init__(fmt, **kw)
         self.ps = ParameterServer(fmt, host=-2, shard=shard)
-        self.retain = retain
+        self.window_bytes = window_bytes
         self.routes: Dict[int, Tuple[List[Addr], Addr]] = {}  # job -> (workers, switch)
+        self.need: Dict[int, int] = {}  # job -> the bytes it may hold here
         self.finished: Dict[int, Dict[str, int]] = {}  # counters of jobs torn down
 
     def handle(self, buf: bytes, addr: Optional[Addr] = None) -> None:
-        for p in self.ps.on_bytes(buf):
+        try:
+            p = self.fmt.decode(buf)
+        except DecodeError:
+            self.ps.stats.malformed += 1
+            return
+        if not self.admits(p.job, addr):
+            return
+        if isinstance(buf, memoryview) and buf.nbytes < len(buf.obj):  # type: ignore[arg-type]
+            p.payload = p.payload.copy()  # a stored view would pin the whole datagram's other packets
+        for p in self.ps.on_packet(p):
             route = self.routes.get(p.job)
             if route is None:
                 continue
@@ -435,12 +501,21 @@ class PSNode(Role):
         layout = JobLayout(job=job, groups=[list(range(r * per, (r + 1) * per)) for r in range(racks)],
                            two_level=racks > 1, n_ps=n_ps, worker_hosts=list(range(w)), mcast_addr=-1,
                            bitmap_bits=self.fmt.bitmap_bits)
-        self.ps.add_job(layout, retain=self.retain)
+        fmt = self.fmt
+        need = budget.ps_job_bytes(w, fmt.payload_k, fmt.wire_bytes, self.window_bytes)
+        budget.check(f"a job of {w} workers at {fmt.payload_k:,} values a packet", need, self.max_bytes,
+                     sum(self.need.values()))
+        horizon = budget.ps_horizon(self.window_bytes, fmt.wire_bytes)
+        self.ps.add_job(layout, retain=horizon, horizon=horizon)
+        self.need[job] = need
         self.routes[job] = ([tuple(a) for a in workers], tuple(switch))  # type: ignore[misc]
+        self.admit(job, [*workers, switch])  # its switch (every packet on loopback) and its workers
         return job
 
     def op_remove_job(self, job: int) -> bool:
         self.routes.pop(job, None)
+        self.members.pop(job, None)
+        self.need.pop(job, None)
         if job in self.ps.jobs:  # its counters stay readable after teardown
             self.finished[job] = self.ps.job_stats(job)
         return self.ps.remove_job(job)
@@ -457,7 +532,9 @@ class PSNode(Role):
         seen = (lambda j: True) if jobs is None else jobs.__contains__
         per = {**self.finished, **{j: self.ps.job_stats(j) for j in self.ps.jobs}}
         return {"ps": self.ps.stats.as_dict(), "send_errors": self.send_errors,
-                "socket_drops": meminfo(self.sock)[1], "jobs": {str(j): v for j, v in per.items() if seen(j)}}
+                "socket_drops": meminfo(self.sock)[1], "foreign": self.foreign,
+                "state_bytes": sum(self.need.values()), "max_bytes": self.max_bytes,
+                "jobs": {str(j): v for j, v in per.items() if seen(j)}}
 
 
 def _die_with_parent() -> None:
@@ -483,6 +560,14 @@ def port(text: str) -> int:
     return port
 
 
+def byte_count(text: str) -> int:
+    """A positive number of bytes (argparse type)."""
+    n = int(text)  # not a number: argparse's one line
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number of bytes")
+    return n
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = _OneLineParser(prog="python -m atp_pipeline.ina.live.nodes",
                                  description="Run one live ATP role (switch emulator or parameter server).")
@@ -500,6 +585,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                           f"{auth.ENV}, else (loopback only) a new one written to a file of mode 600")
     ap.add_argument("--port", type=port, default=0, help="UDP data port (0: any free)")
     ap.add_argument("--control-port", type=port, default=0)
+    ap.add_argument("--max-bytes", type=byte_count, default=budget.DEFAULT_MAX_BYTES,
+                    help="the bound on the state this role stores, bytes (aggregators, SwitchML partitions, "
+                         "a PS's open and answered sequences); what needs more is refused (default 1 GiB)")
     ap.add_argument("--die-with-parent", action="store_true")
     ap.add_argument("--protocol", choices=("atp", "switchml"), default="atp",
                     help="switch: ATP (the switch function of ina/switch.py) or SwitchML (ina/switchml/)")
@@ -528,7 +616,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         try:
             fmt = PacketFormat(a.payload_k, a.bitmap_bits, views=a.impl == "python")  # BMv2 node: no payloads
-            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent, secret=secret)
+            common = dict(host=a.host, port=a.port, control_port=a.control_port, parent_pid=parent, secret=secret,
+                          max_bytes=a.max_bytes)
             if a.role == "ps":
                 node = PSNode(fmt, shard=a.shard, **common)
             elif a.protocol == "switchml":

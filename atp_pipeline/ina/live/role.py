@@ -19,6 +19,7 @@ import struct
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from atp_pipeline.ina.budget import DEFAULT_MAX_BYTES
 from atp_pipeline.ina.live.frames import Outbox, drain, keep_freed_memory, poller_for, spin_drain, wait_readable
 from atp_pipeline.ina.live.rpc import Addr, ControlServer
 from atp_pipeline.ina.live.tenancy import Tenants
@@ -58,10 +59,17 @@ class Role:
     role = "role"
 
     def __init__(self, fmt: PacketFormat, host: str = "127.0.0.1", port: int = 0, control_port: int = 0,
-                 parent_pid: Optional[int] = None, secret: Optional[str] = None) -> None:
+                 parent_pid: Optional[int] = None, secret: Optional[str] = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         """``secret``: the control channel's (:mod:`.auth`); ``None``: a random one nobody else
-        knows (a role built in-process, driven through its ``op_*`` methods)."""
+        knows (a role built in-process, driven through its ``op_*`` methods). ``max_bytes``: the
+        bound on the state the role stores (:mod:`atp_pipeline.ina.budget`); what would exceed it is
+        refused."""
         self.fmt = fmt
+        self.max_bytes = int(max_bytes)
+        #: job -> the addresses its datagrams may come from (:meth:`admits`)
+        self.members: Dict[int, Set[Addr]] = {}
+        self.foreign = 0  # datagrams of an installed job from an address that is none of its members
         keep_freed_memory()  # a role process allocates and frees datagram-sized buffers all the time
         self.sock = udp_socket(host, port)
         self.data_addr: Addr = self.sock.getsockname()
@@ -112,6 +120,23 @@ class Role:
                 assert token is not None  # (authorize: setup needs one)
                 self.tenants.bind(int(value), token)
             return value
+
+    def admit(self, job: int, addrs: Any) -> None:
+        """Job ``job``'s members: its packets are taken from these addresses only (its workers, the
+        switches and the PS it is routed through)."""
+        self.members[job] = {(str(a[0]), int(a[1])) for a in addrs}
+
+    def admits(self, job: int, addr: Optional[Addr]) -> bool:
+        """Whether a packet of ``job`` from ``addr`` enters the data plane: a job not installed here
+        is the protocol's to count (unknown job); an installed job's packet from anyone but its
+        members is dropped and counted (``foreign``) — a spoofed or replayed datagram from
+        elsewhere can neither add to nor disturb the job's aggregates. A member bound to a wildcard
+        address (``0.0.0.0``) is matched by its port."""
+        members = self.members.get(job)
+        if members is None or addr is None or addr in members or ("0.0.0.0", addr[1]) in members:
+            return True
+        self.foreign += 1
+        return False
 
     def op_stats(self, jobs: Optional[Set[int]] = None) -> Dict[str, Any]:  # pragma: no cover - abstract
         """The role's counters; per-job entries (keyed by the decimal job id) only of ``jobs`` (None: all)."""

@@ -121,9 +121,9 @@ class Services:
             secret = auth.new_secret()  # this run's roles' (a shared switch keeps its own)
             for i in range(n_switches):  # loss injected at every switch's ingress, each its own seed
                 procs.append(_launch(["switch", *proto, "--loss", str(cfg.loss), "--seed", str(cfg.seed + 7919 * i)],
-                                     cfg.payload_k, secret))
+                                     cfg.payload_k, secret, cfg.role_max_bytes))
             for shard in range(0 if sml else cfg.n_ps):
-                procs.append(_launch(["ps", "--shard", str(shard)], cfg.payload_k, secret))
+                procs.append(_launch(["ps", "--shard", str(shard)], cfg.payload_k, secret, cfg.role_max_bytes))
             infos = [_read_info(p, timeout) for p in procs]
         except BaseException:
             for p in procs:
@@ -207,15 +207,16 @@ def p4_program(cfg: AggregationConfig) -> str:
     return str(Path(__file__).resolve().parents[3] / "p4" / "v1model" / "atp.p4")
 
 
-def _launch(args: List[str], payload_k: int, secret: str) -> subprocess.Popen:
-    """Start one role process; its control channel's ``secret`` in its environment."""
+def _launch(args: List[str], payload_k: int, secret: str, max_bytes: int) -> subprocess.Popen:
+    """Start one role process; its control channel's ``secret`` in its environment, ``max_bytes``
+    its memory bound (:mod:`atp_pipeline.ina.budget`)."""
     env = dict(os.environ)  # importing the package is light (numpy here; no Lightning or Hydra)
     env[auth.ENV] = secret
     # this process's own import path, so the role process imports the very package it runs
     # (a checkout, an installed copy or one put on sys.path by a test runner alike)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     return subprocess.Popen([sys.executable, "-m", "atp_pipeline.ina.live.nodes", *args,
-                             "--payload-k", str(payload_k), "--die-with-parent"],
+                             "--payload-k", str(payload_k), "--max-bytes", str(max_bytes), "--die-with-parent"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 

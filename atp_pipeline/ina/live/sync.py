@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from atp_pipeline.config.schema import AggregationConfig, AggregationMode, Transport
+from atp_pipeline.ina.budget import LIVE_WINDOW_BYTES
 from atp_pipeline.ina.live.engine import Engine, EngineConfig, SMLEngine
 from atp_pipeline.ina.live.role import udp_socket
 from atp_pipeline.ina.live.rpc import AggregationError
@@ -107,7 +108,8 @@ class ATPSync:
         # window grows by at least a packet per ACK too (1,500 bytes made a window of 8 KiB packets
         # take dozens of round trips to open, and a 68-packet sync several windows)
         ecfg = EngineConfig(stall_timeout_s=cfg.stall_timeout_s,
-                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=4e6, mtu=max(1500, fmt.wire_bytes)),
+                            worker=WorkerConfig(rto=cfg.rto_s, max_window_bytes=LIVE_WINDOW_BYTES,
+                                                mtu=max(1500, fmt.wire_bytes)),
                             pool=cfg.pool, shm=(lanes[0], attach(jbox[1])) if lanes else None)
         engine = kind(fmt, jbox[0], me, len(addrs), sock, entry.data,
                       services.peer(entry), [services.peer(e) for e in services.ps], n_ps=len(services.ps),

@@ -70,8 +70,13 @@ class SMLFormat:
         return self._dtype
 
     def encode(self, p: SMLPacket) -> bytes:
-        empty = p.payload.size == 0
+        """The packet's bytes: its header, and its lanes unless it is exponent-only or (the shared-memory
+        transport) its lanes are in shared memory — also where ``payload`` is None (a packet decoded
+        from a header alone)."""
+        empty = p.payload is not None and p.payload.size == 0
         shm = SHM_FLAG if self.shm and not empty else 0
+        if p.payload is None and not shm:
+            raise ValueError("a SwitchML packet without lanes travels over the shared-memory transport only")
         h = self._HDR.pack(p.job, p.slot, p.ver << 7 | p.is_result << 6 | empty << 5 | shm, p.worker,
                            p.off << 8 | p.exp)
         return h if empty or shm else h + p.payload.astype(self._dtype, copy=False).tobytes()
