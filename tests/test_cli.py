@@ -67,6 +67,9 @@ TRAIN_BAD_INPUT = [
     (["mesh=1x1", "mesh.dp=4", "aggregation=ps", "aggregation.switch_impl=bmv2"],
      "error: aggregation.switch_impl=bmv2 runs the ATP program: it needs aggregation=atp, not ps"),
     (["aggregation=atp", "aggregation.loss=1.5"], "error: aggregation.loss=1.5 must be in [0, 1)"),
+    (["aggregation=atp", "aggregation.role_max_bytes=1000000"],
+     "error: the switch, aggregation.aggregators=4096 × 62 values needs 2,064,384 bytes, above the role's memory "
+     "bound aggregation.role_max_bytes=1,000,000"),
     (["planner.objective=speed"], "error: planner.objective: Invalid value 'speed', expected one of [step, comm]"),
     (["data.source=web"], "error: data.source: Invalid value 'web', expected one of [corpus, synthetic]"),
     (["stage=deploy"], "error: stage: Invalid value 'deploy', expected one of [plan, fit, calibrate]"),
@@ -98,6 +101,7 @@ ROLE_BAD_INPUT = [
     (["nosuchrole"], "error: argument role: invalid choice: 'nosuchrole' (choose from 'switch', 'ps')"),
     (["switch", "--control-port", "99999"], "error: argument --control-port: 99999 is not a port (0-65535)"),
     (["ps", "--payload-k", "x"], "error: argument --payload-k: invalid int value: 'x'"),
+    (["switch", "--max-bytes", "0"], "error: argument --max-bytes: 0 is not a positive number of bytes"),
 ]
 
 #: bad arguments of strategy "atp" in a user's own Trainer -> the ConfigError it raises at construction
