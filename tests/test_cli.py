@@ -108,8 +108,9 @@ ROLE_BAD_INPUT = [
 STRATEGY_BAD_INPUT = [
     ({"mesh": "banana"}, "strategy 'atp': mesh='banana' must be one of 'auto', 'megatron', 'sbp', '<d1>x<d2>'"),
     ({"mesh": (2,)}, "strategy 'atp': mesh=(2,) must be a (d1, d2) pair of positive integers"),
-    ({"dp": 0}, "strategy 'atp': dp=0 must be a positive integer or 'auto'"),
-    ({"chunks": "x"}, "strategy 'atp': chunks='x' must be a positive integer or 'auto'"),
+    ({"dp": 0}, "mesh.dp=0 must be >= 1"),
+    ({"dp": "many"}, "strategy 'atp': dp='many' must be an integer or 'auto'"),
+    ({"chunks": "x"}, "strategy 'atp': chunks='x' must be an integer or 'auto'"),
     ({"fsdp": "yes"}, "strategy 'atp': fsdp='yes' must be True, False or 'auto'"),
     ({"topology": "ic9"}, "strategy 'atp': topology='ic9' must be a topology config"),
     ({"aggregation": "foo"}, "strategy 'atp': aggregation must be one of"),

@@ -102,11 +102,12 @@ def parse_mesh(spec: MeshSpec) -> MeshSpec:
 
 
 def _count_or_auto(name: str, value: Any) -> Optional[int]:
-    """``"auto"`` -> None; a positive integer as given; anything else one line naming ``name``."""
+    """``"auto"`` -> None; an integer as given (its config schema checks its range); anything else
+    one line naming ``name``."""
     if value == "auto":
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"strategy 'atp': {name}={value!r} must be a positive integer or 'auto'")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"strategy 'atp': {name}={value!r} must be an integer or 'auto'")
     return value
 
 
@@ -156,7 +157,7 @@ class ATPStrategyMixin:
                          process_group_backend=process_group_backend, timeout=timeout)
         self.aggregation_config = aggregation_config(aggregation)
         self._chunks: Optional[int] = OverlapConfig(chunks=_count_or_auto("chunks", chunks)).chunks
-        _count_or_auto("dp", dp)
+        MeshConfig(dp=_count_or_auto("dp", dp))  # the schema's check of mesh.dp, now
         if fsdp != "auto" and not isinstance(fsdp, bool):
             raise ConfigError(f"strategy 'atp': fsdp={fsdp!r} must be True, False or 'auto'")
         if topology is not None and not isinstance(topology, Mapping):
